@@ -1,0 +1,1 @@
+"""The `wavepp` command line: one module per subcommand."""

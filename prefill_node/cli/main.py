@@ -1,0 +1,44 @@
+"""Entry point of the `wavepp` console script: dispatches to one module per subcommand.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` (called with the parsed namespace, returns an exit code). Subcommand modules import
+heavy dependencies (torch, grpc) inside their run function so that ``wavepp --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `wavepp --help` lists them.
+SUBCOMMANDS: tuple[str, ...] = (
+    "prefill_node.cli.prefill",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wavepp",
+        description=(
+            "WavePP prefill tier: pipeline-parallel LLM prefill with prefix reuse, "
+            "KV hand-off to decode workers, and a wave-vs-lockstep simulator."
+        ),
+    )
+    from prefill_node import __version__
+
+    parser.add_argument("--version", action="version", version=f"wavepp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

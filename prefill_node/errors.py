@@ -1,0 +1,48 @@
+"""Typed errors of the prefill node; the gRPC layer maps each family to one status code.
+
+Three-way policy (../shared/STYLE.md): running out of resources is normal and is returned
+as a value (wait), never raised; a broken invariant raises ``InvariantError`` (a bug);
+bad input raises a subclass of ``InvalidRequestError`` whose message says what to fix.
+"""
+
+from __future__ import annotations
+
+
+class WaveppError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class InvalidRequestError(WaveppError, ValueError):
+    """The caller sent something wrong (maps to INVALID_ARGUMENT)."""
+
+
+class NeverFitsError(WaveppError):
+    """The request can never fit, e.g. larger than a stage's whole cache (RESOURCE_EXHAUSTED)."""
+
+
+class UnavailableError(WaveppError):
+    """The pipeline is down or not ready (UNAVAILABLE)."""
+
+
+class RequestAbortedError(WaveppError):
+    """The request was aborted or cancelled before it finished (CANCELLED)."""
+
+
+class InvariantError(WaveppError, RuntimeError):
+    """An internal invariant is broken: a bug, never the caller's fault (INTERNAL)."""
+
+
+class ModelLoadError(WaveppError):
+    """A model could not be loaded; subclasses say why."""
+
+
+class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
+    """A checkpoint file or directory that should exist does not."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The checkpoint's architecture / model family is not implemented."""
+
+
+class UnsupportedQuantizationError(ModelLoadError):
+    """A GGUF tensor uses a quantisation type we cannot dequantise."""

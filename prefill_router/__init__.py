@@ -1,0 +1,1 @@
+"""Cluster router: global prefix index from KV events, pipeline scoring, gRPC proxy."""
