@@ -12,9 +12,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `wavepp --help` lists them.
-SUBCOMMANDS: tuple[str, ...] = (
-    "prefill_node.cli.prefill",
-)
+SUBCOMMANDS: tuple[str, ...] = ("prefill_node.cli.prefill",)
 
 
 def build_parser() -> argparse.ArgumentParser:
