@@ -1,1 +1,1 @@
-"""KV hand-off over NIXL: layout descriptors, prefill-side sender, decode-side receiver. Imports nothing from prefill_node."""
+"""KV hand-off over NIXL: layouts, prefill-side sender, decode-side receiver (no prefill_node)."""

@@ -46,3 +46,30 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class UnsupportedQuantizationError(ModelLoadError):
     """A GGUF tensor uses a quantisation type we cannot dequantise."""
+
+
+class InvalidModelConfigError(ModelLoadError):
+    """A model config (config.json or a ModelConfig) is malformed or inconsistent."""
+
+
+class MissingTensorError(ModelLoadError):
+    """A checkpoint lacks a tensor the model (or this stage's slice of it) needs."""
+
+
+class InvalidPartitionError(InvalidRequestError):
+    """A layer partition cannot be built: more stages than layers, or bad stage weights."""
+
+
+class InvalidPromptError(InvalidRequestError):
+    """The prompt is empty, too long for the model, or holds a token id outside the vocabulary."""
+
+
+class InvalidKVDestinationError(InvalidRequestError):
+    """A request's KV destination (push or pull) is malformed."""
+
+
+class StageStateError(WaveppError):
+    """A stage's cache state does not match the chunk it was told to run (INTERNAL, per request).
+
+    The request fails; the stage never computes on the wrong cache state.
+    """

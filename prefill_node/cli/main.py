@@ -12,7 +12,11 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `wavepp --help` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("prefill_node.cli.prefill",)
+SUBCOMMANDS: tuple[str, ...] = (
+    "prefill_node.cli.prefill",
+    "prefill_node.cli.serve",
+    "prefill_node.cli.sim",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,51 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class MemoryRegionSpec:
+    """One registered KV memory region (one layer's KV tensor) of a NIXL agent."""
+
+    layer: int
+    address: int
+    length: int
+    device_id: int = 0
+    kind: str = "dram"  # "dram" | "vram"
+
+
+@dataclass(frozen=True)
+class KVLayoutSpec:
+    """Layout of a paged KV pool: per layer ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32", "bfloat16"
+    num_layers: int = 0
+    block_bytes: int = 0
+    regions: tuple[MemoryRegionSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVPushDestination:
+    """Push mode: decode pre-allocated ``block_ids`` (one per prompt block, valid for every
+    layer) or per-stage ``stage_block_ids``; each stage WRITEs its layers into them."""
+
+    agent_name: str
+    metadata_endpoint: str = ""  # "host:port" serving the decode agent's metadata
+    agent_metadata: bytes = b""  # or the metadata inline
+    block_ids: tuple[int, ...] = ()
+    stage_block_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (stage, block ids)
+    layout: KVLayoutSpec | None = None  # decode's layout; None: same as prefill's
+    decode_cached_tokens: int = 0  # prefix decode already holds: not sent
+
+
+@dataclass(frozen=True)
+class KVPullDestination:
+    """Pull mode: blocks stay pinned under a lease; decode READs them, then releases."""
+
+    lease_ttl_s: float | None = None  # None: the engine's default TTL
+
+
+@dataclass(frozen=True)
 class PrefillOptions:
     """Per-request options. ``cache_salt`` isolates prefix reuse between tenants."""
 
@@ -20,6 +65,7 @@ class PrefillOptions:
     cache_salt: str | None = None
     top_logprobs: int = 5
     deadline_s: float | None = None  # absolute time.monotonic() deadline, None = none
+    kv_destination: KVPushDestination | KVPullDestination | None = None  # None: KV stays here
 
 
 @dataclass(frozen=True)
@@ -35,6 +81,12 @@ class StageKVManifest:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "float32", "bfloat16"
+    agent_name: str = ""  # this stage's NIXL agent ("" when KV is not shipped)
+    metadata_endpoint: str = ""
+    regions: tuple[MemoryRegionSpec, ...] = ()
+    lease_id: str = ""  # pull mode: renew / release with this id
+    lease_expiry_unix_s: float = 0.0  # pull mode: wall-clock expiry (time.time())
+    pushed: bool = False  # push mode: this stage's WRITE completed and was notified
 
 
 @dataclass(frozen=True)
@@ -70,6 +122,7 @@ class StageLoad:
     cached_blocks: int
     used_blocks: int
     total_blocks: int
+    busy_fraction: float = 0.0  # share of recent wall time spent computing
 
 
 @dataclass(frozen=True)
@@ -80,6 +133,8 @@ class EngineLoad:
     inflight_requests: int
     inflight_tokens: int
     stages: tuple[StageLoad, ...]
+    lease_conflicts: int = 0  # cumulative: lease boundaries that shrank on re-check
+    escrow_conflicts: int = 0  # cumulative: escrow victims replaced at commit
 
 
 @dataclass(frozen=True)

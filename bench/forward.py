@@ -1,0 +1,191 @@
+"""Benchmark: one stage's forward (all layers) vs transformers' forward, tokens per second.
+
+Both sides compute a chunk of ``chunk`` new tokens after ``context`` cached tokens, store
+the chunk's KV, and produce the last token's logits: ours with a paged cache already holding
+the context (``StageModel.forward`` + ``compute_logits`` on the last row), transformers with
+a ``DynamicCache`` prefilled to the context (a fresh copy per run, copied outside the timing)
+and ``logits_to_keep=1``. Same model, same weights, same thread count; runs of the two sides
+are interleaved so background load hits both alike. The model is the default SmolLM2-135M
+(converted real weights when ``prefill_node.model.default_model`` can provide them, else
+random weights with its config; the output says which).
+
+    python bench/forward.py --json /tmp/forward.json [--runs 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from prefill_node.model.batch import ChunkBatch, ChunkSpec
+from prefill_node.model.config import ModelConfig, ModelFamily
+from prefill_node.model.loader_hf import load_hf_config, load_hf_weights
+from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.partition import LayerRange
+from prefill_node.model.stage_model import StageModel
+from prefill_node.model.weights import random_weights
+
+SMOLLM2_135M = ModelConfig(
+    family=ModelFamily.LLAMA,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    rope_scaling=None,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    name="SmolLM2-135M-random",
+)
+
+
+def load_model(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    if not force_random:
+        try:
+            from prefill_node.model.default_model import default_model_dir
+
+            path = default_model_dir()
+            config = load_hf_config(path)
+            full = LayerRange(0, config.num_layers)
+            return config, load_hf_weights(path, full, config), f"real weights from {path}"
+        except Exception as e:  # noqa: BLE001 - any failure falls back to random weights
+            print(f"default model unavailable ({type(e).__name__}: {e}); using random weights")
+    return SMOLLM2_135M, random_weights(SMOLLM2_135M, seed=0), "random weights (SmolLM2 config)"
+
+
+def build_hf(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.for_model(**config.to_hf_config())
+    hf_cfg._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    model.load_state_dict(weights, strict=False)
+    return model.to(dtype)
+
+
+class Cell:
+    """One (chunk, context) cell: both sides prepared with the context already cached."""
+
+    def __init__(self, ours: StageModel, hf, config: ModelConfig, chunk: int, context: int):
+        self.ours, self.hf, self.chunk, self.context = ours, hf, chunk, context
+        g = torch.Generator().manual_seed(chunk * 7919 + context)
+        self.tokens = torch.randint(0, config.vocab_size, (context + chunk,), generator=g)
+        block = 16
+        blocks = -(-(context + chunk) // block)
+        table = tuple(torch.randperm(blocks, generator=g).tolist())
+        self.kv = PagedKVCache.for_model(config, ours.layer_range, blocks, block, ours.dtype)
+        self.batch = ChunkBatch((ChunkSpec(context, chunk, table),))
+        self.hf_cache = None
+        # transformers >= 5.2x renamed ``past_key_values`` to ``cache``
+        params = inspect.signature(hf.forward).parameters
+        self.hf_cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        if context:
+            ours(self.tokens[:context], ChunkBatch((ChunkSpec(0, context, table),)), self.kv)
+            with torch.inference_mode():
+                out = hf(self.tokens[None, :context], use_cache=True, logits_to_keep=1)
+            self.hf_cache = getattr(out, "cache", None) or out.past_key_values
+
+    def run_ours(self) -> tuple[float, torch.Tensor]:
+        t0 = time.perf_counter()
+        hidden = self.ours(self.tokens[self.context :], self.batch, self.kv)
+        logits = self.ours.compute_logits(hidden[-1:])
+        return time.perf_counter() - t0, logits[0]
+
+    def run_hf(self) -> tuple[float, torch.Tensor]:
+        cache = copy.deepcopy(self.hf_cache) if self.hf_cache is not None else None
+        kwargs = {self.hf_cache_kwarg: cache} if cache is not None else {}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf(
+                self.tokens[None, self.context :], use_cache=True, logits_to_keep=1, **kwargs
+            )
+        return time.perf_counter() - t0, out.logits[0, -1].float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, type=Path, help="write the result rows here")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per side and cell (median)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[0, 2048])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--random-weights", action="store_true", help="skip the real default model")
+    args = ap.parse_args()
+    if args.runs < 3:
+        ap.error("--runs must be >= 3 (the result is a median)")
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    config, weights, source = load_model(args.random_weights)
+    ours = StageModel(config, LayerRange(0, config.num_layers), dtype)
+    ours.load_weights(weights)
+    hf = build_hf(config, weights, dtype)
+    del weights
+    print(f"model: {config.name} ({source}), {args.dtype}, {args.threads} thread(s)")
+
+    rows = []
+    cells = [(c, x) for x in args.contexts for c in args.chunks]
+    with tqdm(total=len(cells) * (args.runs + 1), desc="forward bench", unit="run") as bar:
+        for chunk, context in cells:
+            cell = Cell(ours, hf, config, chunk, context)
+            cell.run_ours(), cell.run_hf()  # warm-up, not timed
+            bar.update()
+            ours_s, hf_s, max_diff = [], [], 0.0
+            for run in range(args.runs):
+                if run % 2:  # alternate who goes first: background load drifts
+                    t_hf, hf_logits = cell.run_hf()
+                    t_ours, ours_logits = cell.run_ours()
+                else:
+                    t_ours, ours_logits = cell.run_ours()
+                    t_hf, hf_logits = cell.run_hf()
+                ours_s.append(t_ours)
+                hf_s.append(t_hf)
+                max_diff = max(max_diff, (ours_logits - hf_logits).abs().max().item())
+                bar.update()
+            ours_tps = chunk / statistics.median(ours_s)
+            hf_tps = chunk / statistics.median(hf_s)
+            rows.append(
+                {
+                    "bench": "forward",
+                    "model": config.name,
+                    "weights": "random" if "random" in source else "real",
+                    "dtype": args.dtype,
+                    "threads": args.threads,
+                    "chunk": chunk,
+                    "context": context,
+                    "runs": args.runs,
+                    "ours_tokens_per_s": round(ours_tps, 2),
+                    "hf_tokens_per_s": round(hf_tps, 2),
+                    "ratio": round(ours_tps / hf_tps, 3),
+                    "ours_median_s": round(statistics.median(ours_s), 4),
+                    "hf_median_s": round(statistics.median(hf_s), 4),
+                    "max_abs_logit_diff": max_diff,
+                }
+            )
+            del cell
+
+    print(f"\n{'chunk':>6} {'context':>8} {'ours tok/s':>11} {'HF tok/s':>10} {'ratio':>7}")
+    for r in rows:
+        print(
+            f"{r['chunk']:>6} {r['context']:>8} {r['ours_tokens_per_s']:>11.1f} "
+            f"{r['hf_tokens_per_s']:>10.1f} {r['ratio']:>6.2f}x"
+            f"   (logit diff {r['max_abs_logit_diff']:.1e})"
+        )
+    args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {len(rows)} rows to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

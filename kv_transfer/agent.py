@@ -1,0 +1,116 @@
+"""KVAgent: one NIXL agent (UCX backend) per process, with its KV pool registered once."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kv_transfer.errors import InvalidTransferRequest, TransferFailed
+from kv_transfer.layout import KVLayout, layout_of_tensors
+
+log = logging.getLogger(__name__)
+
+
+class KVAgent:
+    """Owns a ``nixl_agent`` and what it registered.
+
+    Threading contract: NIXL is created without a listener thread (sync mode NONE), so every
+    method must be called from one thread (the owner's loop). ``metadata`` is a cached
+    bytes snapshot, safe to hand to another thread (the metadata endpoint serves it).
+
+    Progress: UCX over TCP (what a CPU box uses) needs the TARGET to progress too: a
+    decode worker receiving a WRITE, or a prefill stage serving a READ. With
+    ``progress_thread`` (the default) NIXL's thread does it, at the cost of busy polling
+    (about a quarter of a core per idle agent measured here). Turn it off only where the
+    owner calls ``poll`` continuously; otherwise transfers stall until it does. Measured
+    limit without it: a standalone notification (a stage with no tokens to send) on a
+    connection that never carried a transfer stays queued, so keep it on for senders.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+        progress_thread: bool = True,
+    ):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if not name:
+            raise InvalidTransferRequest("a NIXL agent needs a non-empty unique name")
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
+        )
+        self.name = name
+        self.nixl = nixl_agent(name, config)
+        missing = [b for b in backends if b not in self.nixl.backends]
+        if missing:
+            raise TransferFailed(f"NIXL backends {missing} unavailable on agent {name}")
+        self._registrations: list[Any] = []
+        self._remote_digests: dict[str, bytes] = {}
+        self._parked: list[Any] = []
+        self.metadata = self.nixl.get_agent_metadata()
+
+    def register_kv(self, layer_start: int, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
+        """Register one pool's per-layer tensors; they must stay alive until ``close``."""
+        layout = layout_of_tensors(layer_start, kv_caches)
+        self._registrations.append(self.nixl.register_memory(list(kv_caches)))
+        self.metadata = self.nixl.get_agent_metadata()
+        return layout
+
+    def register_scratch(self, tensor: torch.Tensor) -> Any:
+        """Register a local-only staging tensor; pass the result to ``deregister``.
+
+        Local registrations need no metadata refresh: peers never address them.
+        """
+        return self.nixl.register_memory(tensor)
+
+    def deregister(self, registration: Any) -> None:
+        self.nixl.deregister_memory(registration)
+
+    def park(self, resources: Any) -> None:
+        """Keep buffers of a transfer NIXL could not cancel alive until ``close``."""
+        self._parked.append(resources)
+
+    def load_remote(self, name: str, metadata: bytes) -> None:
+        """Load peer ``name``'s metadata (idempotent); a changed blob for ``name`` reloads it
+        (the peer restarted)."""
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        if self._remote_digests.get(name) == digest:
+            return
+        self.forget_remote(name)
+        try:
+            loaded = self.nixl.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransferFailed(f"cannot load NIXL metadata of {name}: {exc!r}") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            self.nixl.remove_remote_agent(loaded)
+            raise TransferFailed(f"peer announced agent {name!r} but its metadata is {loaded!r}")
+        self._remote_digests[name] = digest
+        try:  # connect eagerly: the first transfer then skips the wire-up
+            self.nixl.make_connection(name)
+        except Exception as exc:
+            self.forget_remote(name)
+            raise TransferFailed(f"cannot connect to NIXL agent {name}: {exc!r}") from exc
+
+    def forget_remote(self, name: str) -> None:
+        if self._remote_digests.pop(name, None) is not None:
+            try:
+                self.nixl.remove_remote_agent(name)
+            except Exception as exc:  # a dead peer may already be invalidated
+                log.debug("removing remote agent %s: %r", name, exc)
+
+    def knows(self, name: str) -> bool:
+        return name in self._remote_digests
+
+    def close(self) -> None:
+        for name in list(self._remote_digests):
+            self.forget_remote(name)
+        for registration in self._registrations:
+            self.nixl.deregister_memory(registration)
+        self._registrations.clear()

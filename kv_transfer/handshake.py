@@ -1,0 +1,126 @@
+"""Metadata handshake: a tiny HTTP endpoint serving an agent's NIXL metadata and KV layout.
+
+The decode worker (push) and every prefill stage (pull) run one; a peer fetches it once and
+caches it. GET ``/kv/v1/agent`` returns JSON ``{"agent_name", "metadata" (base64),
+"layout"}``. The server thread only serves a bytes snapshot: it never touches NIXL.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from kv_transfer.errors import DecodeUnreachable, InvalidTransferRequest, TransferTimeout
+from kv_transfer.layout import KVLayout
+
+PATH = "/kv/v1/agent"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a peer announces: its agent name, NIXL metadata blob and KV pool layout."""
+
+    agent_name: str
+    metadata: bytes
+    layout: KVLayout
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "agent_name": self.agent_name,
+                "metadata": base64.b64encode(self.metadata).decode(),
+                "layout": self.layout.to_dict(),
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, body: bytes) -> PeerInfo:
+        try:
+            data = json.loads(body)
+            return cls(
+                agent_name=str(data["agent_name"]),
+                metadata=base64.b64decode(data["metadata"]),
+                layout=KVLayout.from_dict(data["layout"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidTransferRequest):
+                raise
+            raise InvalidTransferRequest(f"malformed peer metadata: {exc!r}") from exc
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 as ``"[::1]:port"``) -> (host, port)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidTransferRequest(f"endpoint must be host:port, got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+class MetadataServer:
+    """Serves ``PeerInfo`` over HTTP on a daemon thread until ``close``."""
+
+    def __init__(self, info: PeerInfo, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._body = info.to_json()
+        body_ref = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                if self.path != PATH:
+                    self.send_error(404)
+                    return
+                body = body_ref._body
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # keep the hot path quiet
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kv-metadata", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+    def update(self, info: PeerInfo) -> None:
+        """Serve a new snapshot (after a registration changed the metadata)."""
+        self._body = info.to_json()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def fetch_peer(endpoint: str, timeout_s: float) -> PeerInfo:
+    """GET a peer's PeerInfo. Refused / unroutable -> DecodeUnreachable; silent peer ->
+    TransferTimeout after ``timeout_s``; garbage -> InvalidTransferRequest."""
+    host, port = split_endpoint(endpoint)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", PATH)
+        response = conn.getresponse()
+        body = response.read()
+    except TimeoutError as exc:
+        raise TransferTimeout(f"peer {endpoint} did not answer within {timeout_s}s") from exc
+    except OSError as exc:
+        raise DecodeUnreachable(f"peer {endpoint} unreachable: {exc}") from exc
+    except http.client.HTTPException as exc:
+        raise DecodeUnreachable(f"peer {endpoint} broke the handshake: {exc!r}") from exc
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise DecodeUnreachable(f"peer {endpoint} answered HTTP {response.status}")
+    return PeerInfo.from_json(body)

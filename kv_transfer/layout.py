@@ -1,0 +1,221 @@
+"""KV layout descriptor: geometry and memory regions of one paged KV pool (one stage or decode).
+
+A pool holds, for each of its layers ``[layer_start, layer_end)``, one contiguous tensor
+shaped ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at index 0, V at 1). The
+descriptor is plain data so the gRPC manifest can carry it (``to_dict`` / ``from_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_transfer.errors import InvalidTransferRequest, LayoutMismatch
+
+DTYPE_SIZES: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """One registered tensor: ``length`` bytes from ``base_addr`` on ``device_id``."""
+
+    base_addr: int
+    length: int
+    device_id: int = 0
+    mem_type: str = "DRAM"
+
+    def __post_init__(self) -> None:
+        if self.base_addr <= 0 or self.length <= 0 or self.device_id < 0:
+            raise InvalidTransferRequest(f"memory region needs positive address/length: {self}")
+        if self.mem_type not in MEM_TYPES:
+            raise InvalidTransferRequest(
+                f"mem_type must be one of {MEM_TYPES}, got {self.mem_type}"
+            )
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of a paged KV pool and where each layer's tensor lives.
+
+    ``regions[i]`` is the tensor of layer ``layer_start + i``. Byte offsets inside a layer:
+    block ``b``, K/V ``kv``, token ``t`` starts at ``b*block_bytes + kv*page_bytes +
+    t*token_bytes``. ``regions`` may be empty for a geometry-only descriptor (planning).
+    """
+
+    layer_start: int
+    layer_end: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    regions: tuple[MemoryRegion, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start < self.layer_end:
+            raise InvalidTransferRequest(
+                f"layer range must satisfy 0 <= start < end, got [{self.layer_start}, "
+                f"{self.layer_end})"
+            )
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise InvalidTransferRequest(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_SIZES:
+            raise InvalidTransferRequest(f"dtype must be one of {sorted(DTYPE_SIZES)}")
+        if self.regions and len(self.regions) != self.num_layers:
+            raise InvalidTransferRequest(
+                f"need one memory region per layer ({self.num_layers}), got {len(self.regions)}"
+            )
+        for region in self.regions:
+            if region.length != self.layer_bytes:
+                raise InvalidTransferRequest(
+                    f"region of {region.length} bytes does not hold a layer of "
+                    f"{self.layer_bytes} bytes"
+                )
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def elem_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K (or V) for one layer."""
+        return self.num_kv_heads * self.head_dim * self.elem_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block's K (or V) for one layer."""
+        return self.block_size * self.token_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.page_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def mem_type(self) -> str:
+        return self.regions[0].mem_type if self.regions else "DRAM"
+
+    def covers(self, layer_start: int, layer_end: int) -> bool:
+        return self.layer_start <= layer_start and layer_end <= self.layer_end
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise LayoutMismatch unless ``other``'s KV can be converted into this layout.
+
+        Block size and dtype may differ (convert.py handles them); heads and head dim may not.
+        """
+        if (self.num_kv_heads, self.head_dim) != (other.num_kv_heads, other.head_dim):
+            raise LayoutMismatch(
+                f"KV heads x head dim differ: {self.num_kv_heads}x{self.head_dim} vs "
+                f"{other.num_kv_heads}x{other.head_dim}; the decode model must match prefill's"
+            )
+
+    def check_block_ids(self, block_ids: Sequence[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidTransferRequest(f"block ids {bad[:8]} out of range [0, {self.num_blocks})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer_start": self.layer_start,
+            "layer_end": self.layer_end,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "regions": [[r.base_addr, r.length, r.device_id, r.mem_type] for r in self.regions],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
+        try:
+            regions = tuple(
+                MemoryRegion(int(a), int(n), int(d), str(m)) for a, n, d, m in data["regions"]
+            )
+            return cls(
+                layer_start=int(data["layer_start"]),
+                layer_end=int(data["layer_end"]),
+                num_blocks=int(data["num_blocks"]),
+                block_size=int(data["block_size"]),
+                num_kv_heads=int(data["num_kv_heads"]),
+                head_dim=int(data["head_dim"]),
+                dtype=str(data["dtype"]),
+                regions=regions,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidTransferRequest):
+                raise
+            raise InvalidTransferRequest(f"malformed KV layout: {exc!r}") from exc
+
+    def layer_slice(self, layer_start: int, layer_end: int) -> KVLayout:
+        """The same pool restricted to layers ``[layer_start, layer_end)``."""
+        if not self.covers(layer_start, layer_end):
+            raise LayoutMismatch(
+                f"layers [{layer_start}, {layer_end}) not in [{self.layer_start}, {self.layer_end})"
+            )
+        lo = layer_start - self.layer_start
+        regions = self.regions[lo : lo + layer_end - layer_start] if self.regions else ()
+        return KVLayout(
+            layer_start,
+            layer_end,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            regions,
+        )
+
+
+def layout_of_tensors(layer_start: int, kv_caches: Sequence[Any]) -> KVLayout:
+    """Describe per-layer torch tensors ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
+    if not kv_caches:
+        raise InvalidTransferRequest("need at least one layer tensor")
+    first = kv_caches[0]
+    shape = tuple(first.shape)
+    if len(shape) != 5 or shape[1] != 2:
+        raise InvalidTransferRequest(
+            f"KV tensors must be [num_blocks, 2, block_size, kv_heads, head_dim], got {shape}"
+        )
+    regions = []
+    for t in kv_caches:
+        if tuple(t.shape) != shape or t.dtype != first.dtype or not t.is_contiguous():
+            raise InvalidTransferRequest("all layer tensors must be contiguous, same shape/dtype")
+        dev = t.get_device()
+        regions.append(
+            MemoryRegion(
+                t.data_ptr(),
+                t.numel() * t.element_size(),
+                max(dev, 0),
+                "DRAM" if dev < 0 else "VRAM",
+            )
+        )
+    return KVLayout(
+        layer_start=layer_start,
+        layer_end=layer_start + len(kv_caches),
+        num_blocks=shape[0],
+        block_size=shape[2],
+        num_kv_heads=shape[3],
+        head_dim=shape[4],
+        dtype=str(first.dtype).removeprefix("torch."),
+        regions=tuple(regions),
+    )

@@ -1,0 +1,166 @@
+"""NixlTransfer: one posted NIXL WRITE or READ between a local and a remote paged pool.
+
+Equal dtypes move directly between the pools (token runs, any block sizes). Different dtypes
+go through a registered staging tensor in the remote dtype: packed before a WRITE, unpacked
+into the local pool after a READ (convert.py). The notification rides on the transfer, so
+NIXL delivers it to the remote agent only after the data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kv_transfer.agent import KVAgent
+from kv_transfer.convert import pack_staging, torch_dtype, unpack_staging
+from kv_transfer.errors import KVTransferError, LayoutMismatch, TransferFailed
+from kv_transfer.layout import KVLayout, layout_of_tensors
+from kv_transfer.plan import PageMap, build_descriptors, staging_page_map, token_runs
+
+log = logging.getLogger(__name__)
+
+
+class NixlTransfer:
+    """Owns a NIXL request handle and its staging tensor until done or aborted."""
+
+    def __init__(
+        self,
+        agent: KVAgent,
+        num_bytes: int,
+        handle: Any | None = None,
+        staging: torch.Tensor | None = None,
+        staging_reg: Any | None = None,
+        unpack: tuple[Sequence[torch.Tensor], PageMap, int, int] | None = None,
+    ) -> None:
+        self.agent = agent
+        self.num_bytes = num_bytes
+        self._handle = handle
+        self._staging = staging
+        self._staging_reg = staging_reg
+        self._unpack = unpack
+        self.done = handle is None
+
+    def check(self) -> bool:
+        """True once the data landed (and, for a staged READ, was unpacked).
+
+        Raises TransferFailed when NIXL reports an error (e.g. the peer died).
+        """
+        if self.done:
+            return True
+        try:
+            state = self.agent.nixl.check_xfer_state(self._handle)
+        except Exception as exc:
+            raise TransferFailed(f"NIXL transfer failed: {exc!r}") from exc
+        if state == "PROC":
+            return False
+        if state != "DONE":
+            raise TransferFailed(f"NIXL transfer ended in state {state}")
+        if self._unpack is not None:
+            layers, pages, start, end = self._unpack
+            unpack_staging(self._staging, layers, pages, start, end)
+        self._release()
+        self.done = True
+        return True
+
+    def abort(self) -> None:
+        """Cancel if still running. If NIXL cannot cancel, the staging stays registered
+        and referenced by the agent until it closes (never freed under a live transfer)."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            self._release()
+        except Exception as exc:
+            log.warning("NIXL could not cancel a transfer (%r); parking its buffers", exc)
+            self.agent.park((self._handle, self._staging, self._staging_reg))
+
+    def _release(self) -> None:
+        if self._handle is not None:
+            self._handle.release()
+            self._handle = None
+        if self._staging_reg is not None:
+            self.agent.deregister(self._staging_reg)
+            self._staging_reg = None
+        self._staging = None
+
+
+def start_transfer(
+    agent: KVAgent,
+    op: str,
+    remote_agent: str,
+    notif: bytes,
+    *,
+    local_layers: Sequence[torch.Tensor],
+    local_layout: KVLayout,
+    local_pages: PageMap,
+    remote_layout: KVLayout,
+    remote_pages: PageMap,
+    start: int,
+    end: int,
+) -> NixlTransfer:
+    """Post a WRITE (local -> remote) or READ (remote -> local) of tokens ``[start, end)``
+    of the layers both pools share, with ``notif`` delivered to ``remote_agent`` after it.
+
+    The stage side's layers (local for WRITE, remote for READ) must all be covered by
+    the other pool. Raises a KVTransferError subclass; never leaves a half-posted request.
+    """
+    stage_side, other = (
+        (local_layout, remote_layout) if op == "WRITE" else (remote_layout, local_layout)
+    )
+    other.check_compatible(stage_side)
+    if not other.covers(stage_side.layer_start, stage_side.layer_end):
+        raise LayoutMismatch(
+            f"pool [{other.layer_start}, {other.layer_end}) lacks layers "
+            f"[{stage_side.layer_start}, {stage_side.layer_end})"
+        )
+    layers = range(stage_side.layer_start, stage_side.layer_end)
+    first = layers.start - local_layout.layer_start
+    mine = list(local_layers[first : first + len(layers)])
+    staging_reg = None
+    try:
+        if start == end:
+            agent.nixl.send_notif(remote_agent, notif)
+            return NixlTransfer(agent, 0)
+        staging = unpack = None
+        runs_local_pages, runs_local_layout = local_pages, local_layout
+        if local_layout.dtype != remote_layout.dtype:
+            count = end - start
+            shape = (len(layers), 1, 2, count, local_layout.num_kv_heads, local_layout.head_dim)
+            staging = torch.empty(
+                shape, dtype=torch_dtype(remote_layout.dtype), device=mine[0].device
+            )
+            if op == "WRITE":
+                pack_staging(mine, local_pages, start, end, staging)
+            else:
+                unpack = (mine, local_pages, start, end)
+            staging_reg = agent.register_scratch(staging)
+            runs_local_layout = layout_of_tensors(layers.start, list(staging))
+            runs_local_pages = staging_page_map(start, end)
+        if op == "WRITE":
+            runs = token_runs(runs_local_pages, remote_pages, start, end)
+            descs = build_descriptors(runs, runs_local_layout, remote_layout, layers, True)
+        else:
+            runs = token_runs(remote_pages, runs_local_pages, start, end)
+            descs = build_descriptors(runs, remote_layout, runs_local_layout, layers, False)
+        local = agent.nixl.get_xfer_descs(descs.local, runs_local_layout.mem_type)
+        remote = agent.nixl.get_xfer_descs(descs.remote, remote_layout.mem_type)
+        handle = agent.nixl.initialize_xfer(op, local, remote, remote_agent, notif)
+    except Exception as exc:  # nixl binding errors: remote disconnected, bad descriptors
+        if staging_reg is not None:
+            agent.deregister(staging_reg)
+        if isinstance(exc, KVTransferError):
+            raise
+        raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
+    transfer = NixlTransfer(agent, descs.num_bytes, handle, staging, staging_reg, unpack)
+    try:
+        posted = agent.nixl.transfer(handle)
+    except Exception as exc:
+        transfer.abort()
+        raise TransferFailed(f"posting a {op} to {remote_agent} failed: {exc!r}") from exc
+    if posted == "ERR":
+        transfer.abort()
+        raise TransferFailed(f"NIXL refused to post a {op} to {remote_agent}")
+    return transfer

@@ -1,0 +1,279 @@
+"""`wavepp prefill`: prefill prompts on a model with N pipeline stages simulated in one process.
+
+Prints, per prefill, the first generated token, cached vs computed tokens and timings; with
+``--repeat 2`` (or prompts sharing a prefix) the later runs show the prefix reuse. Optional
+``--generate N`` continues greedily by re-submitting prompt + answer, each step reusing the
+cached prefix. The engine is built in ``build_engine`` and used only through the Engine
+protocol, so other modes (a multi-process pipeline, a remote server) are one more branch there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Prefill one or more prompts on the default model (SmolLM2-135M-Instruct, converted from the
+bundled GGUF on first use) or a Hugging Face checkpoint directory, with the model's layers
+split over --stages pipeline stages that run in this process, each with its own paged KV
+cache and prefix index. Text prompts are wrapped in the model's chat template unless
+--no-chat; --ids / --token-ids send raw token ids.
+
+examples:
+  wavepp prefill --stages 2 --repeat 2 "What is the capital of France?"
+  wavepp prefill --stages 3 --generate 16 "Name three primary colours."
+  wavepp prefill --ids 1,504,3458,314 --no-chat
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "prefill",
+        help="prefill prompts in one process (N stages simulated), print the first token",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text(s), run in order")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ids", help="comma-separated token ids to prefill instead of text")
+    src.add_argument(
+        "--token-ids",
+        type=Path,
+        metavar="FILE",
+        help="file of token ids (JSON list, or whitespace/comma separated) instead of text",
+    )
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap text prompts in the model's chat template as one user turn (default: on)",
+    )
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages to simulate (default 1)")
+    p.add_argument("--repeat", type=int, default=1, help="run the prompt list K times (default 1)")
+    p.add_argument(
+        "--num-blocks",
+        default="512",
+        help="KV blocks per stage: one number, or one per stage comma-separated (default 512)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--max-chunk-tokens", type=int, default=512, help="tokens per forward chunk (default 512)"
+    )
+    p.add_argument("--max-model-len", type=int, help="longest prompt accepted (default: model's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights+KV")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--cache-salt", help="isolate prefix reuse: only equal salts share KV")
+    p.add_argument("--top-logprobs", type=int, default=5, help="alternatives to print (0-20)")
+    p.add_argument(
+        "--generate",
+        "--max-new-tokens",
+        dest="generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the prefill, continue greedily for up to N tokens and print the answer",
+    )
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prefill")
+    from prefill_node.server.remote_args import add_server_arguments
+
+    add_server_arguments(p)  # --server HOST:PORT: run against `wavepp serve` (RemoteEngine)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill_node.errors import InvalidRequestError, NeverFitsError, WaveppError
+
+    try:
+        return _run(args)
+    except (InvalidRequestError, NeverFitsError) as exc:
+        print(f"wavepp prefill: error: {exc}", file=sys.stderr)
+        return 2
+    except WaveppError as exc:
+        print(f"wavepp prefill: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from prefill_node.engine.types import PrefillOptions
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _check_args(args)
+    t0 = time.monotonic()
+    model_dir = _model_dir(args)
+    engine = build_engine(args, model_dir)
+    tokenizer = _tokenizer(model_dir, required=not (args.ids or args.token_ids))
+    prompts = _prompts(args, tokenizer)
+    if not args.json:
+        print(
+            f"model {model_dir} | {args.stages} stage(s) | loaded in {time.monotonic() - t0:.1f}s"
+        )
+    try:
+        for rep in range(args.repeat):
+            for i, ids in enumerate(prompts):
+                options = PrefillOptions(cache_salt=args.cache_salt, top_logprobs=args.top_logprobs)
+                result = engine.submit(ids, options).result()
+                label = f"run {rep + 1}.{i + 1}" if len(prompts) > 1 else f"run {rep + 1}"
+                answer = _generate(engine, tokenizer, ids, result, args) if args.generate else None
+                _report(label, result, tokenizer, answer, args.json)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from prefill_node.errors import InvalidRequestError
+
+    if args.stages < 1 or args.repeat < 1 or args.generate < 0:
+        raise InvalidRequestError("--stages and --repeat must be >= 1, --generate >= 0")
+    if not (args.prompts or args.ids or args.token_ids):
+        raise InvalidRequestError("give a PROMPT, --ids or --token-ids")
+    if args.prompts and (args.ids or args.token_ids):
+        raise InvalidRequestError("give either PROMPT text or --ids/--token-ids, not both")
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    from prefill_node.model.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def build_engine(args: argparse.Namespace, model_dir: Path) -> Any:
+    """The Engine to run on (single-process LocalEngine; other modes branch here)."""
+    if args.server:  # remote mode: the same loop, every prefill a gRPC call
+        from prefill_node.server.remote_args import remote_engine_from_args
+
+        return remote_engine_from_args(args)
+    import torch
+
+    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+    from prefill_node.errors import InvalidRequestError
+
+    try:
+        blocks = tuple(int(x) for x in str(args.num_blocks).split(","))
+    except ValueError:
+        raise InvalidRequestError(
+            f"--num-blocks must be integers, got {args.num_blocks!r}"
+        ) from None
+    config = LocalEngineConfig(
+        num_stages=args.stages,
+        num_blocks=blocks[0] if len(blocks) == 1 else blocks,
+        block_size=args.block_size,
+        max_chunk_tokens=args.max_chunk_tokens,
+        max_model_len=args.max_model_len,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+    )
+    return LocalEngine.from_model_dir(model_dir, config)
+
+
+def _tokenizer(model_dir: Path, required: bool) -> Any:
+    from prefill_node.errors import ModelFileNotFoundError
+    from prefill_node.model.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except ModelFileNotFoundError:
+        if required:
+            raise
+        return None
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    if args.ids:
+        return [_parse_ids(args.ids, "--ids")]
+    if args.token_ids:
+        text = args.token_ids.read_text()
+        if text.lstrip().startswith("["):
+            return [[int(x) for x in json.loads(text)]]
+        return [_parse_ids(text.replace("\n", " ").replace(",", " "), str(args.token_ids))]
+    out = []
+    for prompt in args.prompts:
+        if args.chat and tokenizer.has_chat_template:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": prompt})
+            out.append(tokenizer.encode_chat(messages))
+        else:
+            out.append(tokenizer.encode(prompt))
+    return out
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    from prefill_node.errors import InvalidRequestError
+
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise InvalidRequestError(f"{where}: token ids must be integers, got {text!r}") from None
+
+
+def _generate(engine: Any, tokenizer: Any, ids: list[int], first: Any, args: argparse.Namespace):
+    """Greedy continuation by re-prefilling prompt + answer (the cache keeps it cheap)."""
+    from prefill_node.engine.types import PrefillOptions
+
+    eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+    answer = [first.first_token_id]
+    t0 = time.monotonic()
+    while len(answer) < args.generate and answer[-1] not in eos:
+        if len(ids) + len(answer) >= engine.max_model_len:
+            break
+        options = PrefillOptions(cache_salt=args.cache_salt, top_logprobs=0)
+        answer.append(engine.submit(ids + answer, options).result().first_token_id)
+    return answer, time.monotonic() - t0
+
+
+def _text(tokenizer: Any, ids: list[int], skip_special: bool = False) -> str | None:
+    return None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+
+def _report(label: str, r: Any, tokenizer: Any, answer: Any, as_json: bool) -> None:
+    t = r.timings
+    if as_json:
+        row = {
+            "run": label,
+            "request_id": r.request_id,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "computed_tokens": r.computed_tokens,
+            "first_token_id": r.first_token_id,
+            "first_token_text": _text(tokenizer, [r.first_token_id]),
+            "top_logprobs": [list(x) for x in r.top_logprobs],
+            "admission_s": t.admission_s,
+            "compute_s": t.compute_s,
+            "total_s": t.total_s,
+        }
+        if answer is not None:
+            row.update(answer_ids=answer[0], answer_text=_text(tokenizer, answer[0], True))
+            row["generate_s"] = answer[1]
+        print(json.dumps(row))
+        return
+    print(
+        f"[{label}] prompt {r.prompt_tokens} tokens | cached {r.cached_tokens} | "
+        f"computed {r.computed_tokens} | admission {t.admission_s * 1e3:.1f} ms | "
+        f"compute {t.compute_s * 1e3:.1f} ms | total {t.total_s * 1e3:.1f} ms"
+    )
+    first = _text(tokenizer, [r.first_token_id])
+    print(f"  first token: {r.first_token_id}" + (f" {first!r}" if first is not None else ""))
+    if r.top_logprobs:
+        alts = ", ".join(
+            (repr(_text(tokenizer, [i])) if tokenizer else str(i)) + f" {lp:.2f}"
+            for i, lp in r.top_logprobs
+        )
+        print(f"  top logprobs: {alts}")
+    if answer is not None:
+        ids, seconds = answer
+        text = _text(tokenizer, ids, skip_special=True)
+        shown = repr(text) if text is not None else ",".join(map(str, ids))
+        print(f"  answer ({len(ids)} tokens, {seconds:.2f}s): {shown}")

@@ -1,0 +1,241 @@
+"""`wavepp serve`: run a pipeline behind the gRPC prefill API, with health and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Serve the PrefillService (wavepp.prefill.v1) for one pipeline: the model's layers split over
+--stages stages, each with its own paged KV cache and prefix index. Clients send token ids or
+text (tokenised here with the model's tokenizer); responses carry the first token, cached vs
+computed tokens, per-stage KV manifests and timings. gRPC health (liveness on "", readiness on
+wavepp.prefill.v1.PrefillService) and server reflection are on; Prometheus metrics are served
+on --metrics-port. SIGINT / SIGTERM drain in-flight calls for --grace seconds, then exit.
+
+examples:
+  wavepp serve --stages 2 --port 50051
+  wavepp serve --model ./Qwen3-0.6B --stages 4 --num-blocks 4096 --metrics-port 9400
+  wavepp serve --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem
+  wavepp prefill --server 127.0.0.1:50051 "What is the capital of France?"
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the gRPC prefill API for one pipeline (health, reflection, metrics)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = p.add_argument_group("model and pipeline")
+    m.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
+    m.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    m.add_argument(
+        "--policy",
+        choices=("wave", "lockstep"),
+        default="wave",
+        help="admission policy: wave (ahead of execution) or lockstep baseline (default wave)",
+    )
+    m.add_argument(
+        "--num-blocks",
+        default="1024",
+        help="KV blocks per stage: one number, or one per stage comma-separated (default 1024)",
+    )
+    m.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    m.add_argument(
+        "--max-chunk-tokens", type=int, default=512, help="tokens per forward chunk (default 512)"
+    )
+    m.add_argument("--max-model-len", type=int, help="longest prompt accepted (default: model's)")
+    m.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights and KV dtype (default float32)",
+    )
+    m.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
+    m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    n = p.add_argument_group("network and limits")
+    n.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
+    n.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any (default 50051)")
+    n.add_argument("--metrics-host", default="0.0.0.0", help="metrics bind address")
+    n.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics HTTP port, 0 = any free port, -1 = off (default 9400)",
+    )
+    n.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=64,
+        help="largest gRPC message accepted or sent, MiB (default 64)",
+    )
+    n.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=4096,
+        help="calls in progress at once; more get RESOURCE_EXHAUSTED (default 4096)",
+    )
+    n.add_argument(
+        "--max-stream-inflight",
+        type=int,
+        default=256,
+        help="requests in flight per PrefillStream call (default 256)",
+    )
+    n.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds to let in-flight calls finish on shutdown (default 5)",
+    )
+    t = p.add_argument_group("TLS (optional)")
+    t.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM); enables TLS")
+    t.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    t.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="CA bundle (PEM) for client certificates; enables mutual TLS",
+    )
+    p.add_argument(
+        "--smoke-test",
+        metavar="PROMPT",
+        action="append",
+        help="start, send each PROMPT twice over gRPC (text, chat template), print the first "
+        "token and cached/computed tokens, then stop; repeatable",
+    )
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill_node.errors import InvalidRequestError, WaveppError
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return _run(args)
+    except (InvalidRequestError, FileNotFoundError, ValueError) as exc:
+        print(f"wavepp serve: error: {exc}", file=sys.stderr)
+        return 2
+    except WaveppError as exc:
+        print(f"wavepp serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import torch
+
+    from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.server.engine_factory import EngineSpec, build_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.smoke_test and args.tls_cert:
+        raise ValueError("--smoke-test talks plaintext to loopback; drop the TLS flags")
+    config = _server_config(args)
+    model_dir = args.model
+    if model_dir is None:
+        from prefill_node.model.default_model import default_model_dir
+
+        model_dir = default_model_dir()
+    spec = EngineSpec(
+        model_dir=model_dir,
+        stages=args.stages,
+        policy=args.policy,
+        num_blocks=_ints(args.num_blocks, "--num-blocks"),
+        block_size=args.block_size,
+        max_chunk_tokens=args.max_chunk_tokens,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    engine = build_engine(spec)
+    try:
+        asyncio.run(_serve(engine, config, tokenizer, args.smoke_test or []))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _server_config(args: argparse.Namespace) -> Any:
+    from prefill_node.server.server import ServerConfig, TLSConfig
+
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+    elif args.tls_client_ca:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_stream_inflight=args.max_stream_inflight,
+        grace_s=args.grace,
+        tls=tls,
+        model_name=str(args.model or "default:SmolLM2-135M-Instruct"),
+    )
+
+
+async def _serve(engine: Any, config: Any, tokenizer: Any, smoke_prompts: list[str]) -> None:
+    import asyncio
+    import signal
+
+    from prefill_node.server.server import PrefillServer
+
+    server = PrefillServer(engine, config, tokenizer=tokenizer)
+    await server.start()
+    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(f"wavepp serve: listening on {config.host}:{server.port}{metrics}", flush=True)
+    if smoke_prompts:
+        try:
+            await asyncio.to_thread(_smoke_test, server.port, smoke_prompts, tokenizer)
+        finally:
+            await server.stop()
+        return
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("wavepp serve: draining in-flight calls, then stopping", flush=True)
+    await server.stop()
+
+
+def _smoke_test(port: int, prompts: list[str], tokenizer: Any) -> None:
+    """Each prompt twice through a real gRPC client: the second run shows the prefix reuse."""
+    from prefill_node.server.client import PrefillClient
+
+    with PrefillClient(f"127.0.0.1:{port}") as client:
+        for rep in (1, 2):
+            for i, prompt in enumerate(prompts, 1):
+                remote = client.prefill(prompt, chat=tokenizer is not None, deadline_s=600)
+                r = remote.result
+                token = repr(tokenizer.decode([r.first_token_id])) if tokenizer else ""
+                print(
+                    f"[smoke {rep}.{i}] prompt {r.prompt_tokens} tokens | cached "
+                    f"{r.cached_tokens} | computed {r.computed_tokens} | first token "
+                    f"{r.first_token_id} {token} | server {remote.server_s * 1e3:.1f} ms",
+                    flush=True,
+                )
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    from prefill_node.errors import InvalidRequestError
+
+    try:
+        return tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise InvalidRequestError(f"{flag} must be integers, got {text!r}") from None

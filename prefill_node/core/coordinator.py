@@ -1,0 +1,262 @@
+"""The leader's admission coordinator: FCFS queue and the phases of each admission round."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefill_node.core.admission_messages import (
+    Aborted,
+    AdmissionOutcome,
+    Admitted,
+    CommitOrder,
+    Phase,
+    Rejected,
+    Reserved,
+    ReserveOrder,
+    ReserveStatus,
+    RoundRequest,
+    RoundResult,
+    StageReply,
+    StageReservation,
+    Wait,
+)
+from prefill_node.core.request import RequestSpec, blocks_needed
+from prefill_node.errors import InvalidRequestError, InvariantError
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id is already queued or being admitted; use a fresh id."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """The pipeline as admission sees it: one block size, each stage's block count."""
+
+    block_size: int
+    stage_num_blocks: tuple[int, ...]
+    max_requests_per_round: int = 16
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or not self.stage_num_blocks or self.max_requests_per_round <= 0:
+            raise InvalidRequestError(
+                "coordinator needs block_size > 0, >= 1 stage, max_requests_per_round > 0"
+            )
+        if min(self.stage_num_blocks) <= 0:
+            raise InvalidRequestError("every stage needs at least one block")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_num_blocks)
+
+
+@dataclass
+class _Round:
+    round_id: int
+    phase: Phase
+    request_ids: list[str]
+    candidates: dict[str, int] = field(default_factory=dict)
+    committing: dict[str, int] = field(default_factory=dict)  # request id -> boundary
+    outcomes: dict[str, AdmissionOutcome] = field(default_factory=dict)
+
+
+class AdmissionCoordinator:
+    """Runs admission rounds over P stages from the leader (sans-IO: it only makes messages).
+
+    Usage: ``submit`` requests; ``begin_round`` returns the first phase's ``RoundRequest``
+    (None when there is nothing to do); broadcast it, gather one ``StageReply`` per stage,
+    pass them to ``finish_phase``; repeat with the ``RoundRequest`` it returns until it
+    returns a ``RoundResult``. One round at a time; ``run_round`` does this in-process.
+
+    Policy: strict FCFS. A request that waits keeps its place at the head of the queue and
+    every later request of the round waits too (stages block them), so no request is
+    starved by smaller ones. Outcomes: Admitted (reserved on every stage), Wait (nothing
+    held, retried next round), Rejected (bigger than some stage's whole cache: never
+    queued), Aborted. Progress: a lone reservation is never capped and a prompt that fits
+    in every stage's cache is admitted once the running requests have completed.
+    """
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self._queue: dict[str, RequestSpec] = {}  # FCFS order
+        self._sent: set[str] = set()  # specs the stages hold
+        self._forgets: list[str] = []
+        self._aborted: set[str] = set()
+        self._round: _Round | None = None
+        self._next_round_id = 0
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_round(self) -> bool:
+        return self._round is not None
+
+    def queued_ids(self) -> list[str]:
+        return list(self._queue)
+
+    def has_work(self) -> bool:
+        """True if a round would do something (queued requests or pending stage cleanups)."""
+        return bool(self._queue or self._forgets)
+
+    def check_fits(self, request_id: str, num_tokens: int) -> Rejected | None:
+        """Rejected if the prompt can never fit on some stage, else None."""
+        need = blocks_needed(num_tokens, self.config.block_size)
+        for stage, capacity in enumerate(self.config.stage_num_blocks):
+            if need > capacity:
+                return Rejected(
+                    request_id,
+                    f"needs {need} blocks of {self.config.block_size} tokens; stage {stage} "
+                    f"holds {capacity} blocks ({capacity * self.config.block_size} tokens)",
+                )
+        return None
+
+    def submit(self, spec: RequestSpec) -> Rejected | None:
+        """Queue a request (FCFS); returns Rejected at once if it can never fit."""
+        if spec.request_id in self._queue:
+            raise DuplicateRequestError(f"request id {spec.request_id!r} is already queued")
+        rejected = self.check_fits(spec.request_id, spec.num_tokens)
+        if rejected is None:
+            self._queue[spec.request_id] = spec
+        return rejected
+
+    def abort(self, request_id: str) -> bool:
+        """Stop admitting a request; True if it was queued (it will never be admitted).
+
+        Whatever the stages hold for it (a spec, a reservation, even an admitted request's
+        blocks) is dropped with the next message, so this is also how the leader aborts an
+        admitted request on every stage. A request inside the running round ends Aborted.
+        """
+        queued = request_id in self._queue
+        if self._round is not None and request_id in self._round.request_ids:
+            self._aborted.add(request_id)  # forgotten once the round ends
+            return queued
+        self._queue.pop(request_id, None)
+        self._sent.discard(request_id)
+        self._forgets.append(request_id)
+        return queued
+
+    # ---- phases ------------------------------------------------------------------------
+
+    def begin_round(self) -> RoundRequest | None:
+        """The LOOKUP message of a new round, or None if there is nothing to do."""
+        if self._round is not None:
+            raise InvariantError("begin_round while a round is running")
+        if not self.has_work():
+            return None
+        ids = list(self._queue)[: self.config.max_requests_per_round]
+        new = tuple(self._queue[r] for r in ids if r not in self._sent)
+        self._sent.update(ids)
+        self._round = _Round(self._next_round_id, Phase.LOOKUP, ids)
+        self._next_round_id += 1
+        return self._message(Phase.LOOKUP, new_requests=new, lookups=tuple(ids))
+
+    def finish_phase(self, replies: Sequence[StageReply]) -> RoundRequest | RoundResult:
+        """Consume every stage's reply; return the next phase's message or the round result."""
+        rnd = self._round
+        if rnd is None:
+            raise InvariantError("finish_phase without a running round")
+        if sorted(r.stage for r in replies) != list(range(self.config.num_stages)) or any(
+            r.round_id != rnd.round_id or r.phase is not rnd.phase for r in replies
+        ):
+            raise InvariantError(f"round {rnd.round_id} {rnd.phase}: replies do not match")
+        if rnd.phase is Phase.LOOKUP:
+            return self._after_lookup(rnd, replies)
+        if rnd.phase is Phase.RESERVE:
+            return self._after_reserve(rnd, replies)
+        if rnd.phase is Phase.COMMIT:
+            return self._after_commit(rnd, replies)
+        return self._finish(rnd)
+
+    def _message(self, phase: Phase, **items) -> RoundRequest:
+        rnd = self._round
+        if rnd is None:
+            raise InvariantError("no running round")
+        rnd.phase = phase
+        forgets, self._forgets = tuple(self._forgets), []
+        return RoundRequest(rnd.round_id, phase, forgets=forgets, **items)
+
+    def _after_lookup(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
+        if not rnd.request_ids:
+            return self._finish(rnd)
+        for reply in replies:
+            for hint in reply.hints:
+                old = rnd.candidates.get(hint.request_id, hint.blocks)
+                rnd.candidates[hint.request_id] = min(old, hint.blocks)
+        orders = tuple(ReserveOrder(rid, rnd.candidates[rid]) for rid in rnd.request_ids)
+        return self._message(Phase.RESERVE, reserves=orders)
+
+    def _after_reserve(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
+        by_request: dict[str, list[Reserved]] = {rid: [] for rid in rnd.request_ids}
+        for reply in sorted(replies, key=lambda r: r.stage):
+            for item in reply.reserved:
+                by_request[item.request_id].append(item)
+        releases: list[str] = []
+        for rid, items in by_request.items():
+            failed = [(s, i) for s, i in enumerate(items) if i.status is not ReserveStatus.OK]
+            if failed:
+                # Report the stage that really lacked room, not one that only followed FCFS.
+                stage, item = min(failed, key=lambda f: f[1].status is ReserveStatus.FCFS_BLOCKED)
+                rnd.outcomes[rid] = Wait(rid, item.status, stage)
+                if len(failed) < len(items):
+                    releases.append(rid)
+            else:
+                rnd.committing[rid] = _common_boundary(items)
+        commits = tuple(CommitOrder(rid, b) for rid, b in rnd.committing.items())
+        if commits:
+            return self._message(Phase.COMMIT, commits=commits, releases=tuple(releases))
+        if releases:
+            return self._message(Phase.RELEASE, releases=tuple(releases))
+        return self._finish(rnd)
+
+    def _after_commit(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
+        results: dict[str, list] = {rid: [] for rid in rnd.committing}
+        for reply in sorted(replies, key=lambda r: r.stage):
+            for item in reply.committed:
+                results[item.request_id].append((reply.stage, item))
+        releases: list[str] = []
+        bs = self.config.block_size
+        for rid, items in results.items():
+            failed = [stage for stage, c in items if not c.ok]
+            boundary = rnd.committing[rid]
+            if failed:
+                rnd.outcomes[rid] = Wait(rid, ReserveStatus.NO_CAPACITY, failed[0])
+                if len(failed) < len(items):
+                    releases.append(rid)
+                continue
+            reservations = tuple(StageReservation(s, boundary, c.escrow_blocks) for s, c in items)
+            spec = self._queue[rid]
+            rnd.outcomes[rid] = Admitted(rid, spec.num_tokens, boundary * bs, reservations)
+        if releases:
+            return self._message(Phase.RELEASE, releases=tuple(releases))
+        return self._finish(rnd)
+
+    def _finish(self, rnd: _Round) -> RoundResult:
+        outcomes: list[AdmissionOutcome] = []
+        for rid in rnd.request_ids:
+            outcome = rnd.outcomes.get(rid)
+            if rid in self._aborted:
+                outcome = Aborted(rid)
+                self._queue.pop(rid, None)
+                self._sent.discard(rid)
+                self._forgets.append(rid)
+            elif isinstance(outcome, Admitted):
+                del self._queue[rid]
+                self._sent.discard(rid)
+            if outcome is None:
+                raise InvariantError(f"round {rnd.round_id}: no outcome for {rid!r}")
+            outcomes.append(outcome)
+        self._aborted.clear()
+        self._round = None
+        return RoundResult(rnd.round_id, tuple(outcomes))
+
+
+def _common_boundary(items: Sequence[Reserved]) -> int:
+    """Highest boundary <= every confirmed lease that every stage can resume from."""
+    top = min(i.confirmed_blocks for i in items)
+    allowed = [set(i.boundaries) for i in items if i.boundaries is not None]
+    for b in range(top, 0, -1):
+        if all(b in s for s in allowed):
+            return b
+    return 0

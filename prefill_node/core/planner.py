@@ -1,0 +1,239 @@
+"""MPU wave planner: chooses each wave's token budget and packs admitted work into waves, FCFS.
+
+WAVEPP.md section 4, with these readings of the places where the text is terse:
+
+- Ring ``R = 2P`` waves in flight, target ``S = R + (F-1)P`` waves available.
+  Candidates ``b_0 = M``, ``b_{j+1} = max(b_min, alignDown_B(b_j / 2))`` until ``b_min``.
+  ``n(b) = max(W / b, N_{>b/2})`` with real division: ``n(b) >= S`` is tested exactly as
+  ``W >= S*b or N_{>b/2} >= S``. The target is the largest candidate with ``n(b) >= S``,
+  else ``b_min``.
+- Hysteresis, one decision per planned wave: a decision above the current budget extends a
+  "raise" streak, one below extends a "lower" streak, one equal (or in the other direction)
+  ends the streak. A raise happens after ``R/2`` consecutive raise decisions, a lowering
+  after ``P``; the new budget is the most conservative target of the streak (the smallest
+  when raising, the largest when lowering), so a budget moves only as far as every decision
+  of the streak agreed. With ``R = 2P`` both thresholds equal ``P``; they stay separate
+  settings (``raise_after`` / ``lower_after``).
+- Packing: requests in FCFS order, at most one chunk per request per wave. A request whose
+  whole remainder fits the room left takes it all: a request's FINAL remainder is always
+  allowed, however small. Otherwise it takes a block-aligned fragment of the room, but only
+  if that fragment is at least ``max(b_min, b/2)`` tokens (the fragment rule); if not, the
+  request waits for the next wave and later requests may still use the room it declined
+  (they never delay it: its next chunk goes in the next wave either way). An empty wave
+  always takes a chunk of its first request, so planning never stalls.
+- Cost-aware mode: same budget decision, but a wave is filled up to a TIME budget
+  ``tau(b) = b * per_token_cost(ref)``, where ``ref`` is the token-weighted mean of
+  ``end/2`` over the pending work (the average attended context of a whole prompt, which
+  does not drift as a request progresses). Long-context chunks therefore get fewer
+  tokens and short-context chunks more (never more than ``M`` tokens per wave, the memory
+  cap). The fragment rule applies in time: ``max(tau(b_min), tau(b)/2)``.
+
+The planner is sans-IO and keeps no per-request state: the caller passes the FCFS list of
+schedulable work each time and advances it by the returned chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefill_node.core.cost_model import ChunkCostModel
+from prefill_node.core.wave import ScheduledChunk, UnscheduledWork, Wave
+from prefill_node.errors import InvalidRequestError, InvariantError
+
+
+class InvalidPlannerConfigError(InvalidRequestError):
+    """A planner setting is out of range; the message names it."""
+
+
+class PlannerMode(enum.Enum):
+    """Budget policy; the ablations of the simulator select one each."""
+
+    FIXED = "fixed"  # always M: the lockstep baseline's budget
+    MPU = "mpu"  # MPU with hysteresis
+    MPU_NO_HYSTERESIS = "mpu-nohyst"  # MPU, budget follows every decision
+    COST_AWARE = "cost"  # MPU budget, waves equalised in estimated time
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Planner settings, validated once. Token counts must be multiples of ``block_size``."""
+
+    num_stages: int  # P
+    max_wave_tokens: int  # M
+    min_wave_tokens: int  # b_min
+    block_size: int  # B
+    fill_factor: int = 2  # F
+    max_wave_requests: int = 128
+    mode: PlannerMode = PlannerMode.MPU
+    fragment_rule: bool = True  # False: fill every wave to the brim (TRT-LLM chunking)
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidPlannerConfigError:
+            return InvalidPlannerConfigError(f"planner config: {msg}")
+
+        if self.num_stages < 1:
+            raise bad(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.block_size < 1:
+            raise bad(f"block_size must be >= 1, got {self.block_size}")
+        if not 0 < self.min_wave_tokens <= self.max_wave_tokens:
+            raise bad(
+                f"need 0 < min_wave_tokens <= max_wave_tokens, got "
+                f"{self.min_wave_tokens}, {self.max_wave_tokens}"
+            )
+        for name in ("min_wave_tokens", "max_wave_tokens"):
+            if getattr(self, name) % self.block_size:
+                raise bad(f"{name} must be a multiple of block_size {self.block_size}")
+        if self.fill_factor < 1:
+            raise bad(f"fill_factor must be >= 1, got {self.fill_factor}")
+        if self.max_wave_requests < 1:
+            raise bad(f"max_wave_requests must be >= 1, got {self.max_wave_requests}")
+
+    @property
+    def ring_size(self) -> int:
+        """R = 2P: waves in flight at most."""
+        return 2 * self.num_stages
+
+    @property
+    def target_waves(self) -> int:
+        """S = R + (F-1)P: waves the planner wants available."""
+        return self.ring_size + (self.fill_factor - 1) * self.num_stages
+
+    @property
+    def raise_after(self) -> int:
+        return max(1, self.ring_size // 2)
+
+    @property
+    def lower_after(self) -> int:
+        return self.num_stages
+
+    def candidate_budgets(self) -> tuple[int, ...]:
+        """b_0 = M, b_{j+1} = max(b_min, alignDown_B(b_j / 2)), down to b_min, largest first."""
+        out = [self.max_wave_tokens]
+        while out[-1] > self.min_wave_tokens:
+            half = out[-1] // 2 // self.block_size * self.block_size
+            out.append(max(self.min_wave_tokens, half))
+        return tuple(out)
+
+
+def target_budget(config: PlannerConfig, work: Sequence[UnscheduledWork]) -> int:
+    """The MPU decision without hysteresis: largest b with n(b) >= S, else b_min."""
+    total = sum(w.remaining for w in work)
+    s = config.target_waves
+    for b in config.candidate_budgets():
+        if total >= s * b or sum(1 for w in work if 2 * w.remaining > b) >= s:
+            return b
+    return config.min_wave_tokens
+
+
+class WavePlanner:
+    """Plans one wave at a time; owns only the current budget and the hysteresis streak."""
+
+    def __init__(self, config: PlannerConfig, cost_model: ChunkCostModel | None = None) -> None:
+        if config.mode is PlannerMode.COST_AWARE and cost_model is None:
+            raise InvalidPlannerConfigError("planner config: mode 'cost' needs a cost model")
+        self.config = config
+        self.cost_model = cost_model
+        self._budget = config.max_wave_tokens
+        self._streak = 0  # +n: n raise decisions in a row, -n: n lower decisions
+        self._streak_bound = 0  # most conservative target of the streak
+        self._next_wave_id = 0
+
+    @property
+    def budget(self) -> int:
+        """The token budget the next wave will be packed with (before the next decision)."""
+        return self._budget
+
+    def decide_budget(self, work: Sequence[UnscheduledWork]) -> int:
+        """Make one budget decision for ``work`` and return the budget to pack with."""
+        cfg = self.config
+        if cfg.mode is PlannerMode.FIXED:
+            return self._budget
+        target = target_budget(cfg, work)
+        if cfg.mode is PlannerMode.MPU_NO_HYSTERESIS:
+            self._budget = target
+            return target
+        if target == self._budget:
+            self._streak = 0
+        elif target > self._budget:
+            if self._streak <= 0:
+                self._streak, self._streak_bound = 0, target
+            self._streak += 1
+            self._streak_bound = min(self._streak_bound, target)
+            if self._streak >= cfg.raise_after:
+                self._budget, self._streak = self._streak_bound, 0
+        else:
+            if self._streak >= 0:
+                self._streak, self._streak_bound = 0, target
+            self._streak -= 1
+            self._streak_bound = max(self._streak_bound, target)
+            if -self._streak >= cfg.lower_after:
+                self._budget, self._streak = self._streak_bound, 0
+        return self._budget
+
+    def plan(self, work: Sequence[UnscheduledWork]) -> Wave | None:
+        """Decide the budget and pack the next wave from ``work`` (FCFS); None if no work."""
+        if not work:
+            return None
+        budget = self.decide_budget(work)
+        if self.config.mode is PlannerMode.COST_AWARE:
+            chunks = self._pack_by_time(work, budget)
+        else:
+            chunks = self._pack_by_tokens(work, budget)
+        wave = Wave(self._next_wave_id, chunks)
+        self._next_wave_id += 1
+        return wave
+
+    def _pack_by_tokens(
+        self, work: Sequence[UnscheduledWork], budget: int
+    ) -> tuple[ScheduledChunk, ...]:
+        cfg = self.config
+        min_fragment = max(cfg.min_wave_tokens, budget // 2) if cfg.fragment_rule else 1
+        chunks: list[ScheduledChunk] = []
+        used = 0
+        for w in work:
+            if len(chunks) >= cfg.max_wave_requests or used >= budget:
+                break
+            room = budget - used
+            if w.remaining <= room:
+                length = w.remaining
+            else:
+                length = room // cfg.block_size * cfg.block_size
+                if chunks and length < min_fragment:
+                    continue
+                if length == 0:  # empty wave, budget below one block: take one block
+                    length = min(w.remaining, cfg.block_size)
+            chunks.append(ScheduledChunk(w.request_id, w.next_start, length))
+            used += length
+        return tuple(chunks)
+
+    def _pack_by_time(
+        self, work: Sequence[UnscheduledWork], budget: int
+    ) -> tuple[ScheduledChunk, ...]:
+        cfg, cost = self.config, self.cost_model
+        if cost is None:
+            raise InvariantError("cost-aware packing without a cost model")
+        total = sum(w.remaining for w in work)
+        ref = sum(w.remaining * w.end / 2 for w in work) / total
+        tau = budget * cost.per_token_cost(ref)
+        min_fragment = max(cfg.min_wave_tokens * cost.per_token_cost(ref), tau / 2)
+        chunks: list[ScheduledChunk] = []
+        used_s, used_tokens = 0.0, 0
+        for w in work:
+            if len(chunks) >= cfg.max_wave_requests or used_tokens >= cfg.max_wave_tokens:
+                break
+            token_room = cfg.max_wave_tokens - used_tokens
+            fit = min(cost.max_length(w.next_start, tau - used_s), token_room)
+            if w.remaining <= fit:
+                length = w.remaining
+            else:
+                length = fit // cfg.block_size * cfg.block_size
+                if chunks and (length == 0 or cost.chunk_cost(w.next_start, length) < min_fragment):
+                    continue
+                if length == 0:  # one chunk is over the time budget on its own
+                    length = min(w.remaining, cfg.block_size)
+            chunks.append(ScheduledChunk(w.request_id, w.next_start, length))
+            used_s += cost.chunk_cost(w.next_start, length)
+            used_tokens += length
+        return tuple(chunks)

@@ -1,0 +1,142 @@
+"""One request's capacity on one stage, from its lease and escrow to completion or abort."""
+
+from __future__ import annotations
+
+from prefill_node.core.block import KVBlock
+from prefill_node.core.block_pool import BlockPool
+from prefill_node.core.escrow import Escrow
+from prefill_node.core.execution_results import (
+    BlockTable,
+    Completion,
+    MismatchReason,
+    StageStateMismatch,
+)
+from prefill_node.core.lease import Lease
+from prefill_node.core.request import PromptBlocks, blocks_needed
+from prefill_node.errors import InvariantError
+
+
+class Reservation:
+    """Lease (reused prefix, pinned) + escrow (victims for the rest) + materialised blocks.
+
+    Life cycle on a stage: reserved (lease + escrow, negotiable) -> committed (boundary
+    fixed; capacity guaranteed) -> materialised chunk by chunk (victims become real
+    blocks) -> completed (new full blocks cached, pins dropped or kept for a KV pull).
+    ``release`` undoes any stage of that: escrow first, then the blocks and the lease.
+
+    Invariant: ``len(lease) + escrow.target + len(new_blocks) == prompt.num_blocks`` from
+    the moment the reservation holds capacity until completion.
+    """
+
+    def __init__(self, prompt: PromptBlocks) -> None:
+        self.prompt = prompt
+        self.lease = Lease()
+        self.escrow = Escrow(prompt.request_id)
+        self.new_blocks: list[KVBlock] = []
+        self.committed = False
+        self.completed = False
+        self.next_token = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.prompt.request_id
+
+    @property
+    def boundary_blocks(self) -> int:
+        return len(self.lease)
+
+    @property
+    def cached_len(self) -> int:
+        return len(self.lease) * self.prompt.block_size
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks this reservation accounts for (shared prefix blocks counted per request)."""
+        return len(self.lease) + self.escrow.target + len(self.new_blocks)
+
+    def reserve_suffix(self, pool: BlockPool) -> bool:
+        """Escrow victims for everything after the lease; False (holding a partial escrow)
+        when the pool is short."""
+        return self.escrow.settle(pool, self.prompt.num_blocks - len(self.lease))
+
+    def commit(self, pool: BlockPool, boundary_blocks: int) -> bool:
+        """Shrink the lease to the negotiated boundary, re-check the escrow (substituting
+        stolen victims, topping up for the longer suffix) and commit. False if short."""
+        if self.committed:
+            raise InvariantError(f"{self.request_id!r} committed twice")
+        self.lease.shrink(pool, boundary_blocks)
+        if not self.reserve_suffix(pool):
+            return False
+        self.committed = True
+        self.next_token = self.cached_len
+        return True
+
+    def materialise(self, pool: BlockPool, stage: int, start: int, length: int):
+        """Real blocks for chunk [start, start + length): BlockTable or StageStateMismatch."""
+        end = start + length
+        if not self.committed or self.completed:
+            state = "completed" if self.completed else "not committed"
+            return self._mismatch(stage, MismatchReason.NOT_COMMITTED, f"reservation is {state}")
+        if length <= 0 or end > self.prompt.num_tokens:
+            return self._mismatch(
+                stage,
+                MismatchReason.OUT_OF_RANGE,
+                f"chunk [{start}, {end}) outside prompt of {self.prompt.num_tokens} tokens",
+            )
+        if start != self.next_token:
+            return self._mismatch(
+                stage,
+                MismatchReason.WRONG_POSITION,
+                f"chunk starts at {start}, this stage expects {self.next_token} "
+                f"(cached prefix {self.cached_len} tokens)",
+            )
+        need = blocks_needed(end, self.prompt.block_size) - len(self.lease) - len(self.new_blocks)
+        if need > 0:
+            self.new_blocks.extend(self.escrow.take(pool, need))
+        self.next_token = end
+        return BlockTable(self.request_id, self.block_ids(), self.cached_len, start, end)
+
+    def complete(self, pool: BlockPool, stage: int, snapshot_interval: int | None, keep: bool):
+        """Cache the new full blocks and unpin (unless ``keep``): Completion or mismatch."""
+        if not self.committed or self.completed or self.next_token != self.prompt.num_tokens:
+            return self._mismatch(
+                stage,
+                MismatchReason.INCOMPLETE,
+                f"{self.next_token} of {self.prompt.num_tokens} tokens materialised",
+            )
+        if self.escrow.target:
+            raise InvariantError(f"{self.request_id!r} completed with an unused escrow")
+        p, first = self.prompt, len(self.lease)
+        n_full = p.num_full_blocks - first  # the partial last block is never shared
+        snaps = None
+        if snapshot_interval is not None:
+            snaps = [(i + 1) % snapshot_interval == 0 for i in range(first, p.num_full_blocks)]
+        pool.cache_blocks(
+            self.new_blocks[:n_full],
+            p.hashes[first:],
+            p.token_blocks[first:],
+            p.spec.extra,
+            p.parent_of(first),
+            snaps,
+        )
+        self.completed = True
+        table = self.block_ids()
+        if not keep:
+            self.release(pool)
+        return Completion(self.request_id, table, n_full, kept_pinned=keep)
+
+    def release(self, pool: BlockPool) -> None:
+        """Drop everything: escrow first, then materialised blocks and lease (tail first)."""
+        self.escrow.release(pool)
+        chain = self.lease.blocks + self.new_blocks
+        self.lease.blocks = []
+        self.new_blocks = []
+        pool.free(chain)
+
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self.lease.blocks) + tuple(
+            b.block_id for b in self.new_blocks
+        )
+
+    def _mismatch(self, stage: int, reason: MismatchReason, detail: str) -> StageStateMismatch:
+        return StageStateMismatch(self.request_id, stage, reason, detail)

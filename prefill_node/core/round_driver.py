@@ -1,0 +1,32 @@
+"""In-process driver of admission rounds: the leader's loop with direct calls, no network."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from prefill_node.core.admission_messages import AdmissionOutcome, RoundResult
+from prefill_node.core.coordinator import AdmissionCoordinator
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.stage_admission import StageAdmission
+
+
+def run_round(
+    coordinator: AdmissionCoordinator,
+    stages: Sequence[StageAdmission],
+    new_requests: Iterable[RequestSpec] = (),
+) -> tuple[AdmissionOutcome, ...]:
+    """Submit ``new_requests`` and run one admission round to its end.
+
+    Returns the immediate rejections of ``new_requests`` followed by the round's outcomes
+    (empty when there was nothing to do). The multi-process runtime runs the same loop with
+    a broadcast of each ``RoundRequest`` and an all-gather of the ``StageReply``s; the
+    simulator and the single-process engine call this.
+    """
+    rejected = tuple(r for r in (coordinator.submit(spec) for spec in new_requests) if r)
+    msg = coordinator.begin_round()
+    while msg is not None:
+        step = coordinator.finish_phase([stage.handle(msg) for stage in stages])
+        if isinstance(step, RoundResult):
+            return rejected + step.outcomes
+        msg = step
+    return rejected

@@ -1,0 +1,298 @@
+"""One stage's admission state: answers admission rounds, materialises and completes requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefill_node.core.admission_messages import (
+    CommitOrder,
+    Committed,
+    Hint,
+    Phase,
+    Reserved,
+    ReserveOrder,
+    ReserveStatus,
+    RoundRequest,
+    StageReply,
+)
+from prefill_node.core.block import KVBlock
+from prefill_node.core.block_pool import BlockPool, PoolStats
+from prefill_node.core.execution_results import (
+    BlockTable,
+    Completion,
+    MismatchReason,
+    StageStateMismatch,
+)
+from prefill_node.core.kv_events import KVEvent
+from prefill_node.core.request import PromptBlocks
+from prefill_node.core.reservation import Reservation
+from prefill_node.errors import InvalidRequestError, InvariantError
+
+
+class InvalidStageConfigError(InvalidRequestError):
+    """A stage's cache configuration is inconsistent."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage's cache. ``headroom_blocks``: while other requests hold reservations, a
+    new one is admitted only if the blocks pinned or escrowed stay within
+    ``num_blocks - headroom_blocks`` (about 2*P*M tokens of headroom, WAVEPP.md 2): pins
+    never leave nothing evictable, and admission cannot run arbitrarily far ahead of
+    execution by evicting the whole cache for far-future work. A lone request is never
+    capped, so anything that fits the cache is admitted eventually.
+    ``snapshot_interval_blocks``: for stages with recurrent-state layers, a snapshot is
+    stored after every k-th full block and a prefix is reusable only up to a snapshot.
+    """
+
+    stage: int
+    num_blocks: int
+    block_size: int
+    num_layers: int = 1
+    headroom_blocks: int = 0
+    snapshot_interval_blocks: int | None = None
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.num_blocks <= 0 or self.block_size <= 0 or self.num_layers <= 0:
+            raise InvalidStageConfigError(
+                f"stage {self.stage}: stage >= 0, num_blocks, block_size, num_layers > 0 needed"
+            )
+        if not 0 <= self.headroom_blocks < self.num_blocks:
+            raise InvalidStageConfigError(
+                f"stage {self.stage}: headroom_blocks must be in [0, num_blocks)"
+            )
+        if self.snapshot_interval_blocks is not None and self.snapshot_interval_blocks <= 0:
+            raise InvalidStageConfigError(f"stage {self.stage}: snapshot interval must be > 0")
+
+
+class StageAdmission:
+    """The admission and cache state of one stage (sans-IO; one per stage process).
+
+    Two callers share it, and the owner serialises them (the stage's cache lock):
+    - the admission side: ``handle`` answers every ``RoundRequest`` of the leader;
+    - the execution loop: ``materialise`` before running a chunk, ``complete`` after the
+      last chunk, ``abort`` at any time.
+    A request reserved here holds its whole prompt's capacity (lease + escrow + blocks)
+    until ``complete`` / ``abort`` / a release from the leader. Specs of requests that
+    wait stay registered (token ids travel once) until admitted and finished or forgotten.
+    """
+
+    def __init__(self, config: StageConfig) -> None:
+        self.config = config
+        self.stage = config.stage
+        self.pool = BlockPool(
+            config.num_blocks, config.block_size, enable_events=config.enable_kv_events
+        )
+        self._prompts: dict[str, PromptBlocks] = {}
+        self._reservations: dict[str, Reservation] = {}
+
+    # ---- rounds plane ----------------------------------------------------------------
+
+    def handle(self, msg: RoundRequest) -> StageReply:
+        """Apply forgets and releases, then answer the phase's items in FCFS order."""
+        for request_id in msg.forgets:
+            self.abort(request_id)
+        for request_id in msg.releases:
+            self._release(request_id)
+        if msg.phase is Phase.LOOKUP:
+            for spec in msg.new_requests:
+                self._register(PromptBlocks(spec, self.config.block_size))
+            hints = tuple(self._hint(r) for r in msg.lookups)
+            return StageReply(msg.round_id, msg.phase, self.stage, hints=hints)
+        if msg.phase is Phase.RESERVE:
+            reserved: list[Reserved] = []
+            blocked = False
+            for order in msg.reserves:
+                answer = self._reserve(order, blocked)
+                blocked = blocked or answer.status is not ReserveStatus.OK
+                reserved.append(answer)
+            return StageReply(msg.round_id, msg.phase, self.stage, reserved=tuple(reserved))
+        if msg.phase is Phase.COMMIT:
+            committed = tuple(self._commit(order) for order in msg.commits)
+            return StageReply(msg.round_id, msg.phase, self.stage, committed=committed)
+        return StageReply(msg.round_id, msg.phase, self.stage)
+
+    def _register(self, prompt: PromptBlocks) -> None:
+        if prompt.request_id in self._prompts:
+            raise InvariantError(f"stage {self.stage}: request {prompt.request_id!r} sent twice")
+        if prompt.num_blocks > self.config.num_blocks:
+            raise InvariantError(
+                f"stage {self.stage}: {prompt.request_id!r} needs {prompt.num_blocks} blocks of "
+                f"{self.config.num_blocks}; the coordinator must reject it"
+            )
+        self._prompts[prompt.request_id] = prompt
+
+    def _prompt(self, request_id: str) -> PromptBlocks:
+        prompt = self._prompts.get(request_id)
+        if prompt is None:
+            raise InvariantError(f"stage {self.stage}: unknown request {request_id!r}")
+        return prompt
+
+    @property
+    def _needs_snapshot(self) -> bool:
+        return self.config.snapshot_interval_blocks is not None
+
+    def _hint(self, request_id: str) -> Hint:
+        prompt = self._prompt(request_id)
+        blocks = self.pool.index.reusable_blocks(
+            prompt.hashes, prompt.max_reusable_blocks, needs_snapshot=self._needs_snapshot
+        )
+        return Hint(request_id, blocks)
+
+    def _reserve(self, order: ReserveOrder, blocked: bool) -> Reserved:
+        rid = order.request_id
+        prompt = self._prompt(rid)
+        if rid in self._reservations:
+            raise InvariantError(f"stage {self.stage}: {rid!r} reserved twice")
+        if blocked:
+            return Reserved(rid, ReserveStatus.FCFS_BLOCKED, 0, None, 0)
+        rsv = Reservation(prompt)
+        upto = min(order.candidate_blocks, prompt.max_reusable_blocks)
+        confirmed = rsv.lease.acquire(self.pool, prompt, upto, self._may_take_over)
+        boundaries = None
+        if self._needs_snapshot:
+            snaps = rsv.lease.snapshot_boundaries()
+            rsv.lease.shrink(self.pool, snaps[-1] if snaps else 0)
+            confirmed = len(rsv.lease)
+            boundaries = (0, *rsv.lease.snapshot_boundaries())
+        if not rsv.reserve_suffix(self.pool):
+            rsv.release(self.pool)
+            return Reserved(rid, ReserveStatus.NO_CAPACITY, confirmed, boundaries, 0)
+        if self._reservations and self._tied_up() > self._cap:
+            rsv.release(self.pool)
+            return Reserved(rid, ReserveStatus.ADMISSION_CAP, confirmed, boundaries, 0)
+        self._reservations[rid] = rsv
+        return Reserved(rid, ReserveStatus.OK, confirmed, boundaries, rsv.escrow.target)
+
+    @property
+    def _cap(self) -> int:
+        return self.config.num_blocks - self.config.headroom_blocks
+
+    def _tied_up(self) -> int:
+        """Distinct blocks admission holds: pinned (leases, running requests) or escrowed."""
+        stats = self.pool.stats()
+        return stats.in_use + stats.claimed
+
+    def _may_take_over(self, victim: KVBlock) -> bool:
+        """A lease hit an escrowed victim: take it over if its escrow gets a substitute, or if
+        that escrow is not committed yet (it will substitute or fail at its commit)."""
+        owner = self._reservations.get(victim.claimed_by or "")
+        if owner is None:
+            raise InvariantError(f"stage {self.stage}: {victim!r} claimed by no reservation")
+        return owner.escrow.replace(self.pool, victim) or not owner.committed
+
+    def _commit(self, order: CommitOrder) -> Committed:
+        rid = order.request_id
+        rsv = self._reservations.get(rid)
+        if rsv is None or rsv.committed or order.boundary_blocks > rsv.boundary_blocks:
+            raise InvariantError(f"stage {self.stage}: cannot commit {rid!r} at {order}")
+        if self._needs_snapshot and order.boundary_blocks not in (
+            0,
+            *rsv.lease.snapshot_boundaries(),
+        ):
+            raise InvariantError(f"stage {self.stage}: {order} is not a snapshot boundary")
+        if rsv.commit(self.pool, order.boundary_blocks):
+            return Committed(rid, True, rsv.escrow.target)
+        self._release(rid)
+        return Committed(rid, False, 0)
+
+    def _release(self, request_id: str) -> None:
+        rsv = self._reservations.pop(request_id, None)
+        if rsv is not None:
+            rsv.release(self.pool)
+
+    # ---- execution loop --------------------------------------------------------------
+
+    def materialise(
+        self, request_id: str, start: int, length: int
+    ) -> BlockTable | StageStateMismatch:
+        """Turn escrowed victims into the blocks of chunk [start, start + length) (evicting
+        them now) and return the request's block table; a mismatch if this stage's state
+        does not agree with the chunk (the request must then fail, never run)."""
+        rsv = self._reservations.get(request_id)
+        if rsv is None:
+            return StageStateMismatch(
+                request_id, self.stage, MismatchReason.UNKNOWN_REQUEST, "no reservation here"
+            )
+        return rsv.materialise(self.pool, self.stage, start, length)
+
+    def complete(
+        self, request_id: str, *, keep_pinned: bool = False
+    ) -> Completion | StageStateMismatch:
+        """The last chunk left this stage: cache its new full blocks, then unpin everything
+        (or keep the blocks pinned until ``unpin`` when decode will pull the KV)."""
+        rsv = self._reservations.get(request_id)
+        if rsv is None:
+            return StageStateMismatch(
+                request_id, self.stage, MismatchReason.UNKNOWN_REQUEST, "no reservation here"
+            )
+        done = rsv.complete(
+            self.pool, self.stage, self.config.snapshot_interval_blocks, keep_pinned
+        )
+        if isinstance(done, Completion):
+            self._prompts.pop(request_id, None)
+            if not keep_pinned:
+                del self._reservations[request_id]
+        return done
+
+    def unpin(self, request_id: str) -> bool:
+        """Drop the pins a ``complete(keep_pinned=True)`` kept; False if none were kept."""
+        rsv = self._reservations.get(request_id)
+        if rsv is None or not rsv.completed:
+            return False
+        self._release(request_id)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Drop whatever this stage holds for the request (any state); False if nothing."""
+        known = self._prompts.pop(request_id, None) is not None
+        rsv = self._reservations.pop(request_id, None)
+        if rsv is not None:
+            rsv.release(self.pool)
+        return known or rsv is not None
+
+    # ---- observation -----------------------------------------------------------------
+
+    def load(self) -> PoolStats:
+        return self.pool.stats()
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        """Read-only view for tests and metrics."""
+        return self._reservations.get(request_id)
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    def check_integrity(self) -> None:
+        """The pool's own checks plus: every claim and pin belongs to exactly one reservation
+        and every lease block really holds its prompt block."""
+        self.pool.check_integrity()
+        claims: dict[int, str] = {}
+        pins: dict[int, int] = {}
+        for rid, rsv in self._reservations.items():
+            for victim in rsv.escrow.victims():
+                if victim.block_id in claims:
+                    raise InvariantError(f"block {victim.block_id} claimed twice")
+                claims[victim.block_id] = rid
+            if rsv.escrow.held != rsv.escrow.target and rsv.committed:
+                raise InvariantError(f"committed escrow of {rid!r} is short")
+            p = rsv.prompt
+            for i, block in enumerate(rsv.lease.blocks):
+                if not block.matches(p.parent_of(i), p.token_blocks[i], p.spec.extra):
+                    raise InvariantError(f"lease of {rid!r} holds a wrong block at {i}")
+            for block in rsv.lease.blocks + rsv.new_blocks:
+                pins[block.block_id] = pins.get(block.block_id, 0) + 1
+            if not rsv.completed and rsv.held_blocks != p.num_blocks:
+                raise InvariantError(f"reservation of {rid!r} does not cover its prompt")
+        if self.pool.stats().claimed != len(claims):
+            raise InvariantError("claimed blocks held by no reservation")
+        for block_id, n in pins.items():
+            if self.pool.block(block_id).ref_cnt != n:
+                raise InvariantError(f"block {block_id}: {n} pins but ref_cnt differs")
+        if self.pool.stats().in_use != len(pins):
+            raise InvariantError("blocks in use that no reservation holds")

@@ -1,0 +1,325 @@
+"""LocalEngine: the Engine protocol in ONE process, P pipeline stages simulated in-process.
+
+Each stage is a StageExecutor with its own layers, KV memory, block pool and prefix index
+(stages may differ in capacity). A request runs to completion inside ``submit``:
+
+1. admission: chained block hashes (extra keys = model identity + cache salt); candidate
+   prefix = MINIMUM over stages of the local hint; every stage pins it under the collision
+   guard; if any stage confirms less, all shrink to the common confirmed length (it only
+   shrinks, so this converges); then every stage allocates the suffix.
+2. compute: chunks of at most ``max_chunk_tokens`` pass stage 0 -> P-1 in order.
+3. completion: each stage caches the request's new full blocks, then unpins; the last
+   stage's logits give the greedy first token and the top logprobs.
+
+Decisions: requests are serialised by a lock (one in flight), so ``submit`` returns an
+already completed future and ``abort`` has nothing to cancel. Exhaustion cannot happen with
+one request in flight once ``NeverFitsError`` has been ruled out, except for the one extra
+block a fully cached prompt needs for its copy-on-write last block; then the reused prefix
+shrinks by one block. The stage manifests describe where the KV sat at completion; no lease
+holds it afterwards (KV hand-off to decode is a later component's job).
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
+from prefill_node.engine.stage_executor import ChunkWork, StageExecutor, StageSequence
+from prefill_node.engine.types import (
+    EngineHealth,
+    EngineLoad,
+    PrefillOptions,
+    PrefillResult,
+    PrefillTimings,
+)
+from prefill_node.errors import (
+    InvalidPromptError,
+    InvalidRequestError,
+    InvariantError,
+    NeverFitsError,
+    RequestAbortedError,
+    UnavailableError,
+)
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.partition import split_layers
+from prefill_node.model.stage_model import StageModel
+
+MAX_TOP_LOGPROBS = 20
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely next tokens as (token id, log probability), best first."""
+    if k == 0:
+        return ()
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k)
+    return tuple((int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True))
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    """Shape of the simulated pipeline. ``num_blocks``: one int for every stage, or one per
+    stage. ``max_model_len`` None = the model's ``max_position_embeddings``."""
+
+    num_stages: int = 1
+    num_blocks: int | tuple[int, ...] = 512
+    block_size: int = 16
+    max_chunk_tokens: int = 512
+    max_model_len: int | None = None
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise InvalidRequestError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.block_size < 1 or self.max_chunk_tokens < 1:
+            raise InvalidRequestError("block_size and max_chunk_tokens must be >= 1")
+        if not isinstance(self.num_blocks, int) and len(self.num_blocks) != self.num_stages:
+            raise InvalidRequestError(
+                f"num_blocks lists {len(self.num_blocks)} stages; the pipeline has "
+                f"{self.num_stages}"
+            )
+        if min(self.stage_num_blocks) < 1:
+            raise InvalidRequestError(f"every stage needs >= 1 block, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def stage_num_blocks(self) -> tuple[int, ...]:
+        if isinstance(self.num_blocks, int):
+            return (self.num_blocks,) * self.num_stages
+        return tuple(self.num_blocks)
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """A finished prefill plus the fp32 logits [vocab] of the last prompt token."""
+
+    result: PrefillResult
+    logits: torch.Tensor
+
+
+class LocalEngine:
+    """In-process pipeline of ``StageExecutor``s implementing ``Engine``. Thread-safe."""
+
+    def __init__(
+        self, model_config: ModelConfig, stages: Sequence[StageExecutor], config: LocalEngineConfig
+    ) -> None:
+        if len(stages) != config.num_stages:
+            raise InvariantError(f"{len(stages)} stage executors for {config.num_stages} stages")
+        self.model_config = model_config
+        self.stages = tuple(stages)
+        self.config = config
+        self.model_id = f"{model_config.name}|{str(config.dtype).removeprefix('torch.')}"
+        self._lock = threading.Lock()
+        self._inflight_tokens = 0
+        self._closed = False
+
+    @classmethod
+    def from_stage_models(
+        cls, models: Sequence[StageModel], config: LocalEngineConfig
+    ) -> LocalEngine:
+        stages = [
+            StageExecutor(s, m, n, config.block_size)
+            for s, (m, n) in enumerate(zip(models, config.stage_num_blocks, strict=True))
+        ]
+        return cls(models[0].config, stages, config)
+
+    @classmethod
+    def from_weights(
+        cls, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: LocalEngineConfig
+    ) -> LocalEngine:
+        """Build from one HF-named weight dict (e.g. ``random_weights`` in tests)."""
+        models = []
+        for layer_range in split_layers(model_config.num_layers, config.num_stages):
+            model = StageModel(model_config, layer_range, config.dtype, config.device)
+            model.load_weights(weights)
+            models.append(model)
+        return cls.from_stage_models(models, config)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, config: LocalEngineConfig) -> LocalEngine:
+        """Build from a Hugging Face checkpoint directory; each stage loads only its slice."""
+        from prefill_node.model.loader_hf import load_hf_config, load_stage_model
+
+        model_config = load_hf_config(path)
+        models = [
+            load_stage_model(path, layer_range, config.dtype, config.device)
+            for layer_range in split_layers(model_config.num_layers, config.num_stages)
+        ]
+        return cls.from_stage_models(models, config)
+
+    # ---- Engine protocol -----------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        return min(limit, self.config.max_model_len or limit)
+
+    def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
+        """Validate (raising), run the prefill now, return a completed future."""
+        future: Future[PrefillResult] = Future()
+        try:
+            future.set_result(self.prefill(token_ids, options).result)
+        except (InvalidRequestError, NeverFitsError):
+            raise
+        except Exception as exc:  # a failed request fails its future, never the engine
+            future.set_exception(exc)
+        return future
+
+    def abort(self, request_id: str) -> bool:
+        return False  # requests run to completion inside submit: nothing is ever pending
+
+    def load(self) -> EngineLoad:
+        tokens = self._inflight_tokens
+        stages = tuple(stage.load() for stage in self.stages)
+        return EngineLoad(
+            queue_depth=0, inflight_requests=int(tokens > 0), inflight_tokens=tokens, stages=stages
+        )
+
+    def health(self) -> EngineHealth:
+        if self._closed:
+            return EngineHealth(live=False, ready=False, detail="engine shut down")
+        return EngineHealth(live=True, ready=True)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def check_integrity(self) -> None:
+        """Every stage's block pool is consistent (raises InvariantError otherwise)."""
+        for stage in self.stages:
+            stage.check_integrity()
+
+    # ---- the prefill ---------------------------------------------------------------
+
+    def validate(self, token_ids: Sequence[int], options: PrefillOptions) -> tuple[int, ...]:
+        """The prompt as a tuple of ints; InvalidRequestError / NeverFitsError saying why not."""
+        try:
+            ids = tuple(operator.index(t) for t in token_ids)
+        except TypeError as exc:
+            raise InvalidPromptError(f"token ids must be integers: {exc}") from None
+        if not ids:
+            raise InvalidPromptError("the prompt is empty; send at least one token")
+        for pos, tok in enumerate(ids):
+            if not 0 <= tok < self.vocab_size:
+                raise InvalidPromptError(
+                    f"token id {tok} at position {pos} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        if len(ids) > self.max_model_len:
+            raise InvalidPromptError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
+            )
+        if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {options.top_logprobs}"
+            )
+        for stage in self.stages:
+            if not stage.can_ever_fit(len(ids)):
+                raise NeverFitsError(
+                    f"the prompt needs {stage.blocks_for(len(ids))} blocks of {stage.block_size} "
+                    f"tokens; stage {stage.stage} has only {stage.num_blocks}"
+                )
+        return ids
+
+    def prefill(self, token_ids: Sequence[int], options: PrefillOptions) -> LocalPrefill:
+        """Synchronous prefill (what ``submit`` runs), also returning the full last logits."""
+        t_submit = time.monotonic()
+        ids = self.validate(token_ids, options)
+        request_id = options.request_id or uuid.uuid4().hex
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("the engine has been shut down")
+            t_start = time.monotonic()
+            self._inflight_tokens = len(ids)
+            seqs: list[StageSequence] = []
+            try:
+                seqs = self._admit(request_id, ids, options)
+                cached = seqs[0].num_cached_tokens
+                t_admitted = time.monotonic()
+                logits = self._compute(seqs, options)
+                t_computed = time.monotonic()
+                manifests = tuple(s.finish(q) for s, q in zip(self.stages, seqs, strict=True))
+                seqs = []
+            finally:
+                for stage, seq in zip(self.stages, seqs, strict=False):
+                    stage.release(seq)
+                self._inflight_tokens = 0
+        result = PrefillResult(
+            request_id=request_id,
+            first_token_id=int(torch.argmax(logits).item()),
+            top_logprobs=top_logprobs(logits, options.top_logprobs),
+            prompt_tokens=len(ids),
+            cached_tokens=cached,
+            computed_tokens=len(ids) - cached,
+            timings=PrefillTimings(
+                queue_s=t_start - t_submit,
+                admission_s=t_admitted - t_start,
+                compute_s=t_computed - t_admitted,
+                total_s=time.monotonic() - t_submit,
+            ),
+            stage_manifests=manifests,
+        )
+        return LocalPrefill(result, logits)
+
+    def _admit(
+        self, request_id: str, ids: tuple[int, ...], options: PrefillOptions
+    ) -> list[StageSequence]:
+        """Negotiate the common prefix, pin it and allocate the suffix on every stage."""
+        extra = ExtraKeys(model_id=self.model_id, cache_salt=options.cache_salt)
+        hashes = hash_block_tokens(ids, self.config.block_size, extra)
+        candidate = min(stage.local_hit_blocks(hashes) for stage in self.stages)
+        while True:
+            pins = [stage.pin_prefix(hashes, ids, extra, candidate) for stage in self.stages]
+            confirmed = min(len(p) for p in pins)
+            for stage, pinned in zip(self.stages, pins, strict=True):
+                stage.unpin(pinned[confirmed:])
+                del pinned[confirmed:]
+            seqs: list[StageSequence] = []
+            for stage, pinned in zip(self.stages, pins, strict=True):
+                seq = stage.materialise(request_id, ids, hashes, extra, pinned)
+                if seq is None:
+                    break
+                seqs.append(seq)
+            if len(seqs) == len(self.stages):
+                return seqs
+            for stage, seq in zip(self.stages, seqs, strict=False):
+                stage.release(seq)
+            for stage, pinned in list(zip(self.stages, pins, strict=True))[len(seqs) :]:
+                stage.unpin(pinned)
+            if confirmed == 0:
+                raise InvariantError(f"no room for {request_id!r} although it fits every stage")
+            candidate = confirmed - 1
+
+    def _compute(self, seqs: list[StageSequence], options: PrefillOptions) -> torch.Tensor:
+        """Run the uncached suffix chunk by chunk through every stage; the last logits."""
+        ids = seqs[0].token_ids
+        start = seqs[0].num_cached_tokens
+        device = self.stages[0].model.device
+        logits: torch.Tensor | None = None
+        while start < len(ids):
+            if options.deadline_s is not None and time.monotonic() > options.deadline_s:
+                raise RequestAbortedError(f"deadline passed after {start}/{len(ids)} tokens")
+            length = min(self.config.max_chunk_tokens, len(ids) - start)
+            x = torch.tensor(ids[start : start + length], dtype=torch.long, device=device)
+            for stage, seq in zip(self.stages, seqs, strict=True):
+                step = stage.execute([ChunkWork(seq, start, length)], x)
+                x = step.hidden
+            logits = step.logits
+            start += length
+        if logits is None:
+            raise InvariantError("the last stage returned no logits for a finished prompt")
+        return logits[0]

@@ -1,0 +1,253 @@
+"""The model configuration: one frozen, validated description of a decoder-only LLM.
+
+Torch-free on purpose, so the sans-IO core and the planner can size caches from it.
+``ModelConfig.from_hf_config`` is the one place a Hugging Face ``config.json`` is parsed;
+it accepts both the transformers 4.x layout (``rope_theta`` + ``rope_scaling``) and the 5.x
+layout (``rope_parameters``), and rejects options this backend does not implement with a
+typed error naming the option, rather than computing something subtly different.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
+
+
+class ModelFamily(enum.Enum):
+    """Decoder families this backend implements. QWEN3 adds per-head RMSNorm on q and k."""
+
+    LLAMA = "llama"
+    QWEN3 = "qwen3"
+
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": ModelFamily.LLAMA,
+    "Qwen3ForCausalLM": ModelFamily.QWEN3,
+}
+_HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
+_SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``llama3``: Llama-3.1 band-wise scaling; ``linear``: divide by
+    ``factor`` (the band parameters are then unused)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope_scaling type {self.rope_type!r} is not implemented; "
+                f"supported: {', '.join(_SUPPORTED_ROPE_TYPES)} (or no scaling)"
+            )
+        if self.factor <= 0:
+            raise InvalidModelConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise InvalidModelConfigError(
+                "llama3 rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
+
+    def to_hf(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            d.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return d
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only model. ``name`` is the model identity that goes
+    into block hashes (two models must never share cached KV), so give each checkpoint a
+    distinct one."""
+
+    family: ModelFamily
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidModelConfigError(f"{field_name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidModelConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise InvalidModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention applies RMSNorm to each q and k head before RoPE (Qwen3)."""
+        return self.family is ModelFamily.QWEN3
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, num_layers: int, dtype: Any) -> int:
+        """Bytes of K plus V one token occupies in ``num_layers`` layers stored as ``dtype``
+        (a torch dtype, or anything with ``itemsize``)."""
+        return 2 * num_layers * self.kv_size * int(dtype.itemsize)
+
+    @classmethod
+    def from_hf_config(cls, d: Mapping[str, Any], name: str = "") -> ModelConfig:
+        """Parse a Hugging Face ``config.json`` dict. Raises UnsupportedArchitectureError
+        naming the architecture or option we do not implement, InvalidModelConfigError for
+        missing or inconsistent fields."""
+        family = _family_of(d)
+        _reject_unsupported_options(d)
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            rope_params = dict(d.get("rope_parameters") or {})
+            rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+            scaling_d = d.get("rope_scaling") or rope_params
+            eos = d.get("eos_token_id")
+            eos_ids = (
+                ()
+                if eos is None
+                else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            )
+            return cls(
+                family=family,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=_rope_scaling_of(
+                    scaling_d, int(d.get("max_position_embeddings", 2048))
+                ),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
+                eos_token_ids=eos_ids,
+                name=name,
+            )
+        except KeyError as e:
+            raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            raise InvalidModelConfigError(f"config.json has a malformed field: {e}") from e
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers (4.x and 5.x) loads as LlamaForCausalLM or
+        Qwen3ForCausalLM with exactly this model's numerics."""
+        d: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURE[self.family]],
+            "model_type": self.family.value,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids)
+            if len(self.eos_token_ids) != 1
+            else self.eos_token_ids[0],
+        }
+        if self.family is ModelFamily.QWEN3:
+            d["use_sliding_window"] = False
+        return d
+
+
+def _family_of(d: Mapping[str, Any]) -> ModelFamily:
+    archs = d.get("architectures") or []
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    if not archs:
+        for family in ModelFamily:
+            if d.get("model_type") == family.value:
+                return family
+    named = ", ".join(archs) if archs else f"model_type={d.get('model_type')!r}"
+    raise UnsupportedArchitectureError(
+        f"architecture {named} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+    )
+
+
+def _reject_unsupported_options(d: Mapping[str, Any]) -> None:
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu)")
+    for option in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if d.get(option):
+            raise UnsupportedArchitectureError(f"config option {option}=true is not supported")
+    rope_params = d.get("rope_parameters") or {}
+    partial = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedArchitectureError(f"partial_rotary_factor={partial} is not supported")
+
+
+def _rope_scaling_of(s: Mapping[str, Any] | None, max_positions: int) -> RopeScaling | None:
+    if not s:
+        return None
+    rope_type = s.get("rope_type", s.get("type", "default"))
+    if rope_type == "default":
+        return None
+    return RopeScaling(
+        rope_type=str(rope_type),
+        factor=float(s.get("factor", 1.0)),
+        low_freq_factor=float(s.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(s.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            s.get("original_max_position_embeddings", max_positions)
+        ),
+    )

@@ -1,0 +1,1 @@
+"""Multi-process pipeline runtime: stage processes on torch.distributed, leader engine, launcher."""

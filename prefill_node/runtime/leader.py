@@ -1,0 +1,226 @@
+"""The leader's scheduling threads: admission rounds, wave feeding, result collection (stage 0)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
+from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
+from prefill_node.runtime.planes import PlaneClosedError, Planes
+
+log = logging.getLogger(__name__)
+
+
+class Policy(enum.Enum):
+    """``wave``: admission runs ahead on its own thread (WavePP). ``lockstep``: the leader's
+    executor loop runs one admission round before each wave (the TensorRT-LLM PP baseline)."""
+
+    WAVE = "wave"
+    LOCKSTEP = "lockstep"
+
+
+@dataclass(frozen=True)
+class LeaderConfig:
+    policy: Policy
+    world_size: int
+    ring: int  # waves in flight at most (R = 2P)
+    tick_s: float = 0.5  # idle rounds-plane keep-alive
+
+
+class Leader:
+    """Drives the pipeline from stage 0; the only user of ``LeaderCore``'s mutating calls.
+
+    Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
+    round work; stage 0's LOOP pulls waves through ``next_wave`` (bounded by the ring of
+    ``ring`` in-flight waves) and, under ``lockstep``, runs the rounds itself first; the
+    collector receives each wave's result from the last stage. All core calls happen under
+    ``self.lock``; no collective is ever made while holding it.
+
+    ``on_result`` / ``on_outcome`` / ``on_dead`` are the engine's callbacks (called without the
+    lock held); ``answer_local`` is stage 0's own reply to a round.
+    """
+
+    def __init__(
+        self,
+        config: LeaderConfig,
+        planes: Planes,
+        core: LeaderCore,
+        answer_local: Callable[[RoundMessage], Any],
+        on_result: Callable[[WaveResult], None],
+        on_outcomes: Callable[[list[AdmissionOutcome]], None],
+        on_dead: Callable[[str], None],
+    ):
+        self.config = config
+        self.core = core
+        self.lock = threading.Condition()
+        self._planes = planes
+        self._answer_local = answer_local
+        self._on_result = on_result
+        self._on_outcomes = on_outcomes
+        self._on_dead = on_dead
+        self._controls: queue.SimpleQueue[tuple[RoundMessage, Future[list[Any]]]] = (
+            queue.SimpleQueue()
+        )
+        self._stopping = False
+        self._dead = False
+        self._inflight_waves = 0
+        self._wave_thread = threading.Thread(
+            target=self._wave_loop, name="leader-wave", daemon=True
+        )
+        self._collector = threading.Thread(target=self._collect, name="leader-collect", daemon=True)
+
+    def start(self) -> None:
+        if self.config.policy is Policy.WAVE:
+            self._wave_thread.start()
+        if self.config.world_size > 1:
+            self._collector.start()
+
+    def wake(self) -> None:
+        """Something changed (new request, abort, capacity): re-check round and wave work."""
+        with self.lock:
+            self.lock.notify_all()
+
+    def control(self, message: RoundMessage) -> Future[list[Any]]:
+        """Run a non-admission round (stats, integrity, KV dump) on every stage; all replies."""
+        fut: Future[list[Any]] = Future()
+        self._controls.put((message, fut))
+        self.wake()
+        return fut
+
+    def stop(self) -> None:
+        """Ask the threads to finish: a STOP wave and a STOP round go out once the ring drains."""
+        with self.lock:
+            self._stopping = True
+            self.lock.notify_all()
+
+    def join(self, timeout: float) -> None:
+        for t in (self._wave_thread, self._collector):
+            if t.is_alive():
+                t.join(timeout)
+
+    # -- rounds (WAVE thread, or stage 0's LOOP under lockstep) -----------------------------
+    def _round(self, message: RoundMessage) -> list[Any]:
+        return self._planes.rounds.lead(message, self._answer_local)
+
+    def _serve_controls(self) -> None:
+        while True:
+            try:
+                message, fut = self._controls.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._round(message))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                    raise
+
+    def _admission_round(self) -> bool:
+        """One admission round (all its phases) if the core has work; True when one ran."""
+        with self.lock:
+            message = self.core.begin_round()
+        if message is None:
+            return False
+        outcomes: list[AdmissionOutcome] = []
+        while message is not None:
+            replies = self._round(RoundMessage(RoundKind.ADMIT, message))
+            with self.lock:
+                message, outcomes = self.core.finish_phase(replies)
+        with self.lock:
+            self.lock.notify_all()
+        if outcomes:
+            self._on_outcomes(outcomes)
+        return True
+
+    def _wait_for_round_work(self) -> bool:
+        """Block until there is round work or the tick elapses; False when stopping."""
+        with self.lock:
+            self.lock.wait_for(
+                lambda: self._stopping or self.core.has_round_work() or not self._controls.empty(),
+                timeout=self.config.tick_s,
+            )
+            return not self._stopping
+
+    def _wave_loop(self) -> None:
+        try:
+            while self._wait_for_round_work():
+                self._serve_controls()
+                if not self._admission_round():
+                    self._round(RoundMessage(RoundKind.TICK))
+            if not self._dead:
+                self._serve_controls()
+                self._round(RoundMessage(RoundKind.STOP))
+        except PlaneClosedError as exc:
+            self._on_dead(str(exc))
+        except Exception as exc:
+            log.exception("leader WAVE thread crashed")
+            self._on_dead(f"leader admission thread crashed: {exc!r}")
+
+    # -- waves (stage 0's LOOP) ---------------------------------------------------------------
+    def next_wave(self) -> WaveHeader:
+        """Stage 0's wave source: the next wave (at most ``ring`` in flight), or the STOP
+        sentinel once stopping and drained. Under ``lockstep`` it first runs one admission
+        round itself, so admission and execution alternate on this thread."""
+        lockstep = self.config.policy is Policy.LOCKSTEP
+        last_round = time.monotonic()
+        while True:
+            if lockstep:
+                self._serve_controls()
+                if self._admission_round():
+                    last_round = time.monotonic()
+                elif time.monotonic() - last_round >= self.config.tick_s:
+                    self._round(RoundMessage(RoundKind.TICK))
+                    last_round = time.monotonic()
+            with self.lock:
+                if self._stopping and (self._inflight_waves == 0 or self._dead):
+                    break
+                if not self._stopping and self._inflight_waves < self.config.ring:
+                    header = self.core.next_wave()
+                    if header is not None:
+                        self._inflight_waves += 1
+                        return header
+                if lockstep and self.core.has_round_work():
+                    continue
+                self.lock.wait(timeout=0.05 if lockstep else self.config.tick_s)
+        if lockstep and not self._dead:
+            self._serve_controls()
+            self._round(RoundMessage(RoundKind.STOP))
+        return WaveHeader(wave_id=-1, chunks=(), stop=True)
+
+    def mark_dead(self) -> None:
+        """The pipeline is broken: stop waiting for in-flight waves."""
+        with self.lock:
+            self._dead = True
+            self._stopping = True
+            self.lock.notify_all()
+
+    # -- results (collector thread, or stage 0's LOOP when P = 1) ----------------------------
+    def handle_result(self, result: WaveResult) -> None:
+        if result.stop:
+            return
+        with self.lock:
+            self._inflight_waves -= 1
+            self.core.wave_done(result)
+            self.lock.notify_all()
+        self._on_result(result)
+
+    def _collect(self) -> None:
+        try:
+            while True:
+                result: WaveResult = self._planes.data.recv_result().header
+                if result.stop:
+                    return
+                self.handle_result(result)
+        except PlaneClosedError as exc:
+            self._on_dead(str(exc))
+        except Exception as exc:
+            log.exception("leader collector crashed")
+            self._on_dead(f"leader collector crashed: {exc!r}")

@@ -1,0 +1,192 @@
+"""The leader's sans-IO state: admission coordinator + wave planner + per-request progress."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from prefill_node.core.admission_messages import Aborted, Admitted, Rejected, RoundRequest
+from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.planner import PlannerConfig, PlannerMode, WavePlanner
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.wave import UnscheduledWork
+from prefill_node.errors import NeverFitsError, WaveppError
+from prefill_node.runtime.messages import WaveChunk, WaveHeader, WaveResult
+from prefill_node.runtime.spec import PipelineSpec
+
+
+@dataclass(frozen=True)
+class AdmissionOutcome:
+    """A request left the admission queue: admitted with ``cached_tokens`` reused on every
+    stage, or refused with ``error`` (e.g. NeverFitsError)."""
+
+    request_id: str
+    cached_tokens: int = 0
+    error: WaveppError | None = None
+
+
+@dataclass(frozen=True)
+class CoreCounts:
+    queue_depth: int  # submitted, not yet admitted
+    inflight_requests: int  # admitted, not finished
+    inflight_tokens: int  # tokens of admitted requests still to compute
+
+
+@dataclass
+class _Progress:
+    """An admitted request: tokens [next_start, end) are still unscheduled."""
+
+    next_start: int
+    end: int
+    top_k: int
+    inflight_chunks: int = 0
+    aborted: bool = False
+
+
+class LeaderCore:
+    """Admission coordinator + wave planner + per-request progress, for the leader's threads.
+
+    Sans-IO and not thread-safe: the ``Leader`` calls it under its lock. Contracts:
+
+    - ``submit`` queues a request; ``begin_round`` / ``finish_phase`` run admission rounds
+      (the caller broadcasts each message and gathers the replies). A round runs only when
+      something may have changed (new request, completion, abort, or the last round admitted
+      someone), so requests waiting for capacity do not spin the rounds plane.
+    - ``next_wave`` packs admitted work (FCFS) into the next wave; ``wave_done`` accounts
+      its result. A request's stages complete it on their own when its last chunk passes.
+    - ``abort`` of an admitted request defers the stage-side cleanup (the coordinator's
+      ``forgets``) until none of its chunks is still in flight, so a stage never frees blocks
+      that a forward is writing.
+    """
+
+    def __init__(self, spec: PipelineSpec, model_config: Any):
+        lockstep = spec.policy == "lockstep"
+        self._coordinator = AdmissionCoordinator(
+            CoordinatorConfig(spec.block_size, spec.stage_blocks, spec.max_requests_per_round)
+        )
+        self._planner = WavePlanner(
+            PlannerConfig(
+                num_stages=spec.num_stages,
+                max_wave_tokens=spec.max_wave_tokens,
+                min_wave_tokens=spec.max_wave_tokens if lockstep else spec.min_wave_tokens,
+                block_size=spec.block_size,
+                max_wave_requests=spec.max_batch,
+                mode=PlannerMode.FIXED if lockstep else PlannerMode.MPU,
+                fragment_rule=not lockstep,
+            )
+        )
+        self.model_id = f"{model_config.name or 'model'}|{spec.dtype}"
+        self._top_k: dict[str, int] = {}
+        self._progress: OrderedDict[str, _Progress] = OrderedDict()
+        self._waves: dict[int, tuple[WaveChunk, ...]] = {}
+        self._next_wave_id = 0
+        self._dirty = False
+
+    # -- admission -----------------------------------------------------------------------------
+    def check_fits(self, num_tokens: int) -> None:
+        """NeverFitsError if a prompt of ``num_tokens`` exceeds some stage's whole cache."""
+        rejected = self._coordinator.check_fits("", num_tokens)
+        if rejected is not None:
+            raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
+
+    def submit(self, request_id: str, token_ids: tuple[int, ...], salt: str | None, top_k: int):
+        spec = RequestSpec(request_id, token_ids, ExtraKeys(self.model_id, salt))
+        rejected = self._coordinator.submit(spec)
+        if rejected is not None:
+            raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
+        self._top_k[request_id] = top_k
+        self._dirty = True
+
+    def has_round_work(self) -> bool:
+        return self._dirty and self._coordinator.has_work()
+
+    def begin_round(self) -> RoundRequest | None:
+        if not self.has_round_work():
+            return None
+        self._dirty = False
+        return self._coordinator.begin_round()
+
+    def finish_phase(
+        self, replies: list[Any]
+    ) -> tuple[RoundRequest | None, list[AdmissionOutcome]]:
+        """The next phase's message, or None and the round's outcomes."""
+        step = self._coordinator.finish_phase(replies)
+        if isinstance(step, RoundRequest):
+            return step, []
+        outcomes: list[AdmissionOutcome] = []
+        for out in step.outcomes:
+            if isinstance(out, Admitted):
+                top_k = self._top_k.pop(out.request_id, 1)
+                self._progress[out.request_id] = _Progress(out.cached_len, out.num_tokens, top_k)
+                outcomes.append(AdmissionOutcome(out.request_id, out.cached_len))
+                self._dirty = True  # progress: try the next queued requests
+            elif isinstance(out, Rejected):
+                self._top_k.pop(out.request_id, None)
+                outcomes.append(AdmissionOutcome(out.request_id, error=NeverFitsError(out.reason)))
+            elif isinstance(out, Aborted):
+                self._top_k.pop(out.request_id, None)
+        return None, outcomes
+
+    def abort(self, request_id: str) -> None:
+        self._top_k.pop(request_id, None)
+        self._dirty = True
+        p = self._progress.get(request_id)
+        if p is None:
+            self._coordinator.abort(request_id)
+            return
+        p.aborted = True
+        if p.inflight_chunks == 0:
+            del self._progress[request_id]
+            self._coordinator.abort(request_id)
+
+    # -- waves ---------------------------------------------------------------------------------
+    def next_wave(self) -> WaveHeader | None:
+        work = [
+            UnscheduledWork(rid, p.next_start, p.end)
+            for rid, p in self._progress.items()
+            if not p.aborted and p.next_start < p.end
+        ]
+        wave = self._planner.plan(work)
+        if wave is None or not wave.chunks:
+            return None
+        chunks = []
+        for c in wave.chunks:
+            p = self._progress[c.request_id]
+            p.next_start = c.end
+            p.inflight_chunks += 1
+            chunks.append(WaveChunk(c.request_id, c.start, c.length, c.end == p.end, p.top_k))
+        self._next_wave_id += 1
+        self._waves[self._next_wave_id] = tuple(chunks)
+        return WaveHeader(self._next_wave_id, tuple(chunks))
+
+    def wave_done(self, result: WaveResult) -> None:
+        """Account a returned wave: finished, failed and aborted requests leave the core."""
+        chunks = self._waves.pop(result.wave_id, ())
+        failed = {rid for rid, _ in result.failed}
+        for c in chunks:
+            p = self._progress.get(c.request_id)
+            if p is None:
+                continue
+            p.inflight_chunks -= 1
+            if c.request_id in failed:
+                p.aborted = True
+            if p.inflight_chunks > 0:
+                continue
+            if p.aborted:  # aborted or failed: every stage drops what it still holds
+                del self._progress[c.request_id]
+                self._coordinator.abort(c.request_id)
+                self._dirty = True
+            elif c.is_last:
+                del self._progress[c.request_id]
+                self._dirty = True  # capacity freed: waiting requests may fit now
+
+    def counts(self) -> CoreCounts:
+        remaining = sum(p.end - p.next_start for p in self._progress.values())
+        return CoreCounts(self._coordinator.num_queued, len(self._progress), remaining)
+
+    @property
+    def idle(self) -> bool:
+        """No admitted work and no wave in flight."""
+        return not self._progress and not self._waves

@@ -1,0 +1,97 @@
+"""What travels on the planes: wave headers and results (data plane), round envelopes (rounds)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefill_node.engine.types import StageKVManifest
+
+
+@dataclass(frozen=True)
+class WaveChunk:
+    """One scheduled chunk: tokens [start, start + length) of ``request_id``.
+
+    ``is_last``: this chunk ends the prompt, so the last stage computes logits for its final
+    row and every stage completes the request (index its new blocks, unpin) after it.
+    """
+
+    request_id: str
+    start: int
+    length: int
+    is_last: bool
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class WaveHeader:
+    """A wave as it travels stage s -> s+1: its chunks, in row order of the activations.
+
+    ``failed`` maps request id -> message for requests some earlier stage could not run; their
+    rows are still present (zeros) so shapes stay simple, and later stages skip them.
+    ``manifests``: (request id, manifest) of each stage a request's last chunk has left.
+    ``stop``: the shutdown sentinel, forwarded down the pipeline and back to the leader.
+    """
+
+    wave_id: int
+    chunks: tuple[WaveChunk, ...]
+    failed: tuple[tuple[str, str], ...] = ()
+    manifests: tuple[tuple[str, StageKVManifest], ...] = ()
+    stop: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The last stage's product for one finished request: the last position's top logprobs."""
+
+    request_id: str
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class WaveResult:
+    """Last stage -> leader after each wave: finished requests and failures along the way."""
+
+    wave_id: int
+    outputs: tuple[RequestOutput, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+    manifests: tuple[tuple[str, StageKVManifest], ...] = ()
+    stop: bool = False
+
+
+class RoundKind(enum.Enum):
+    """What a rounds-plane message asks of every stage."""
+
+    ADMIT = "admit"  # payload: the admission coordinator's round message
+    TICK = "tick"  # nothing to do; keeps idle stages' rounds plane alive
+    STATS = "stats"  # reply: StageStats
+    CHECK = "check"  # run check_integrity(); reply: None or the error text
+    DUMP_KV = "dump_kv"  # payload: request id; reply: captured KV (tests only)
+    STOP = "stop"  # leave the WAVE loop
+
+
+@dataclass(frozen=True)
+class RoundMessage:
+    kind: RoundKind
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage's counters since start: time spent executing waves, and cache occupancy."""
+
+    stage: int
+    busy_s: float
+    waves: int
+    tokens: int
+    uptime_s: float
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    used_blocks: int = 0
+    total_blocks: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,387 @@
+"""The leader's Engine: the multi-process pipeline behind submit / abort / load / health."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prefill_node.engine.types import (
+    EngineHealth,
+    EngineLoad,
+    PrefillOptions,
+    PrefillResult,
+    PrefillTimings,
+    StageKVManifest,
+    StageLoad,
+)
+from prefill_node.errors import (
+    InvalidPromptError,
+    InvalidRequestError,
+    InvariantError,
+    RequestAbortedError,
+    StageStateError,
+    UnavailableError,
+    WaveppError,
+)
+from prefill_node.runtime.dist_env import DistEnv
+from prefill_node.runtime.heartbeat import Heartbeat
+from prefill_node.runtime.launcher import LocalLauncher
+from prefill_node.runtime.leader import Leader, LeaderConfig, Policy
+from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
+from prefill_node.runtime.messages import RoundKind, RoundMessage, StageStats, WaveResult
+from prefill_node.runtime.planes import Planes
+from prefill_node.runtime.spec import PipelineSpec
+from prefill_node.runtime.stage_compute import build_stage_compute
+from prefill_node.runtime.stage_main import SPEC_KEY, ready_key
+from prefill_node.runtime.stage_worker import StageWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """Leader-side record of one request, from submit to its future's resolution."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    options: PrefillOptions
+    future: Future[PrefillResult]
+    t_submit: float
+    t_admitted: float = 0.0
+    cached_tokens: int = 0
+    manifests: dict[int, StageKVManifest] = field(default_factory=dict)
+
+
+class PipelineEngine:
+    """Stage 0 of a P-stage pipeline and the Engine API on top of it.
+
+    Lifecycle: ``PipelineEngine.start`` publishes the spec in the rendezvous store it hosts,
+    (optionally) launches stages 1..P-1 locally, waits until every stage has loaded its slice,
+    joins the planes and starts the threads. ``shutdown`` drains the ring and stops every
+    stage. A dead stage (process exit, heartbeat silence, or a plane error) turns the engine
+    unhealthy and fails every unfinished request with UnavailableError at once; the engine
+    never hangs a caller. Every method is thread-safe.
+    """
+
+    def __init__(self, spec: PipelineSpec, env: DistEnv, launch: bool):
+        self.spec = spec
+        self._env = env
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._dead: str | None = None
+        self._closed = False
+        self._launcher = LocalLauncher(env, self._on_stage_exit) if launch else None
+        self._store: dist.TCPStore | None = None
+        self._leader: Leader | None = None
+        self._worker: StageWorker | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._last_stats: list[StageStats] = []
+        self.config: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls, spec: PipelineSpec, env: DistEnv, launch: bool = True, startup_timeout_s: float = 600
+    ) -> PipelineEngine:
+        engine = cls(spec, env, launch)
+        try:
+            engine._start(startup_timeout_s)
+        except BaseException:
+            engine._teardown(graceful=False)
+            raise
+        return engine
+
+    def _start(self, startup_timeout_s: float) -> None:
+        torch.set_num_threads(1)
+        env = self._env
+        self._store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            world_size=env.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=startup_timeout_s),
+        )
+        self._store.set(SPEC_KEY, self.spec.to_json())
+        if self._launcher is not None:
+            self._launcher.start()
+        compute = build_stage_compute(self.spec, 0)
+        self.config = compute.model_config
+        self._wait_ready(startup_timeout_s)
+        planes = Planes.join(0, env.world_size, self._store, torch.device(self.spec.device), 3600.0)
+        lockstep = self.spec.policy == "lockstep"
+        core = LeaderCore(self.spec, self.config)
+        self._leader = Leader(
+            LeaderConfig(
+                Policy(self.spec.policy), env.world_size, self.spec.ring, self.spec.tick_s
+            ),
+            planes,
+            core,
+            answer_local=lambda m: self._worker.answer(m),  # type: ignore[union-attr]
+            on_result=self._on_result,
+            on_outcomes=self._on_outcomes,
+            on_dead=self._on_dead,
+        )
+        self._worker = StageWorker(
+            0,
+            env.world_size,
+            planes,
+            compute,
+            lockstep=lockstep,
+            wave_source=self._leader.next_wave,
+            result_sink=self._leader.handle_result,
+        )
+        self._heartbeat = Heartbeat(
+            env, self._on_dead, self.spec.heartbeat_s, self.spec.dead_after_s
+        )
+        self._heartbeat.start()
+        self._leader.start()
+        self._worker.start()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self._store is not None
+        deadline = time.monotonic() + timeout_s
+        keys = [ready_key(r) for r in range(1, self._env.world_size)]
+        while keys:
+            if self._dead is not None:
+                raise UnavailableError(f"pipeline failed to start: {self._dead}")
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"stages not ready after {timeout_s:.0f}s: {keys}")
+            keys = [k for k in keys if not self._store.check([k])]
+            time.sleep(0.05)
+
+    def shutdown(self) -> None:
+        """Stop every stage: unfinished requests fail with UnavailableError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fail_all(UnavailableError("the pipeline is shutting down"))
+        self._teardown(graceful=self._dead is None)
+
+    def _teardown(self, graceful: bool) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._leader is not None:
+            self._leader.stop()
+        if graceful and self._worker is not None and self._leader is not None:
+            self._worker.join(timeout=10.0)
+            self._leader.join(timeout=10.0)
+        if self._launcher is not None:
+            self._launcher.stop(grace_s=10.0 if graceful else 0.0)
+        if self._worker is not None:
+            self._worker.join(timeout=5.0)
+        if self._leader is not None:
+            self._leader.join(timeout=5.0)
+        Planes.close()
+        self._store = None
+
+    # -- failure -------------------------------------------------------------------------------
+    def _on_stage_exit(self, rank: int, code: int) -> None:
+        self._on_dead(f"stage {rank} process exited with code {code}")
+
+    def _on_dead(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is not None or self._closed:
+                return
+            self._dead = reason
+        log.error("pipeline unavailable: %s", reason)
+        if self._leader is not None:
+            self._leader.mark_dead()
+        self._fail_all(UnavailableError(f"pipeline unavailable: {reason}"))
+
+    def _fail_all(self, error: WaveppError) -> None:
+        with self._lock:
+            pending = list(self._requests.values())
+            self._requests.clear()
+        for req in pending:
+            _settle(req.future, error=error)
+
+    # -- Engine API ----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
+        tokens = tuple(int(t) for t in token_ids)
+        self._validate(tokens, options)
+        rid = options.request_id or uuid.uuid4().hex
+        fut: Future[PrefillResult] = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            if self._dead is not None or self._closed:
+                reason = self._dead or "the pipeline is shut down"
+                _settle(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
+                return fut
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight; use a new id")
+            self._requests[rid] = _Request(rid, tokens, options, fut, time.monotonic())
+        leader = self._leader
+        assert leader is not None
+        with leader.lock:
+            leader.core.submit(rid, tokens, options.cache_salt, max(1, options.top_logprobs))
+            leader.lock.notify_all()
+        return fut
+
+    def _validate(self, tokens: tuple[int, ...], options: PrefillOptions) -> None:
+        if not tokens:
+            raise InvalidPromptError("the prompt is empty: send at least one token id")
+        if len(tokens) > self.max_model_len:
+            raise InvalidPromptError(
+                f"the prompt has {len(tokens)} tokens, the model's context is {self.max_model_len}"
+            )
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidPromptError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if options.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be >= 0, got {options.top_logprobs}")
+        self._leader_core_check(tokens)
+
+    def _leader_core_check(self, tokens: tuple[int, ...]) -> None:
+        assert self._leader is not None
+        self._leader.core.check_fits(len(tokens))
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        _settle(req.future, error=RequestAbortedError(f"request {request_id!r} was aborted"))
+        assert self._leader is not None
+        with self._leader.lock:
+            self._leader.core.abort(request_id)
+            self._leader.lock.notify_all()
+        return True
+
+    def health(self) -> EngineHealth:
+        if self._closed:
+            return EngineHealth(live=False, ready=False, detail="shut down")
+        if self._dead is not None:
+            return EngineHealth(live=True, ready=False, detail=self._dead)
+        return EngineHealth(live=True, ready=True)
+
+    def load(self) -> EngineLoad:
+        assert self._leader is not None
+        with self._leader.lock:
+            counts = self._leader.core.counts()
+        # stale stage figures are better than no answer
+        with contextlib.suppress(WaveppError, TimeoutError):
+            self._last_stats = self.stage_stats(timeout_s=2.0)
+        stages = tuple(
+            StageLoad(
+                s.stage,
+                s.free_blocks,
+                s.cached_blocks,
+                s.used_blocks,
+                s.total_blocks,
+                busy_fraction=s.busy_s / s.uptime_s if s.uptime_s > 0 else 0.0,
+            )
+            for s in self._last_stats
+        )
+        return EngineLoad(
+            counts.queue_depth, counts.inflight_requests, counts.inflight_tokens, stages
+        )
+
+    # -- debug / stats rounds --------------------------------------------------------------
+    def _control(self, kind: RoundKind, payload: Any = None, timeout_s: float = 30.0) -> list[Any]:
+        if self._dead is not None or self._closed or self._leader is None:
+            raise UnavailableError(f"pipeline unavailable: {self._dead or 'shut down'}")
+        return self._leader.control(RoundMessage(kind, payload)).result(timeout=timeout_s)
+
+    def stage_stats(self, timeout_s: float = 30.0) -> list[StageStats]:
+        """Busy time, wave count and cache occupancy of every stage."""
+        return list(self._control(RoundKind.STATS, timeout_s=timeout_s))
+
+    def debug_check_integrity(self) -> None:
+        """Run check_integrity() on every stage; InvariantError names each failing stage."""
+        errors = [e for e in self._control(RoundKind.CHECK) if e is not None]
+        if errors:
+            raise InvariantError("; ".join(errors))
+
+    def debug_dump_kv(self, request_id: str) -> list[Any]:
+        """Per stage, the KV captured when ``request_id`` completed (spec.capture_kv only)."""
+        return self._control(RoundKind.DUMP_KV, request_id)
+
+    @property
+    def stage_pids(self) -> dict[int, int]:
+        return self._launcher.pids if self._launcher is not None else {}
+
+    # -- callbacks from the leader threads -----------------------------------------------------
+    def _on_outcomes(self, outcomes: list[AdmissionOutcome]) -> None:
+        now = time.monotonic()
+        for out in outcomes:
+            with self._lock:
+                req = self._requests.get(out.request_id)
+                if req is not None and out.error is not None:
+                    del self._requests[out.request_id]
+            if req is None:
+                continue
+            if out.error is not None:
+                _settle(req.future, error=out.error)
+            else:
+                req.t_admitted = now
+                req.cached_tokens = out.cached_tokens
+
+    def _on_result(self, result: WaveResult) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid, manifest in result.manifests:
+                req = self._requests.get(rid)
+                if req is not None:
+                    req.manifests[manifest.stage] = manifest
+            finished = [(o, self._requests.pop(o.request_id, None)) for o in result.outputs]
+            failed = [(m, self._requests.pop(rid, None)) for rid, m in result.failed]
+        for msg, req in failed:
+            if req is not None:
+                _settle(req.future, error=StageStateError(msg))
+        for out, req in finished:
+            if req is None:
+                continue  # aborted meanwhile
+            k = req.options.top_logprobs
+            timings = PrefillTimings(
+                queue_s=req.t_admitted - req.t_submit,
+                admission_s=0.0,
+                compute_s=now - req.t_admitted,
+                total_s=now - req.t_submit,
+            )
+            _settle(
+                req.future,
+                result=PrefillResult(
+                    request_id=req.request_id,
+                    first_token_id=out.top_logprobs[0][0],
+                    top_logprobs=tuple(out.top_logprobs[:k]),
+                    prompt_tokens=len(req.token_ids),
+                    cached_tokens=req.cached_tokens,
+                    computed_tokens=len(req.token_ids) - req.cached_tokens,
+                    timings=timings,
+                    stage_manifests=tuple(req.manifests[s] for s in sorted(req.manifests)),
+                ),
+            )
+
+
+def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``fut`` once; later attempts (a race with abort or failure) are ignored."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except Exception:  # InvalidStateError: already settled
+        pass

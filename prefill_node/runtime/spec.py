@@ -1,0 +1,120 @@
+"""The pipeline's start-up description, validated once and shared with every stage as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prefill_node.errors import InvalidRequestError
+
+POLICIES = ("wave", "lockstep")
+
+
+class InvalidPipelineSpecError(InvalidRequestError):
+    """A pipeline option is out of range or inconsistent; the message names the option."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where every stage gets its weights: a checkpoint directory visible to all stages
+    (``path``), or a random-init model from an HF-style ``config`` dict and ``seed`` (tests,
+    benchmarks). Every stage materialises the same weights and keeps only its own slice."""
+
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    seed: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.config is None):
+            raise InvalidPipelineSpecError("give exactly one of model path or random config")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Everything a stage needs to build itself; the leader publishes it in the store.
+
+    ``layer_ranges``: (start, end) per stage, contiguous, covering the model (uneven allowed).
+    ``stage_blocks``: KV blocks per stage (uneven allowed: stages can diverge). ``max_wave_tokens``
+    is M, ``min_wave_tokens`` b_min. ``capture_kv`` keeps a copy of each finished request's KV
+    per stage for ``debug_dump_kv`` (tests only: it costs memory).
+    """
+
+    model: ModelSource
+    layer_ranges: tuple[tuple[int, int], ...]
+    stage_blocks: tuple[int, ...]
+    block_size: int = 16
+    policy: str = "wave"
+    max_wave_tokens: int = 512
+    min_wave_tokens: int = 64
+    max_batch: int = 128
+    max_requests_per_round: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    capture_kv: bool = False
+    heartbeat_s: float = 0.25
+    dead_after_s: float = 5.0
+    tick_s: float = 0.5
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        p = len(self.layer_ranges)
+        if p < 1:
+            raise InvalidPipelineSpecError("a pipeline needs >= 1 stage")
+        if len(self.stage_blocks) != p:
+            raise InvalidPipelineSpecError(
+                f"stage_blocks has {len(self.stage_blocks)} entries for {p} stages"
+            )
+        prev_end = 0
+        for s, (a, b) in enumerate(self.layer_ranges):
+            if a != prev_end or b <= a:
+                raise InvalidPipelineSpecError(
+                    f"layer ranges must be contiguous and non-empty from 0; stage {s} is [{a}, {b})"
+                )
+            prev_end = b
+        if any(n < 2 for n in self.stage_blocks):
+            raise InvalidPipelineSpecError(f"every stage needs >= 2 KV blocks: {self.stage_blocks}")
+        if self.policy not in POLICIES:
+            raise InvalidPipelineSpecError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.block_size < 1 or self.max_wave_tokens < self.block_size:
+            raise InvalidPipelineSpecError("need block_size >= 1 and max_wave_tokens >= block_size")
+        if not 0 < self.min_wave_tokens <= self.max_wave_tokens:
+            raise InvalidPipelineSpecError("need 0 < min_wave_tokens <= max_wave_tokens")
+        if self.max_wave_tokens % self.block_size or self.min_wave_tokens % self.block_size:
+            raise InvalidPipelineSpecError(
+                f"max_wave_tokens and min_wave_tokens must be multiples of block_size "
+                f"{self.block_size}"
+            )
+        if self.max_batch < 1 or self.max_requests_per_round < 1:
+            raise InvalidPipelineSpecError("max_batch and max_requests_per_round must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidPipelineSpecError(
+                f"dtype must be float32, bfloat16 or float16: {self.dtype}"
+            )
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidPipelineSpecError(f"device must be cpu or cuda, got {self.device!r}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_ranges[-1][1]
+
+    @property
+    def ring(self) -> int:
+        """R = 2P waves in flight (WAVEPP.md section 4)."""
+        return 2 * self.num_stages
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelineSpec:
+        d = json.loads(text)
+        d["model"] = ModelSource(**d["model"])
+        d["layer_ranges"] = tuple(tuple(r) for r in d["layer_ranges"])
+        d["stage_blocks"] = tuple(d["stage_blocks"])
+        return cls(**d)

@@ -1,0 +1,243 @@
+"""One stage's model slice, paged KV and admission state, as the runtime's threads drive them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from prefill_node.core.admission_messages import RoundRequest, StageReply
+from prefill_node.core.execution_results import BlockTable, StageStateMismatch
+from prefill_node.core.stage_admission import StageAdmission, StageConfig
+from prefill_node.engine.types import StageKVManifest
+from prefill_node.model.batch import ChunkBatch, ChunkSpec
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.partition import LayerRange
+from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.messages import RequestOutput, WaveChunk, WaveHeader
+from prefill_node.runtime.spec import PipelineSpec
+from prefill_node.runtime.stage_worker import Occupancy, StepOutput
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CapturedKV:
+    """A finished request's KV on one stage (``capture_kv`` only): per local layer, K and V
+    [num_tokens, kv_heads, head_dim], in global layer order from ``layer_start``."""
+
+    stage: int
+    layer_start: int
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+
+
+def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
+    """This stage's slice of the model named by ``spec.model`` (only its own weights)."""
+    a, b = spec.layer_ranges[stage]
+    layer_range = LayerRange(a, b)
+    dtype = _DTYPES[spec.dtype]
+    if spec.model.path is not None:
+        from prefill_node.model.loader_hf import load_stage_model as load_hf
+
+        return load_hf(spec.model.path, layer_range, dtype, spec.device)
+    config = ModelConfig.from_hf_config(spec.model.config or {}, name=spec.model.name)
+    return StageModel.random_init(config, layer_range, spec.model.seed, dtype, spec.device)
+
+
+def headroom_blocks(spec: PipelineSpec, stage: int) -> int:
+    """About 2*P*M tokens of lease headroom (WAVEPP.md 2), at most a quarter of the cache."""
+    want = -(-2 * spec.num_stages * spec.max_wave_tokens // spec.block_size)
+    return min(want, spec.stage_blocks[stage] // 4)
+
+
+class PipelineStageCompute:
+    """Stage ``stage``: ``StageModel`` + ``PagedKVCache`` + ``StageAdmission`` (its cache core).
+
+    Locking: ``_lock`` guards the admission state; the WAVE thread holds it while answering a
+    round phase, the LOOP while materialising and completing - never during the forward. The
+    forward only touches KV memory of blocks the wave's requests own (materialised from their
+    escrow), which admission never hands to anyone else before ``complete`` / ``abort``.
+
+    Failure: a chunk whose local state does not match (StageStateMismatch) fails its request
+    (reported to the leader in the wave's ``failed``); an exception in the forward fails every
+    request of that wave; the stage keeps serving either way.
+    """
+
+    def __init__(self, spec: PipelineSpec, stage: int, model: StageModel):
+        self.stage = stage
+        self.spec = spec
+        self.model = model
+        self.model_config = model.config
+        self.admission = StageAdmission(
+            StageConfig(
+                stage=stage,
+                num_blocks=spec.stage_blocks[stage],
+                block_size=spec.block_size,
+                num_layers=len(model.layer_range),
+                headroom_blocks=headroom_blocks(spec, stage),
+            )
+        )
+        self.kv = PagedKVCache.for_model(
+            model.config,
+            model.layer_range,
+            spec.stage_blocks[stage],
+            spec.block_size,
+            model.dtype,
+            model.device,
+        )
+        self._lock = threading.Lock()
+        self._captured: dict[str, CapturedKV] = {}
+
+    # -- WAVE thread ---------------------------------------------------------------------------
+    def admit(self, message: RoundRequest) -> StageReply:
+        with self._lock:
+            return self.admission.handle(message)
+
+    def check(self) -> None:
+        with self._lock:
+            self.admission.check_integrity()
+
+    def dump_kv(self, request_id: str) -> CapturedKV | None:
+        return self._captured.get(request_id)
+
+    def occupancy(self) -> Occupancy:
+        with self._lock:
+            s = self.admission.load()
+        return Occupancy(s.free, s.cached, s.in_use, s.total)
+
+    # -- LOOP thread ---------------------------------------------------------------------------
+    def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
+        already_failed = {rid for rid, _ in header.failed}
+        failed: list[tuple[str, str]] = []
+        tables: list[tuple[int, WaveChunk, BlockTable]] = []
+        rows = 0
+        with self._lock:
+            for chunk in header.chunks:
+                if chunk.request_id not in already_failed:
+                    table = self.admission.materialise(chunk.request_id, chunk.start, chunk.length)
+                    if isinstance(table, StageStateMismatch):
+                        failed.append((chunk.request_id, str(table.to_error())))
+                        self.admission.abort(chunk.request_id)
+                    else:
+                        tables.append((rows, chunk, table))
+                rows += chunk.length
+        out = None
+        if not self.model.is_last:
+            out = torch.zeros(rows, self.model_config.hidden_size, dtype=self.model.dtype)
+        if not tables:
+            return StepOutput(out, failed=tuple(failed))
+        try:
+            hidden_ok = self._forward(tables, hidden)
+            outputs = self._logits(tables, hidden_ok) if self.model.is_last else ()
+        except Exception as exc:  # a bug in one wave must not take the stage down
+            log.exception("stage %d: wave %d failed", self.stage, header.wave_id)
+            with self._lock:
+                for _, chunk, _ in tables:
+                    self.admission.abort(chunk.request_id)
+            msg = f"stage {self.stage}: wave {header.wave_id} failed: {exc!r}"
+            failed.extend((chunk.request_id, msg) for _, chunk, _ in tables)
+            return StepOutput(out, failed=tuple(failed))
+        manifests = self._complete(tables, failed)
+        if self.model.is_last:
+            return StepOutput(None, outputs, tuple(failed), manifests)
+        assert out is not None
+        offset = 0
+        for row, chunk, _ in tables:
+            out[row : row + chunk.length] = hidden_ok[offset : offset + chunk.length]
+            offset += chunk.length
+        return StepOutput(out, (), tuple(failed), manifests)
+
+    def _forward(
+        self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        batch = ChunkBatch(tuple(ChunkSpec(c.start, c.length, t.block_ids) for _, c, t in tables))
+        if self.model.is_first:
+            ids: list[int] = []
+            for _, chunk, _ in tables:
+                rsv = self.admission.reservation(chunk.request_id)
+                if rsv is None:  # aborted between materialise and here: a leader bug
+                    raise RuntimeError(f"request {chunk.request_id!r} vanished mid-wave")
+                ids.extend(rsv.prompt.spec.token_ids[chunk.start : chunk.start + chunk.length])
+            inputs = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        else:
+            if hidden is None:
+                raise RuntimeError("a non-first stage got a wave without activations")
+            if hidden.shape[0] == batch.total_tokens:  # no failed rows to skip
+                inputs = hidden
+            else:
+                inputs = torch.cat([hidden[r : r + c.length] for r, c, _ in tables])
+        return self.model(inputs, batch, self.kv)
+
+    def _logits(
+        self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor
+    ) -> tuple[RequestOutput, ...]:
+        finals, rows, offset = [], [], 0
+        for _, chunk, _ in tables:
+            offset += chunk.length
+            if chunk.is_last:
+                finals.append(chunk)
+                rows.append(offset - 1)
+        if not finals:
+            return ()
+        logits = self.model.compute_logits(hidden[rows])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        outputs = []
+        for i, chunk in enumerate(finals):
+            k = min(max(1, chunk.top_logprobs), logprobs.shape[-1])
+            values, ids = torch.topk(logprobs[i], k)
+            pairs = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+            outputs.append(RequestOutput(chunk.request_id, pairs))
+        return tuple(outputs)
+
+    def _complete(
+        self, tables: list[tuple[int, WaveChunk, BlockTable]], failed: list[tuple[str, str]]
+    ) -> tuple[tuple[str, StageKVManifest], ...]:
+        manifests = []
+        for _, chunk, table in tables:
+            if not chunk.is_last:
+                continue
+            if self.spec.capture_kv:
+                self._capture(chunk.request_id, table)
+            with self._lock:
+                done = self.admission.complete(chunk.request_id)
+            if isinstance(done, StageStateMismatch):
+                failed.append((chunk.request_id, str(done.to_error())))
+                continue
+            manifests.append((chunk.request_id, self._manifest(done.block_ids, table.end)))
+        return tuple(manifests)
+
+    def _manifest(self, block_ids: tuple[int, ...], num_tokens: int) -> StageKVManifest:
+        kv = self.kv
+        return StageKVManifest(
+            stage=self.stage,
+            layer_start=kv.layer_range.start,
+            layer_end=kv.layer_range.end,
+            block_ids=block_ids,
+            block_size=kv.block_size,
+            num_tokens=num_tokens,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
+            dtype=str(kv.dtype).removeprefix("torch."),
+        )
+
+    def _capture(self, request_id: str, table: BlockTable) -> None:
+        ks, vs = [], []
+        for layer in self.kv.layer_range:
+            k, v = self.kv.read(layer, table.block_ids, table.end)
+            ks.append(k.clone())
+            vs.append(v.clone())
+        self._captured[request_id] = CapturedKV(
+            self.stage, self.kv.layer_range.start, tuple(ks), tuple(vs)
+        )
+
+
+def build_stage_compute(spec: PipelineSpec, stage: int) -> PipelineStageCompute:
+    """Load stage ``stage``'s slice and allocate its KV (what each stage process does once)."""
+    torch.manual_seed(0)
+    return PipelineStageCompute(spec, stage, load_stage_model(spec, stage))

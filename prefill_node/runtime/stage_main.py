@@ -1,0 +1,94 @@
+"""Entry point of a non-leader stage process (``wavepp stage`` and the local launcher)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from prefill_node.runtime.dist_env import DistEnv
+from prefill_node.runtime.heartbeat import Heartbeat
+from prefill_node.runtime.launcher import STAGE_CPU_ENV, pin_to_cpu
+from prefill_node.runtime.planes import Planes
+from prefill_node.runtime.spec import PipelineSpec
+from prefill_node.runtime.stage_worker import StageWorker
+
+log = logging.getLogger("wavepp.stage")
+
+SPEC_KEY = "wavepp/spec"
+EXIT_LEADER_LOST = 3
+
+
+def ready_key(rank: int) -> str:
+    return f"wavepp/ready/{rank}"
+
+
+def connect_store(env: DistEnv, timeout_s: float) -> dist.TCPStore:
+    """A client of the leader's rendezvous store (the leader hosts it on MASTER_PORT)."""
+    return dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
+    """Join the pipeline as stage ``env.rank`` (>= 1) and serve until the leader stops it.
+
+    Contract: gets the PipelineSpec from the leader's store, loads only its layer slice and
+    allocates only its KV, announces readiness, joins the planes, then runs LOOP + WAVE.
+    Returns 0 after a clean STOP. Exits the process (code 3) as soon as the leader is lost -
+    a stage without its leader has nothing left to do, and must not hold its memory.
+    """
+    if env.is_leader:
+        raise ValueError("rank 0 is the leader: start it with `wavepp serve/prefill --stages`")
+    torch.set_num_threads(1)
+    cpu = os.environ.get(STAGE_CPU_ENV)
+    pin_to_cpu(int(cpu) if cpu else None)
+    store = connect_store(env, connect_timeout_s)
+    store.wait([SPEC_KEY], datetime.timedelta(seconds=connect_timeout_s))
+    spec = PipelineSpec.from_json(store.get(SPEC_KEY).decode())
+    if spec.num_stages != env.world_size:
+        raise ValueError(
+            f"WORLD_SIZE={env.world_size} but the leader runs {spec.num_stages} stages"
+        )
+
+    from prefill_node.runtime.stage_compute import build_stage_compute
+
+    compute = build_stage_compute(spec, env.rank)
+    store.set(ready_key(env.rank), "1")
+    planes = Planes.join(env.rank, env.world_size, store, torch.device(spec.device), 3600.0)
+    worker = StageWorker(
+        env.rank, env.world_size, planes, compute, lockstep=spec.policy == "lockstep"
+    )
+
+    def leader_lost(reason: str) -> None:
+        log.error("stage %d: leader lost (%s); exiting", env.rank, reason)
+        os._exit(EXIT_LEADER_LOST)
+
+    heartbeat = Heartbeat(env, leader_lost, spec.heartbeat_s, spec.dead_after_s)
+    heartbeat.start()
+    worker.start()
+    while worker.loop_thread.is_alive() and worker.wave_thread.is_alive():
+        time.sleep(0.05)
+    if worker.error is not None:
+        leader_lost(str(worker.error))
+    worker.join(timeout=spec.dead_after_s)
+    heartbeat.stop()
+    Planes.close()
+    return 0
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return run_stage(DistEnv.from_env())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""One stage process's two activities: the LOOP (execute waves) and the WAVE (answer rounds)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from prefill_node.engine.types import StageKVManifest
+from prefill_node.errors import InvariantError
+from prefill_node.runtime.messages import (
+    RequestOutput,
+    RoundKind,
+    RoundMessage,
+    StageStats,
+    WaveHeader,
+    WaveResult,
+)
+from prefill_node.runtime.planes import Frame, PlaneClosedError, Planes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one stage produced for one wave.
+
+    ``hidden``: activations for the next stage (None on the last stage). ``outputs``: finished
+    requests' logprobs (last stage only). ``failed``: requests this stage could not run.
+    """
+
+    hidden: torch.Tensor | None
+    outputs: tuple[RequestOutput, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+    manifests: tuple[tuple[str, StageKVManifest], ...] = ()
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    total_blocks: int
+
+
+class StageCompute(Protocol):
+    """The model + cache side of a stage, driven by the two threads of ``StageWorker``.
+
+    Thread contract: ``run_wave`` is called only by the LOOP thread; ``admit``, ``check``,
+    ``dump_kv`` and ``occupancy`` only by the WAVE thread, concurrently with ``run_wave``.
+    The implementation serialises its own cache-core accesses (one lock, short sections).
+    """
+
+    def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput: ...
+
+    def admit(self, message: Any) -> Any: ...
+
+    def check(self) -> None: ...
+
+    def dump_kv(self, request_id: str) -> Any: ...
+
+    def occupancy(self) -> Occupancy: ...
+
+
+class StageWorker:
+    """Runs a stage's LOOP and WAVE threads over its planes until a STOP arrives.
+
+    LOOP: take the next wave (from stage s-1 on the data plane, or from the leader's scheduler
+    through ``wave_source`` on stage 0), run ``compute.run_wave``, pass the activations to s+1 -
+    or, on the last stage, a ``WaveResult`` to the leader (``result_sink`` when P = 1).
+    WAVE (non-leader only; the leader drives rounds itself): follow rounds and reply.
+
+    ``lockstep=True`` reproduces the TensorRT-LLM PP baseline on this stage: a round is only
+    answered between waves (the WAVE handler takes the same lock the LOOP holds while it
+    executes), as when admission runs on the executor loop.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        planes: Planes,
+        compute: StageCompute,
+        lockstep: bool = False,
+        wave_source: Callable[[], WaveHeader] | None = None,
+        result_sink: Callable[[WaveResult], None] | None = None,
+    ):
+        self.rank = rank
+        self.world_size = world_size
+        self._planes = planes
+        self._compute = compute
+        self._lockstep = lockstep
+        self._wave_source = wave_source
+        self._result_sink = result_sink
+        self._exec_lock = threading.Lock()
+        self._started = time.monotonic()
+        self._busy_s = 0.0
+        self._waves = 0
+        self._tokens = 0
+        self.error: BaseException | None = None
+        self.loop_thread = threading.Thread(
+            target=self._loop, name=f"stage{rank}-loop", daemon=True
+        )
+        self.wave_thread = threading.Thread(
+            target=self._wave, name=f"stage{rank}-wave", daemon=True
+        )
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def start(self) -> None:
+        self.loop_thread.start()
+        if self.rank != 0:
+            self.wave_thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.loop_thread.join(timeout)
+        if self.rank != 0:
+            self.wave_thread.join(timeout)
+
+    # -- LOOP ------------------------------------------------------------------------------
+    def _next_wave(self) -> Frame:
+        if self.rank == 0:
+            if self._wave_source is None:
+                raise InvariantError("stage 0 needs a wave source")
+            return Frame(self._wave_source())
+        return self._planes.data.recv_prev()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                frame = self._next_wave()
+                header: WaveHeader = frame.header
+                if header.stop:
+                    self._emit(header, StepOutput(hidden=None))
+                    return
+                with self._exec_lock:
+                    t0 = time.perf_counter()
+                    step = self._compute.run_wave(header, frame.tensor)
+                    self._busy_s += time.perf_counter() - t0
+                self._waves += 1
+                self._tokens += header.num_tokens
+                self._emit(header, step)
+        except PlaneClosedError as exc:
+            self.error = exc
+            log.warning("stage %d LOOP: %s", self.rank, exc)
+        except BaseException as exc:
+            self.error = exc
+            log.exception("stage %d LOOP crashed", self.rank)
+            raise
+
+    def _emit(self, header: WaveHeader, step: StepOutput) -> None:
+        failed = header.failed + step.failed
+        manifests = header.manifests + step.manifests
+        if not self.is_last:
+            out = WaveHeader(header.wave_id, header.chunks, failed, manifests, header.stop)
+            hidden = step.hidden
+            if hidden is None and not header.stop:
+                hidden = torch.zeros(0, 1)
+            self._planes.data.send_next(Frame(out, None if header.stop else hidden))
+            return
+        result = WaveResult(header.wave_id, step.outputs, failed, manifests, header.stop)
+        if self.rank == 0:
+            if self._result_sink is None:
+                raise InvariantError("a one-stage pipeline needs a result sink")
+            self._result_sink(result)
+        else:
+            self._planes.data.send_result(Frame(result))
+
+    # -- WAVE ------------------------------------------------------------------------------
+    def _wave(self) -> None:
+        try:
+            while True:
+                message, _ = self._planes.rounds.follow(self.answer)
+                if message.kind is RoundKind.STOP:
+                    return
+        except PlaneClosedError as exc:
+            self.error = exc
+            log.warning("stage %d WAVE: %s", self.rank, exc)
+
+    def answer(self, message: RoundMessage) -> Any:
+        """This stage's reply to one round (the leader calls it for stage 0 as well)."""
+        if self._lockstep and message.kind is RoundKind.ADMIT:
+            with self._exec_lock:
+                return self._answer(message)
+        return self._answer(message)
+
+    def _answer(self, message: RoundMessage) -> Any:
+        kind = message.kind
+        if kind is RoundKind.ADMIT:
+            return self._compute.admit(message.payload)
+        if kind is RoundKind.STATS:
+            return self.stats()
+        if kind is RoundKind.CHECK:
+            try:
+                self._compute.check()
+            except Exception as exc:  # reported to the leader, who raises it for the caller
+                return f"stage {self.rank}: {type(exc).__name__}: {exc}"
+            return None
+        if kind is RoundKind.DUMP_KV:
+            return self._compute.dump_kv(message.payload)
+        return None  # TICK, STOP
+
+    def stats(self) -> StageStats:
+        occ = self._compute.occupancy()
+        return StageStats(
+            stage=self.rank,
+            busy_s=self._busy_s,
+            waves=self._waves,
+            tokens=self._tokens,
+            uptime_s=time.monotonic() - self._started,
+            free_blocks=occ.free_blocks,
+            cached_blocks=occ.cached_blocks,
+            used_blocks=occ.used_blocks,
+            total_blocks=occ.total_blocks,
+        )

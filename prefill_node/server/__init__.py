@@ -1,0 +1,1 @@
+"""gRPC front of a pipeline: PrefillService servicer and server, clients, metrics, CLI glue."""

@@ -1,0 +1,240 @@
+"""Clients of the PrefillService (sync and asyncio) for tools, tests and the router.
+
+Both return engine-side types (``RemoteResult`` wraps a PrefillResult) and raise
+``grpc.RpcError`` with the server's status code and message on failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from prefill_node.engine.types import (
+    EngineLoad,
+    KVPullDestination,
+    KVPushDestination,
+    PrefillResult,
+)
+from prefill_node.server.convert import load_from_proto, result_from_proto
+from prefill_node.server.kv_convert import destination_to_proto
+from wavepp_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class RemoteResult(NamedTuple):
+    """A prefill result as the server returned it."""
+
+    result: PrefillResult
+    prompt_token_ids: tuple[int, ...]  # only for text prompts (server-side tokenisation)
+    server_s: float  # request received -> response ready, inside the server
+
+
+class RemoteServerInfo(NamedTuple):
+    """What GetServerInfo reports."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    num_stages: int
+    text_prompts: bool
+    server_version: str
+
+
+def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
+    return RemoteServerInfo(
+        msg.model_name,
+        msg.vocab_size,
+        msg.max_model_len,
+        msg.num_stages,
+        msg.text_prompts,
+        msg.server_version,
+    )
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """Trust ``ca_file``; ``cert_file`` + ``key_file`` present a client certificate (mTLS)."""
+
+    ca_file: Path
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("give both a client certificate and its key, or neither")
+        read = lambda p: Path(p).read_bytes() if p is not None else None
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca_file),
+            private_key=read(self.key_file),
+            certificate_chain=read(self.cert_file),
+        )
+
+
+def build_request(
+    prompt: Sequence[int] | str,
+    *,
+    request_id: str = "",
+    chat: bool = False,
+    cache_salt: str = "",
+    top_logprobs: int | None = None,
+    kv_destination: KVPushDestination | KVPullDestination | None = None,
+    timeout_s: float | None = None,
+) -> prefill_pb2.PrefillRequest:
+    """A PrefillRequest for token ids or text (``chat``: apply the model's chat template)."""
+    req = prefill_pb2.PrefillRequest(request_id=request_id, cache_salt=cache_salt)
+    if isinstance(prompt, str):
+        req.text.text = prompt
+        req.text.apply_chat_template = chat
+    else:
+        req.token_ids.ids.extend(prompt)
+    if top_logprobs is not None:
+        req.top_logprobs = top_logprobs
+    if kv_destination is not None:
+        req.kv_destination.CopyFrom(destination_to_proto(kv_destination))
+    if timeout_s is not None:
+        req.timeout.FromNanoseconds(round(timeout_s * 1e9))
+    return req
+
+
+def to_remote_result(resp: prefill_pb2.PrefillResponse) -> RemoteResult:
+    return RemoteResult(
+        result_from_proto(resp), tuple(resp.prompt_token_ids), resp.timings.server_seconds
+    )
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class PrefillClient:
+    """Blocking client; thread-safe (one channel, many concurrent calls)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: ClientTLS | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        options = _channel_options(max_message_bytes)
+        if tls is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=options)
+        self._stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def prefill(
+        self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
+    ) -> RemoteResult:
+        """One Prefill call; ``deadline_s`` is the gRPC call deadline, kwargs: build_request."""
+        return to_remote_result(
+            self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
+        )
+
+    def prefill_stream(
+        self, requests: Iterable[prefill_pb2.PrefillRequest]
+    ) -> Iterator[prefill_pb2.PrefillStreamResponse]:
+        """Many requests on one call; entries arrive in completion order."""
+        return self._stub.PrefillStream(iter(requests))
+
+    def abort(self, request_id: str) -> bool:
+        return self._stub.Abort(prefill_pb2.AbortRequest(request_id=request_id)).aborted
+
+    def load(self) -> EngineLoad:
+        return load_from_proto(self._stub.GetLoad(prefill_pb2.GetLoadRequest()))
+
+    def server_info(self, timeout_s: float | None = 30.0) -> RemoteServerInfo:
+        req = prefill_pb2.GetServerInfoRequest()
+        return _info(self._stub.GetServerInfo(req, timeout=timeout_s))
+
+    def prefill_future(
+        self, request: prefill_pb2.PrefillRequest, deadline_s: float | None = None
+    ) -> grpc.Future:
+        """A non-blocking Prefill call; the future resolves to a PrefillResponse."""
+        return self._stub.Prefill.future(request, timeout=deadline_s)
+
+    def is_live(self, timeout_s: float = 5.0) -> bool:
+        """Liveness as the health service reports it ("" service)."""
+        resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def is_ready(self, timeout_s: float = 5.0) -> bool:
+        """Readiness as the health service reports it for the PrefillService."""
+        req = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        resp = self._health.Check(req, timeout=timeout_s)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PrefillClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncPrefillClient:
+    """asyncio client; create and use it inside one running event loop."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: ClientTLS | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        options = _channel_options(max_message_bytes)
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
+        self._stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
+
+    async def prefill(
+        self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
+    ) -> RemoteResult:
+        call = self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
+        return to_remote_result(await call)
+
+    def prefill_call(
+        self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
+    ) -> grpc.aio.UnaryUnaryCall:
+        """The raw call object (cancel() it to cancel the request)."""
+        return self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
+
+    async def prefill_stream(
+        self, requests: Iterable[prefill_pb2.PrefillRequest]
+    ) -> AsyncIterator[prefill_pb2.PrefillStreamResponse]:
+        async for item in self._stub.PrefillStream(iter(requests)):
+            yield item
+
+    async def abort(self, request_id: str) -> bool:
+        resp = await self._stub.Abort(prefill_pb2.AbortRequest(request_id=request_id))
+        return resp.aborted
+
+    async def load(self) -> EngineLoad:
+        return load_from_proto(await self._stub.GetLoad(prefill_pb2.GetLoadRequest()))
+
+    async def server_info(self) -> RemoteServerInfo:
+        return _info(await self._stub.GetServerInfo(prefill_pb2.GetServerInfoRequest()))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncPrefillClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

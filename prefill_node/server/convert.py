@@ -1,0 +1,208 @@
+"""Proto <-> engine conversion of prefill requests, responses and load reports.
+
+``parse_request`` is the one place a PrefillRequest is validated: everything it can check
+without the engine (prompt, vocabulary, context length, options, destination) raises a typed
+InvalidRequestError whose message names the field to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefill_node.engine.types import (
+    EngineLoad,
+    PrefillOptions,
+    PrefillResult,
+    PrefillTimings,
+    StageLoad,
+)
+from prefill_node.errors import InvalidPromptError, InvalidRequestError
+from prefill_node.server.kv_convert import (
+    destination_from_proto,
+    manifest_from_proto,
+    manifest_to_proto,
+)
+from wavepp_proto.prefill.v1 import prefill_pb2
+
+MAX_TOP_LOGPROBS = 20
+MAX_ID_CHARS = 256
+
+
+class PromptTokenizer(Protocol):
+    """What the server needs to tokenise text prompts (prefill_node.model.tokenizer.Tokenizer)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """Model facts every request is checked against."""
+
+    vocab_size: int
+    max_model_len: int
+    default_top_logprobs: int = 5
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: the engine's input plus what the response needs to echo."""
+
+    token_ids: tuple[int, ...]
+    options: PrefillOptions
+    from_text: bool  # True: echo token_ids in the response
+    timeout_s: float | None  # the request's own timeout (relative), None = none
+
+
+def parse_request(
+    req: prefill_pb2.PrefillRequest,
+    *,
+    request_id: str,
+    limits: ModelLimits,
+    tokenizer: PromptTokenizer | None,
+) -> ParsedRequest:
+    """Validate ``req`` and convert it; ``request_id`` is the id the server settled on."""
+    if len(request_id) > MAX_ID_CHARS:
+        raise InvalidRequestError(f"request_id is longer than {MAX_ID_CHARS} characters")
+    if len(req.cache_salt) > MAX_ID_CHARS:
+        raise InvalidRequestError(f"cache_salt is longer than {MAX_ID_CHARS} characters")
+    token_ids, from_text = _prompt_tokens(req, limits, tokenizer)
+    top = req.top_logprobs if req.HasField("top_logprobs") else limits.default_top_logprobs
+    if top > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs={top} is above the maximum {MAX_TOP_LOGPROBS}")
+    timeout_s = None
+    if req.HasField("timeout"):
+        timeout_s = req.timeout.ToNanoseconds() / 1e9
+        if timeout_s <= 0:
+            raise InvalidRequestError("timeout must be positive; leave it unset for none")
+    destination = None
+    if req.HasField("kv_destination"):
+        destination = destination_from_proto(req.kv_destination, len(token_ids))
+    options = PrefillOptions(
+        request_id=request_id,
+        cache_salt=req.cache_salt or None,
+        top_logprobs=top,
+        kv_destination=destination,
+    )
+    return ParsedRequest(tuple(token_ids), options, from_text, timeout_s)
+
+
+def _prompt_tokens(
+    req: prefill_pb2.PrefillRequest, limits: ModelLimits, tokenizer: PromptTokenizer | None
+) -> tuple[list[int], bool]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidPromptError("the request has no prompt: set token_ids or text")
+    if kind == "text":
+        if not req.text.text:
+            raise InvalidPromptError("text.text is empty: send a non-empty prompt")
+        if tokenizer is None:
+            raise InvalidPromptError("this server has no tokenizer: send token_ids instead")
+        if req.text.apply_chat_template:
+            ids = tokenizer.encode_chat([{"role": "user", "content": req.text.text}])
+        else:
+            ids = tokenizer.encode(req.text.text)
+    else:
+        ids = list(req.token_ids.ids)
+    if not ids:
+        raise InvalidPromptError("the prompt is empty: send at least one token")
+    if len(ids) > limits.max_model_len:
+        raise InvalidPromptError(
+            f"the prompt has {len(ids)} tokens; this model's context is {limits.max_model_len}: "
+            "shorten it"
+        )
+    if max(ids) >= limits.vocab_size:
+        bad = next(i for i, t in enumerate(ids) if t >= limits.vocab_size)
+        raise InvalidPromptError(
+            f"token id {ids[bad]} at position {bad} is outside the vocabulary "
+            f"[0, {limits.vocab_size})"
+        )
+    return ids, kind == "text"
+
+
+def response_to_proto(
+    result: PrefillResult, *, prompt_token_ids: Sequence[int] = (), server_s: float = 0.0
+) -> prefill_pb2.PrefillResponse:
+    t = result.timings
+    return prefill_pb2.PrefillResponse(
+        request_id=result.request_id,
+        first_token_id=result.first_token_id,
+        top_logprobs=[
+            prefill_pb2.TokenLogprob(token_id=tok, logprob=lp) for tok, lp in result.top_logprobs
+        ],
+        prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        computed_tokens=result.computed_tokens,
+        stage_manifests=[manifest_to_proto(m) for m in result.stage_manifests],
+        timings=prefill_pb2.PrefillTimings(
+            queue_seconds=t.queue_s,
+            admission_seconds=t.admission_s,
+            compute_seconds=t.compute_s,
+            engine_seconds=t.total_s,
+            server_seconds=server_s,
+        ),
+        prompt_token_ids=prompt_token_ids,
+    )
+
+
+def result_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
+    """The engine-side view of a response (logprobs are float32 on the wire)."""
+    t = msg.timings
+    return PrefillResult(
+        request_id=msg.request_id,
+        first_token_id=msg.first_token_id,
+        top_logprobs=tuple((e.token_id, e.logprob) for e in msg.top_logprobs),
+        prompt_tokens=msg.prompt_tokens,
+        cached_tokens=msg.cached_tokens,
+        computed_tokens=msg.computed_tokens,
+        timings=PrefillTimings(
+            queue_s=t.queue_seconds,
+            admission_s=t.admission_seconds,
+            compute_s=t.compute_seconds,
+            total_s=t.engine_seconds,
+        ),
+        stage_manifests=tuple(manifest_from_proto(m) for m in msg.stage_manifests),
+    )
+
+
+def load_to_proto(load: EngineLoad) -> prefill_pb2.LoadReport:
+    return prefill_pb2.LoadReport(
+        queue_depth=load.queue_depth,
+        inflight_requests=load.inflight_requests,
+        inflight_tokens=load.inflight_tokens,
+        stages=[
+            prefill_pb2.StageLoad(
+                stage=s.stage,
+                free_blocks=s.free_blocks,
+                cached_blocks=s.cached_blocks,
+                used_blocks=s.used_blocks,
+                total_blocks=s.total_blocks,
+                busy_fraction=s.busy_fraction,
+            )
+            for s in load.stages
+        ],
+    )
+
+
+def load_from_proto(msg: prefill_pb2.LoadReport) -> EngineLoad:
+    return EngineLoad(
+        queue_depth=msg.queue_depth,
+        inflight_requests=msg.inflight_requests,
+        inflight_tokens=msg.inflight_tokens,
+        stages=tuple(
+            StageLoad(
+                s.stage,
+                s.free_blocks,
+                s.cached_blocks,
+                s.used_blocks,
+                s.total_blocks,
+                s.busy_fraction,
+            )
+            for s in msg.stages
+        ),
+    )

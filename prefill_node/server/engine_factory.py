@@ -1,0 +1,72 @@
+"""Builds the Engine a ``wavepp serve`` process fronts: the one switch between engine kinds.
+
+Today every spec builds the in-process ``LocalEngine`` (P stages simulated in one process).
+The multi-process pipeline (prefill_node/runtime/) plugs in here behind the same Engine
+protocol: add its branch to ``build_engine`` and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefill_node.engine.types import Engine
+from prefill_node.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("wave", "lockstep")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to serve. ``model_dir``: a Hugging Face checkpoint directory (config.json +
+    safetensors); ``num_blocks``: KV blocks per stage, one value or one per stage."""
+
+    model_dir: Path
+    stages: int = 2
+    policy: str = "wave"
+    num_blocks: tuple[int, ...] = (1024,)
+    block_size: int = 16
+    max_chunk_tokens: int = 512
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise InvalidRequestError(f"--stages must be >= 1, got {self.stages}")
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        if len(self.num_blocks) not in (1, self.stages) or min(self.num_blocks) < 2:
+            raise InvalidRequestError(
+                f"--num-blocks: give one value or one per stage ({self.stages}), each >= 2"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    """A started engine for ``spec``; the caller owns it and must call ``shutdown``."""
+    import torch
+
+    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+
+    if spec.policy != "wave":
+        log.warning(
+            "policy %r has no effect on the in-process engine (one request at a time); "
+            "it applies to the multi-process pipeline",
+            spec.policy,
+        )
+    config = LocalEngineConfig(
+        num_stages=spec.stages,
+        num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
+        block_size=spec.block_size,
+        max_chunk_tokens=spec.max_chunk_tokens,
+        max_model_len=spec.max_model_len,
+        dtype=getattr(torch, spec.dtype),
+        device=spec.device,
+    )
+    return LocalEngine.from_model_dir(spec.model_dir, config)

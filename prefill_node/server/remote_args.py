@@ -1,0 +1,31 @@
+"""Command-line flags for reaching a running server (--server, client TLS); no heavy imports."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds --server and the client TLS flags to a subcommand's parser."""
+    g = parser.add_argument_group("remote server (optional)")
+    g.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help="send the prefills to a running `wavepp serve` instead of running the model here",
+    )
+    g.add_argument("--tls-ca", type=Path, help="CA bundle (PEM) to verify the server; enables TLS")
+    g.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--tls-key", type=Path, help="client private key (PEM) for mutual TLS")
+
+
+def remote_engine_from_args(args: argparse.Namespace) -> Any:
+    """A RemoteEngine for ``args.server`` (connects and fetches the server's info)."""
+    from prefill_node.server.client import ClientTLS
+    from prefill_node.server.remote_engine import RemoteEngine
+
+    if (args.tls_cert or args.tls_key) and not args.tls_ca:
+        raise ValueError("--tls-cert / --tls-key need --tls-ca")
+    tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    return RemoteEngine(args.server, tls=tls)

@@ -1,0 +1,282 @@
+"""The PrefillService servicer: converts proto <-> engine types and maps errors to statuses.
+
+Thin by design: validation lives in ``convert.parse_request``, scheduling in the engine. Error
+policy (every message says what to fix):
+
+- InvalidRequestError -> INVALID_ARGUMENT; NeverFitsError -> RESOURCE_EXHAUSTED;
+  UnavailableError or a not-ready pipeline -> UNAVAILABLE;
+- the earlier of the request's ``timeout`` and the call's deadline passing -> the request is
+  aborted in the engine (its blocks freed on every stage) -> DEADLINE_EXCEEDED;
+- the client cancelling the call -> engine abort -> CANCELLED; an ``Abort`` RPC -> CANCELLED;
+- anything else -> INTERNAL, logged with the request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import grpc
+
+from prefill_node import __version__
+from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult
+from prefill_node.errors import (
+    InvalidRequestError,
+    NeverFitsError,
+    RequestAbortedError,
+    UnavailableError,
+)
+from prefill_node.server.convert import (
+    ModelLimits,
+    PromptTokenizer,
+    load_to_proto,
+    parse_request,
+    response_to_proto,
+)
+from prefill_node.server.kv_convert import batch_to_proto
+from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.server.metrics import ServerMetrics
+from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailure(Exception):
+    """A request's final status; raised inside the servicer, sent as a status or stream entry."""
+
+    def __init__(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(request_id, code, message)
+        self.request_id = request_id
+        self.code = code
+        self.message = message
+
+
+def _failure(request_id: str, exc: BaseException) -> RequestFailure:
+    if isinstance(exc, InvalidRequestError):
+        return RequestFailure(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, NeverFitsError):
+        return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, UnavailableError):
+        return RequestFailure(request_id, grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, RequestAbortedError):
+        return RequestFailure(request_id, grpc.StatusCode.CANCELLED, str(exc))
+    log.error("request %s failed with an internal error", request_id, exc_info=exc)
+    return RequestFailure(
+        request_id,
+        grpc.StatusCode.INTERNAL,
+        f"internal error in request {request_id} ({type(exc).__name__}); see the server log",
+    )
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """Serves one engine. ``ready`` is kept current by the server's health monitor."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        tokenizer: PromptTokenizer | None = None,
+        metrics: ServerMetrics | None = None,
+        kv_events: KVEventHub | None = None,
+        max_stream_inflight: int = 256,
+        submit_threads: int = 8,
+        blocking_submit: bool = True,
+        model_name: str = "",
+    ) -> None:
+        self._engine = engine
+        self._model_name = model_name
+        self._submit_pool = None
+        if blocking_submit:
+            self._submit_pool = ThreadPoolExecutor(
+                submit_threads, thread_name_prefix="wavepp-submit"
+            )
+        self._tokenizer = tokenizer
+        self._metrics = metrics or ServerMetrics()
+        self._kv_events = kv_events
+        self._limits = ModelLimits(engine.vocab_size, engine.max_model_len)
+        self._max_stream_inflight = max_stream_inflight
+        self.ready = True
+        self.not_ready_detail = ""
+
+    async def Prefill(self, request, context):
+        try:
+            return await self._prefill(request, context.time_remaining())
+        except RequestFailure as f:
+            await context.abort(f.code, f.message)
+
+    async def PrefillStream(
+        self, request_iterator, context
+    ) -> AsyncIterator[prefill_pb2.PrefillStreamResponse]:
+        """Requests run concurrently (at most ``max_stream_inflight`` at once: reading pauses
+        beyond that); responses are yielded in completion order. Cancelling the call aborts
+        every unfinished request of the stream."""
+        done: asyncio.Queue = asyncio.Queue()
+        end = object()
+        slots = asyncio.Semaphore(self._max_stream_inflight)
+        tasks: set[asyncio.Task] = set()
+
+        async def one(req: prefill_pb2.PrefillRequest) -> None:
+            try:
+                resp = await self._prefill(req, context.time_remaining())
+                item = prefill_pb2.PrefillStreamResponse(request_id=resp.request_id, response=resp)
+            except RequestFailure as f:
+                error = prefill_pb2.PrefillError(code=f.code.value[0], message=f.message)
+                item = prefill_pb2.PrefillStreamResponse(request_id=f.request_id, error=error)
+            finally:
+                slots.release()
+            done.put_nowait(item)
+
+        async def reader() -> None:
+            try:
+                async for req in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(one(req))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                done.put_nowait(end)
+
+        reading = asyncio.create_task(reader())
+        try:
+            reader_done = False
+            while not reader_done or tasks or not done.empty():
+                item = await done.get()
+                if item is end:
+                    reader_done = True
+                    reading.result()
+                    continue
+                yield item
+        finally:
+            for task in (reading, *tasks):
+                task.cancel()
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        return prefill_pb2.AbortResponse(aborted=self._engine.abort(request.request_id))
+
+    async def GetLoad(self, request, context):
+        try:
+            load = await asyncio.to_thread(self._engine.load)
+        except Exception as exc:
+            f = _failure("GetLoad", exc)
+            await context.abort(f.code, f.message)
+        return load_to_proto(load)
+
+    async def GetServerInfo(self, request, context):
+        try:
+            load = await asyncio.to_thread(self._engine.load)
+        except Exception as exc:
+            f = _failure("GetServerInfo", exc)
+            await context.abort(f.code, f.message)
+        return prefill_pb2.ServerInfo(
+            model_name=self._model_name,
+            vocab_size=self._limits.vocab_size,
+            max_model_len=self._limits.max_model_len,
+            num_stages=len(load.stages),
+            text_prompts=self._tokenizer is not None,
+            server_version=__version__,
+        )
+
+    async def SubscribeKvEvents(
+        self, request, context
+    ) -> AsyncIterator[kv_events_pb2.KvEventBatch]:
+        if self._kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server publishes no KV events")
+        sub = self._kv_events.subscribe()
+        try:
+            while (batch := await sub.next_batch()) is not None:
+                sequence, events = batch
+                yield batch_to_proto(sequence, events, self._kv_events.pipeline_id, time.time())
+        finally:
+            sub.close()
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "this subscriber fell too far behind the KV events and was dropped; resubscribe",
+        )
+
+    async def _run_engine(
+        self, token_ids: tuple[int, ...], options: PrefillOptions
+    ) -> PrefillResult:
+        """With ``blocking_submit`` (the default) ``submit`` runs on the submit pool: an engine
+        may compute inside it (LocalEngine does), which must never stall the event loop. An
+        engine whose submit only enqueues (the pipeline) is called inline, saving a thread hop.
+        """
+        if self._submit_pool is None:
+            future = self._engine.submit(token_ids, options)
+        else:
+            loop = asyncio.get_running_loop()
+            future = await loop.run_in_executor(
+                self._submit_pool, self._engine.submit, token_ids, options
+            )
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        """Stop the submit pool; submits not yet started are dropped."""
+        if self._submit_pool is not None:
+            self._submit_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _prefill(
+        self, req: prefill_pb2.PrefillRequest, call_remaining_s: float | None
+    ) -> prefill_pb2.PrefillResponse:
+        """Run one request to its response, or raise RequestFailure (metrics recorded)."""
+        started = time.perf_counter()
+        request_id = req.request_id or uuid.uuid4().hex
+        try:
+            response = await self._prefill_inner(req, request_id, call_remaining_s, started)
+        except RequestFailure as f:
+            self._metrics.observe_failure(f.code.name.lower())
+            raise
+        except asyncio.CancelledError:
+            self._metrics.observe_failure("cancelled")
+            raise
+        return response
+
+    async def _prefill_inner(
+        self,
+        req: prefill_pb2.PrefillRequest,
+        request_id: str,
+        call_remaining_s: float | None,
+        started: float,
+    ) -> prefill_pb2.PrefillResponse:
+        if not self.ready:
+            raise RequestFailure(
+                request_id,
+                grpc.StatusCode.UNAVAILABLE,
+                f"the pipeline is not ready ({self.not_ready_detail}); retry later",
+            )
+        try:
+            parsed = parse_request(
+                req, request_id=request_id, limits=self._limits, tokenizer=self._tokenizer
+            )
+        except Exception as exc:
+            raise _failure(request_id, exc) from exc
+        limits = [t for t in (parsed.timeout_s, call_remaining_s) if t is not None]
+        timeout_s = min(limits) if limits else None
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        options = replace(parsed.options, deadline_s=deadline)
+        try:
+            result = await asyncio.wait_for(self._run_engine(parsed.token_ids, options), timeout_s)
+        except asyncio.CancelledError:
+            self._engine.abort(request_id)
+            raise
+        except Exception as exc:
+            missed = deadline is not None and time.monotonic() >= deadline
+            if isinstance(exc, TimeoutError | RequestAbortedError) and missed:
+                self._engine.abort(request_id)
+                raise RequestFailure(
+                    request_id,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {request_id} missed its deadline of {timeout_s:.3f}s and was "
+                    "aborted; raise the timeout or send a shorter prompt",
+                ) from None
+            raise _failure(request_id, exc) from exc
+        server_s = time.perf_counter() - started
+        self._metrics.observe_success(result, server_s)
+        echo = parsed.token_ids if parsed.from_text else ()
+        return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)

@@ -1,0 +1,131 @@
+"""The simulator's handle on the real admission core: one coordinator, one StageAdmission per stage.
+
+Nothing here models the core: every call goes to ``AdmissionCoordinator``,
+``StageAdmission`` and ``round_driver.run_round``, exactly as the single-process engine
+drives them. The port only adds what a simulation needs: seeding prefixes into every
+stage's cache before the measured run, and turning a ``StageStateMismatch`` (which in the
+real runtime fails the request) into an ``InvariantError``, because the simulator never
+sends a chunk the leader did not schedule, so a mismatch here is a bug.
+
+Token scale (see ``workloads.py``): the core sees one id per ``token_scale`` real tokens
+and blocks of ``block_size / token_scale`` ids; the port converts chunk positions and
+cached lengths between real tokens (simulator, planner, roofline) and ids (core).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from prefill_node.core.admission_messages import AdmissionOutcome, Admitted, Rejected
+from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.execution_results import StageStateMismatch
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.round_driver import run_round
+from prefill_node.core.stage_admission import StageAdmission, StageConfig
+from prefill_node.core.wave import ScheduledChunk
+from prefill_node.errors import InvariantError
+
+
+class CorePort:
+    """P stages' admission state plus the leader's coordinator, for one simulated pipeline.
+
+    ``headroom_blocks`` per stage: ``lease_headroom_tokens / block_size`` (WAVEPP.md 2:
+    about ``2 * P * M`` tokens), capped at half the stage so tiny test caches still admit.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        token_scale: int,
+        stage_num_blocks: Sequence[int],
+        stage_num_layers: Sequence[int],
+        *,
+        model_id: str,
+        lease_headroom_tokens: int,
+        max_round_requests: int,
+    ) -> None:
+        if token_scale < 1 or block_size % token_scale:
+            raise InvariantError(f"token_scale {token_scale} must divide block_size {block_size}")
+        self.block_size, self.scale = block_size, token_scale
+        core_block = block_size // token_scale
+        self.extra = ExtraKeys(model_id=model_id)
+        self.stages = [
+            StageAdmission(
+                StageConfig(
+                    stage=s,
+                    num_blocks=n,
+                    block_size=core_block,
+                    num_layers=layers,
+                    headroom_blocks=min(lease_headroom_tokens // block_size, n // 2),
+                )
+            )
+            for s, (n, layers) in enumerate(zip(stage_num_blocks, stage_num_layers, strict=True))
+        ]
+        self.coordinator = AdmissionCoordinator(
+            CoordinatorConfig(
+                block_size=core_block,
+                stage_num_blocks=tuple(stage_num_blocks),
+                max_requests_per_round=max_round_requests,
+            )
+        )
+
+    def spec(self, request_id: str, tokens: Sequence[int]) -> RequestSpec:
+        return RequestSpec(request_id, tuple(tokens), self.extra)
+
+    def submit(self, spec: RequestSpec) -> Rejected | None:
+        """Queue for admission (FCFS); Rejected at once if it can never fit on some stage."""
+        return self.coordinator.submit(spec)
+
+    def next_round_ids(self) -> list[str]:
+        """Requests the next round will look at (the head of the coordinator's queue)."""
+        return self.coordinator.queued_ids()[: self.coordinator.config.max_requests_per_round]
+
+    @property
+    def num_queued(self) -> int:
+        return self.coordinator.num_queued
+
+    def run_round(self) -> tuple[AdmissionOutcome, ...]:
+        """One whole admission round over every stage, by direct calls (lengths in tokens)."""
+        outcomes = run_round(self.coordinator, self.stages)
+        return tuple(
+            replace(o, num_tokens=o.num_tokens * self.scale, cached_len=o.cached_len * self.scale)
+            if isinstance(o, Admitted)
+            else o
+            for o in outcomes
+        )
+
+    def _ids(self, tokens: int) -> int:
+        if tokens % self.scale:
+            raise InvariantError(f"position {tokens} is not a multiple of token_scale {self.scale}")
+        return tokens // self.scale
+
+    def materialise(self, stage: int, chunk: ScheduledChunk) -> None:
+        table = self.stages[stage].materialise(
+            chunk.request_id, self._ids(chunk.start), self._ids(chunk.length)
+        )
+        if isinstance(table, StageStateMismatch):
+            raise InvariantError(f"simulated chunk refused: {table.to_error()}")
+
+    def finish(self, stage: int, request_id: str) -> None:
+        done = self.stages[stage].complete(request_id)
+        if isinstance(done, StageStateMismatch):
+            raise InvariantError(f"simulated completion refused: {done.to_error()}")
+
+    def seed(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned."""
+        outcomes = [o for o in (self.submit(self.spec(request_id, tokens)),) if o]
+        outcomes += self.run_round()
+        if len(outcomes) != 1 or not isinstance(outcomes[0], Admitted):
+            raise InvariantError(f"seeding {request_id!r} was not admitted: {outcomes}")
+        cached = outcomes[0].cached_len
+        chunk = ScheduledChunk(request_id, cached, len(tokens) * self.scale - cached)
+        for s in range(len(self.stages)):
+            self.materialise(s, chunk)
+            self.finish(s, request_id)
+
+    def check_integrity(self) -> None:
+        """Every stage's cache and reservation invariants (raises InvariantError)."""
+        for stage in self.stages:
+            stage.check_integrity()

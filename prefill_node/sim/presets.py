@@ -1,0 +1,255 @@
+"""Built-in simulator setups approximating the WavePP paper's testbeds, and a tiny CPU one.
+
+Every number says where it comes from. "card" = the model's public config.json / model
+card; "sheet" = the vendor's public spec sheet; "est." = our estimate (why is given).
+
+Shared estimates (all GPU presets):
+- Weights NVFP4: 4-bit values + one FP8 scale per 16 values = 0.5625 bytes/param (the
+  paper serves NVFP4 checkpoints). KV cache FP8 (1 byte/element), activations BF16.
+- flops_efficiency 0.5 (est.): MoE grouped GEMMs and FP8 FMHA at prefill shapes reach
+  roughly half of dense peak; the same factor for both policies, it scales absolute
+  throughput, not the wave/lockstep ratio, except through the admission/compute balance.
+- layer_overhead 20 us per layer per wave (est.): ~10 kernel launches per layer without
+  CUDA graphs (prefill shapes vary), a few us each.
+- workspace 10 GB per GPU (est.): activations of a 16K-token wave through a MoE layer.
+- Rounds plane (est.): 3 phases (hint all-gather, lease confirmation, escrow commit), each a
+  leader broadcast + all-gather of small messages between P host processes, 0.3 ms on one
+  node, 0.5 ms across the two trays of an NVL72 PP8 group. Host work 250 ns per prompt
+  token on every stage (measured, then est.): ``bench/calibrate_admission.py`` times one
+  stage's share of a round in our sans-IO core (spec, hashing, hint probe, lease, escrow,
+  commit) at 680-1030 ns/token with 16- and 32-token blocks on this development VM while
+  it ran at load ~5.6 on 2 cores; a dedicated server core is taken as ~3x faster.
+- Simulated cache blocks are 256 tokens (coarser than TRT-LLM's 32 to keep the Python
+  simulator fast at 256K prompts; reuse granularity is irrelevant at these lengths, and the
+  host cost above is per token so it does not depend on this choice), and the core sees
+  one token id per 16 tokens (``token_scale``, see workloads.py).
+- Paper settings: wave limit M = 16,384 tokens, b_min = 8,192, max batch 128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefill_node.errors import InvalidRequestError
+from prefill_node.sim.specs import GPUSpec, LinkSpec, ModelSpec, RoundCostSpec
+
+
+class UnknownPresetError(InvalidRequestError):
+    """No preset has that name; the message lists the valid ones."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One pipeline setup: model, GPU, links, rounds plane and scheduler limits."""
+
+    name: str
+    description: str
+    model: ModelSpec
+    gpu: GPUSpec
+    link: LinkSpec
+    rounds: RoundCostSpec
+    num_stages: int
+    block_size: int
+    max_wave_tokens: int  # M
+    min_wave_tokens: int  # b_min
+    max_batch: int = 128  # requests admitted (in flight) at once, and per wave
+    token_scale: int = 1  # real tokens per id the core sees (workloads.py); divides block_size
+    fill_factor: int = 2  # F
+    input_lens: tuple[int, ...] = (65_536, 131_072, 262_144)  # the paper's grid
+
+
+_NVFP4 = 0.5625
+
+# Blackwell Ultra B300 (HGX B300 sheet): 288 GB HBM3e, 8 TB/s; 108 PF dense FP4 and 36 PF
+# dense FP8 per 8 GPUs (144 / 72 PF with sparsity) -> 13.5 PF FP4, 4.5 PF FP8 per GPU.
+B300 = GPUSpec(
+    name="B300",
+    memory_bytes=288e9,
+    hbm_bytes_per_s=8e12,
+    linear_flops_per_s=13.5e15,
+    attention_flops_per_s=4.5e15,
+    flops_efficiency=0.5,
+    workspace_bytes=10e9,
+    layer_overhead_s=20e-6,
+)
+# GB300 NVL72 (sheet): 1,080 PF dense FP4 / 72 GPUs = 15 PF, FP8 dense 5 PF (est. as 1/3
+# of FP4, as on B300); 288 GB HBM3e at 8 TB/s per GPU.
+GB300 = GPUSpec(
+    name="GB300",
+    memory_bytes=288e9,
+    hbm_bytes_per_s=8e12,
+    linear_flops_per_s=15e15,
+    attention_flops_per_s=5e15,
+    flops_efficiency=0.5,
+    workspace_bytes=10e9,
+    layer_overhead_s=20e-6,
+)
+# NVLink 5 (sheet): 900 GB/s per direction per GPU; 600 GB/s achieved by NCCL p2p and
+# 20 us per send (est.).
+NVLINK5 = LinkSpec(bytes_per_s=600e9, latency_s=20e-6)
+
+# MiniMax-M2 (card, MiniMaxAI/MiniMax-M2 config.json): 230B total / 10B active, 62 layers,
+# hidden 3072, 48 heads, 8 KV heads, head_dim 128, 256 experts (8 active, no shared),
+# expert intermediate 1536, vocab 200,064, full attention in every layer.
+MINIMAX_M2 = ModelSpec(
+    name="minimax-m2-class",
+    num_layers=62,
+    hidden=3072,
+    num_heads=48,
+    num_kv_heads=8,
+    head_dim=128,
+    dense_intermediate=8192,
+    vocab=200_064,
+    num_experts=256,
+    active_experts=8,
+    moe_intermediate=1536,
+    weight_bytes=_NVFP4,
+    kv_bytes=1.0,
+)
+# GLM-5 (card: 744B total / 40B active, DeepSeek Sparse Attention with top-2048 keys).
+# Layer shapes est. so that totals match the card: 78 layers (3 dense), hidden 6144, MLA
+# with 64 heads (q_lora 2048, kv_lora 512, qk 192 + rope 64, v 256), 256 experts (8 active,
+# 1 shared) of width 2048, dense width 12,288, indexer 32 heads x 128, vocab 154,880.
+# With these shapes total_params() = 745B and the active count = 41B.
+GLM5 = ModelSpec(
+    name="glm5-class",
+    num_layers=78,
+    num_dense_layers=3,
+    hidden=6144,
+    num_heads=64,
+    num_kv_heads=1,
+    head_dim=192,
+    dense_intermediate=12_288,
+    vocab=154_880,
+    num_experts=256,
+    active_experts=8,
+    shared_experts=1,
+    moe_intermediate=2048,
+    kv_lora_rank=512,
+    q_lora_rank=2048,
+    qk_rope_dim=64,
+    v_head_dim=256,
+    index_topk=2048,
+    index_heads=32,
+    index_head_dim=128,
+    weight_bytes=_NVFP4,
+    kv_bytes=1.0,
+)
+# Kimi-K2 (card, moonshotai/Kimi-K2-Instruct config.json, DeepSeek-V3 architecture):
+# ~1.04T total / 32B active, 61 layers (1 dense), hidden 7168, MLA 64 heads (q_lora 1536,
+# kv_lora 512, qk 128 + rope 64, v 128), 384 experts (8 active, 1 shared) of width 2048,
+# dense width 18,432, vocab 163,840. The paper's Kimi K3 is a KDA-linear / MLA hybrid; a
+# full-MLA K2 over-states long-context attention cost, which only helps the baseline.
+KIMI_K2 = ModelSpec(
+    name="kimi-k2-class",
+    num_layers=61,
+    num_dense_layers=1,
+    hidden=7168,
+    num_heads=64,
+    num_kv_heads=1,
+    head_dim=128,
+    dense_intermediate=18_432,
+    vocab=163_840,
+    num_experts=384,
+    active_experts=8,
+    shared_experts=1,
+    moe_intermediate=2048,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    weight_bytes=_NVFP4,
+    kv_bytes=1.0,
+)
+_ROUNDS_NODE = RoundCostSpec(phase_latency_s=0.3e-3, host_s_per_token=250e-9)
+_ROUNDS_NVL72 = RoundCostSpec(phase_latency_s=0.5e-3, host_s_per_token=250e-9)
+_PAPER = dict(
+    block_size=256, max_wave_tokens=16_384, min_wave_tokens=8_192, max_batch=128, token_scale=16
+)
+
+# SmolLM2-135M (card, HuggingFaceTB/SmolLM2-135M config.json): 30 layers, hidden 576,
+# 9 heads, 3 KV heads, head_dim 64, intermediate 1536, vocab 49,152; fp32 on CPU.
+SMOLLM2_135M = ModelSpec(
+    name="smollm2-135m",
+    num_layers=30,
+    hidden=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    dense_intermediate=1536,
+    vocab=49_152,
+    weight_bytes=4.0,
+    kv_bytes=4.0,
+    act_bytes=4.0,
+)
+# One x86 core per stage (est., to be calibrated by the CPU pipeline benchmark): AVX2 FMA
+# fp32 peak 2 x 8 x 2 x 3 GHz = 96 GFLOP/s at 40% achieved, ~10 GB/s DRAM per core, 2 GB
+# of cache budget per stage, ~0.2 ms of torch dispatch per layer.
+CPU_CORE = GPUSpec(
+    name="cpu-core",
+    memory_bytes=2.5e9,
+    hbm_bytes_per_s=10e9,
+    linear_flops_per_s=96e9,
+    attention_flops_per_s=96e9,
+    flops_efficiency=0.4,
+    usable_memory_fraction=1.0,
+    workspace_bytes=0.0,
+    layer_overhead_s=0.2e-3,
+)
+
+PRESETS: dict[str, Preset] = {
+    "glm5-pp4": Preset(
+        name="glm5-pp4",
+        description="GLM-5-class MoE (744B/40B, DSA) NVFP4, TP1 x PP4 on 4x B300",
+        model=GLM5,
+        gpu=B300,
+        link=NVLINK5,
+        rounds=_ROUNDS_NODE,
+        num_stages=4,
+        **_PAPER,
+    ),
+    "minimax-pp4": Preset(
+        name="minimax-pp4",
+        description="MiniMax-M2-class MoE (230B/10B) NVFP4, TP1 x PP4 on 4x B300",
+        model=MINIMAX_M2,
+        gpu=B300,
+        link=NVLINK5,
+        rounds=_ROUNDS_NODE,
+        num_stages=4,
+        **_PAPER,
+    ),
+    "kimi-pp8": Preset(
+        name="kimi-pp8",
+        description="Kimi-K2-class MoE (1T/32B, MLA) NVFP4, TP1 x PP8 on 8x GB300",
+        model=KIMI_K2,
+        gpu=GB300,
+        link=NVLINK5,
+        rounds=_ROUNDS_NVL72,
+        num_stages=8,
+        **_PAPER,
+    ),
+    "cpu": Preset(
+        name="cpu",
+        description="SmolLM2-135M fp32, PP2 on 2 CPU cores (constants to be calibrated)",
+        model=SMOLLM2_135M,
+        gpu=CPU_CORE,
+        link=LinkSpec(bytes_per_s=1e9, latency_s=50e-6),  # gloo over loopback TCP (est.)
+        rounds=RoundCostSpec(phase_latency_s=0.5e-3, host_s_per_token=250e-9),
+        num_stages=2,
+        block_size=16,
+        max_wave_tokens=512,
+        min_wave_tokens=128,
+        max_batch=32,
+        input_lens=(1024, 2048, 4096),
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; raises UnknownPresetError listing the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UnknownPresetError(
+            f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}"
+        ) from None

@@ -1,0 +1,121 @@
+"""Runs a real PrefillServer on loopback in a background event-loop thread, for the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.engine.stage_executor import StageExecutor
+from prefill_node.engine.types import Engine
+from prefill_node.model.config import ModelConfig, ModelFamily
+from prefill_node.model.weights import random_weights
+from prefill_node.server.convert import PromptTokenizer
+from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.server.server import PrefillServer, ServerConfig
+
+
+class ServerThread:
+    """``with ServerThread(engine) as srv:`` -> a serving server at ``srv.target``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig | None = None,
+        *,
+        tokenizer: PromptTokenizer | None = None,
+        kv_events: KVEventHub | None = None,
+    ) -> None:
+        self.config = config or ServerConfig(host="127.0.0.1", port=0, health_poll_s=0.05)
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._kv_events = kv_events
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.server: PrefillServer | None = None
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self.server = self.call(self._start)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.call(lambda: self.server.stop(0.5))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.host}:{self.server.port}"
+
+    def call(self, coro_fn: Callable):
+        """Run ``coro_fn()`` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop).result(30)
+
+    async def _start(self) -> PrefillServer:
+        server = PrefillServer(
+            self._engine, self.config, tokenizer=self._tokenizer, kv_events=self._kv_events
+        )
+        await server.start()
+        return server
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
+        time.sleep(0.01)
+
+
+TINY_CONFIG = ModelConfig(
+    family=ModelFamily.QWEN3,
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    name="tiny-grpc",
+)
+
+
+def tiny_local_engine(num_blocks: int = 256, stage_delay_s: float = 0.0) -> LocalEngine:
+    """A 2-stage LocalEngine on a random 3-layer model (block size 4, chunks of 16 tokens);
+    ``stage_delay_s`` > 0 makes every stage step sleep that long first (real caches, slow)."""
+    config = LocalEngineConfig(
+        num_stages=2, num_blocks=num_blocks, block_size=4, max_chunk_tokens=16
+    )
+    engine = LocalEngine.from_weights(TINY_CONFIG, random_weights(TINY_CONFIG, seed=5), config)
+    if stage_delay_s > 0:
+        stages = [SlowStage(s, stage_delay_s) for s in engine.stages]
+        engine = LocalEngine(engine.model_config, stages, config)
+    return engine
+
+
+class SlowStage:
+    """A real StageExecutor whose ``execute`` first sleeps: requests take controllable time."""
+
+    def __init__(self, inner: StageExecutor, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def execute(self, chunks, inputs):
+        time.sleep(self._delay_s)
+        return self._inner.execute(chunks, inputs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def stage_used_blocks(engine: Engine) -> list[int]:
+    return [s.used_blocks for s in engine.load().stages]

@@ -1,0 +1,251 @@
+"""Random interleavings of admit / evict pressure / materialise / complete / abort on 2-4 stages."""
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefill_node.core.admission_messages import (
+    Aborted,
+    Admitted,
+    Phase,
+    Rejected,
+    RoundResult,
+    Wait,
+)
+from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.execution_results import BlockTable, Completion
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.request import RequestSpec, blocks_needed
+from prefill_node.core.stage_admission import StageAdmission, StageConfig
+
+B = 4
+EXTRA = ExtraKeys("prop")
+FAMILIES = [list(range(1000 * f, 1000 * f + 48)) for f in range(3)]
+
+
+def real_hit(stage, rid):
+    """Independent authoritative walk: full blocks of the prompt resident on ``stage``."""
+    prompt = stage._prompts.get(rid) or stage.reservation(rid).prompt
+    n = 0
+    for i, h in enumerate(prompt.hashes):
+        if stage.pool.lookup(h, prompt.parent_of(i), prompt.token_blocks[i], EXTRA) is None:
+            break
+        n += 1
+    return n
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    @initialize(
+        caps=st.lists(st.integers(5, 16), min_size=2, max_size=4),
+        recurrent_last=st.booleans(),
+        headroom=st.integers(0, 3),
+        per_round=st.integers(1, 4),
+    )
+    def setup(self, caps, recurrent_last, headroom, per_round):
+        self.stages = []
+        for s, n in enumerate(caps):
+            interval = 2 if recurrent_last and s == len(caps) - 1 else None
+            cfg = StageConfig(
+                s,
+                n,
+                B,
+                num_layers=s + 1,
+                headroom_blocks=min(headroom, n - 1),
+                snapshot_interval_blocks=interval,
+            )
+            self.stages.append(StageAdmission(cfg))
+        self.coord = AdmissionCoordinator(CoordinatorConfig(B, tuple(caps), per_round))
+        self.min_cap = min(caps)
+        self.specs: dict[str, RequestSpec] = {}
+        self.queued: set[str] = set()
+        self.admitted: dict[str, Admitted] = {}
+        self.pos: dict[str, list[int]] = {}  # next token per stage
+        self.tables: dict[str, list[tuple[int, ...]]] = {}
+        self.completed: dict[str, set[int]] = {}
+        self.n = 0
+
+    @rule(
+        family=st.integers(0, 2),
+        shared=st.sampled_from([0, 3, 8, 16, 24, 40]),
+        own=st.integers(1, 12),
+    )
+    def submit(self, family, shared, own):
+        self.n += 1
+        rid = f"r{self.n}"
+        tokens = FAMILIES[family][:shared] + [50_000 + self.n * 100 + i for i in range(own)]
+        spec = RequestSpec(rid, tuple(tokens), EXTRA)
+        out = self.coord.submit(spec)
+        if isinstance(out, Rejected):
+            assert blocks_needed(len(tokens), B) > self.min_cap
+        else:
+            assert blocks_needed(len(tokens), B) <= self.min_cap
+            self.specs[rid] = spec
+            self.queued.add(rid)
+
+    @rule(
+        pressure_at=st.sampled_from([None, Phase.RESERVE, Phase.COMMIT]),
+        s=st.integers(0, 3),
+        n=st.integers(1, 6),
+    )
+    def admission_round(self, pressure_at=None, s=0, n=0):
+        """One round; optionally evict on stage ``s`` right before the RESERVE or COMMIT
+        phase, as the stage's own execution loop may do concurrently."""
+        msg = self.coord.begin_round()
+        outcomes = ()
+        while msg is not None:
+            if msg.phase is pressure_at:
+                self._evict_candidate(msg, s) or self.evict_pressure(s, n)
+            step = self.coord.finish_phase([stage.handle(msg) for stage in self.stages])
+            if isinstance(step, RoundResult):
+                outcomes = step.outcomes
+                break
+            msg = step
+        for out in outcomes:
+            event(f"outcome {type(out).__name__}")
+            if isinstance(out, Admitted):
+                self._on_admitted(out)
+            elif isinstance(out, Aborted):
+                self.queued.discard(out.request_id)
+            else:
+                assert isinstance(out, Wait) and out.request_id in self.queued
+
+    def _evict_candidate(self, msg, s):
+        """Between lookup and lease, evict the last block of some candidate prefix on stage s
+        (with everything older in LRU order), forcing the lease there to fall short."""
+        stage = self.stages[s % len(self.stages)]
+        for order in msg.reserves:
+            if order.candidate_blocks == 0:
+                continue
+            prompt = stage._prompts[order.request_id]
+            i = order.candidate_blocks - 1
+            target = stage.pool.lookup(
+                prompt.hashes[i], prompt.parent_of(i), prompt.token_blocks[i], EXTRA
+            )
+            if target is None or target not in stage.pool.free_queue:
+                continue
+            take = 1 + stage.pool.free_queue.block_ids().index(target.block_id)
+            stage.pool.free(stage.pool.allocate(take))
+            event("candidate evicted before lease")
+            return True
+        return False
+
+    def _on_admitted(self, out):
+        rid = out.request_id
+        self.queued.remove(rid)
+        boundary = out.cached_len // B
+        event("admitted with reuse" if boundary else "admitted cold")
+        assert out.cached_len % B == 0 and out.cached_len < out.num_tokens
+        for stage in self.stages:
+            assert boundary <= real_hit(stage, rid)  # never more than any stage really has
+            assert stage.reservation(rid).boundary_blocks == boundary
+        self.admitted[rid] = out
+        self.pos[rid] = [out.cached_len] * len(self.stages)
+        self.tables[rid] = [()] * len(self.stages)
+        self.completed[rid] = set()
+
+    def _running(self):
+        return sorted(self.admitted)
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data())
+    def materialise(self, data):
+        rid = data.draw(st.sampled_from(self._running()))
+        s = data.draw(st.integers(0, len(self.stages) - 1))
+        start, total = self.pos[rid][s], self.admitted[rid].num_tokens
+        if start == total:
+            return
+        length = data.draw(st.integers(1, total - start))
+        table = self.stages[s].materialise(rid, start, length)
+        assert isinstance(table, BlockTable), table
+        prev = self.tables[rid][s]
+        assert table.block_ids[: len(prev)] == prev  # earlier blocks never move
+        assert len(table.block_ids) == blocks_needed(start + length, B)
+        self.tables[rid][s] = table.block_ids
+        self.pos[rid][s] = start + length
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data(), finish=st.booleans())
+    def complete(self, data, finish):
+        """Complete on every stage whose chunks are done; ``finish`` first runs the rest."""
+        rid = data.draw(st.sampled_from(self._running()))
+        total = self.admitted[rid].num_tokens
+        for s, stage in enumerate(self.stages):
+            start = self.pos[rid][s]
+            if finish and start < total:
+                assert isinstance(stage.materialise(rid, start, total - start), BlockTable)
+                self.pos[rid][s] = total
+            if self.pos[rid][s] == total and s not in self.completed[rid]:
+                assert isinstance(stage.complete(rid), Completion)
+                self.completed[rid].add(s)
+        if len(self.completed[rid]) == len(self.stages):
+            self._forget(rid)
+
+    @precondition(lambda self: self.admitted or self.queued)
+    @rule(data=st.data(), direct=st.booleans())
+    def abort(self, data, direct):
+        rid = data.draw(st.sampled_from(sorted(self.queued | set(self.admitted))))
+        if rid in self.admitted and direct:
+            for stage in self.stages:  # the runtime's path: every stage drops it at once
+                stage.abort(rid)
+        else:
+            self.coord.abort(rid)  # the leader's path: dropped with the next message
+        self.queued.discard(rid)
+        self._forget(rid)
+
+    def _forget(self, rid):
+        for d in (self.admitted, self.pos, self.tables, self.completed):
+            d.pop(rid, None)
+
+    @rule(s=st.integers(0, 3), n=st.integers(1, 6))
+    def evict_pressure(self, s, n):
+        """Another consumer takes LRU blocks until ``n`` cached ones are evicted, gives them back."""
+        stage = self.stages[s % len(self.stages)]
+        take = evicted = 0
+        for block in stage.pool.free_queue:
+            take += 1
+            evicted += block.block_hash is not None
+            if evicted == n:
+                break
+        stage.pool.free(stage.pool.allocate(take))
+
+    @invariant()
+    def stages_consistent(self):
+        for stage in self.stages:
+            stage.check_integrity()  # no double owner, pins == refs, committed escrows whole
+        for rid, out in self.admitted.items():
+            for s, stage in enumerate(self.stages):
+                if s in self.completed[rid]:
+                    continue
+                rsv = stage.reservation(rid)
+                if rsv is None:  # only after a leader abort not yet broadcast
+                    continue
+                assert rsv.committed and rsv.boundary_blocks * B == out.cached_len
+                assert rsv.escrow.held == rsv.escrow.target
+
+    def teardown(self):
+        """Every admitted request runs to the end; every queued one is admitted in time."""
+        if not hasattr(self, "stages"):
+            return
+        for _ in range(4 * (len(self.queued) + len(self.admitted)) + 4):
+            for rid in list(self.admitted):
+                for s, stage in enumerate(self.stages):
+                    start, total = self.pos[rid][s], self.admitted[rid].num_tokens
+                    if start < total:
+                        assert isinstance(stage.materialise(rid, start, total - start), BlockTable)
+                        self.pos[rid][s] = total
+                    if s not in self.completed[rid]:
+                        assert isinstance(stage.complete(rid), Completion)
+                        self.completed[rid].add(s)
+                self._forget(rid)
+            if not self.queued and not self.coord.has_work():
+                break
+            self.admission_round()
+        assert not self.queued and not self.admitted and not self.coord.has_work()
+        for stage in self.stages:
+            stats = stage.load()
+            assert (stats.in_use, stats.claimed, stage.num_reservations) == (0, 0, 0)
+            stage.check_integrity()
+
+
+TestAdmission = AdmissionMachine.TestCase
+TestAdmission.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)

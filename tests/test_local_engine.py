@@ -1,0 +1,268 @@
+"""LocalEngine on tiny random models: equals one full forward, prefix reuse, typed errors."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.engine.stage_executor import ChunkWork
+from prefill_node.engine.types import PrefillOptions
+from prefill_node.errors import (
+    InvalidPromptError,
+    InvalidRequestError,
+    InvariantError,
+    NeverFitsError,
+    RequestAbortedError,
+    UnavailableError,
+)
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.reference import reference_forward
+from prefill_node.model.weights import random_weights
+
+CONFIG = ModelConfig.from_hf_config(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    },
+    name="tiny-llama",
+)
+WEIGHTS = random_weights(CONFIG, seed=0)
+OPTS = PrefillOptions()
+
+
+@pytest.fixture
+def make_engine():
+    """Engine factory; every engine it built must pass check_integrity at teardown, idle."""
+    built: list[LocalEngine] = []
+
+    def make(stages: int = 2, num_blocks: int | tuple[int, ...] = 32, **kw) -> LocalEngine:
+        kw.setdefault("block_size", 4)
+        kw.setdefault("max_chunk_tokens", 5)
+        config = LocalEngineConfig(num_stages=stages, num_blocks=num_blocks, **kw)
+        engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
+        built.append(engine)
+        return engine
+
+    yield make
+    for engine in built:
+        engine.check_integrity()
+        assert all(stage.used_blocks == 0 for stage in engine.load().stages)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(n)]
+
+
+def assert_matches_reference(engine: LocalEngine, ids: list[int], logits: torch.Tensor) -> None:
+    ref_logits, _ = reference_forward(CONFIG, WEIGHTS, ids)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("stages", "chunk"), [(1, 64), (2, 3), (3, 5), (4, 7)])
+def test_logits_and_kv_equal_one_full_forward(make_engine, stages: int, chunk: int) -> None:
+    engine = make_engine(stages, max_chunk_tokens=chunk)
+    ids = prompt(23, seed=stages)
+    out = engine.prefill(ids, OPTS)
+    ref_logits, ref_kv = reference_forward(CONFIG, WEIGHTS, ids)
+    torch.testing.assert_close(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
+    r = out.result
+    assert (r.prompt_tokens, r.cached_tokens, r.computed_tokens) == (23, 0, 23)
+    assert r.first_token_id == int(ref_logits.argmax())
+    manifests = r.stage_manifests
+    assert [m.stage for m in manifests] == list(range(stages))
+    assert manifests[0].layer_start == 0 and manifests[-1].layer_end == CONFIG.num_layers
+    for stage, m in zip(engine.stages, manifests, strict=True):
+        assert len(m.block_ids) == 6 and m.num_tokens == 23 and m.dtype == "float32"
+        for layer in range(m.layer_start, m.layer_end):  # the manifest points at the real KV
+            k, v = stage.kv.read(layer, m.block_ids, 23)
+            torch.testing.assert_close(k, ref_kv[layer][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, ref_kv[layer][1], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_reuses_full_blocks_only(make_engine) -> None:
+    engine = make_engine(3)
+    a = prompt(22, seed=1)
+    b = a[:13] + prompt(9, seed=2)
+    assert engine.prefill(a, OPTS).result.cached_tokens == 0
+    out = engine.prefill(b, OPTS)
+    assert (out.result.cached_tokens, out.result.computed_tokens) == (12, 10)  # 3 full blocks
+    assert_matches_reference(engine, b, out.logits)
+    again = engine.prefill(a, OPTS)
+    assert again.result.cached_tokens == 20  # a's 5 full blocks
+    assert_matches_reference(engine, a, again.logits)
+
+
+def test_fully_cached_prompt_copies_last_block_and_computes_one_token(make_engine) -> None:
+    engine = make_engine(2)
+    ids = prompt(16, seed=3)
+    engine.prefill(ids, OPTS)
+    out = engine.prefill(ids, OPTS)
+    assert (out.result.cached_tokens, out.result.computed_tokens) == (15, 1)
+    assert_matches_reference(engine, ids, out.logits)
+    third = engine.prefill(ids, OPTS)  # the shared block was never written: still reusable
+    assert third.result.cached_tokens == 15
+    assert_matches_reference(engine, ids, third.logits)
+
+
+def test_fully_cached_prompt_without_room_for_the_copy_recomputes_last_block(make_engine) -> None:
+    engine = make_engine(2, num_blocks=4)  # exactly the prompt's 4 blocks: no spare for a copy
+    ids = prompt(16, seed=4)
+    engine.prefill(ids, OPTS)
+    out = engine.prefill(ids, OPTS)
+    assert (out.result.cached_tokens, out.result.computed_tokens) == (12, 4)
+    assert_matches_reference(engine, ids, out.logits)
+
+
+def test_reusable_prefix_is_the_minimum_over_stages(make_engine) -> None:
+    engine = make_engine(2, num_blocks=(32, 6))
+    a, c = prompt(20, seed=5), prompt(20, seed=6)
+    engine.prefill(a, OPTS)
+    # c needs 5 blocks on stage 1 (6 blocks): the spare one, then a's chain tail-first.
+    engine.prefill(c, OPTS)
+    assert engine.stages[0].local_hit_blocks(engine_hashes(engine, a)) == 5
+    assert engine.stages[1].local_hit_blocks(engine_hashes(engine, a)) == 1
+    out = engine.prefill(a, OPTS)
+    assert (out.result.cached_tokens, out.result.computed_tokens) == (4, 16)
+    assert_matches_reference(engine, a, out.logits)
+
+
+def engine_hashes(engine: LocalEngine, ids: list[int]):
+    from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
+
+    return hash_block_tokens(ids, engine.config.block_size, ExtraKeys(engine.model_id))
+
+
+def test_cache_salt_isolates_reuse(make_engine) -> None:
+    engine = make_engine(2)
+    ids = prompt(12, seed=7)
+    salted = PrefillOptions(cache_salt="tenant-a")
+    assert engine.prefill(ids, salted).result.cached_tokens == 0
+    assert engine.prefill(ids, PrefillOptions(cache_salt="tenant-b")).result.cached_tokens == 0
+    assert engine.prefill(ids, OPTS).result.cached_tokens == 0
+    assert engine.prefill(ids, salted).result.cached_tokens == 11
+
+
+def test_bad_inputs_raise_typed_errors_synchronously(make_engine) -> None:
+    engine = make_engine(2, num_blocks=(32, 4), max_model_len=40)
+    cases = [
+        ([], InvalidPromptError, "empty"),
+        ([1, 64], InvalidPromptError, "token id 64 at position 1"),
+        ([-1], InvalidPromptError, "token id -1"),
+        ([1, "x"], InvalidPromptError, "integers"),
+        ([1.5], InvalidPromptError, "integers"),
+        (list(range(41)), InvalidPromptError, "max_model_len=40"),
+        (list(range(17)), NeverFitsError, "needs 5 blocks .* stage 1 has only 4"),
+    ]
+    for ids, error, message in cases:
+        with pytest.raises(error, match=message):
+            engine.submit(ids, OPTS)
+    with pytest.raises(InvalidRequestError, match="top_logprobs"):
+        engine.submit([1, 2], PrefillOptions(top_logprobs=21))
+    assert engine.submit(list(range(16)), OPTS).result().computed_tokens == 16  # still serving
+
+
+def test_engine_protocol_results_load_health_shutdown(make_engine) -> None:
+    engine = make_engine(2)
+    ids = prompt(10, seed=8)
+    future = engine.submit(ids, PrefillOptions(request_id="req-1", top_logprobs=3))
+    assert future.done()
+    r = future.result()
+    assert r.request_id == "req-1" and len(r.top_logprobs) == 3
+    assert r.top_logprobs[0][0] == r.first_token_id
+    logprobs = [lp for _, lp in r.top_logprobs]
+    assert logprobs == sorted(logprobs, reverse=True) and all(lp < 0 for lp in logprobs)
+    assert float(torch.tensor(logprobs).exp().sum()) <= 1.0 + 1e-6
+    assert r.timings.total_s >= r.timings.compute_s > 0
+    assert engine.vocab_size == 64 and engine.max_model_len == 256
+    load = engine.load()
+    assert load.queue_depth == 0 and load.inflight_requests == 0
+    assert [(s.cached_blocks, s.used_blocks) for s in load.stages] == [(2, 0), (2, 0)]
+    assert engine.health().ready and not engine.abort("req-1")
+    engine.shutdown()
+    assert not engine.health().live
+    with pytest.raises(UnavailableError):
+        engine.submit(ids, OPTS).result()
+
+
+def test_passed_deadline_fails_the_request_and_frees_its_blocks(make_engine) -> None:
+    engine = make_engine(2)
+    late = PrefillOptions(deadline_s=time.monotonic() - 1.0)
+    with pytest.raises(RequestAbortedError, match="deadline"):
+        engine.submit(prompt(9, seed=9), late).result()
+    assert engine.prefill(prompt(9, seed=9), OPTS).result.cached_tokens == 0
+
+
+def test_stage_refuses_a_chunk_that_does_not_continue_its_kv(make_engine) -> None:
+    engine = make_engine(1)
+    stage = engine.stages[0]
+    ids = prompt(8, seed=10)
+    from prefill_node.core.hashing import ExtraKeys
+
+    seq = stage.materialise("r", ids, (), ExtraKeys("m"), [])
+    try:
+        with pytest.raises(InvariantError, match="does not continue"):
+            stage.execute([ChunkWork(seq, 4, 4)], torch.tensor(ids[4:]))
+    finally:
+        stage.release(seq)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    stages=st.integers(1, 3),
+    blocks=st.lists(st.integers(8, 20), min_size=3, max_size=3),
+    requests=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(0, 3)), min_size=1, max_size=6
+    ),
+)
+def test_random_request_streams_match_reference(make_engine, stages, blocks, requests) -> None:
+    """Prompts from 3 shared stems with random cut points and tails, on uneven caches."""
+    engine = make_engine(stages, num_blocks=tuple(blocks[:stages]))
+    stems = [prompt(30, seed=100 + s) for s in range(3)]
+    for stem, cut, tail in requests:
+        ids = stems[stem][:cut] + prompt(tail, seed=cut * 7 + tail)
+        out = engine.prefill(ids, OPTS)
+        assert out.result.cached_tokens + out.result.computed_tokens == len(ids)
+        assert out.result.cached_tokens <= len(ids) - 1
+        assert_matches_reference(engine, ids, out.logits)
+        engine.check_integrity()
+
+
+def test_stage_materialises_on_escrowed_blocks(make_engine) -> None:
+    """The multi-process path: victims claimed by an escrow become the suffix blocks."""
+    from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
+
+    engine = make_engine(1, num_blocks=8)
+    stage = engine.stages[0]
+    ids = prompt(10, seed=11)
+    extra = ExtraKeys(engine.model_id)
+    hashes = hash_block_tokens(ids, stage.block_size, extra)
+    need = stage.suffix_blocks(len(ids), 0)
+    victims = stage.pool.claim(need, "req")
+    assert victims is not None and need == 3
+    stage.pool.take_claimed(victims, "req")
+    seq = stage.materialise("req", ids, hashes, extra, [], reserved=victims)
+    assert seq is not None and seq.block_table == tuple(b.block_id for b in victims)
+    step = stage.execute([ChunkWork(seq, 0, len(ids))], torch.tensor(ids))
+    assert step.completed == (0,) and step.logits is not None
+    assert_matches_reference(engine, ids, step.logits[0])
+    manifest = stage.finish(seq)
+    assert manifest.block_ids == tuple(b.block_id for b in victims)
+    assert engine.prefill(ids, OPTS).result.cached_tokens == 8  # its 2 full blocks were cached

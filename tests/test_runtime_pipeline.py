@@ -1,0 +1,180 @@
+"""Real multi-process pipelines (gloo on loopback) against the single-process reference."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from prefill_node.engine.types import PrefillOptions
+from prefill_node.errors import RequestAbortedError, UnavailableError
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.reference import reference_forward
+from prefill_node.model.weights import random_weights
+from prefill_node.runtime.dist_env import DistEnv, free_local_port
+from prefill_node.runtime.pipeline_engine import PipelineEngine
+from prefill_node.runtime.spec import ModelSource, PipelineSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 89
+HF_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+SEED = 7
+MODEL = ModelConfig.from_hf_config(HF_CONFIG, name="tiny-qwen3")
+WEIGHTS = random_weights(MODEL, SEED)
+
+
+def _spec(layer_ranges, stage_blocks, policy: str, **kw) -> PipelineSpec:
+    return PipelineSpec(
+        model=ModelSource(config=HF_CONFIG, seed=SEED, name="tiny-qwen3"),
+        layer_ranges=layer_ranges,
+        stage_blocks=stage_blocks,
+        block_size=4,
+        policy=policy,
+        max_wave_tokens=kw.pop("max_wave_tokens", 32),
+        min_wave_tokens=8,
+        capture_kv=True,
+        dead_after_s=3.0,
+        **kw,
+    )
+
+
+@pytest.fixture
+def start() -> Iterator:
+    engines: list[PipelineEngine] = []
+
+    def _start(spec: PipelineSpec) -> PipelineEngine:
+        env = DistEnv(0, spec.num_stages, "127.0.0.1", free_local_port())
+        engines.append(PipelineEngine.start(spec, env, startup_timeout_s=60))
+        return engines[-1]
+
+    yield _start
+    for engine in engines:
+        engine.shutdown()
+
+
+def _workload(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts sharing a few prefixes (reuse) plus cold ones, 5..70 tokens."""
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    prompts = []
+    for _ in range(n):
+        head = rng.choice(prefixes)[: rng.randrange(0, 40)] if rng.random() < 0.7 else []
+        prompts.append(head + [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 30))])
+    return prompts
+
+
+def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
+    for prompt, res in zip(prompts, results, strict=True):
+        logits, kv = reference_forward(MODEL, WEIGHTS, prompt)
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        got = torch.full((VOCAB,), float("nan"))
+        for token, logprob in res.top_logprobs:
+            got[token] = logprob
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+        assert res.first_token_id == int(ref.argmax())
+        assert res.cached_tokens + res.computed_tokens == len(prompt)
+        assert res.cached_tokens % 4 == 0 and res.computed_tokens >= 1
+        dumps = engine.debug_dump_kv(res.request_id)
+        assert [d.stage for d in dumps] == list(range(engine.spec.num_stages))
+        for d in dumps:
+            for i, (k, v) in enumerate(zip(d.k, d.v, strict=True)):
+                ref_k, ref_v = kv[d.layer_start + i]
+                torch.testing.assert_close(k, ref_k, atol=1e-4, rtol=0)
+                torch.testing.assert_close(v, ref_v, atol=1e-4, rtol=0)
+        manifests = res.stage_manifests
+        assert [(m.stage, m.layer_start, m.layer_end) for m in manifests] == [
+            (s, a, b) for s, (a, b) in enumerate(engine.spec.layer_ranges)
+        ]
+        assert all(m.num_tokens == len(prompt) and len(m.block_ids) == -(-len(prompt) // 4)
+                   for m in manifests)
+
+
+CASES = [
+    pytest.param(((0, 2), (2, 4)), (48, 40), id="P2"),
+    pytest.param(((0, 1), (1, 3), (3, 4)), (64, 30, 45), id="P3-uneven"),
+]
+
+
+@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+@pytest.mark.parametrize(("layer_ranges", "stage_blocks"), CASES)
+def test_pipeline_matches_reference_under_reuse_and_eviction(
+    start, layer_ranges, stage_blocks, policy
+) -> None:
+    engine = start(_spec(layer_ranges, stage_blocks, policy))
+    rng = random.Random(hash((layer_ranges, policy)) & 0xFFFF)
+    prompts = _workload(rng, 24)
+    # two bursts: the second reuses (and evicts) what the first cached
+    results = []
+    for burst in (prompts[:12], prompts[12:]):
+        futures = [engine.submit(p, PrefillOptions(top_logprobs=VOCAB)) for p in burst]
+        results += [f.result(timeout=60) for f in futures]
+    assert sum(r.cached_tokens for r in results) > 0, "the workload should reuse prefixes"
+    _check_against_reference(engine, prompts, results)
+    engine.debug_check_integrity()
+    stats = engine.stage_stats()
+    assert [s.used_blocks for s in stats] == [0] * len(stats)  # drained: nothing pinned
+    assert sum(stats[0].total_blocks for _ in stats) > 0
+    assert engine.health().ready
+
+
+def test_abort_in_flight_frees_blocks_on_every_stage(start) -> None:
+    engine = start(_spec(((0, 2), (2, 3), (3, 4)), (80, 80, 80), "wave", max_wave_tokens=8))
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(VOCAB) for _ in range(200)]
+    fut = engine.submit(long_prompt, PrefillOptions(request_id="victim"))
+    deadline = time.monotonic() + 30
+    while engine.load().inflight_tokens in (0, len(long_prompt)):  # wait until it runs
+        assert time.monotonic() < deadline and not fut.done()
+        time.sleep(0.01)
+    assert engine.abort("victim") and not engine.abort("victim")
+    with pytest.raises(RequestAbortedError):
+        fut.result(timeout=5)
+    # the pipeline keeps serving, and the victim's blocks are free on every stage
+    ok = engine.submit(long_prompt[:30], PrefillOptions()).result(timeout=30)
+    assert ok.computed_tokens == 30
+    deadline = time.monotonic() + 10
+    while any(s.used_blocks for s in engine.stage_stats()):
+        assert time.monotonic() < deadline, engine.stage_stats()
+        time.sleep(0.05)
+    engine.debug_check_integrity()
+    assert engine.load().inflight_requests == 0
+
+
+def test_killing_a_stage_fails_in_flight_requests_within_seconds(start) -> None:
+    engine = start(_spec(((0, 1), (1, 2), (2, 4)), (80, 80, 80), "wave", max_wave_tokens=8))
+    rng = random.Random(2)
+    futures = [
+        engine.submit([rng.randrange(VOCAB) for _ in range(150)], PrefillOptions())
+        for _ in range(4)
+    ]
+    os.kill(engine.stage_pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    for fut in futures:
+        with pytest.raises(UnavailableError, match="stage"):
+            fut.result(timeout=10)
+    assert time.monotonic() - t0 < 5
+    health = engine.health()
+    assert health.live and not health.ready and "stage" in health.detail
+    with pytest.raises(UnavailableError):
+        engine.submit([1, 2, 3], PrefillOptions()).result(timeout=1)
+    t0 = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - t0 < 15

@@ -1,0 +1,114 @@
+"""Planes over real gloo process groups in real processes: framing, rounds, peer death."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from prefill_node.runtime.dist_env import DistEnv, DistEnvError, free_local_port
+from prefill_node.runtime.planes import Frame, PlaneClosedError, Planes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _join(rank: int, world: int, port: int) -> Planes:
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size=world,
+        is_master=rank == 0,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    return Planes.join(rank, world, store, torch.device("cpu"), rounds_timeout_s=30)
+
+
+def _relay(rank: int, world: int, port: int, out: mp.Queue) -> None:
+    """Stage s>0: pass frames on (adding rank to the tensor); answer rounds with rank**2."""
+    torch.set_num_threads(1)
+    planes = _join(rank, world, port)
+    for _ in range(3):
+        frame = planes.data.recv_prev()
+        t = None if frame.tensor is None else frame.tensor + rank
+        header = {**frame.header, "path": frame.header["path"] + [rank]}
+        if rank == world - 1:
+            planes.data.send_result(Frame(header, t))
+        else:
+            planes.data.send_next(Frame(header, t))
+    msg, replies = planes.rounds.follow(lambda m: (m, rank * rank))
+    out.put((rank, msg, replies))
+    out.close()
+    out.join_thread()  # flush before a hard exit
+    if rank == world - 1:
+        os._exit(0)  # die without closing: the leader must notice
+    Planes.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_frames_and_rounds_cross_real_processes_and_peer_death_is_detected(world: int) -> None:
+    ctx = mp.get_context("spawn")
+    port = free_local_port()
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_relay, args=(r, world, port, out)) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    planes = _join(0, world, port)
+    try:
+        sent = [
+            torch.arange(6, dtype=torch.float32).view(2, 3),
+            None,
+            torch.ones(1, 4, dtype=torch.bfloat16),
+        ]
+        # gloo p2p is a rendezvous (a send returns once matched), so like the engine the
+        # leader sends from one thread and collects results on another.
+        sender = threading.Thread(
+            target=lambda: [
+                planes.data.send_next(Frame({"wave": i, "path": [0]}, t))
+                for i, t in enumerate(sent)
+            ]
+        )
+        sender.start()
+        for i, t in enumerate(sent):
+            got = planes.data.recv_result()
+            assert got.header == {"wave": i, "path": list(range(world))}
+            if t is None:
+                assert got.tensor is None
+            else:
+                assert got.tensor.dtype == t.dtype
+                torch.testing.assert_close(got.tensor, t + sum(range(world)), rtol=0, atol=0)
+        sender.join()
+        replies = planes.rounds.lead("admit-1", lambda m: (m, 0))
+        assert replies == [("admit-1", r * r) for r in range(world)]
+        for _ in range(world - 1):
+            rank, msg, peer_replies = out.get(timeout=20)
+            assert msg == "admit-1" and peer_replies == replies
+        t0 = time.monotonic()
+        with pytest.raises(PlaneClosedError, match="data plane recv"):
+            planes.data.recv_result()
+        assert time.monotonic() - t0 < 10
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+        Planes.close()
+
+
+def test_dist_env_parses_torchrun_variables_and_names_what_is_missing() -> None:
+    env = DistEnv.from_env(
+        {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "pipe-0.pipe", "MASTER_PORT": "29500"}
+    )
+    assert env == DistEnv(2, 3, "pipe-0.pipe", 29500)
+    assert not env.is_leader and env.with_rank(0).is_leader
+    assert DistEnv.from_env(env.to_env()) == env
+    with pytest.raises(DistEnvError, match="MASTER_ADDR, MASTER_PORT"):
+        DistEnv.from_env({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(DistEnvError, match="RANK must be in"):
+        DistEnv.from_env({"RANK": "3", "WORLD_SIZE": "3", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+    with pytest.raises(DistEnvError, match="WORLD_SIZE must be an integer"):
+        DistEnv.from_env({"RANK": "0", "WORLD_SIZE": "x", "MASTER_ADDR": "a", "MASTER_PORT": "1"})

@@ -1,0 +1,186 @@
+"""Simulator: drives the real admission core, deterministic, wave >= lockstep, roofline, CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from prefill_node.cli.main import main
+from prefill_node.core.planner import PlannerMode
+from prefill_node.core.wave import ScheduledChunk
+from prefill_node.sim.policies import lockstep_policy, wave_policy
+from prefill_node.sim.presets import PRESETS, Preset, UnknownPresetError, get_preset
+from prefill_node.sim.report import compare, regressions
+from prefill_node.sim.roofline import PipelineRoofline
+from prefill_node.sim.simulator import Simulator
+from prefill_node.sim.specs import GPUSpec, InvalidSpecError, LinkSpec, ModelSpec, RoundCostSpec
+from prefill_node.sim.workloads import InvalidWorkloadError, WorkloadKind, WorkloadSpec
+
+TOY_MODEL = ModelSpec(
+    name="toy",
+    num_layers=4,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dense_intermediate=512,
+    vocab=1000,
+)
+TOY_GPU = GPUSpec(
+    name="toy",
+    memory_bytes=40e6,
+    hbm_bytes_per_s=1e12,
+    linear_flops_per_s=2e11,
+    attention_flops_per_s=2e11,
+    flops_efficiency=1.0,
+    usable_memory_fraction=1.0,
+)
+# 2 stages of 2 layers; KV 2 x 2 x 64 x 2 bytes x 2 layers = 1 KiB per token per stage.
+TOY = Preset(
+    name="toy",
+    description="4-layer toy model on 2 stages, admission cost comparable to compute",
+    model=TOY_MODEL,
+    gpu=TOY_GPU,
+    link=LinkSpec(bytes_per_s=1e10, latency_s=1e-5),
+    rounds=RoundCostSpec(phase_latency_s=1e-3, host_s_per_token=1e-6),
+    num_stages=2,
+    block_size=64,
+    max_wave_tokens=1024,
+    min_wave_tokens=256,
+    max_batch=16,
+    input_lens=(2048, 4096, 8192),
+)
+
+
+def run(kind: WorkloadKind, conc: int, policy, preset: Preset = TOY, n: int = 24, **kw):
+    check = kw.pop("check", False)
+    spec = WorkloadSpec(kind, 4096, conc, n, preset.block_size, suffix_tokens=512, **kw)
+    return Simulator(preset, spec, policy, check_integrity=check).run()
+
+
+def test_toy_roofline_is_the_hand_computed_formula():
+    roof = PipelineRoofline(TOY_MODEL, TOY_GPU, TOY.link, 2, 64)
+    # Per layer: attention 256*256 (q) + 2*256*128 (k, v) + 256*256 (o) = 196,608 params,
+    # MLP 3*256*512 = 393,216; 2 layers -> 1,179,648 active params per stage.
+    # Chunk of 512 at offset 3584: pairs = 512 * (3584 + 256) = 1,966,080, pair FLOPs
+    # 4 * 4 heads * 64 = 1024, 2 layers. Compute-bound (bytes are ~MBs at 1 TB/s).
+    lin = 2 * 1_179_648 * 512
+    att = 2 * 1024 * 512 * (3584 + 256)
+    expected = (lin + att) / 2e11
+    got = roof.stage_time(0, [ScheduledChunk("a", 3584, 512)])
+    assert got == pytest.approx(expected, rel=1e-12)
+    # Capacity: (40e6 - weights) // (1024 bytes * 64 tokens); stage 0 also holds the
+    # embedding and stage 1 the LM head, 1000 * 256 * 2 bytes each.
+    weights = 2 * (196_608 + 393_216) * 2 + 1000 * 256 * 2
+    assert roof.stages[0].capacity_blocks == int((40e6 - weights) // (1024 * 64))
+    assert roof.transfer_time(1000) == pytest.approx(1e-5 + 1000 * 256 * 2 / 1e10)
+
+
+def test_presets_match_their_model_cards():
+    # Totals from the public cards: MiniMax-M2 230B, GLM-5 744B, Kimi-K2 ~1.04T.
+    for name, total in (("minimax-pp4", 230e9), ("glm5-pp4", 744e9), ("kimi-pp8", 1.04e12)):
+        assert get_preset(name).model.total_params() == pytest.approx(total, rel=0.02)
+    for preset in PRESETS.values():  # every preset builds and fits its GPUs
+        roof = PipelineRoofline(
+            preset.model, preset.gpu, preset.link, preset.num_stages, preset.block_size
+        )
+        assert min(s.capacity_blocks for s in roof.stages) * preset.block_size > max(
+            preset.input_lens
+        )
+    with pytest.raises(UnknownPresetError, match="choose one of"):
+        get_preset("nope")
+
+
+def test_same_seed_same_output_other_seed_other_prompts():
+    a = run(WorkloadKind.MIXED, 4, wave_policy(2), seed=7)
+    b = run(WorkloadKind.MIXED, 4, wave_policy(2), seed=7)
+    c = run(WorkloadKind.MIXED, 4, wave_policy(2), seed=8)
+    assert a == b
+    assert a.cached_fraction != c.cached_fraction  # the warm/cold draw depends on the seed
+
+
+def test_reuse_goes_through_the_real_core_and_integrity_holds_throughout():
+    res = run(WorkloadKind.REUSE, 4, wave_policy(2), n=12, check=True)
+    assert (res.completed, res.rejected) == (12, 0)
+    # 90% of 4096 = 3686 -> 3648 tokens (57 whole blocks) seeded, all found on both stages.
+    assert res.cached_fraction == pytest.approx(3648 / 4096)
+    cold = run(WorkloadKind.COLD, 4, lockstep_policy(2), n=12, check=True)
+    assert cold.cached_fraction == 0.0
+
+
+def test_request_larger_than_a_stage_cache_is_rejected_by_the_core():
+    small = replace(TOY, gpu=replace(TOY_GPU, memory_bytes=4e6))  # ~3,000 tokens per stage
+    res = run(WorkloadKind.COLD, 2, wave_policy(2), preset=small, n=5)
+    assert (res.completed, res.rejected) == (0, 5)
+
+
+def test_wave_beats_lockstep_when_admission_costs_as_much_as_compute():
+    for kind in (WorkloadKind.REUSE, WorkloadKind.SUFFIX):
+        wave = run(kind, 8, wave_policy(2))
+        lock = run(kind, 8, lockstep_policy(2))
+        assert wave.loop_stall_s == 0.0 < lock.loop_stall_s
+        assert wave.throughput_tok_s > 1.1 * lock.throughput_tok_s, kind
+
+
+def test_every_planner_ablation_completes_and_none_falls_behind_lockstep():
+    lock = run(WorkloadKind.COLD, 1, lockstep_policy(2), n=6)
+    for mode in PlannerMode:
+        res = run(WorkloadKind.COLD, 1, wave_policy(2, mode), n=6)
+        assert res.completed == 6
+        assert res.throughput_tok_s >= lock.throughput_tok_s  # pipelined chunks at c=1
+    assert not regressions([lock, run(WorkloadKind.COLD, 1, wave_policy(2), n=6)])
+
+
+def test_bad_workloads_and_specs_raise_typed_errors():
+    with pytest.raises(InvalidWorkloadError, match="exceed the 4K suffix"):
+        WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 1, 64)
+    with pytest.raises(InvalidWorkloadError, match="concurrency"):
+        WorkloadSpec(WorkloadKind.COLD, 4096, 0, 1, 64)
+    with pytest.raises(InvalidSpecError, match="does not fit"):
+        PipelineRoofline(TOY_MODEL, replace(TOY_GPU, memory_bytes=1e5), TOY.link, 2, 64)
+
+
+def test_cli_writes_rows_table_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    code = main(
+        [
+            "sim",
+            "--preset",
+            "cpu",
+            "--workload",
+            "reuse90",
+            "--input-len",
+            "1024",
+            "--concurrency",
+            "1",
+            "2",
+            "--requests",
+            "4",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["concurrency"]) for r in rows] == [
+        ("wave[mpu]", 1),
+        ("lockstep", 1),
+        ("wave[mpu]", 2),
+        ("lockstep", 2),
+    ]
+    assert all(isinstance(v, int | float | str) for r in rows for v in r.values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "wave/lockstep throughput over 2 settings" in text
+    assert main(["sim", "--preset", "cpu", "--concurrency", "0"]) == 2
+
+
+def test_compare_pairs_wave_with_lockstep_of_the_same_setting():
+    wave = run(WorkloadKind.REUSE, 2, wave_policy(2), n=4)
+    lock = run(WorkloadKind.REUSE, 2, lockstep_policy(2), n=4)
+    (pair,) = compare([wave, lock])
+    assert pair.ratio == pytest.approx(wave.throughput_tok_s / lock.throughput_tok_s)

@@ -1,0 +1,1 @@
+"""Package ``wavepp.prefill`` of the wire contracts."""

@@ -1,0 +1,170 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from wavepp_proto.prefill.v1 import kv_events_pb2 as _kv_events_pb2
+from wavepp_proto.prefill.v1 import kv_layout_pb2 as _kv_layout_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TextPrompt(_message.Message):
+    __slots__ = ("text", "apply_chat_template")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    apply_chat_template: bool
+    def __init__(self, text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "cache_salt", "top_logprobs", "kv_destination", "timeout")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: TokenIds
+    text: TextPrompt
+    cache_salt: str
+    top_logprobs: int
+    kv_destination: _kv_layout_pb2.KvDestination
+    timeout: _duration_pb2.Duration
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[_Union[TextPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., kv_destination: _Optional[_Union[_kv_layout_pb2.KvDestination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class PrefillTimings(_message.Message):
+    __slots__ = ("queue_seconds", "admission_seconds", "compute_seconds", "engine_seconds", "server_seconds")
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queue_seconds: float
+    admission_seconds: float
+    compute_seconds: float
+    engine_seconds: float
+    server_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., admission_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., engine_seconds: _Optional[float] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "top_logprobs", "prompt_tokens", "cached_tokens", "computed_tokens", "stage_manifests", "timings", "prompt_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    stage_manifests: _containers.RepeatedCompositeFieldContainer[_kv_layout_pb2.StageKvManifest]
+    timings: PrefillTimings
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PrefillStreamResponse(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: PrefillResponse
+    error: PrefillError
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., error: _Optional[_Union[PrefillError, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageLoad(_message.Message):
+    __slots__ = ("stage", "free_blocks", "cached_blocks", "used_blocks", "total_blocks", "busy_fraction")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    total_blocks: int
+    busy_fraction: float
+    def __init__(self, stage: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("queue_depth", "inflight_requests", "inflight_tokens", "stages")
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    queue_depth: int
+    inflight_requests: int
+    inflight_tokens: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
+    def __init__(self, queue_depth: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    num_stages: int
+    text_prompts: bool
+    server_version: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ...) -> None: ...
