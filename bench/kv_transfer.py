@@ -25,8 +25,8 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import torch
-from tqdm import tqdm
+import torch  # noqa: E402 - after the sys.path fix above
+from tqdm import tqdm  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PREFILL_BS = 8, 8, 128, 16
 # case -> (prefill dtype, decode block size, decode dtype)
@@ -59,7 +59,7 @@ def decode_main(conn, block_size: int, dtype: str, num_blocks: int) -> None:
             request_id, num_tokens = args
             blocks = rx.allocate(-(-num_tokens // block_size))
             shuffled = tuple(torch.tensor(blocks)[torch.randperm(len(blocks))].tolist())
-            conn.send(rx.expect(request_id, shuffled).to_dict())
+            conn.send(rx.expect(request_id, shuffled, num_tokens).to_dict())
         elif op == "finish":
             request_id, blocks = args
             deadline = time.monotonic() + 30

@@ -11,6 +11,7 @@ import torch
 
 from kv_transfer.errors import InvalidTransferRequest, TransferFailed
 from kv_transfer.layout import KVLayout, layout_of_tensors
+from kv_transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class KVAgent:
         self._remote_digests: dict[str, bytes] = {}
         self._parked: list[Any] = []
         self.metadata = self.nixl.get_agent_metadata()
+        self.staging = StagingPool(self.nixl.register_memory, self.nixl.deregister_memory)
 
     def register_kv(self, layer_start: int, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
         """Register one pool's per-layer tensors; they must stay alive until ``close``."""
@@ -63,10 +65,8 @@ class KVAgent:
         return layout
 
     def register_scratch(self, tensor: torch.Tensor) -> Any:
-        """Register a local-only staging tensor; pass the result to ``deregister``.
-
-        Local registrations need no metadata refresh: peers never address them.
-        """
+        """Register a local-only tensor (peers never address it: no metadata refresh);
+        pass the result to ``deregister``."""
         return self.nixl.register_memory(tensor)
 
     def deregister(self, registration: Any) -> None:
@@ -109,6 +109,7 @@ class KVAgent:
         return name in self._remote_digests
 
     def close(self) -> None:
+        self.staging.close()
         for name in list(self._remote_digests):
             self.forget_remote(name)
         for registration in self._registrations:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -63,8 +64,20 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 class MetadataServer:
     """Serves ``PeerInfo`` over HTTP on a daemon thread until ``close``."""
 
-    def __init__(self, info: PeerInfo, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        info: PeerInfo,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+    ) -> None:
+        """Bind ``host:port`` (port 0: any free one). ``endpoint`` names ``advertise_host``
+        when given (a pod IP behind a 0.0.0.0 bind), else the bound address, and for a
+        wildcard bind this machine's resolved hostname."""
         self._body = info.to_json()
+        if advertise_host is None and host in ("0.0.0.0", "::", ""):
+            advertise_host = socket.gethostbyname(socket.gethostname())
+        self._advertise = advertise_host
         body_ref = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -92,6 +105,7 @@ class MetadataServer:
     @property
     def endpoint(self) -> str:
         host, port = self._server.server_address[:2]
+        host = self._advertise or host
         return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
     def update(self, info: PeerInfo) -> None:

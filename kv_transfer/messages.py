@@ -20,8 +20,9 @@ _MAGIC = b"kvx1 "
 class PushDestination:
     """Where prefill must WRITE a request's KV: sent by the decode side with the request.
 
-    ``block_ids`` are decode blocks for tokens ``[skip_tokens, num_tokens)``; the first
-    ``skip_tokens`` (decode's cached prefix, a multiple of its block size) are not sent.
+    ``block_ids`` are decode blocks for tokens ``[skip_tokens, num_tokens)`` of the
+    ``num_tokens``-token prompt; the first ``skip_tokens`` (decode's cached prefix, a
+    multiple of its block size) are not sent. Nothing to send: no transfer, no notification.
     ``transfer_id`` is unique per attempt, so notifications of an older attempt of the
     same request are recognised as late.
     """
@@ -29,18 +30,22 @@ class PushDestination:
     request_id: str
     endpoint: str
     block_ids: tuple[int, ...]
+    num_tokens: int
     skip_tokens: int = 0
     transfer_id: str = ""
 
     def __post_init__(self) -> None:
-        if not self.request_id or self.skip_tokens < 0:
-            raise InvalidTransferRequest("push destination needs a request id, skip_tokens >= 0")
+        if not self.request_id or not 0 <= self.skip_tokens <= self.num_tokens:
+            raise InvalidTransferRequest(
+                "push destination needs a request id and 0 <= skip_tokens <= num_tokens"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "endpoint": self.endpoint,
             "block_ids": list(self.block_ids),
+            "num_tokens": self.num_tokens,
             "skip_tokens": self.skip_tokens,
             "transfer_id": self.transfer_id,
         }
@@ -52,6 +57,7 @@ class PushDestination:
                 str(data["request_id"]),
                 str(data["endpoint"]),
                 tuple(int(b) for b in data["block_ids"]),
+                int(data["num_tokens"]),
                 int(data.get("skip_tokens", 0)),
                 str(data.get("transfer_id", "")),
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,8 +36,12 @@ from kv_transfer.transfer import NixlTransfer, start_transfer
 
 @dataclass(frozen=True)
 class ReceiverConfig:
+    """Metadata endpoint bind address (``advertise_host``: the address peers should dial,
+    e.g. the pod IP) and the per-request deadline."""
+
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str | None = None
     timeout_s: float = 30.0
     handshake_timeout_s: float = 2.0
 
@@ -81,7 +85,7 @@ class KVReceiver:
         self._ids = itertools.count()
         self.ignored_notifications = 0
         info = PeerInfo(agent.name, agent.metadata, self.layout)
-        self._server = MetadataServer(info, config.host, config.port)
+        self._server = MetadataServer(info, config.host, config.port, config.advertise_host)
 
     @property
     def endpoint(self) -> str:
@@ -109,17 +113,29 @@ class KVReceiver:
 
     # ----------------------------------------------------------------- push mode
     def expect(
-        self, request_id: str, block_ids: Sequence[int], skip_tokens: int = 0
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, skip_tokens: int = 0
     ) -> PushDestination:
         """Register an incoming push; send the returned destination with the prefill request.
 
-        ``block_ids`` (from ``allocate``) receive tokens from ``skip_tokens`` on, which must
-        be a multiple of the decode block size (a cached prefix is whole blocks).
+        ``block_ids`` (from ``allocate``) receive tokens ``[skip_tokens, num_tokens)``;
+        ``skip_tokens`` must be a multiple of the decode block size (a cached prefix is
+        whole blocks). With nothing to receive the request ends at once (next ``poll``).
         """
-        pending = self._register(request_id, block_ids, skip_tokens)
-        return PushDestination(
-            request_id, self.endpoint, pending.block_ids, skip_tokens, pending.transfer_id
+        PageMap(tuple(block_ids), self.layout.block_size, skip_tokens).check_range(
+            skip_tokens, num_tokens, "destination"
         )
+        pending = self._register(request_id, block_ids, skip_tokens)
+        dest = PushDestination(
+            request_id,
+            self.endpoint,
+            pending.block_ids,
+            num_tokens,
+            skip_tokens,
+            pending.transfer_id,
+        )
+        if skip_tokens == num_tokens:
+            self._end(pending, None, self._unclaimed)
+        return dest
 
     def _register(self, request_id: str, block_ids: Sequence[int], skip_tokens: int) -> _Pending:
         if request_id in self._by_request:
@@ -163,16 +179,21 @@ class KVReceiver:
         if len(pending.layers) == pending.num_stages:
             self._end(pending, self._coverage_error(pending.layers.values()), outcomes)
 
-    def _coverage_error(self, ranges: object) -> KVTransferError | None:
-        covered = sorted(ranges)  # type: ignore[call-overload]
-        expected, pos = (self.layout.layer_start, self.layout.layer_end), self.layout.layer_start
+    def _coverage_error(self, ranges: Iterable[tuple[int, int]]) -> LayoutMismatch | None:
+        """None when the stages' layer ranges tile the decode model's layers exactly."""
+        covered = sorted(ranges)
+        position = self.layout.layer_start
         for lo, hi in covered:
-            if lo != pos:
+            if lo != position:
                 break
-            pos = hi
-        if pos == expected[1] and covered[0][0] == expected[0]:
-            return None
-        return LayoutMismatch(f"stages shipped layers {covered}, decode needs {expected}")
+            position = hi
+        else:
+            if position == self.layout.layer_end:
+                return None
+        return LayoutMismatch(
+            f"stages shipped layers {covered}, decode needs "
+            f"[{self.layout.layer_start}, {self.layout.layer_end})"
+        )
 
     # ----------------------------------------------------------------- pull mode
     def pull(
@@ -223,6 +244,8 @@ class KVReceiver:
                     end=m.num_tokens,
                 )
                 pending.reads[m.stage] = (read, m)
+                if read.num_bytes == 0:  # nothing to read rode no notification: release now
+                    self._send_to_leases([m], "rel")
                 pending.layers[m.stage] = (m.layout.layer_start, m.layout.layer_end)
         except KVTransferError as exc:
             self._end(pending, exc, self._unclaimed, manifests)

@@ -32,7 +32,9 @@ from kv_transfer.transfer import NixlTransfer, start_transfer
 
 @dataclass(frozen=True)
 class SenderConfig:
-    """Per-stage settings. ``metadata_host`` None: no endpoint, push mode only."""
+    """Per-stage settings. ``metadata_host`` None: no endpoint, push mode only; otherwise
+    pull manifests name ``metadata_advertise_host`` (or the bound address) as the endpoint.
+    ``transfer_timeout_s`` bounds a push from ``push`` to completion, handshake included."""
 
     stage: int
     num_stages: int
@@ -42,6 +44,7 @@ class SenderConfig:
     lease_ttl_s: float = 30.0
     metadata_host: str | None = "127.0.0.1"
     metadata_port: int = 0
+    metadata_advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.num_stages:
@@ -95,7 +98,9 @@ class KVSender:
         self._server: MetadataServer | None = None
         if config.metadata_host is not None:
             info = PeerInfo(agent.name, agent.metadata, self.layout)
-            self._server = MetadataServer(info, config.metadata_host, config.metadata_port)
+            self._server = MetadataServer(
+                info, config.metadata_host, config.metadata_port, config.metadata_advertise_host
+            )
 
     @property
     def endpoint(self) -> str | None:
@@ -118,9 +123,9 @@ class KVSender:
         self.layout.check_block_ids(block_ids)
         src_pages = PageMap(tuple(block_ids), self.layout.block_size)
         src_pages.check_range(0, num_tokens, "source")
-        if dest.skip_tokens > num_tokens:
+        if dest.num_tokens != num_tokens:
             raise InvalidTransferRequest(
-                f"decode caches {dest.skip_tokens} tokens of a {num_tokens}-token prompt"
+                f"decode expects a {dest.num_tokens}-token prompt, this one has {num_tokens}"
             )
         host, _ = split_endpoint(dest.endpoint)
         host_ok = self.config.allow.check_host(host)
@@ -129,9 +134,13 @@ class KVSender:
             dest, src_pages, num_tokens, now, now + self.config.transfer_timeout_s, host_ok
         )
         self._pushes[dest.request_id] = push
-        if dest.endpoint not in self._peers and dest.endpoint not in self._handshakes:
-            self._handshakes[dest.endpoint] = self._executor.submit(
-                fetch_peer, dest.endpoint, self.config.handshake_timeout_s
+        self._ensure_handshake(dest.endpoint)
+
+    def _ensure_handshake(self, endpoint: str) -> None:
+        """Fetch the peer's metadata in the background unless it is known or on its way."""
+        if endpoint not in self._peers and endpoint not in self._handshakes:
+            self._handshakes[endpoint] = self._executor.submit(
+                fetch_peer, endpoint, self.config.handshake_timeout_s
             )
 
     def cancel(self, request_id: str) -> bool:
@@ -199,9 +208,13 @@ class KVSender:
             for push in waiting:
                 self._start(push, peer, outcomes)
         for push in list(self._pushes.values()):
+            if push.transfer is not None:
+                continue
             peer = self._peers.get(push.dest.endpoint)
-            if push.transfer is None and peer is not None:
+            if peer is not None:
                 self._start(push, peer, outcomes)
+            else:  # its peer was dropped after another push to it failed
+                self._ensure_handshake(push.dest.endpoint)
 
     def _start(self, push: _Push, peer: PeerInfo, outcomes: list[TransferOutcome]) -> None:
         request_id = push.dest.request_id

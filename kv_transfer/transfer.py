@@ -19,6 +19,7 @@ from kv_transfer.convert import pack_staging, torch_dtype, unpack_staging
 from kv_transfer.errors import KVTransferError, LayoutMismatch, TransferFailed
 from kv_transfer.layout import KVLayout, layout_of_tensors
 from kv_transfer.plan import PageMap, build_descriptors, staging_page_map, token_runs
+from kv_transfer.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,13 @@ class NixlTransfer:
         agent: KVAgent,
         num_bytes: int,
         handle: Any | None = None,
-        staging: torch.Tensor | None = None,
-        staging_reg: Any | None = None,
+        staging: Staging | None = None,
         unpack: tuple[Sequence[torch.Tensor], PageMap, int, int] | None = None,
     ) -> None:
         self.agent = agent
         self.num_bytes = num_bytes
         self._handle = handle
         self._staging = staging
-        self._staging_reg = staging_reg
         self._unpack = unpack
         self.done = handle is None
 
@@ -60,7 +59,7 @@ class NixlTransfer:
             raise TransferFailed(f"NIXL transfer ended in state {state}")
         if self._unpack is not None:
             layers, pages, start, end = self._unpack
-            unpack_staging(self._staging, layers, pages, start, end)
+            unpack_staging(self._staging.tensor, layers, pages, start, end)
         self._release()
         self.done = True
         return True
@@ -75,16 +74,15 @@ class NixlTransfer:
             self._release()
         except Exception as exc:
             log.warning("NIXL could not cancel a transfer (%r); parking its buffers", exc)
-            self.agent.park((self._handle, self._staging, self._staging_reg))
+            self.agent.park((self._handle, self._staging))
 
     def _release(self) -> None:
         if self._handle is not None:
             self._handle.release()
             self._handle = None
-        if self._staging_reg is not None:
-            self.agent.deregister(self._staging_reg)
-            self._staging_reg = None
-        self._staging = None
+        if self._staging is not None:
+            self.agent.staging.release(self._staging)
+            self._staging = None
 
 
 def start_transfer(
@@ -102,7 +100,8 @@ def start_transfer(
     end: int,
 ) -> NixlTransfer:
     """Post a WRITE (local -> remote) or READ (remote -> local) of tokens ``[start, end)``
-    of the layers both pools share, with ``notif`` delivered to ``remote_agent`` after it.
+    of the layers both pools share, with ``notif`` delivered to ``remote_agent`` after it
+    (an empty range posts nothing and sends no notification).
 
     The stage side's layers (local for WRITE, remote for READ) must all be covered by
     the other pool. Raises a KVTransferError subclass; never leaves a half-posted request.
@@ -119,25 +118,22 @@ def start_transfer(
     layers = range(stage_side.layer_start, stage_side.layer_end)
     first = layers.start - local_layout.layer_start
     mine = list(local_layers[first : first + len(layers)])
-    staging_reg = None
+    staging = None
     try:
-        if start == end:
-            agent.nixl.send_notif(remote_agent, notif)
+        if start == end:  # nothing to move: the peer knows it too, so no notification
             return NixlTransfer(agent, 0)
-        staging = unpack = None
+        unpack = None
         runs_local_pages, runs_local_layout = local_pages, local_layout
         if local_layout.dtype != remote_layout.dtype:
             count = end - start
             shape = (len(layers), 1, 2, count, local_layout.num_kv_heads, local_layout.head_dim)
-            staging = torch.empty(
-                shape, dtype=torch_dtype(remote_layout.dtype), device=mine[0].device
-            )
+            dtype = torch_dtype(remote_layout.dtype)
+            staging = agent.staging.acquire(shape, dtype, mine[0].device)
             if op == "WRITE":
-                pack_staging(mine, local_pages, start, end, staging)
+                pack_staging(mine, local_pages, start, end, staging.tensor)
             else:
                 unpack = (mine, local_pages, start, end)
-            staging_reg = agent.register_scratch(staging)
-            runs_local_layout = layout_of_tensors(layers.start, list(staging))
+            runs_local_layout = layout_of_tensors(layers.start, list(staging.tensor))
             runs_local_pages = staging_page_map(start, end)
         if op == "WRITE":
             runs = token_runs(runs_local_pages, remote_pages, start, end)
@@ -149,12 +145,12 @@ def start_transfer(
         remote = agent.nixl.get_xfer_descs(descs.remote, remote_layout.mem_type)
         handle = agent.nixl.initialize_xfer(op, local, remote, remote_agent, notif)
     except Exception as exc:  # nixl binding errors: remote disconnected, bad descriptors
-        if staging_reg is not None:
-            agent.deregister(staging_reg)
+        if staging is not None:
+            agent.staging.release(staging)
         if isinstance(exc, KVTransferError):
             raise
         raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
-    transfer = NixlTransfer(agent, descs.num_bytes, handle, staging, staging_reg, unpack)
+    transfer = NixlTransfer(agent, descs.num_bytes, handle, staging, unpack)
     try:
         posted = agent.nixl.transfer(handle)
     except Exception as exc:

@@ -73,3 +73,14 @@ class StageStateError(WaveppError):
 
     The request fails; the stage never computes on the wrong cache state.
     """
+
+
+class KVHandoffError(UnavailableError):
+    """Shipping a request's KV to its decode worker failed: decode unreachable, died
+    mid-transfer or slower than the transfer timeout (UNAVAILABLE). The request fails, every
+    stage has released its blocks, and the pipeline keeps serving. ``cause`` is the
+    kv_transfer error of the first stage that failed."""
+
+    def __init__(self, message: str, cause: Exception | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause

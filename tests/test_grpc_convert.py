@@ -43,9 +43,10 @@ def test_push_and_pull_destinations_round_trip():
     push = KVPushDestination(
         agent_name="decode-3",
         metadata_endpoint="[::1]:7000",
-        block_ids=(9, 4, 7),
+        block_ids=(9, 4),  # 40 tokens = 3 blocks of 16, the first cached on decode
         layout=LAYOUT,
         decode_cached_tokens=16,
+        transfer_id="attempt-2",
     )
     assert destination_from_proto(destination_to_proto(push), prompt_tokens=40) == push
     staged = KVPushDestination(
@@ -95,6 +96,7 @@ def test_manifest_round_trips_with_lease_expiry():
         lease_id="lease-7",
         lease_expiry_unix_s=1_800_000_000.25,
         pushed=False,
+        lease_ttl_s=2.5,
     )
     assert manifest_from_proto(manifest_to_proto(manifest)) == manifest
 

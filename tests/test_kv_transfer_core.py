@@ -55,7 +55,7 @@ def test_layout_round_trips_through_dict_and_describes_tensors():
 
 
 def test_wire_types_round_trip():
-    dest = PushDestination("r", "127.0.0.1:5", (3, 1), 16, "r#d#0")
+    dest = PushDestination("r", "127.0.0.1:5", (3, 1), 20, 16, "r#d#0")
     assert PushDestination.from_dict(dest.to_dict()) == dest
     layout = KVLayout(0, 2, 4, 16, 2, 8, "float32", ())
     manifest = StageManifest("r", 1, 2, "h:1", "a", layout, (1, 2), 20, "a-lease-0", 3.0)
@@ -218,3 +218,52 @@ def test_lease_table_ends_every_lease_exactly_once(ops):
         table.check_integrity()
     assert len(ended) == len(set(ended))
     assert set(ended) | {lid for lid in granted if lid in table} == set(granted)
+
+
+def test_metadata_endpoint_serves_peer_info_and_rejects_garbage():
+    from kv_transfer.errors import DecodeUnreachable
+    from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer, split_endpoint
+
+    layout = KVLayout(0, 2, 4, 16, 2, 8, "bfloat16", ())
+    info = PeerInfo("decode-0", bytes(range(256)), layout)
+    server = MetadataServer(info)
+    try:
+        assert fetch_peer(server.endpoint, 2.0) == info
+        server.update(PeerInfo("decode-0", b"new", layout))
+        assert fetch_peer(server.endpoint, 2.0).metadata == b"new"
+    finally:
+        server.close()
+    with pytest.raises(DecodeUnreachable):
+        fetch_peer(server.endpoint, 2.0)  # closed now
+    with pytest.raises(InvalidTransferRequest, match="malformed peer metadata"):
+        PeerInfo.from_json(b'{"agent_name": "x"}')
+    assert split_endpoint("[::1]:80") == ("::1", 80)
+    for bad in ("no-port", "host:0", "host:http", ":80"):
+        with pytest.raises(InvalidTransferRequest, match="host:port"):
+            split_endpoint(bad)
+
+
+def test_staging_pool_reuses_registered_buffers_and_caps_idle_bytes():
+    from kv_transfer.staging import StagingPool
+
+    registered, dropped = [], []
+    pool = StagingPool(
+        lambda t: registered.append(t.numel()) or len(registered),
+        dropped.append,
+        max_cached_bytes=3000,
+    )
+    cpu = torch.device("cpu")
+    a = pool.acquire((2, 250), torch.float32, cpu)  # 2000 bytes
+    b = pool.acquire((10,), torch.bfloat16, cpu)  # 20 bytes
+    assert a.tensor.shape == (2, 250) and a.tensor.dtype == torch.float32
+    assert registered == [2000, 20] and pool.in_use == 2
+    pool.release(a)
+    c = pool.acquire((100,), torch.float16, cpu)  # 200 bytes: reuses the idle 2000-byte one
+    assert registered == [2000, 20] and c.registration == a.registration
+    pool.release(b)
+    pool.release(c)
+    d = pool.acquire((400,), torch.float64, cpu)  # 3200 bytes: nothing fits, a new one
+    pool.release(d)  # idle 20 + 2000 + 3200 > 3000: the largest goes
+    assert dropped == [3] and pool.cached_bytes == 2020 and pool.in_use == 0
+    pool.close()
+    assert sorted(dropped) == [1, 2, 3]

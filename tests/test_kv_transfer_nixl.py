@@ -76,8 +76,9 @@ def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> 
         if op == "stop":
             break
         if op == "expect":
-            request_id, num_blocks, skip = args
-            conn.send(rx.expect(request_id, rx.allocate(num_blocks), skip).to_dict())
+            request_id, num_tokens, skip = args
+            num_blocks = -(-(num_tokens - skip) // rx.layout.block_size)
+            conn.send(rx.expect(request_id, rx.allocate(num_blocks), num_tokens, skip).to_dict())
         elif op == "pull":
             manifests, num_blocks, skip = args
             blocks = rx.allocate(num_blocks)
@@ -151,7 +152,7 @@ class Stages:
         self.outcomes, self.lease_ends = [], []
         self.senders = [
             KVSender(
-                KVAgent(f"stage{s}{tag}-{id(self)}", progress_thread=True),
+                KVAgent(f"stage{s}{tag}-{id(self)}", progress_thread=False),
                 self.kv[2 * s : 2 * s + 2],
                 2 * s,
                 SenderConfig(
@@ -235,7 +236,7 @@ def test_push_ships_exact_kv_and_skips_decodes_cached_prefix(decode, stages, poo
     skip = skip_blocks * bs
     src = prefill_blocks(num_tokens, seed=skip_blocks)
     request_id = f"push-{pool}-{skip}"
-    dest = decode.call("expect", pool, request_id, -(-(num_tokens - skip) // bs), skip)
+    dest = decode.call("expect", pool, request_id, num_tokens, skip)
     outcomes = stages.push(PushDestination.from_dict(dest), src, num_tokens)
     elem = torch.finfo(getattr(torch, POOLS[pool][1])).bits // 8
     assert [o.error for o in outcomes] == [None, None]
@@ -267,7 +268,7 @@ def test_pull_reads_exact_kv_then_releases_every_lease(decode, stages, pool):
 def test_duplicate_and_late_notifications_are_ignored(decode, stages):
     src = prefill_blocks(9, seed=3)
     ignored = decode.call("stats", "direct")
-    dest = PushDestination.from_dict(decode.call("expect", "direct", "dup", 2, 0))
+    dest = PushDestination.from_dict(decode.call("expect", "direct", "dup", 9, 0))
     assert stages.push(dest, src, 9, stages=(0,))[0].ok
     stage0 = stages.senders[0]
     duplicate = Notification("done", dest.transfer_id, 0, 2, 0, 2).encode()
@@ -284,7 +285,7 @@ def test_duplicate_and_late_notifications_are_ignored(decode, stages):
 
 
 def test_decode_times_out_when_a_stage_never_ships(decode, stages):
-    dest = PushDestination.from_dict(decode.call("expect", "direct", "half", 2, 0))
+    dest = PushDestination.from_dict(decode.call("expect", "direct", "half", 9, 0))
     assert stages.push(dest, prefill_blocks(9, seed=4), 9, stages=(1,))[0].ok
     started = time.monotonic()
     assert decode.call("wait", "direct", "half") == ("TransferTimeout", 0)
@@ -295,7 +296,7 @@ def test_disallowed_destinations_are_rejected_before_any_write(decode):
     by_cidr = Stages(AllowList.parse(["10.0.0.0/8"]), tag="cidr")
     by_name = Stages(AllowList.parse([], ["some-other-decode"]), tag="name")
     try:
-        dest = PushDestination.from_dict(decode.call("expect", "direct", "deny", 2, 0))
+        dest = PushDestination.from_dict(decode.call("expect", "direct", "deny", 9, 0))
         with pytest.raises(DestinationNotAllowed, match="allow-list"):
             by_cidr.senders[0].push(dest, prefill_blocks(9, seed=1), 9)
         assert by_cidr.senders[0].inflight == 0
@@ -316,7 +317,7 @@ def _closed_port() -> int:
 
 
 def test_unreachable_decode_fails_fast_with_typed_error(stages):
-    dest = PushDestination("unreachable", f"127.0.0.1:{_closed_port()}", (0, 1), 0)
+    dest = PushDestination("unreachable", f"127.0.0.1:{_closed_port()}", (0, 1), 9)
     started = time.monotonic()
     outcomes = stages.push(dest, prefill_blocks(9, seed=2), 9)
     assert time.monotonic() - started < 2
@@ -329,7 +330,7 @@ def test_silent_decode_times_out(stages):
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)  # accepts connections, never answers
-        dest = PushDestination("silent", f"127.0.0.1:{silent.getsockname()[1]}", (0, 1), 0)
+        dest = PushDestination("silent", f"127.0.0.1:{silent.getsockname()[1]}", (0, 1), 9)
         started = time.monotonic()
         outcome = stages.push(dest, prefill_blocks(9, seed=2), 9, stages=(0,))[0]
     assert isinstance(outcome.error, TransferTimeout)
@@ -338,19 +339,19 @@ def test_silent_decode_times_out(stages):
 
 def test_stalled_then_killed_decode_fails_cleanly_and_pipeline_keeps_serving(decode, stages):
     victim = Decode({"direct": POOLS["direct"]})
-    impatient = Stages(tag="impatient", timeout_s=1.0)
+    impatient = Stages(tag="impatient", timeout_s=2.0)
     src = prefill_blocks(19, seed=6)
     try:
         dests = [
-            PushDestination.from_dict(victim.call("expect", "direct", f"v{i}", 3, 0))
+            PushDestination.from_dict(victim.call("expect", "direct", f"v{i}", 19, 0))
             for i in range(3)
         ]
         assert [o.error for o in impatient.push(dests[0], src, 19)] == [None, None]
-        victim.conn.send(("sleep", None, 4.0))  # alive but stalled: slow past the timeout
+        victim.conn.send(("sleep", None, 6.0))  # alive but stalled: slow past the timeout
         started = time.monotonic()
         outcomes = impatient.push(dests[1], src, 19)
         assert [type(o.error) for o in outcomes] == [TransferTimeout, TransferTimeout]
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 4
         for sender in impatient.senders:  # now die with writes in flight
             sender.push(dests[2], src, 19)
         assert not impatient.poll_until(lambda: len(impatient.outcomes) > 4, timeout_s=0.2)
@@ -363,13 +364,13 @@ def test_stalled_then_killed_decode_fails_cleanly_and_pipeline_keeps_serving(dec
     finally:
         victim.stop()
         impatient.close()
-    dest3 = decode.call("expect", "direct", "after-kill", 3, 0)
+    dest3 = decode.call("expect", "direct", "after-kill", 19, 0)
     assert [o.error for o in stages.push(PushDestination.from_dict(dest3), src, 19)] == [None, None]
     assert_shipped(decode, stages, "direct", dest_blocks(dest3), 0, 19, src)
 
 
 def test_fully_cached_prompt_ships_only_the_stage_notifications(decode, stages):
-    dest = PushDestination.from_dict(decode.call("expect", "direct", "all-cached", 0, 16))
+    dest = PushDestination.from_dict(decode.call("expect", "direct", "all-cached", 16, 16))
     outcomes = stages.push(dest, prefill_blocks(16, seed=7), 16)
     assert [(o.error, o.num_bytes) for o in outcomes] == [(None, 0), (None, 0)]
     assert decode.call("wait", "direct", "all-cached") == (None, 0)

@@ -188,3 +188,12 @@ def test_sharded_checkpoint_missing_shard(tmp_path):
     with pytest.raises(ModelFileNotFoundError, match=last_shard):
         load_stage_model(tmp_path, LayerRange(3, 4))
     assert issubclass(ModelFileNotFoundError, ModelLoadError)
+
+
+@pytest.mark.parametrize("family", list(ModelFamily))
+def test_config_round_trips_through_hf_dict(family):
+    config = replace(CONFIG, family=family, rope_scaling=None, eos_token_ids=(2,))
+    assert ModelConfig.from_hf_config(config.to_hf_config(), name="ckpt") == config
+    assert config.qk_norm is (family is ModelFamily.QWEN3)
+    # 2 (K and V) x 3 layers x 2 kv heads x 8 dims x 2 bytes
+    assert config.kv_bytes_per_token(3, torch.bfloat16) == 2 * 3 * 2 * 8 * 2

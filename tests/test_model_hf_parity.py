@@ -150,11 +150,11 @@ def test_bf16_runs_close_to_fp32(name):
     stage = StageModel(config, split_layers(config.num_layers, 1)[0], dtype=torch.bfloat16)
     stage.load_weights(weights)
     kv = PagedKVCache.for_model(config, stage.layer_range, 4, 8, dtype=torch.bfloat16)
-    batch = ChunkBatch((ChunkSpec(0, 24, (2, 0, 3)),))
-    hidden = stage(torch.tensor(tokens), batch, kv)
+    table = (2, 0, 3)
+    stage(torch.tensor(tokens[:10]), ChunkBatch((ChunkSpec(0, 10, table),)), kv)
+    hidden = stage(torch.tensor(tokens[10:]), ChunkBatch((ChunkSpec(10, 14, table),)), kv)
     assert hidden.dtype == torch.bfloat16 and kv.tensors[0].dtype == torch.bfloat16
     logits = stage.compute_logits(hidden[-1:])[0]
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
-    scale = ref.abs().max().item()
-    assert (logits - ref).abs().max().item() < 0.1 * scale
-    assert logits.argmax() == ref.argmax()
+    assert (logits - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.999

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -103,8 +105,10 @@ def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
         assert [(m.stage, m.layer_start, m.layer_end) for m in manifests] == [
             (s, a, b) for s, (a, b) in enumerate(engine.spec.layer_ranges)
         ]
-        assert all(m.num_tokens == len(prompt) and len(m.block_ids) == -(-len(prompt) // 4)
-                   for m in manifests)
+        assert all(
+            m.num_tokens == len(prompt) and len(m.block_ids) == -(-len(prompt) // 4)
+            for m in manifests
+        )
 
 
 CASES = [
@@ -178,3 +182,41 @@ def test_killing_a_stage_fails_in_flight_requests_within_seconds(start) -> None:
     t0 = time.monotonic()
     engine.shutdown()
     assert time.monotonic() - t0 < 15
+
+
+def test_torchrun_env_launch_leader_plus_wavepp_stage_process(tmp_path, monkeypatch) -> None:
+    """The Kubernetes path: the leader from RANK=0 env, the other stage via `wavepp stage`."""
+    from prefill_node.model.loader_hf import save_hf_checkpoint
+    from prefill_node.runtime.factory import start_pipeline_engine
+
+    save_hf_checkpoint(tmp_path, MODEL, WEIGHTS)
+    env = DistEnv(0, 2, "127.0.0.1", free_local_port())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "prefill_node.cli.main", "stage", "--connect-timeout", "60"],
+        env={**os.environ, **env.with_rank(1).to_env()},
+    )
+    try:
+        for key, value in env.to_env().items():
+            monkeypatch.setenv(key, value)
+        engine = start_pipeline_engine(
+            tmp_path,
+            2,
+            "lockstep",
+            num_blocks=(64, 32),
+            block_size=4,
+            max_wave_tokens=16,
+            startup_timeout_s=60,
+        )
+        assert engine.stage_pids == {}  # nothing launched locally
+        prompt = list(range(1, 40))
+        res = engine.submit(prompt, PrefillOptions(top_logprobs=3)).result(timeout=30)
+        logits, _ = reference_forward(MODEL, WEIGHTS, prompt)
+        assert res.first_token_id == int(logits.argmax()) and len(res.top_logprobs) == 3
+        engine.debug_check_integrity()
+        engine.shutdown()
+        assert stage.wait(timeout=20) == 0
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+            stage.wait()

@@ -167,9 +167,9 @@ def test_cli_writes_rows_table_and_plot(tmp_path, capsys):
     assert code == 0
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["concurrency"]) for r in rows] == [
-        ("wave[mpu]", 1),
+        ("wave[cost]", 1),
         ("lockstep", 1),
-        ("wave[mpu]", 2),
+        ("wave[cost]", 2),
         ("lockstep", 2),
     ]
     assert all(isinstance(v, int | float | str) for r in rows for v in r.values())

@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import asyncio
+    from dataclasses import replace
 
     import torch
 
@@ -157,7 +158,8 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    engine = build_engine(spec)
+    engine, blocking_submit = build_engine(spec)
+    config = replace(config, blocking_submit=blocking_submit)
     try:
         asyncio.run(_serve(engine, config, tokenizer, args.smoke_test or []))
     finally:

@@ -80,6 +80,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--requests", type=int, default=None, help="requests per run (default max(24, 3*C))"
     )
     p.add_argument("--sweep", choices=["paper"], default=None, help="run the paper's grid")
+    p.add_argument(
+        "--host-ns-per-token",
+        type=float,
+        default=None,
+        help="override the rounds plane's host work per prompt token (sensitivity studies)",
+    )
+    p.add_argument(
+        "--phase-latency-us",
+        type=float,
+        default=None,
+        help="override the rounds plane's latency per message phase (sensitivity studies)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write a list of flat rows")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the runs")
     p.add_argument(
@@ -90,13 +102,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _preset(name: str, args: argparse.Namespace):
+    """The named preset with the rounds-plane overrides of the command line applied."""
+    from dataclasses import replace
+
+    from prefill_node.errors import InvalidRequestError
+    from prefill_node.sim.presets import get_preset
+
+    preset = get_preset(name)
+    rounds = preset.rounds
+    for value, field, scale in (
+        (args.host_ns_per_token, "host_s_per_token", 1e-9),
+        (args.phase_latency_us, "phase_latency_s", 1e-6),
+    ):
+        if value is not None:
+            if value < 0:
+                raise InvalidRequestError(f"rounds-plane overrides must be >= 0, got {value}")
+            rounds = replace(rounds, **{field: value * scale})
+    return replace(preset, rounds=rounds)
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefill_node.core.planner import PlannerMode
     from prefill_node.errors import InvalidRequestError
     from prefill_node.sim.policies import parse_planner_mode
-    from prefill_node.sim.presets import get_preset
     from prefill_node.sim.report import compare, format_table, plot, regressions
     from prefill_node.sim.sweep import grid, paper_grid, policies_for, run_setting
     from prefill_node.sim.workloads import WorkloadKind
@@ -104,11 +135,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sweep == "paper":
             names = args.preset or ["glm5-pp4", "minimax-pp4"]
-            settings = paper_grid([get_preset(n) for n in names], seed=args.seed)
+            settings = paper_grid([_preset(n, args) for n in names], seed=args.seed)
         else:
             if any(c < 1 for c in args.concurrency):
                 raise InvalidRequestError("--concurrency values must be >= 1")
-            presets = [get_preset(n) for n in (args.preset or ["glm5-pp4"])]
+            presets = [_preset(n, args) for n in (args.preset or ["glm5-pp4"])]
             kinds = [WorkloadKind(w) for w in args.workload]
             settings = grid(
                 presets,
@@ -140,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
             f"\nwave/lockstep throughput over {len(pairs)} settings: "
             f"min {min(ratios):.2f}x, max {max(ratios):.2f}x"
         )
+        p50 = [c.p50_change * 100 for c in pairs]
+        print(f"wave p50 latency vs lockstep: {min(p50):+.0f}% .. {max(p50):+.0f}%")
         bad = regressions(results)
         print(f"settings where wave is > 3% below lockstep: {len(bad)} of {len(pairs)}")
         for c in bad:

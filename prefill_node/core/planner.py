@@ -218,10 +218,13 @@ class WavePlanner:
         ref = sum(w.remaining * w.end / 2 for w in work) / total
         tau = budget * cost.per_token_cost(ref)
         min_fragment = max(cfg.min_wave_tokens * cost.per_token_cost(ref), tau / 2)
+        if not cfg.fragment_rule:
+            min_fragment = 0.0
         chunks: list[ScheduledChunk] = []
         used_s, used_tokens = 0.0, 0
         for w in work:
-            if len(chunks) >= cfg.max_wave_requests or used_tokens >= cfg.max_wave_tokens:
+            full = used_tokens >= cfg.max_wave_tokens or used_s >= tau
+            if len(chunks) >= cfg.max_wave_requests or full:
                 break
             token_room = cfg.max_wave_tokens - used_tokens
             fit = min(cost.max_length(w.next_start, tau - used_s), token_room)

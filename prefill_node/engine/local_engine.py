@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,7 @@ from prefill_node.engine.types import (
     PrefillTimings,
 )
 from prefill_node.errors import (
+    InvalidKVDestinationError,
     InvalidPromptError,
     InvalidRequestError,
     InvariantError,
@@ -52,6 +54,9 @@ from prefill_node.errors import (
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
+
+if TYPE_CHECKING:
+    from prefill_node.engine.kv_shipping_local import LocalKVShipping
 
 MAX_TOP_LOGPROBS = 20
 
@@ -111,8 +116,14 @@ class LocalEngine:
     """In-process pipeline of ``StageExecutor``s implementing ``Engine``. Thread-safe."""
 
     def __init__(
-        self, model_config: ModelConfig, stages: Sequence[StageExecutor], config: LocalEngineConfig
+        self,
+        model_config: ModelConfig,
+        stages: Sequence[StageExecutor],
+        config: LocalEngineConfig,
+        kv_shipper: LocalKVShipping | None = None,
     ) -> None:
+        """``kv_shipper``: ships each request's KV to the decode worker named by
+        ``PrefillOptions.kv_destination`` (kv_shipping_local.py); None: KV stays here."""
         if len(stages) != config.num_stages:
             raise InvariantError(f"{len(stages)} stage executors for {config.num_stages} stages")
         self.model_config = model_config
@@ -122,20 +133,30 @@ class LocalEngine:
         self._lock = threading.Lock()
         self._inflight_tokens = 0
         self._closed = False
+        self._kv_shipper = kv_shipper
+        if kv_shipper is not None:
+            kv_shipper.attach(self.stages, self._lock)
 
     @classmethod
     def from_stage_models(
-        cls, models: Sequence[StageModel], config: LocalEngineConfig
+        cls,
+        models: Sequence[StageModel],
+        config: LocalEngineConfig,
+        kv_shipper: LocalKVShipping | None = None,
     ) -> LocalEngine:
         stages = [
             StageExecutor(s, m, n, config.block_size)
             for s, (m, n) in enumerate(zip(models, config.stage_num_blocks, strict=True))
         ]
-        return cls(models[0].config, stages, config)
+        return cls(models[0].config, stages, config, kv_shipper)
 
     @classmethod
     def from_weights(
-        cls, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: LocalEngineConfig
+        cls,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        config: LocalEngineConfig,
+        kv_shipper: LocalKVShipping | None = None,
     ) -> LocalEngine:
         """Build from one HF-named weight dict (e.g. ``random_weights`` in tests)."""
         models = []
@@ -143,10 +164,15 @@ class LocalEngine:
             model = StageModel(model_config, layer_range, config.dtype, config.device)
             model.load_weights(weights)
             models.append(model)
-        return cls.from_stage_models(models, config)
+        return cls.from_stage_models(models, config, kv_shipper)
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, config: LocalEngineConfig) -> LocalEngine:
+    def from_model_dir(
+        cls,
+        path: str | Path,
+        config: LocalEngineConfig,
+        kv_shipper: LocalKVShipping | None = None,
+    ) -> LocalEngine:
         """Build from a Hugging Face checkpoint directory; each stage loads only its slice."""
         from prefill_node.model.loader_hf import load_hf_config, load_stage_model
 
@@ -155,7 +181,7 @@ class LocalEngine:
             load_stage_model(path, layer_range, config.dtype, config.device)
             for layer_range in split_layers(model_config.num_layers, config.num_stages)
         ]
-        return cls.from_stage_models(models, config)
+        return cls.from_stage_models(models, config, kv_shipper)
 
     # ---- Engine protocol -----------------------------------------------------------
 
@@ -197,6 +223,8 @@ class LocalEngine:
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
+            if self._kv_shipper is not None:
+                self._kv_shipper.close()
 
     def check_integrity(self) -> None:
         """Every stage's block pool is consistent (raises InvariantError otherwise)."""
@@ -227,6 +255,10 @@ class LocalEngine:
             raise InvalidRequestError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {options.top_logprobs}"
             )
+        if options.kv_destination is not None and self._kv_shipper is None:
+            raise InvalidKVDestinationError(
+                "this engine has no KV shipping configured; omit kv_destination"
+            )
         for stage in self.stages:
             if not stage.can_ever_fit(len(ids)):
                 raise NeverFitsError(
@@ -246,6 +278,9 @@ class LocalEngine:
             t_start = time.monotonic()
             self._inflight_tokens = len(ids)
             seqs: list[StageSequence] = []
+            shipping = self._kv_shipper is not None and options.kv_destination is not None
+            if self._kv_shipper is not None:
+                self._kv_shipper.drain()
             try:
                 seqs = self._admit(request_id, ids, options)
                 cached = seqs[0].num_cached_tokens
@@ -254,6 +289,12 @@ class LocalEngine:
                 t_computed = time.monotonic()
                 manifests = tuple(s.finish(q) for s, q in zip(self.stages, seqs, strict=True))
                 seqs = []
+                if shipping:  # waits for every stage's WRITE (push) or lease (pull)
+                    manifests = self._kv_shipper.complete(request_id, manifests)
+            except BaseException:
+                if shipping:
+                    self._kv_shipper.abandon(request_id)
+                raise
             finally:
                 for stage, seq in zip(self.stages, seqs, strict=False):
                     stage.release(seq)
@@ -318,6 +359,8 @@ class LocalEngine:
             for stage, seq in zip(self.stages, seqs, strict=True):
                 step = stage.execute([ChunkWork(seq, start, length)], x)
                 x = step.hidden
+                if seq.is_complete and self._kv_shipper and options.kv_destination:
+                    self._kv_shipper.stage_finished(stage, seq, options.kv_destination)
             logits = step.logits
             start += length
         if logits is None:

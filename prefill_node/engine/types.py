@@ -48,6 +48,7 @@ class KVPushDestination:
     stage_block_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (stage, block ids)
     layout: KVLayoutSpec | None = None  # decode's layout; None: same as prefill's
     decode_cached_tokens: int = 0  # prefix decode already holds: not sent
+    transfer_id: str = ""  # decode's id of this attempt (kv_transfer PushDestination.transfer_id)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class StageKVManifest:
     lease_id: str = ""  # pull mode: renew / release with this id
     lease_expiry_unix_s: float = 0.0  # pull mode: wall-clock expiry (time.time())
     pushed: bool = False  # push mode: this stage's WRITE completed and was notified
+    lease_ttl_s: float = 0.0  # pull mode: heartbeat within this to keep the lease
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class ChunkPlan:
     start: int
     end: int
     table: torch.Tensor | None  # LongTensor of the blocks covering [0, end); None if start == 0
-    mask: torch.Tensor | None  # bool [end - start, end], True = may attend; None if start == 0
+    mask: torch.Tensor | None  # additive [end - start, end]: 0 = may attend, -inf = masked
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,10 @@ class AttentionPlan:
     chunks: tuple[ChunkPlan, ...]
 
     @classmethod
-    def build(cls, batch: ChunkBatch, kv: PagedKVCache) -> AttentionPlan:
-        """InvariantError (from ``check_block_tables``) if a table does not cover its chunk."""
+    def build(cls, batch: ChunkBatch, kv: PagedKVCache, dtype: torch.dtype) -> AttentionPlan:
+        """Masks are additive in ``dtype`` (the activations'), so SDPA need not convert a
+        boolean mask in every layer. InvariantError (from ``check_block_tables``) if a table
+        does not cover its chunk."""
         batch.check_block_tables(kv.block_size, kv.num_blocks)
         device = kv.device
         slots = []
@@ -57,7 +59,8 @@ class AttentionPlan:
                 plans.append(ChunkPlan(offsets[i], offsets[i + 1], 0, c.end, None, None))
             else:
                 keys = torch.arange(c.end, device=device)
-                mask = keys[None, :] <= pos[:, None]
+                mask = torch.zeros(c.length, c.end, dtype=dtype, device=device)
+                mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
                 plans.append(ChunkPlan(offsets[i], offsets[i + 1], c.start, c.end, table, mask))
         k_slots = slots[0] if len(slots) == 1 else torch.cat(slots)
         return cls(k_slots=k_slots, chunks=tuple(plans))

@@ -116,7 +116,7 @@ class StageModel(nn.Module):
         the previous stage. Returns the residual stream [T, hidden] in this stage's dtype."""
         self._check_call(inputs, batch, kv)
         x = F.embedding(inputs, self.embed) if self.embed is not None else inputs.to(self.dtype)
-        plan = AttentionPlan.build(batch, kv)
+        plan = AttentionPlan.build(batch, kv, self.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions(self.device), self.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, plan, kv)

@@ -55,7 +55,7 @@ class Leader:
         core: LeaderCore,
         answer_local: Callable[[RoundMessage], Any],
         on_result: Callable[[WaveResult], None],
-        on_outcomes: Callable[[list[AdmissionOutcome]], None],
+        on_outcomes: Callable[[list[AdmissionOutcome], float], None],
         on_dead: Callable[[str], None],
     ):
         self.config = config
@@ -130,6 +130,7 @@ class Leader:
         if message is None:
             return False
         outcomes: list[AdmissionOutcome] = []
+        t0 = time.monotonic()
         while message is not None:
             replies = self._round(RoundMessage(RoundKind.ADMIT, message))
             with self.lock:
@@ -137,7 +138,7 @@ class Leader:
         with self.lock:
             self.lock.notify_all()
         if outcomes:
-            self._on_outcomes(outcomes)
+            self._on_outcomes(outcomes, time.monotonic() - t0)
         return True
 
     def _wait_for_round_work(self) -> bool:

@@ -59,6 +59,7 @@ class _Request:
     future: Future[PrefillResult]
     t_submit: float
     t_admitted: float = 0.0
+    admission_s: float = 0.0
     cached_tokens: int = 0
     manifests: dict[int, StageKVManifest] = field(default_factory=dict)
 
@@ -324,7 +325,8 @@ class PipelineEngine:
         return self._launcher.pids if self._launcher is not None else {}
 
     # -- callbacks from the leader threads -----------------------------------------------------
-    def _on_outcomes(self, outcomes: list[AdmissionOutcome]) -> None:
+    def _on_outcomes(self, outcomes: list[AdmissionOutcome], round_s: float) -> None:
+        """Admission results: refusals fail at once; admitted requests record their round."""
         now = time.monotonic()
         for out in outcomes:
             with self._lock:
@@ -337,6 +339,7 @@ class PipelineEngine:
                 _settle(req.future, error=out.error)
             else:
                 req.t_admitted = now
+                req.admission_s = round_s
                 req.cached_tokens = out.cached_tokens
 
     def _on_result(self, result: WaveResult) -> None:
@@ -357,7 +360,7 @@ class PipelineEngine:
             k = req.options.top_logprobs
             timings = PrefillTimings(
                 queue_s=req.t_admitted - req.t_submit,
-                admission_s=0.0,
+                admission_s=req.admission_s,
                 compute_s=now - req.t_admitted,
                 total_s=now - req.t_submit,
             )

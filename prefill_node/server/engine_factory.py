@@ -2,7 +2,8 @@
 
 Today every spec builds the in-process ``LocalEngine`` (P stages simulated in one process).
 The multi-process pipeline (prefill_node/runtime/) plugs in here behind the same Engine
-protocol: add its branch to ``build_engine`` and nothing else changes.
+protocol: add its branch to ``build_engine`` (with ``blocking_submit=False``: its submit only
+enqueues, so the server calls it inline) and nothing else changes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
@@ -48,7 +50,14 @@ class EngineSpec:
             raise InvalidRequestError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
-def build_engine(spec: EngineSpec) -> Engine:
+class ServedEngine(NamedTuple):
+    """A started engine and how the server must call it."""
+
+    engine: Engine
+    blocking_submit: bool  # True: submit computes inline (LocalEngine); see ServerConfig
+
+
+def build_engine(spec: EngineSpec) -> ServedEngine:
     """A started engine for ``spec``; the caller owns it and must call ``shutdown``."""
     import torch
 
@@ -69,4 +78,4 @@ def build_engine(spec: EngineSpec) -> Engine:
         dtype=getattr(torch, spec.dtype),
         device=spec.device,
     )
-    return LocalEngine.from_model_dir(spec.model_dir, config)
+    return ServedEngine(LocalEngine.from_model_dir(spec.model_dir, config), blocking_submit=True)

@@ -143,7 +143,10 @@ def destination_from_proto(
             f"push.decode_cached_tokens={push.decode_cached_tokens} must be a multiple of "
             f"layout.block_size={layout.block_size} and below the prompt length {prompt_tokens}"
         )
-    need = math.ceil(prompt_tokens / layout.block_size)
+    need = (
+        math.ceil(prompt_tokens / layout.block_size)
+        - push.decode_cached_tokens // layout.block_size
+    )
     if bool(push.block_ids) == bool(push.stage_block_ids):
         raise InvalidKVDestinationError("push: set exactly one of block_ids and stage_block_ids")
     stage_ids: list[tuple[int, tuple[int, ...]]] = []
@@ -162,6 +165,7 @@ def destination_from_proto(
         stage_block_ids=tuple(sorted(stage_ids)),
         layout=layout,
         decode_cached_tokens=push.decode_cached_tokens,
+        transfer_id=push.transfer_id,
     )
 
 
@@ -184,6 +188,7 @@ def destination_to_proto(
             kv_layout_pb2.StageBlockIds(stage=s, block_ids=ids) for s, ids in dest.stage_block_ids
         ],
         decode_cached_tokens=dest.decode_cached_tokens,
+        transfer_id=dest.transfer_id,
     )
     if dest.layout is not None:
         push.layout.CopyFrom(layout_to_proto(dest.layout))
@@ -194,7 +199,7 @@ def _check_block_ids(ids: Sequence[int], need: int, where: str) -> None:
     if len(ids) != need:
         raise InvalidKVDestinationError(
             f"{where} has {len(ids)} ids; the prompt needs {need} decode blocks "
-            "(ceil(prompt_tokens / layout.block_size))"
+            "(ceil(prompt_tokens / layout.block_size) - decode_cached_tokens / block_size)"
         )
     if len(set(ids)) != len(ids):
         raise InvalidKVDestinationError(f"{where} repeats a block id; each block must be distinct")
@@ -226,6 +231,7 @@ def manifest_to_proto(m: StageKVManifest) -> kv_layout_pb2.StageKvManifest:
         ),
         lease_id=m.lease_id,
         pushed=m.pushed,
+        lease_ttl_ms=round(m.lease_ttl_s * 1000),
     )
     if m.lease_expiry_unix_s:
         msg.lease_expiry.CopyFrom(_timestamp(m.lease_expiry_unix_s))
@@ -259,6 +265,7 @@ def manifest_from_proto(msg: kv_layout_pb2.StageKvManifest) -> StageKVManifest:
         lease_id=msg.lease_id,
         lease_expiry_unix_s=expiry,
         pushed=msg.pushed,
+        lease_ttl_s=msg.lease_ttl_ms / 1000,
     )
 
 

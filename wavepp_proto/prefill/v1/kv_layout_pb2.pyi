@@ -82,7 +82,7 @@ class StageBlockIds(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvPushDestination(_message.Message):
-    __slots__ = ("agent_name", "metadata_endpoint", "agent_metadata", "block_ids", "stage_block_ids", "layout", "decode_cached_tokens")
+    __slots__ = ("agent_name", "metadata_endpoint", "agent_metadata", "block_ids", "stage_block_ids", "layout", "decode_cached_tokens", "transfer_id")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class KvPushDestination(_message.Message):
     STAGE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     metadata_endpoint: str
     agent_metadata: bytes
@@ -97,7 +98,8 @@ class KvPushDestination(_message.Message):
     stage_block_ids: _containers.RepeatedCompositeFieldContainer[StageBlockIds]
     layout: KvLayout
     decode_cached_tokens: int
-    def __init__(self, agent_name: _Optional[str] = ..., metadata_endpoint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., stage_block_ids: _Optional[_Iterable[_Union[StageBlockIds, _Mapping]]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, agent_name: _Optional[str] = ..., metadata_endpoint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., stage_block_ids: _Optional[_Iterable[_Union[StageBlockIds, _Mapping]]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., decode_cached_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class KvPullDestination(_message.Message):
     __slots__ = ("lease_ttl_ms",)
@@ -114,7 +116,7 @@ class KvDestination(_message.Message):
     def __init__(self, push: _Optional[_Union[KvPushDestination, _Mapping]] = ..., pull: _Optional[_Union[KvPullDestination, _Mapping]] = ...) -> None: ...
 
 class StageKvManifest(_message.Message):
-    __slots__ = ("stage", "layer_start", "layer_end", "agent_name", "metadata_endpoint", "block_ids", "num_tokens", "layout", "lease_id", "lease_expiry", "pushed")
+    __slots__ = ("stage", "layer_start", "layer_end", "agent_name", "metadata_endpoint", "block_ids", "num_tokens", "layout", "lease_id", "lease_expiry", "pushed", "lease_ttl_ms")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class StageKvManifest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     layer_start: int
     layer_end: int
@@ -137,4 +140,5 @@ class StageKvManifest(_message.Message):
     lease_id: str
     lease_expiry: _timestamp_pb2.Timestamp
     pushed: bool
-    def __init__(self, stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., agent_name: _Optional[str] = ..., metadata_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_id: _Optional[str] = ..., lease_expiry: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., pushed: _Optional[bool] = ...) -> None: ...
+    lease_ttl_ms: int
+    def __init__(self, stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., agent_name: _Optional[str] = ..., metadata_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_id: _Optional[str] = ..., lease_expiry: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., pushed: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...

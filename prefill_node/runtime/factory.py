@@ -1,0 +1,72 @@
+"""One call that starts a multi-process pipeline on a model and returns its leader Engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefill_node.errors import InvalidRequestError
+from prefill_node.runtime.dist_env import DistEnv, free_local_port
+from prefill_node.runtime.pipeline_engine import PipelineEngine
+from prefill_node.runtime.spec import ModelSource, PipelineSpec
+
+
+def start_pipeline_engine(
+    model_dir: str | Path,
+    num_stages: int,
+    policy: str = "wave",
+    *,
+    num_blocks: int | Sequence[int] = 1024,
+    block_size: int = 16,
+    max_wave_tokens: int = 512,
+    min_wave_tokens: int | None = None,
+    layer_ranges: Sequence[tuple[int, int]] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    from_env: bool | None = None,
+    startup_timeout_s: float = 600.0,
+) -> PipelineEngine:
+    """Start a ``num_stages``-stage pipeline on the HF checkpoint ``model_dir``; this process
+    becomes stage 0 (the leader) and the returned engine serves requests. Call ``shutdown``.
+
+    Launch: when RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT are set (``from_env`` None
+    means: if RANK is in the environment), this process must be RANK 0 and the other stages
+    are started elsewhere with ``wavepp stage`` (one pod per stage); otherwise the stages are
+    spawned locally as child processes on a free loopback port. ``num_blocks``: KV blocks per
+    stage, one value or one per stage. ``layer_ranges`` defaults to an even split.
+    """
+    from prefill_node.model.loader_hf import load_hf_config
+    from prefill_node.model.partition import split_layers
+
+    config = load_hf_config(model_dir)
+    blocks = (num_blocks,) * num_stages if isinstance(num_blocks, int) else tuple(num_blocks)
+    if layer_ranges is None:
+        layer_ranges = [(r.start, r.end) for r in split_layers(config.num_layers, num_stages)]
+    if len(layer_ranges) != num_stages or layer_ranges[-1][1] != config.num_layers:
+        raise InvalidRequestError(
+            f"layer ranges {list(layer_ranges)} must give {num_stages} stages covering "
+            f"all {config.num_layers} layers"
+        )
+    spec = PipelineSpec(
+        model=ModelSource(path=str(Path(model_dir).resolve()), name=config.name),
+        layer_ranges=tuple(tuple(r) for r in layer_ranges),
+        stage_blocks=blocks,
+        block_size=block_size,
+        policy=policy,
+        max_wave_tokens=max_wave_tokens,
+        min_wave_tokens=min_wave_tokens or max(block_size, max_wave_tokens // 4),
+        dtype=dtype,
+        device=device,
+    )
+    use_env = "RANK" in os.environ if from_env is None else from_env
+    if use_env:
+        env = DistEnv.from_env()
+        if not env.is_leader or env.world_size != num_stages:
+            raise InvalidRequestError(
+                f"this process is RANK {env.rank} of WORLD_SIZE {env.world_size}; the leader "
+                f"must be RANK 0 of {num_stages} (other ranks run `wavepp stage`)"
+            )
+        return PipelineEngine.start(spec, env, launch=False, startup_timeout_s=startup_timeout_s)
+    env = DistEnv(0, num_stages, "127.0.0.1", free_local_port())
+    return PipelineEngine.start(spec, env, launch=True, startup_timeout_s=startup_timeout_s)

@@ -1,0 +1,176 @@
+"""Prompt -> 2-stage LocalEngine -> NIXL (push / pull) -> decode worker process -> greedy tokens.
+
+The decode worker runs in a spawned process with its own NIXL agent; the two prefill stages'
+agents live in this process (LocalKVShipping's thread). The decode pool's block size (8)
+differs from prefill's (4), so the shipped KV goes through the token-run mapping. Generated
+tokens must equal a monolithic greedy generation with the independent reference forward.
+After every test each stage holds no blocks and every integrity check passes.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+
+from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
+from prefill_node.engine.kv_shipping import KVShippingConfig
+from prefill_node.engine.kv_shipping_local import LocalKVShipping
+from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
+from prefill_node.errors import KVHandoffError
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.reference import reference_forward
+from prefill_node.model.weights import random_weights
+
+pytestmark = pytest.mark.slow
+
+CONFIG = ModelConfig.from_hf_config(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    },
+    name="tiny-llama",
+)
+WEIGHTS = random_weights(CONFIG, seed=0)
+SHIPPING = KVShippingConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
+NEW_TOKENS = 32
+
+
+def reference_greedy(config, weights, prompt, n: int) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits, _ = reference_forward(config, weights, ids)
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
+
+
+def used_blocks(engine: LocalEngine) -> list[int]:
+    return [stage.load().used_blocks for stage in engine.stages]
+
+
+def wait_idle(engine: LocalEngine, timeout_s: float = 5.0) -> None:
+    """Every stage's blocks unpinned (bounded wait: pull leases end asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while any(used_blocks(engine)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert used_blocks(engine) == [0, 0]
+    engine.check_integrity()
+    engine._kv_shipper.check_integrity()
+    assert engine._kv_shipper.held_blocks() == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    spec = DecodeWorkerSpec(model_config=CONFIG, seed=0, num_blocks=48, block_size=8, timeout_s=5)
+    with DecodeWorkerProcess(spec) as worker:
+        yield worker
+        assert worker.stats().used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=6)
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, LocalKVShipping(SHIPPING))
+    yield engine
+    wait_idle(engine)
+    engine.shutdown()
+    engine.check_integrity()
+
+
+def push_round_trip(engine, decode, request_id: str, prompt: list[int]) -> list[int]:
+    dest = decode.expect_push(request_id, prompt)
+    result = engine.submit(prompt, PrefillOptions(request_id, kv_destination=dest)).result()
+    assert [m.pushed for m in result.stage_manifests] == [True, True]
+    assert used_blocks(engine) == [0, 0]  # push: unpinned before the response
+    return list(decode.generate(request_id, result.first_token_id, NEW_TOKENS))
+
+
+def test_push_generation_equals_monolithic_greedy(engine, decode):
+    prompt = prompt_of(13, seed=1)
+    assert push_round_trip(engine, decode, "push-1", prompt) == reference_greedy(
+        CONFIG, WEIGHTS, prompt, NEW_TOKENS
+    )
+    longer = prompt + prompt_of(6, seed=2)  # reuses 3 cached prefill blocks, ships them too
+    tokens = push_round_trip(engine, decode, "push-2", longer)
+    assert tokens == reference_greedy(CONFIG, WEIGHTS, longer, NEW_TOKENS)
+    assert decode.stats().used_blocks == 0
+    wait_idle(engine)
+
+
+def test_pull_generation_equals_monolithic_greedy_and_leases_end(engine, decode):
+    prompt = prompt_of(17, seed=3)
+    options = PrefillOptions("pull-1", kv_destination=KVPullDestination())
+    result = engine.submit(prompt, options).result()
+    manifests = result.stage_manifests
+    assert all(m.lease_id and m.agent_name and m.regions for m in manifests)
+    assert used_blocks(engine) == [5, 5]  # leased: pinned until decode released them
+    decode.pull("pull-1", prompt, manifests)
+    tokens = list(decode.generate("pull-1", result.first_token_id, NEW_TOKENS))
+    assert tokens == reference_greedy(CONFIG, WEIGHTS, prompt, NEW_TOKENS)
+    wait_idle(engine)  # decode's release notification unpinned every stage's lease
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_decode_fails_cleanly_and_engine_keeps_serving(engine, decode):
+    prompt = prompt_of(9, seed=4)
+    dest = KVPushDestination(
+        agent_name="nobody", metadata_endpoint=f"127.0.0.1:{_closed_port()}", block_ids=(0, 1, 2)
+    )
+    started = time.monotonic()
+    future = engine.submit(prompt, PrefillOptions("lost", kv_destination=dest))
+    with pytest.raises(KVHandoffError, match="DecodeUnreachable"):
+        future.result()
+    assert time.monotonic() - started < 3
+    wait_idle(engine)
+    assert push_round_trip(engine, decode, "after-loss", prompt) == reference_greedy(
+        CONFIG, WEIGHTS, prompt, NEW_TOKENS
+    )
+    wait_idle(engine)
+
+
+def test_smollm2_push_generation_equals_monolithic_greedy(default_model_dir):
+    from prefill_node.model.loader_hf import load_hf_config, load_hf_weights
+    from prefill_node.model.partition import LayerRange
+    from prefill_node.model.tokenizer import Tokenizer
+
+    config = load_hf_config(default_model_dir)
+    prompt = Tokenizer.from_dir(default_model_dir).encode("The capital of France is")
+    n = 8
+    engine = LocalEngine.from_model_dir(
+        default_model_dir,
+        LocalEngineConfig(num_stages=2, num_blocks=16, block_size=16),
+        LocalKVShipping(SHIPPING),
+    )
+    spec = DecodeWorkerSpec(model_dir=str(default_model_dir), num_blocks=8, block_size=16)
+    try:
+        with DecodeWorkerProcess(spec) as decode:
+            tokens = push_round_trip(engine, decode, "smol", prompt)[:n]
+            assert decode.stats().used_blocks == 0
+        weights = load_hf_weights(default_model_dir, LayerRange(0, config.num_layers), config)
+        assert tokens == reference_greedy(config, weights, prompt, n)
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
