@@ -31,17 +31,13 @@ def _token_index(pages: PageMap, start: int, end: int, device: torch.device):
 
 
 def gather_tokens(kv: torch.Tensor, pages: PageMap, start: int, end: int) -> torch.Tensor:
-    """Tokens ``[start, end)`` of one layer ``[blocks, 2, bs, H, D]`` as ``[2, T, H, D]``."""
+    """Tokens ``[start, end)`` of one layer ``[blocks, 2, bs, H, D]`` as ``[2, T, H, D]``.
+
+    Per-token indexing, independent of the run-based copies below (tests use it as the
+    reference); the transfer path itself uses ``copy_tokens``.
+    """
     blocks, offs = _token_index(pages, start, end, kv.device)
     return kv[blocks, :, offs].transpose(0, 1)
-
-
-def scatter_tokens(
-    kv: torch.Tensor, pages: PageMap, start: int, end: int, tokens: torch.Tensor
-) -> None:
-    """Write ``tokens`` ``[2, T, H, D]`` into one layer at positions ``[start, end)``."""
-    blocks, offs = _token_index(pages, start, end, kv.device)
-    kv[blocks, :, offs] = tokens.transpose(0, 1).to(kv.dtype)
 
 
 def copy_tokens(

@@ -220,6 +220,12 @@ class KVReceiver:
         )
         if error is not None:
             raise error
+        num_tokens = manifests[0].num_tokens
+        if any(m.num_tokens != num_tokens for m in manifests):
+            raise InvalidTransferRequest("stage manifests disagree on the prompt length")
+        PageMap(tuple(block_ids), self.layout.block_size, skip_tokens).check_range(
+            skip_tokens, num_tokens, "destination"
+        )
         pending = self._register(request_id, block_ids, skip_tokens)
         pending.num_stages = len(manifests)
         pending.heartbeat_every = min(m.lease_ttl_s for m in manifests) / 3

@@ -92,6 +92,7 @@ class KVSender:
         )
         self._pushes: dict[str, _Push] = {}
         self._peers: dict[str, PeerInfo] = {}
+        self._host_ok: dict[str, bool] = {}  # endpoint -> allowed by CIDR (else: by name)
         self._handshakes: dict[str, Future[PeerInfo]] = {}
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
         self.ignored_notifications = 0
@@ -127,8 +128,10 @@ class KVSender:
             raise InvalidTransferRequest(
                 f"decode expects a {dest.num_tokens}-token prompt, this one has {num_tokens}"
             )
-        host, _ = split_endpoint(dest.endpoint)
-        host_ok = self.config.allow.check_host(host)
+        host_ok = self._host_ok.get(dest.endpoint)
+        if host_ok is None:  # resolve once per endpoint, not per request
+            host_ok = self.config.allow.check_host(split_endpoint(dest.endpoint)[0])
+            self._host_ok[dest.endpoint] = host_ok
         now = self._clock()
         push = _Push(
             dest, src_pages, num_tokens, now, now + self.config.transfer_timeout_s, host_ok

@@ -1,5 +1,7 @@
 """Admission rounds over several stages: each outcome, fallback, substitution, FCFS, cleanup."""
 
+import pickle
+
 import pytest
 
 from prefill_node.core.admission_messages import (
@@ -235,6 +237,23 @@ def test_a_committed_escrow_is_never_short_a_hit_on_its_victim_is_a_miss():
     st.check_integrity()
 
 
+def test_a_hit_on_a_committed_victim_takes_it_over_only_with_a_substitute():
+    st = StageAdmission(StageConfig(0, 12, B))
+    _prime_cached_prefix(st, PREFIX + [1])
+    _prime_cached_prefix(st, list(range(700, 709)))  # queue [6..11, 3, 2, 1, 0, 5, 4]
+    _reserve(st, "a", range(500, 536), 0, 1)  # 9 victims: 6..11, 3, 2, 1
+    st.handle(RoundRequest(1, Phase.COMMIT, commits=(CommitOrder("a", 0),)))
+    assert st.pool.free_queue.block_ids() == [0, 5, 4]
+    c = _reserve(st, "c", PREFIX + [9], 4, 2)
+    # c pins 0; takes over 1 and 2 once a got 5 and 4 instead; 3 has no substitute left,
+    # and a committed escrow is never left short, so c's prefix ends there.
+    assert c.confirmed_blocks == 3 and c.status is ReserveStatus.NO_CAPACITY
+    escrow = st.reservation("a").escrow
+    assert {v.block_id for v in escrow.victims()} == {3, 4, 5, 6, 7, 8, 9, 10, 11}
+    assert (escrow.held, escrow.target) == (9, 9)
+    st.check_integrity()
+
+
 def test_materialise_refuses_chunks_that_do_not_match_local_state():
     coord, stages = make([10])
     (out,) = run_round(coord, stages, [spec("a", PREFIX + [1])])
@@ -377,3 +396,20 @@ def test_bad_input_and_protocol_misuse():
         coord.finish_phase([stages[0].handle(msg)])
     with pytest.raises(InvariantError, match="replies do not match"):
         coord.finish_phase([StageReply(99, Phase.LOOKUP, 0), StageReply(99, Phase.LOOKUP, 1)])
+
+
+def test_every_round_message_survives_pickling_as_the_rounds_plane_sends_it():
+    coord, stages = make([8, 8])
+    coord.submit(spec("a", range(9), ExtraKeys("tiny", "salt")))
+    msg = coord.begin_round()
+    while True:
+        wire = pickle.loads(pickle.dumps(msg))
+        assert wire == msg
+        replies = [pickle.loads(pickle.dumps(st.handle(wire))) for st in stages]
+        step = coord.finish_phase(replies)
+        if isinstance(step, RoundResult):
+            break
+        msg = step
+    assert isinstance(pickle.loads(pickle.dumps(step)).outcomes[0], Admitted)
+    assert pickle.loads(pickle.dumps(msg)).new_requests == ()
+    assert len(pickle.dumps(msg)) < 400  # later phases carry ids and ints only

@@ -20,7 +20,7 @@ from prefill_node.engine.kv_shipping import KVShippingConfig
 from prefill_node.engine.kv_shipping_local import LocalKVShipping
 from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
-from prefill_node.errors import KVHandoffError
+from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
@@ -46,6 +46,7 @@ CONFIG = ModelConfig.from_hf_config(
 WEIGHTS = random_weights(CONFIG, seed=0)
 SHIPPING = KVShippingConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
 NEW_TOKENS = 32
+SMOL_TOKENS = 16  # 135M parameters on a shared CPU: ~0.1-0.5 s per decode step
 
 
 def reference_greedy(config, weights, prompt, n: int) -> list[int]:
@@ -73,8 +74,8 @@ def wait_idle(engine: LocalEngine, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
     assert used_blocks(engine) == [0, 0]
     engine.check_integrity()
-    engine._kv_shipper.check_integrity()
-    assert engine._kv_shipper.held_blocks() == (0, 0)
+    engine.kv_shipper.check_integrity()
+    assert engine.kv_shipper.held_blocks() == (0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +96,12 @@ def engine():
     engine.check_integrity()
 
 
-def push_round_trip(engine, decode, request_id: str, prompt: list[int]) -> list[int]:
+def push_round_trip(engine, decode, request_id: str, prompt: list[int], n=NEW_TOKENS) -> list[int]:
     dest = decode.expect_push(request_id, prompt)
     result = engine.submit(prompt, PrefillOptions(request_id, kv_destination=dest)).result()
     assert [m.pushed for m in result.stage_manifests] == [True, True]
     assert used_blocks(engine) == [0, 0]  # push: unpinned before the response
-    return list(decode.generate(request_id, result.first_token_id, NEW_TOKENS))
+    return list(decode.generate(request_id, result.first_token_id, n))
 
 
 def test_push_generation_equals_monolithic_greedy(engine, decode):
@@ -151,26 +152,74 @@ def test_unreachable_decode_fails_cleanly_and_engine_keeps_serving(engine, decod
     wait_idle(engine)
 
 
+def teacher_forced_greedy(model, prompt: list[int], tokens: list[int]) -> list[int]:
+    """Monolithic check of a greedy continuation in ONE forward of the full model over
+    prompt + tokens[:-1] with contiguous KV: the argmax after each position. Equal to
+    ``tokens`` iff every generated token is the greedy one given everything before it."""
+    import torch
+
+    from prefill_node.model.batch import ChunkBatch, ChunkSpec
+    from prefill_node.model.paged_kv import PagedKVCache
+
+    ids = prompt + tokens[:-1]
+    kv = PagedKVCache.for_model(model.config, model.layer_range, len(ids), 1)
+    batch = ChunkBatch((ChunkSpec(0, len(ids), tuple(range(len(ids)))),))
+    hidden = model(torch.tensor(ids), batch, kv)
+    logits = model.compute_logits(hidden[len(prompt) - 1 :])
+    return logits.argmax(-1).tolist()
+
+
+def test_rejected_destinations_fail_before_any_write(engine):
+    prompt = prompt_of(9, seed=5)
+    outside = KVPushDestination(
+        agent_name="far", metadata_endpoint="10.1.2.3:7", block_ids=(0, 1, 2)
+    )
+    short = KVPushDestination(agent_name="x", metadata_endpoint="127.0.0.1:7", block_ids=(0, 1))
+    with pytest.raises(InvalidKVDestinationError, match="allow-list"):
+        engine.submit(prompt, PrefillOptions("outside", kv_destination=outside)).result()
+    with pytest.raises(InvalidKVDestinationError, match="needs 3 decode blocks"):
+        engine.submit(prompt, PrefillOptions("short", kv_destination=short)).result()
+    wait_idle(engine)
+
+
+def test_unread_pull_lease_expires_and_unpins_every_stage():
+    config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=4)
+    shipping = LocalKVShipping(KVShippingConfig(lease_ttl_s=0.5))
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, shipping)
+    try:
+        options = PrefillOptions("unread", kv_destination=KVPullDestination())
+        result = engine.submit(prompt_of(10, seed=6), options).result()
+        assert len({m.lease_id for m in result.stage_manifests}) == 2
+        assert used_blocks(engine) == [3, 3]
+        wait_idle(engine, timeout_s=3.0)  # nobody read them: expiry frees the blocks
+    finally:
+        engine.shutdown()
+
+
 def test_smollm2_push_generation_equals_monolithic_greedy(default_model_dir):
     from prefill_node.model.loader_hf import load_hf_config, load_hf_weights
     from prefill_node.model.partition import LayerRange
+    from prefill_node.model.stage_model import StageModel
     from prefill_node.model.tokenizer import Tokenizer
 
     config = load_hf_config(default_model_dir)
+    weights = load_hf_weights(default_model_dir, LayerRange(0, config.num_layers), config)
     prompt = Tokenizer.from_dir(default_model_dir).encode("The capital of France is")
-    n = 8
-    engine = LocalEngine.from_model_dir(
-        default_model_dir,
-        LocalEngineConfig(num_stages=2, num_blocks=16, block_size=16),
-        LocalKVShipping(SHIPPING),
-    )
     spec = DecodeWorkerSpec(model_dir=str(default_model_dir), num_blocks=8, block_size=16)
-    try:
-        with DecodeWorkerProcess(spec) as decode:
-            tokens = push_round_trip(engine, decode, "smol", prompt)[:n]
+    with DecodeWorkerProcess(spec) as decode:  # loads while this process builds the engine
+        engine = LocalEngine.from_weights(
+            config,
+            weights,
+            LocalEngineConfig(num_stages=2, num_blocks=16, block_size=16),
+            LocalKVShipping(SHIPPING),
+        )
+        try:
+            tokens = push_round_trip(engine, decode, "smol", prompt, SMOL_TOKENS)
             assert decode.stats().used_blocks == 0
-        weights = load_hf_weights(default_model_dir, LayerRange(0, config.num_layers), config)
-        assert tokens == reference_greedy(config, weights, prompt, n)
-        wait_idle(engine)
-    finally:
-        engine.shutdown()
+            wait_idle(engine)
+        finally:
+            engine.shutdown()
+    monolithic = StageModel(config, LayerRange(0, config.num_layers))
+    monolithic.load_weights(weights)
+    assert len(tokens) == SMOL_TOKENS
+    assert tokens == teacher_forced_greedy(monolithic, prompt, tokens)

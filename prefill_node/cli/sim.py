@@ -26,8 +26,7 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from prefill_node.core.planner import PlannerMode
-    from prefill_node.sim.policies import DEFAULT_PLANNER_MODE
+    from prefill_node.core.planner import DEFAULT_PLANNER_MODE, PlannerMode
     from prefill_node.sim.presets import PRESETS
     from prefill_node.sim.workloads import WorkloadKind
 

@@ -73,7 +73,9 @@ class AdmissionCoordinator:
     starved by smaller ones. Outcomes: Admitted (reserved on every stage), Wait (nothing
     held, retried next round), Rejected (bigger than some stage's whole cache: never
     queued), Aborted. Progress: a lone reservation is never capped and a prompt that fits
-    in every stage's cache is admitted once the running requests have completed.
+    in every stage's cache is admitted once the running requests have completed. After a
+    Wait, run the next round when capacity may have changed (a completion, an abort, a new
+    request), not in a busy loop. Request ids must be unique among live requests.
     """
 
     def __init__(self, config: CoordinatorConfig) -> None:
@@ -181,6 +183,7 @@ class AdmissionCoordinator:
         if not rnd.request_ids:
             return self._finish(rnd)
         for reply in replies:
+            _check_items(rnd, reply, [h.request_id for h in reply.hints], rnd.request_ids)
             for hint in reply.hints:
                 old = rnd.candidates.get(hint.request_id, hint.blocks)
                 rnd.candidates[hint.request_id] = min(old, hint.blocks)
@@ -190,6 +193,7 @@ class AdmissionCoordinator:
     def _after_reserve(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
         by_request: dict[str, list[Reserved]] = {rid: [] for rid in rnd.request_ids}
         for reply in sorted(replies, key=lambda r: r.stage):
+            _check_items(rnd, reply, [i.request_id for i in reply.reserved], rnd.request_ids)
             for item in reply.reserved:
                 by_request[item.request_id].append(item)
         releases: list[str] = []
@@ -213,6 +217,7 @@ class AdmissionCoordinator:
     def _after_commit(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
         results: dict[str, list] = {rid: [] for rid in rnd.committing}
         for reply in sorted(replies, key=lambda r: r.stage):
+            _check_items(rnd, reply, [c.request_id for c in reply.committed], rnd.committing)
             for item in reply.committed:
                 results[item.request_id].append((reply.stage, item))
         releases: list[str] = []
@@ -250,6 +255,15 @@ class AdmissionCoordinator:
         self._aborted.clear()
         self._round = None
         return RoundResult(rnd.round_id, tuple(outcomes))
+
+
+def _check_items(rnd: _Round, reply: StageReply, got: list[str], expected) -> None:
+    """A stage must answer every item of the phase, once each, in order."""
+    if got != list(expected):
+        raise InvariantError(
+            f"round {rnd.round_id} {rnd.phase}: stage {reply.stage} answered {got}, "
+            f"expected {list(expected)}"
+        )
 
 
 def _common_boundary(items: Sequence[Reserved]) -> int:

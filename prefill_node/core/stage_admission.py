@@ -35,14 +35,17 @@ class InvalidStageConfigError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class StageConfig:
-    """One stage's cache. ``headroom_blocks``: while other requests hold reservations, a
-    new one is admitted only if the blocks pinned or escrowed stay within
-    ``num_blocks - headroom_blocks`` (about 2*P*M tokens of headroom, WAVEPP.md 2): pins
-    never leave nothing evictable, and admission cannot run arbitrarily far ahead of
-    execution by evicting the whole cache for far-future work. A lone request is never
-    capped, so anything that fits the cache is admitted eventually.
-    ``snapshot_interval_blocks``: for stages with recurrent-state layers, a snapshot is
-    stored after every k-th full block and a prefix is reusable only up to a snapshot.
+    """One stage's cache: ``num_blocks`` blocks of ``block_size`` tokens for the
+    ``num_layers`` layers it holds (informational here: sizing and metrics).
+
+    ``headroom_blocks``: while other requests hold reservations, a new one is admitted only
+    if the blocks pinned or escrowed stay within ``num_blocks - headroom_blocks`` (about
+    2*P*M tokens of headroom, WAVEPP.md 2): pins never leave nothing evictable, and
+    admission cannot run arbitrarily far ahead of execution by evicting the whole cache for
+    far-future work. A lone request is never capped, so anything that fits the cache is
+    admitted eventually. ``snapshot_interval_blocks``: for stages with recurrent-state
+    layers, a snapshot is stored after every k-th full block and a prefix is reusable only
+    up to a snapshot.
     """
 
     stage: int
@@ -256,6 +259,10 @@ class StageAdmission:
 
     def load(self) -> PoolStats:
         return self.pool.stats()
+
+    def prompt_blocks(self, request_id: str) -> PromptBlocks | None:
+        """The registered prompt (hashes, token blocks) of a request not yet finished here."""
+        return self._prompts.get(request_id)
 
     def reservation(self, request_id: str) -> Reservation | None:
         """Read-only view for tests and metrics."""

@@ -183,6 +183,11 @@ class LocalEngine:
         ]
         return cls.from_stage_models(models, config, kv_shipper)
 
+    @property
+    def kv_shipper(self) -> LocalKVShipping | None:
+        """The KV hand-off driver given at construction (None: KV stays on the stages)."""
+        return self._kv_shipper
+
     # ---- Engine protocol -----------------------------------------------------------
 
     @property

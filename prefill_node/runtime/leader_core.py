@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.core.admission_messages import Aborted, Admitted, Rejected, RoundRequest
-from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.coordinator import (
+    AdmissionCoordinator,
+    CoordinatorConfig,
+    DuplicateRequestError,
+)
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.planner import PlannerConfig, PlannerMode, WavePlanner
 from prefill_node.core.request import RequestSpec
@@ -92,6 +96,12 @@ class LeaderCore:
             raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
 
     def submit(self, request_id: str, token_ids: tuple[int, ...], salt: str | None, top_k: int):
+        """Queue a request. DuplicateRequestError while the id is still known (queued, or an
+        aborted request whose stage-side cleanup waits for its in-flight chunks)."""
+        if request_id in self._progress:
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is still in the pipeline; use a fresh id"
+            )
         spec = RequestSpec(request_id, token_ids, ExtraKeys(self.model_id, salt))
         rejected = self._coordinator.submit(spec)
         if rejected is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.engine.types import StageKVManifest
@@ -83,10 +83,13 @@ class RoundMessage:
 
 @dataclass(frozen=True)
 class StageStats:
-    """One stage's counters since start: time spent executing waves, and cache occupancy."""
+    """One stage's counters since start: wall time executing waves (``busy_s``), CPU time
+    of the executing thread meanwhile (``cpu_s``; below busy_s when the core is shared),
+    waves and tokens executed, and cache occupancy in blocks."""
 
     stage: int
     busy_s: float
+    cpu_s: float
     waves: int
     tokens: int
     uptime_s: float
@@ -94,4 +97,3 @@ class StageStats:
     cached_blocks: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
-    extra: dict[str, float] = field(default_factory=dict)

@@ -120,7 +120,7 @@ class PipelineEngine:
         compute = build_stage_compute(self.spec, 0)
         self.config = compute.model_config
         self._wait_ready(startup_timeout_s)
-        planes = Planes.join(0, env.world_size, self._store, torch.device(self.spec.device), 3600.0)
+        planes = Planes.join(0, env.world_size, self._store, compute.model.device, 3600.0)
         lockstep = self.spec.policy == "lockstep"
         core = LeaderCore(self.spec, self.config)
         self._leader = Leader(
@@ -142,6 +142,7 @@ class PipelineEngine:
             lockstep=lockstep,
             wave_source=self._leader.next_wave,
             result_sink=self._leader.handle_result,
+            on_error=self._on_dead,
         )
         self._heartbeat = Heartbeat(
             env, self._on_dead, self.spec.heartbeat_s, self.spec.dead_after_s
@@ -172,21 +173,32 @@ class PipelineEngine:
         self._teardown(graceful=self._dead is None)
 
     def _teardown(self, graceful: bool) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
+        """Drain and stop the threads and the stages; the heartbeat stops last so that the
+        stages never mistake a slow, orderly shutdown for a lost leader."""
+        t0 = time.monotonic()
         if self._leader is not None:
             self._leader.stop()
         if graceful and self._worker is not None and self._leader is not None:
             self._worker.join(timeout=10.0)
             self._leader.join(timeout=10.0)
+        t1 = time.monotonic()
         if self._launcher is not None:
             self._launcher.stop(grace_s=10.0 if graceful else 0.0)
+        t2 = time.monotonic()
         if self._worker is not None:
             self._worker.join(timeout=5.0)
         if self._leader is not None:
             self._leader.join(timeout=5.0)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         Planes.close()
         self._store = None
+        log.info(
+            "pipeline stopped in %.2fs (drain %.2fs, stages %.2fs)",
+            time.monotonic() - t0,
+            t1 - t0,
+            t2 - t1,
+        )
 
     # -- failure -------------------------------------------------------------------------------
     def _on_stage_exit(self, rank: int, code: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from prefill_node.errors import InvalidRequestError
@@ -56,7 +56,6 @@ class PipelineSpec:
     heartbeat_s: float = 0.25
     dead_after_s: float = 5.0
     tick_s: float = 0.5
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         p = len(self.layer_ranges)

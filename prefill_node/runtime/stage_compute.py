@@ -37,17 +37,29 @@ class CapturedKV:
     v: tuple[torch.Tensor, ...]
 
 
+def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
+    """CPU, or on CUDA one GPU per stage: ``cuda:(stage mod visible GPUs)`` (one pod per stage
+    sees one GPU, so every stage uses ``cuda:0`` there). Also makes it the current device,
+    which NCCL needs."""
+    if spec.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", stage % max(1, torch.cuda.device_count()))
+    torch.cuda.set_device(device)
+    return device
+
+
 def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
     """This stage's slice of the model named by ``spec.model`` (only its own weights)."""
     a, b = spec.layer_ranges[stage]
     layer_range = LayerRange(a, b)
     dtype = _DTYPES[spec.dtype]
+    device = stage_device(spec, stage)
     if spec.model.path is not None:
         from prefill_node.model.loader_hf import load_stage_model as load_hf
 
-        return load_hf(spec.model.path, layer_range, dtype, spec.device)
+        return load_hf(spec.model.path, layer_range, dtype, device)
     config = ModelConfig.from_hf_config(spec.model.config or {}, name=spec.model.name)
-    return StageModel.random_init(config, layer_range, spec.model.seed, dtype, spec.device)
+    return StageModel.random_init(config, layer_range, spec.model.seed, dtype, device)
 
 
 def headroom_blocks(spec: PipelineSpec, stage: int) -> int:
@@ -129,7 +141,12 @@ class PipelineStageCompute:
                 rows += chunk.length
         out = None
         if not self.model.is_last:
-            out = torch.zeros(rows, self.model_config.hidden_size, dtype=self.model.dtype)
+            out = torch.zeros(
+                rows,
+                self.model_config.hidden_size,
+                dtype=self.model.dtype,
+                device=self.model.device,
+            )
         if not tables:
             return StepOutput(out, failed=tuple(failed))
         try:
@@ -230,8 +247,8 @@ class PipelineStageCompute:
         ks, vs = [], []
         for layer in self.kv.layer_range:
             k, v = self.kv.read(layer, table.block_ids, table.end)
-            ks.append(k.clone())
-            vs.append(v.clone())
+            ks.append(k.cpu().clone())
+            vs.append(v.cpu().clone())
         self._captured[request_id] = CapturedKV(
             self.stage, self.kv.layer_range.start, tuple(ks), tuple(vs)
         )

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.runtime.heartbeat import Heartbeat
 from prefill_node.runtime.launcher import STAGE_CPU_ENV, pin_to_cpu
-from prefill_node.runtime.planes import Planes
+from prefill_node.runtime.planes import PlaneClosedError, Planes
 from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_worker import StageWorker
 
@@ -22,6 +22,7 @@ log = logging.getLogger("wavepp.stage")
 
 SPEC_KEY = "wavepp/spec"
 EXIT_LEADER_LOST = 3
+EXIT_STAGE_FAILED = 4
 
 
 def ready_key(rank: int) -> str:
@@ -63,7 +64,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
 
     compute = build_stage_compute(spec, env.rank)
     store.set(ready_key(env.rank), "1")
-    planes = Planes.join(env.rank, env.world_size, store, torch.device(spec.device), 3600.0)
+    planes = Planes.join(env.rank, env.world_size, store, compute.model.device, 3600.0)
     worker = StageWorker(
         env.rank, env.world_size, planes, compute, lockstep=spec.policy == "lockstep"
     )
@@ -77,18 +78,27 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     worker.start()
     while worker.loop_thread.is_alive() and worker.wave_thread.is_alive():
         time.sleep(0.05)
-    if worker.error is not None:
+    if isinstance(worker.error, PlaneClosedError):
         leader_lost(str(worker.error))
+    if worker.error is not None:
+        log.error("stage %d failed: %r; exiting", env.rank, worker.error)
+        os._exit(EXIT_STAGE_FAILED)
     worker.join(timeout=spec.dead_after_s)
     heartbeat.stop()
     Planes.close()
     return 0
 
 
-def main() -> int:
+def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return run_stage(DistEnv.from_env())
+    code = run_stage(DistEnv.from_env())
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is released; skip the interpreter's slow teardown of torch and gloo threads
+    # so that a local pipeline shuts down in well under a second.
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

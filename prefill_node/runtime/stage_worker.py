@@ -89,6 +89,7 @@ class StageWorker:
         lockstep: bool = False,
         wave_source: Callable[[], WaveHeader] | None = None,
         result_sink: Callable[[WaveResult], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -97,9 +98,11 @@ class StageWorker:
         self._lockstep = lockstep
         self._wave_source = wave_source
         self._result_sink = result_sink
+        self._on_error = on_error
         self._exec_lock = threading.Lock()
         self._started = time.monotonic()
         self._busy_s = 0.0
+        self._cpu_s = 0.0
         self._waves = 0
         self._tokens = 0
         self.error: BaseException | None = None
@@ -141,19 +144,21 @@ class StageWorker:
                     self._emit(header, StepOutput(hidden=None))
                     return
                 with self._exec_lock:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     step = self._compute.run_wave(header, frame.tensor)
                     self._busy_s += time.perf_counter() - t0
+                    self._cpu_s += time.thread_time() - c0
                 self._waves += 1
                 self._tokens += header.num_tokens
                 self._emit(header, step)
         except PlaneClosedError as exc:
             self.error = exc
             log.warning("stage %d LOOP: %s", self.rank, exc)
-        except BaseException as exc:
+        except Exception as exc:
             self.error = exc
             log.exception("stage %d LOOP crashed", self.rank)
-            raise
+        if self.error is not None and self._on_error is not None:
+            self._on_error(f"stage {self.rank} execution loop stopped: {self.error}")
 
     def _emit(self, header: WaveHeader, step: StepOutput) -> None:
         failed = header.failed + step.failed
@@ -183,6 +188,9 @@ class StageWorker:
         except PlaneClosedError as exc:
             self.error = exc
             log.warning("stage %d WAVE: %s", self.rank, exc)
+        except Exception as exc:  # a bug in admission: this stage can no longer take part
+            self.error = exc
+            log.exception("stage %d WAVE crashed", self.rank)
 
     def answer(self, message: RoundMessage) -> Any:
         """This stage's reply to one round (the leader calls it for stage 0 as well)."""
@@ -212,6 +220,7 @@ class StageWorker:
         return StageStats(
             stage=self.rank,
             busy_s=self._busy_s,
+            cpu_s=self._cpu_s,
             waves=self._waves,
             tokens=self._tokens,
             uptime_s=time.monotonic() - self._started,

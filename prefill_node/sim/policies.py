@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from prefill_node.core.planner import PlannerMode
+from prefill_node.core.planner import DEFAULT_PLANNER_MODE, PlannerMode
 from prefill_node.errors import InvalidRequestError
 
 
@@ -60,7 +60,7 @@ class Policy:
         return self.kind is PolicyKind.LOCKSTEP
 
 
-def wave_policy(num_stages: int, planner_mode: PlannerMode = PlannerMode.MPU) -> Policy:
+def wave_policy(num_stages: int, planner_mode: PlannerMode = DEFAULT_PLANNER_MODE) -> Policy:
     """WavePP: admission ahead of execution, ``R = 2P`` waves in flight, pipelined chunks."""
     return Policy(
         kind=PolicyKind.WAVE,
@@ -89,10 +89,3 @@ def parse_planner_mode(name: str) -> PlannerMode:
             return mode
     valid = ", ".join(m.value for m in PlannerMode)
     raise UnknownPolicyError(f"unknown planner {name!r}; choose one of {valid}")
-
-
-DEFAULT_PLANNER_MODE = PlannerMode.COST_AWARE
-"""The wave planner the simulator and the runtime use unless told otherwise: the cost-aware
-MPU won (or tied within 0.2%) every setting of the ablation grid (both PP4 presets; cold
-and 90% reuse; 128K and 256K; concurrency 1, 8, 32): geometric-mean wave/lockstep ratio
-1.52x vs 1.43x (MPU without hysteresis), 1.41x (MPU) and 1.30x (fixed M)."""

@@ -1,0 +1,209 @@
+"""`wavepp decode`: a full prefill -> NIXL -> decode round trip that streams generated text.
+
+Local mode (default): this process runs a LocalEngine with ``--local-stages`` pipeline stages,
+each with its own NIXL agent; a reference decode worker runs in a second process with its own
+agent and KV pool. The prompt's KV travels over NIXL (push: the stages WRITE into blocks the
+decode worker allocated; pull: the decode worker READs the leased blocks), then the decode
+worker continues greedily with the same model and the text streams here.
+
+Server mode (``--prefill-server HOST:PORT``): the decode worker runs in this process and asks
+a running `wavepp serve` (which must have KV shipping enabled) to prefill over gRPC with a
+push destination. The proto has no transfer-id field, so the request id IS the decode
+receiver's transfer id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Prefill a prompt on a pipeline, ship its KV cache over NIXL to a reference decode worker
+(another process), and stream the greedy continuation the decode worker generates from it.
+
+examples:
+  wavepp decode "What is the capital of France?"
+  wavepp decode --local-stages 3 --mode pull --max-new-tokens 48 "Name three colours."
+  wavepp decode --prefill-server 127.0.0.1:50051 "Hello"
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "decode",
+        help="prefill -> NIXL KV hand-off -> reference decode worker; stream the answer",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s), run in order")
+    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--local-stages", type=int, default=2, help="stages of the in-process pipeline (default 2)"
+    )
+    where.add_argument("--prefill-server", metavar="HOST:PORT", help="use a running prefill node")
+    p.add_argument("--mode", choices=("push", "pull"), default="push", help="KV hand-off mode")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap prompts in the model's chat template (default: on)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="prefill KV block size (default 16)")
+    p.add_argument("--num-blocks", type=int, default=256, help="prefill KV blocks per stage")
+    p.add_argument(
+        "--decode-block-size", type=int, default=16, help="decode KV block size (default 16)"
+    )
+    p.add_argument("--decode-blocks", type=int, default=256, help="decode pool size in blocks")
+    p.add_argument("--timeout", type=float, default=30.0, help="KV transfer timeout, seconds")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill_node.errors import WaveppError
+
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
+        return _run_server(args) if args.prefill_server else _run_local(args)
+    except (WaveppError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    from prefill_node.model.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def _encode(args: argparse.Namespace, tokenizer: Any, text: str) -> list[int]:
+    if args.chat and tokenizer.has_chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": text}])
+    return tokenizer.encode(text)
+
+
+def _stream(tokenizer: Any, tokens: Any) -> list[int]:
+    """Print the text of ``tokens`` as they arrive (decoding the whole answer each time, so
+    multi-token characters come out whole); the token ids."""
+    answer: list[int] = []
+    shown = ""
+    for token in tokens:
+        answer.append(token)
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return answer
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
+    from prefill_node.engine.kv_shipping import KVShippingConfig
+    from prefill_node.engine.kv_shipping_local import LocalKVShipping
+    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+    from prefill_node.engine.types import KVPullDestination, PrefillOptions
+    from prefill_node.model.tokenizer import Tokenizer
+
+    model_dir = _model_dir(args)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    spec = DecodeWorkerSpec(
+        model_dir=str(model_dir),
+        num_blocks=args.decode_blocks,
+        block_size=args.decode_block_size,
+        timeout_s=args.timeout,
+    )
+    shipping = LocalKVShipping(KVShippingConfig(transfer_timeout_s=args.timeout))
+    with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
+        config = LocalEngineConfig(
+            num_stages=args.local_stages, num_blocks=args.num_blocks, block_size=args.block_size
+        )
+        engine = LocalEngine.from_model_dir(model_dir, config, shipping)
+        try:
+            for text in args.prompts:
+                ids = _encode(args, tokenizer, text)
+                request_id = uuid.uuid4().hex[:12]
+                started = time.monotonic()
+                if args.mode == "push":
+                    dest: Any = decode.expect_push(request_id, ids)
+                else:
+                    dest = KVPullDestination()
+                result = engine.submit(ids, PrefillOptions(request_id, kv_destination=dest))
+                prefill = result.result()
+                prefilled = time.monotonic()
+                if args.mode == "pull":
+                    decode.pull(request_id, ids, prefill.stage_manifests)
+                tokens = decode.generate(
+                    request_id,
+                    prefill.first_token_id,
+                    args.max_new_tokens,
+                    tokenizer.eos_token_ids,
+                )
+                answer = _stream(tokenizer, tokens)
+                _summary(args, ids, prefill, started, prefilled, decode.kv_wait_s, answer)
+        finally:
+            engine.shutdown()
+    return 0
+
+
+def _summary(args, ids, prefill, started, prefilled, kv_wait_s, answer) -> None:
+    total = time.monotonic() - started
+    stages = len(prefill.stage_manifests)
+    print(
+        f"[{args.mode}] prompt {len(ids)} tokens ({prefill.cached_tokens} cached), "
+        f"prefill {prefilled - started:.3f}s on {stages} stages, KV ready on decode after "
+        f"{kv_wait_s * 1000:.1f} ms more, {len(answer)} tokens in {total:.2f}s",
+        file=sys.stderr,
+    )
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    from kv_transfer.receiver import ReceiverConfig
+    from prefill_node.decode.decode_worker import DecodeWorker
+    from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.server.client import PrefillClient
+
+    if args.mode != "push":
+        raise ValueError("--prefill-server supports --mode push only (the proto has no pull ids)")
+    model_dir = _model_dir(args)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    worker = DecodeWorker.from_model_dir(
+        model_dir,
+        num_blocks=args.decode_blocks,
+        block_size=args.decode_block_size,
+        receiver_config=ReceiverConfig(timeout_s=args.timeout),
+    )
+    try:
+        with PrefillClient(args.prefill_server) as client:
+            for text in args.prompts:
+                ids = _encode(args, tokenizer, text)
+                request_id = uuid.uuid4().hex[:12]
+                started = time.monotonic()
+                dest = worker.expect_push(request_id, ids)
+                remote = client.prefill(
+                    ids, request_id=dest.transfer_id, kv_destination=dest, deadline_s=args.timeout
+                )
+                prefilled = time.monotonic()
+                worker.wait_kv(request_id, args.timeout)
+                kv_wait = time.monotonic() - prefilled
+                tokens = worker.generate(
+                    request_id,
+                    remote.result.first_token_id,
+                    args.max_new_tokens,
+                    tokenizer.eos_token_ids,
+                )
+                answer = _stream(tokenizer, tokens)
+                worker.release(request_id)
+                _summary(args, ids, remote.result, started, prefilled, kv_wait, answer)
+    finally:
+        worker.close()
+    return 0
