@@ -7,7 +7,9 @@ a ``DynamicCache`` prefilled to the context (a fresh copy per run, copied outsid
 and ``logits_to_keep=1``. Same model, same weights, same thread count; runs of the two sides
 are interleaved so background load hits both alike. The model is the default SmolLM2-135M
 (converted real weights when ``prefill_node.model.default_model`` can provide them, else
-random weights with its config; the output says which).
+random weights with its config; the output says which). Each cell reports tokens/s from the
+median wall-clock time and, because a shared machine's load swings wall time by 2x, also
+from the median CPU time of the (single) compute thread.
 
     python bench/forward.py --json /tmp/forward.json [--runs 3] [--threads 1]
 """

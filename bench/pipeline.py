@@ -230,6 +230,8 @@ def main() -> None:
             spec = make_spec(policy)
             engine = PipelineEngine.start(spec, DistEnv(0, 2, "127.0.0.1", free_local_port()))
             try:
+                # warm-up (untimed): first forwards of fresh stage processes are slow
+                closed_loop(engine, prompts_for(WORKLOADS[0], 8, random.Random(-1), prefixes), 4)
                 for w in WORKLOADS:
                     for c in levels:
                         if w.warm_share:  # seed the shared prefixes (untimed), cold runs evict

@@ -135,7 +135,7 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_unreachable_decode_fails_cleanly_and_engine_keeps_serving(engine, decode):
+def test_unreachable_or_silent_decode_fails_cleanly_and_engine_keeps_serving(engine, decode):
     prompt = prompt_of(9, seed=4)
     dest = KVPushDestination(
         agent_name="nobody", metadata_endpoint=f"127.0.0.1:{_closed_port()}", block_ids=(0, 1, 2)
@@ -146,9 +146,32 @@ def test_unreachable_decode_fails_cleanly_and_engine_keeps_serving(engine, decod
         future.result()
     assert time.monotonic() - started < 3
     wait_idle(engine)
+    with socket.socket() as silent:  # accepts connections, never answers: too slow
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        dest = KVPushDestination(agent_name="mute", metadata_endpoint=endpoint, block_ids=(0, 1, 2))
+        with pytest.raises(KVHandoffError, match="TransferTimeout"):
+            engine.submit(prompt, PrefillOptions("mute", kv_destination=dest)).result()
+    wait_idle(engine)
     assert push_round_trip(engine, decode, "after-loss", prompt) == reference_greedy(
         CONFIG, WEIGHTS, prompt, NEW_TOKENS
     )
+    wait_idle(engine)
+
+
+def test_push_through_the_grpc_api_reaches_the_decode_worker(engine, decode):
+    """The destination crosses the proto (which has no transfer id: the request id is it)."""
+    from prefill_node.server.client import PrefillClient
+    from tests.grpc_harness import ServerThread
+
+    prompt = prompt_of(11, seed=7)
+    dest = decode.expect_push("grpc-1", prompt)
+    with ServerThread(engine) as server, PrefillClient(server.target) as client:
+        remote = client.prefill(prompt, request_id=dest.transfer_id, kv_destination=dest)
+    assert [m.pushed for m in remote.result.stage_manifests] == [True, True]
+    tokens = list(decode.generate("grpc-1", remote.result.first_token_id, NEW_TOKENS))
+    assert tokens == reference_greedy(CONFIG, WEIGHTS, prompt, NEW_TOKENS)
     wait_idle(engine)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from prefill_node.core.coordinator import DuplicateRequestError
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.errors import NeverFitsError
 from prefill_node.runtime.leader_core import LeaderCore
@@ -85,6 +86,8 @@ def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
     for s in stages:
         s.materialise("a", header.chunks[0].start, header.chunks[0].length)
     core.abort("a")
+    with pytest.raises(DuplicateRequestError, match="still in the pipeline"):
+        core.submit("a", (1, 2, 3), None, 1)  # its stage state is not cleaned up yet
     assert core.next_wave() is None  # nothing more is scheduled for it
     assert not core.has_round_work()  # and no forget goes out while its chunk is in flight
     assert all(s.load().in_use > 0 for s in stages)

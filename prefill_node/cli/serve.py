@@ -58,6 +58,10 @@ def register(subparsers: Any) -> None:
     )
     m.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    m.add_argument(
+        "--pipeline-id",
+        help="name of this pipeline in its KV-event stream (SubscribeKvEvents) (default: hostname)",
+    )
     n = p.add_argument_group("network and limits")
     n.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
     n.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any (default 50051)")
@@ -129,12 +133,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import asyncio
+    import socket
     from dataclasses import replace
 
     import torch
 
     from prefill_node.model.tokenizer import Tokenizer
     from prefill_node.server.engine_factory import EngineSpec, build_engine
+    from prefill_node.server.kv_event_hub import KVEventHub
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,10 +164,11 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    engine, blocking_submit = build_engine(spec)
+    kv_events = KVEventHub(args.pipeline_id or socket.gethostname())
+    engine, blocking_submit = build_engine(spec, kv_events=kv_events.publish)
     config = replace(config, blocking_submit=blocking_submit)
     try:
-        asyncio.run(_serve(engine, config, tokenizer, args.smoke_test or []))
+        asyncio.run(_serve(engine, config, tokenizer, args.smoke_test or [], kv_events))
     finally:
         engine.shutdown()
     return 0
@@ -191,13 +198,15 @@ def _server_config(args: argparse.Namespace) -> Any:
     )
 
 
-async def _serve(engine: Any, config: Any, tokenizer: Any, smoke_prompts: list[str]) -> None:
+async def _serve(
+    engine: Any, config: Any, tokenizer: Any, smoke_prompts: list[str], kv_events: Any = None
+) -> None:
     import asyncio
     import signal
 
     from prefill_node.server.server import PrefillServer
 
-    server = PrefillServer(engine, config, tokenizer=tokenizer)
+    server = PrefillServer(engine, config, tokenizer=tokenizer, kv_events=kv_events)
     await server.start()
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"wavepp serve: listening on {config.host}:{server.port}{metrics}", flush=True)

@@ -77,6 +77,11 @@ class BlockPool:
         return self._blocks[block_id]
 
     @property
+    def events_enabled(self) -> bool:
+        """Whether state changes are buffered as KV events for ``drain_events``."""
+        return self._enable_events
+
+    @property
     def num_free_queued(self) -> int:
         """Unreferenced, unclaimed blocks: what ``allocate`` and ``claim`` can hand out."""
         return len(self.free_queue)

@@ -3,7 +3,10 @@
 The per-stage code both engines share: the in-process LocalEngine drives P of them from one
 thread (kv_shipping_local.py); the multi-process runtime builds one inside each stage process
 and calls ``poll`` from the stage loop. Each stage owns its NIXL agent and registers its KV
-tensors exactly once, at construction.
+tensors exactly once, at construction. Per request, a stage: right after the request's last
+chunk ran there, ``pool.touch(seq.blocks)`` then ``push`` (or ``publish``), then ``finish``
+as usual; it forwards ``take_results()`` to the leader, which answers the request once all P
+stages reported success, or calls ``cancel`` on every stage when one failed.
 
 Block contract: ``push`` / ``publish`` take over ONE reference per block that the caller
 pinned for the shipper (``BlockPool.touch``) and give it back exactly once through the
@@ -30,6 +33,7 @@ from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
+from prefill_node.errors import InvalidRequestError
 from prefill_node.model.paged_kv import PagedKVCache
 
 
@@ -45,6 +49,15 @@ class KVShippingConfig:
     lease_ttl_s: float = 30.0
     metadata_host: str = "127.0.0.1"
     agent_prefix: str = "wavepp"
+
+    def __post_init__(self) -> None:
+        if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
+            raise InvalidRequestError(
+                "KV shipping timeouts and lease TTL must be positive, got "
+                f"{self.transfer_timeout_s}, {self.handshake_timeout_s}, {self.lease_ttl_s}"
+            )
+        if not self.agent_prefix:
+            raise InvalidRequestError("KV shipping agent_prefix must be non-empty")
 
     def sender_config(self, stage: int, num_stages: int) -> SenderConfig:
         return SenderConfig(
@@ -119,6 +132,11 @@ class StageKVShipper:
     @property
     def agent_name(self) -> str:
         return self.sender.agent.name
+
+    @property
+    def busy(self) -> bool:
+        """A WRITE or a lease is live: poll often (transfers, heartbeats, releases)."""
+        return bool(self._pushing or self._leased)
 
     @property
     def held_blocks(self) -> int:

@@ -7,6 +7,9 @@ the references it gives back and frees them itself only when it can take the loc
 waiting (the engine thread drains the queue whenever it holds the lock). So a push's blocks
 are unpinned before ``complete`` returns, and a pull lease's blocks as soon as decode
 released it (or it expired) and the engine is idle.
+
+Decision: one lease TTL per node (``KVShippingConfig.lease_ttl_s``); a per-request
+``KVPullDestination.lease_ttl_s`` is not honoured yet (the lease table has a single TTL).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
@@ -32,9 +36,18 @@ Destination = KVPushDestination | KVPullDestination
 class LocalKVShipping:
     """The KV hand-off of an in-process pipeline. Build it, pass it to ``LocalEngine``."""
 
-    def __init__(self, config: KVShippingConfig | None = None, poll_interval_s: float = 0.0005):
+    def __init__(
+        self,
+        config: KVShippingConfig | None = None,
+        poll_interval_s: float = 0.0005,
+        idle_interval_s: float = 0.02,
+    ) -> None:
+        """Polls every ``poll_interval_s`` while a WRITE or lease is live, else every
+        ``idle_interval_s`` (a new command wakes it at once)."""
         self.config = config or KVShippingConfig()
         self._poll_interval_s = poll_interval_s
+        self._idle_interval_s = idle_interval_s
+        self._wake = threading.Event()
         self._stages: tuple[StageExecutor, ...] = ()
         self._shippers: list[StageKVShipper] = []
         self._engine_lock: threading.Lock | None = None
@@ -84,9 +97,9 @@ class LocalKVShipping:
         manifest = stage.manifest(seq)
         shipper = self._shippers[stage.stage]
         if isinstance(destination, KVPullDestination):
-            work = lambda: shipper.publish(seq.request_id, blocks, manifest)  # noqa: E731
+            work = partial(shipper.publish, seq.request_id, blocks, manifest)
         else:
-            work = lambda: shipper.push(seq.request_id, blocks, manifest, destination)  # noqa: E731
+            work = partial(shipper.push, seq.request_id, blocks, manifest, destination)
         self._call(work)
 
     def complete(
@@ -142,6 +155,7 @@ class LocalKVShipping:
             self._call(close_all).result(timeout=30)
         finally:
             self._stop.set()
+            self._wake.set()
             self._thread.join(timeout=10)
             self._thread = None
             self.drain()
@@ -158,6 +172,7 @@ class LocalKVShipping:
     def _call(self, work: Callable[[], object]) -> Future:
         future: Future = Future()
         self._commands.append((work, future))
+        self._wake.set()
         return future
 
     def _run(self) -> None:
@@ -180,7 +195,9 @@ class LocalKVShipping:
                     self.drain()
                 finally:
                     lock.release()
-            time.sleep(self._poll_interval_s)
+            busy = any(s.busy for s in self._shippers)
+            self._wake.wait(self._poll_interval_s if busy else self._idle_interval_s)
+            self._wake.clear()
 
     def _collect(self) -> None:
         found = [r for shipper in self._shippers for r in shipper.take_results()]
@@ -194,7 +211,7 @@ class LocalKVShipping:
 def _handoff_error(request_id: str, result: StageShipResult | None) -> Exception:
     """The typed error a failed hand-off raises: bad destinations are the caller's fault."""
     if result is None:
-        return KVHandoffError(f"KV hand-off of {request_id} got no answer from every stage")
+        return KVHandoffError(f"not every stage finished the KV hand-off of {request_id} in time")
     cause = result.error
     if isinstance(cause, (InvalidTransferRequest, InvalidKVDestinationError)):
         return InvalidKVDestinationError(

@@ -12,7 +12,9 @@ Each stage is a StageExecutor with its own layers, KV memory, block pool and pre
    stage's logits give the greedy first token and the top logprobs.
 
 Decisions: requests are serialised by a lock (one in flight), so ``submit`` returns an
-already completed future and ``abort`` has nothing to cancel. Exhaustion cannot happen with
+already completed future. ``abort`` (from another thread: the server on a client cancel)
+stops a request queued behind the lock before it starts, and a running one at its next
+chunk boundary, freeing its blocks (abort_registry.py). Exhaustion cannot happen with
 one request in flight once ``NeverFitsError`` has been ruled out, except for the one extra
 block a fully cached prompt needs for its copy-on-write last block; then the reused prefix
 shrinks by one block. The stage manifests describe where the KV sat at completion; no lease
@@ -34,6 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
+from prefill_node.engine.abort_registry import AbortFlag, AbortRegistry
+from prefill_node.engine.kv_event_feed import KVEventFeed
 from prefill_node.engine.stage_executor import ChunkWork, StageExecutor, StageSequence
 from prefill_node.engine.types import (
     EngineHealth,
@@ -56,6 +60,7 @@ from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
 
 if TYPE_CHECKING:
+    from prefill_node.engine.kv_event_feed import KVEventSink
     from prefill_node.engine.kv_shipping_local import LocalKVShipping
 
 MAX_TOP_LOGPROBS = 20
@@ -121,9 +126,14 @@ class LocalEngine:
         stages: Sequence[StageExecutor],
         config: LocalEngineConfig,
         kv_shipper: LocalKVShipping | None = None,
+        *,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         """``kv_shipper``: ships each request's KV to the decode worker named by
-        ``PrefillOptions.kv_destination`` (kv_shipping_local.py); None: KV stays here."""
+        ``PrefillOptions.kv_destination`` (kv_shipping_local.py); None: KV stays here.
+        ``kv_events``: receives the pipeline's KV events (blocks resident on ALL stages;
+        kv_event_feed.py) after every request, e.g. ``KVEventHub.publish``; the stages'
+        pools must buffer events (``from_*`` constructors arrange it)."""
         if len(stages) != config.num_stages:
             raise InvariantError(f"{len(stages)} stage executors for {config.num_stages} stages")
         self.model_config = model_config
@@ -132,8 +142,10 @@ class LocalEngine:
         self.model_id = f"{model_config.name}|{str(config.dtype).removeprefix('torch.')}"
         self._lock = threading.Lock()
         self._inflight_tokens = 0
+        self._aborts = AbortRegistry()
         self._closed = False
         self._kv_shipper = kv_shipper
+        self._kv_feed = KVEventFeed.for_stages(self.stages, kv_events) if kv_events else None
         if kv_shipper is not None:
             kv_shipper.attach(self.stages, self._lock)
 
@@ -143,12 +155,14 @@ class LocalEngine:
         models: Sequence[StageModel],
         config: LocalEngineConfig,
         kv_shipper: LocalKVShipping | None = None,
+        *,
+        kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
         stages = [
-            StageExecutor(s, m, n, config.block_size)
+            StageExecutor(s, m, n, config.block_size, events=kv_events is not None)
             for s, (m, n) in enumerate(zip(models, config.stage_num_blocks, strict=True))
         ]
-        return cls(models[0].config, stages, config, kv_shipper)
+        return cls(models[0].config, stages, config, kv_shipper, kv_events=kv_events)
 
     @classmethod
     def from_weights(
@@ -157,6 +171,8 @@ class LocalEngine:
         weights: dict[str, torch.Tensor],
         config: LocalEngineConfig,
         kv_shipper: LocalKVShipping | None = None,
+        *,
+        kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
         """Build from one HF-named weight dict (e.g. ``random_weights`` in tests)."""
         models = []
@@ -164,7 +180,7 @@ class LocalEngine:
             model = StageModel(model_config, layer_range, config.dtype, config.device)
             model.load_weights(weights)
             models.append(model)
-        return cls.from_stage_models(models, config, kv_shipper)
+        return cls.from_stage_models(models, config, kv_shipper, kv_events=kv_events)
 
     @classmethod
     def from_model_dir(
@@ -172,6 +188,8 @@ class LocalEngine:
         path: str | Path,
         config: LocalEngineConfig,
         kv_shipper: LocalKVShipping | None = None,
+        *,
+        kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
         """Build from a Hugging Face checkpoint directory; each stage loads only its slice."""
         from prefill_node.model.loader_hf import load_hf_config, load_stage_model
@@ -181,7 +199,7 @@ class LocalEngine:
             load_stage_model(path, layer_range, config.dtype, config.device)
             for layer_range in split_layers(model_config.num_layers, config.num_stages)
         ]
-        return cls.from_stage_models(models, config, kv_shipper)
+        return cls.from_stage_models(models, config, kv_shipper, kv_events=kv_events)
 
     @property
     def kv_shipper(self) -> LocalKVShipping | None:
@@ -211,13 +229,19 @@ class LocalEngine:
         return future
 
     def abort(self, request_id: str) -> bool:
-        return False  # requests run to completion inside submit: nothing is ever pending
+        """Stop ``request_id`` if it is queued or running (see the module docstring); its
+        ``submit`` then fails with RequestAbortedError. False: no such request in flight."""
+        return self._aborts.abort(request_id)
 
     def load(self) -> EngineLoad:
         tokens = self._inflight_tokens
+        running = int(tokens > 0)
         stages = tuple(stage.load() for stage in self.stages)
         return EngineLoad(
-            queue_depth=0, inflight_requests=int(tokens > 0), inflight_tokens=tokens, stages=stages
+            queue_depth=max(0, len(self._aborts) - running),
+            inflight_requests=running,
+            inflight_tokens=tokens,
+            stages=stages,
         )
 
     def health(self) -> EngineHealth:
@@ -277,9 +301,10 @@ class LocalEngine:
         t_submit = time.monotonic()
         ids = self.validate(token_ids, options)
         request_id = options.request_id or uuid.uuid4().hex
-        with self._lock:
+        with self._aborts.track(request_id) as aborted, self._lock:
             if self._closed:
                 raise UnavailableError("the engine has been shut down")
+            aborted.check("before it started")
             t_start = time.monotonic()
             self._inflight_tokens = len(ids)
             seqs: list[StageSequence] = []
@@ -290,7 +315,7 @@ class LocalEngine:
                 seqs = self._admit(request_id, ids, options)
                 cached = seqs[0].num_cached_tokens
                 t_admitted = time.monotonic()
-                logits = self._compute(seqs, options)
+                logits = self._compute(seqs, options, aborted)
                 t_computed = time.monotonic()
                 manifests = tuple(s.finish(q) for s, q in zip(self.stages, seqs, strict=True))
                 seqs = []
@@ -304,6 +329,8 @@ class LocalEngine:
                 for stage, seq in zip(self.stages, seqs, strict=False):
                     stage.release(seq)
                 self._inflight_tokens = 0
+                if self._kv_feed is not None:  # evictions of a failed request count too
+                    self._kv_feed.publish_from_stages(self.stages)
         result = PrefillResult(
             request_id=request_id,
             first_token_id=int(torch.argmax(logits).item()),
@@ -350,7 +377,9 @@ class LocalEngine:
                 raise InvariantError(f"no room for {request_id!r} although it fits every stage")
             candidate = confirmed - 1
 
-    def _compute(self, seqs: list[StageSequence], options: PrefillOptions) -> torch.Tensor:
+    def _compute(
+        self, seqs: list[StageSequence], options: PrefillOptions, aborted: AbortFlag | None = None
+    ) -> torch.Tensor:
         """Run the uncached suffix chunk by chunk through every stage; the last logits."""
         ids = seqs[0].token_ids
         start = seqs[0].num_cached_tokens
@@ -359,6 +388,8 @@ class LocalEngine:
         while start < len(ids):
             if options.deadline_s is not None and time.monotonic() > options.deadline_s:
                 raise RequestAbortedError(f"deadline passed after {start}/{len(ids)} tokens")
+            if aborted is not None:
+                aborted.check(f"after {start}/{len(ids)} tokens")
             length = min(self.config.max_chunk_tokens, len(ids) - start)
             x = torch.tensor(ids[start : start + length], dtype=torch.long, device=device)
             for stage, seq in zip(self.stages, seqs, strict=True):

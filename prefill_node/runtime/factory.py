@@ -22,6 +22,7 @@ def start_pipeline_engine(
     max_wave_tokens: int = 512,
     min_wave_tokens: int | None = None,
     layer_ranges: Sequence[tuple[int, int]] | None = None,
+    max_model_len: int | None = None,
     dtype: str = "float32",
     device: str = "cpu",
     from_env: bool | None = None,
@@ -35,6 +36,8 @@ def start_pipeline_engine(
     are started elsewhere with ``wavepp stage`` (one pod per stage); otherwise the stages are
     spawned locally as child processes on a free loopback port. ``num_blocks``: KV blocks per
     stage, one value or one per stage. ``layer_ranges`` defaults to an even split.
+    ``max_wave_tokens`` is the wave budget M (lockstep's fixed chunk budget) and must be a
+    multiple of ``block_size``; ``min_wave_tokens`` (b_min) defaults to M/2 as in the paper.
     """
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.partition import split_layers
@@ -55,7 +58,9 @@ def start_pipeline_engine(
         block_size=block_size,
         policy=policy,
         max_wave_tokens=max_wave_tokens,
-        min_wave_tokens=min_wave_tokens or max(block_size, max_wave_tokens // 4),
+        min_wave_tokens=min_wave_tokens
+        or max(block_size, max_wave_tokens // 2 // block_size * block_size),
+        max_model_len=max_model_len,
         dtype=dtype,
         device=device,
     )

@@ -152,7 +152,9 @@ class PipelineEngine:
         self._worker.start()
 
     def _wait_ready(self, timeout_s: float) -> None:
-        assert self._store is not None
+        store = self._store
+        if store is None:
+            raise InvariantError("wait for readiness before the store exists")
         deadline = time.monotonic() + timeout_s
         keys = [ready_key(r) for r in range(1, self._env.world_size)]
         while keys:
@@ -160,7 +162,7 @@ class PipelineEngine:
                 raise UnavailableError(f"pipeline failed to start: {self._dead}")
             if time.monotonic() > deadline:
                 raise UnavailableError(f"stages not ready after {timeout_s:.0f}s: {keys}")
-            keys = [k for k in keys if not self._store.check([k])]
+            keys = [k for k in keys if not store.check([k])]
             time.sleep(0.05)
 
     def shutdown(self) -> None:
@@ -228,7 +230,8 @@ class PipelineEngine:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.config.max_position_embeddings)
+        limit = int(self.config.max_position_embeddings)
+        return limit if self.spec.max_model_len is None else min(limit, self.spec.max_model_len)
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         tokens = tuple(int(t) for t in token_ids)
@@ -244,8 +247,7 @@ class PipelineEngine:
             if rid in self._requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight; use a new id")
             self._requests[rid] = _Request(rid, tokens, options, fut, time.monotonic())
-        leader = self._leader
-        assert leader is not None
+        leader = self._running_leader()
         with leader.lock:
             leader.core.submit(rid, tokens, options.cache_salt, max(1, options.top_logprobs))
             leader.lock.notify_all()
@@ -265,11 +267,12 @@ class PipelineEngine:
             )
         if options.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be >= 0, got {options.top_logprobs}")
-        self._leader_core_check(tokens)
+        self._running_leader().core.check_fits(len(tokens))
 
-    def _leader_core_check(self, tokens: tuple[int, ...]) -> None:
-        assert self._leader is not None
-        self._leader.core.check_fits(len(tokens))
+    def _running_leader(self) -> Leader:
+        if self._leader is None:
+            raise UnavailableError("the pipeline has not started")
+        return self._leader
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -277,10 +280,10 @@ class PipelineEngine:
         if req is None:
             return False
         _settle(req.future, error=RequestAbortedError(f"request {request_id!r} was aborted"))
-        assert self._leader is not None
-        with self._leader.lock:
-            self._leader.core.abort(request_id)
-            self._leader.lock.notify_all()
+        leader = self._running_leader()
+        with leader.lock:
+            leader.core.abort(request_id)
+            leader.lock.notify_all()
         return True
 
     def health(self) -> EngineHealth:
@@ -291,9 +294,9 @@ class PipelineEngine:
         return EngineHealth(live=True, ready=True)
 
     def load(self) -> EngineLoad:
-        assert self._leader is not None
-        with self._leader.lock:
-            counts = self._leader.core.counts()
+        leader = self._running_leader()
+        with leader.lock:
+            counts = leader.core.counts()
         # stale stage figures are better than no answer
         with contextlib.suppress(WaveppError, TimeoutError):
             self._last_stats = self.stage_stats(timeout_s=2.0)

@@ -50,6 +50,7 @@ class PipelineSpec:
     min_wave_tokens: int = 64
     max_batch: int = 128
     max_requests_per_round: int = 32
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"
     device: str = "cpu"
     capture_kv: bool = False
@@ -85,6 +86,8 @@ class PipelineSpec:
                 f"max_wave_tokens and min_wave_tokens must be multiples of block_size "
                 f"{self.block_size}"
             )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidPipelineSpecError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_batch < 1 or self.max_requests_per_round < 1:
             raise InvalidPipelineSpecError("max_batch and max_requests_per_round must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):

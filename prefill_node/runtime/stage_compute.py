@@ -12,6 +12,7 @@ from prefill_node.core.admission_messages import RoundRequest, StageReply
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.engine.types import StageKVManifest
+from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache
@@ -163,7 +164,8 @@ class PipelineStageCompute:
         manifests = self._complete(tables, failed)
         if self.model.is_last:
             return StepOutput(None, outputs, tuple(failed), manifests)
-        assert out is not None
+        if out is None:
+            raise InvariantError("a non-last stage without an output buffer")
         offset = 0
         for row, chunk, _ in tables:
             out[row : row + chunk.length] = hidden_ok[offset : offset + chunk.length]
@@ -179,12 +181,12 @@ class PipelineStageCompute:
             for _, chunk, _ in tables:
                 rsv = self.admission.reservation(chunk.request_id)
                 if rsv is None:  # aborted between materialise and here: a leader bug
-                    raise RuntimeError(f"request {chunk.request_id!r} vanished mid-wave")
+                    raise InvariantError(f"request {chunk.request_id!r} vanished mid-wave")
                 ids.extend(rsv.prompt.spec.token_ids[chunk.start : chunk.start + chunk.length])
             inputs = torch.tensor(ids, dtype=torch.long, device=self.model.device)
         else:
             if hidden is None:
-                raise RuntimeError("a non-first stage got a wave without activations")
+                raise InvariantError("a non-first stage got a wave without activations")
             if hidden.shape[0] == batch.total_tokens:  # no failed rows to skip
                 inputs = hidden
             else:

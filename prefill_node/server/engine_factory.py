@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from prefill_node.engine.kv_event_feed import KVEventSink
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
 
@@ -57,8 +58,9 @@ class ServedEngine(NamedTuple):
     blocking_submit: bool  # True: submit computes inline (LocalEngine); see ServerConfig
 
 
-def build_engine(spec: EngineSpec) -> ServedEngine:
-    """A started engine for ``spec``; the caller owns it and must call ``shutdown``."""
+def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> ServedEngine:
+    """A started engine for ``spec``; the caller owns it and must call ``shutdown``.
+    ``kv_events``: receives the pipeline's aggregated KV events (``KVEventHub.publish``)."""
     import torch
 
     from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
@@ -78,4 +80,5 @@ def build_engine(spec: EngineSpec) -> ServedEngine:
         dtype=getattr(torch, spec.dtype),
         device=spec.device,
     )
-    return ServedEngine(LocalEngine.from_model_dir(spec.model_dir, config), blocking_submit=True)
+    engine = LocalEngine.from_model_dir(spec.model_dir, config, kv_events=kv_events)
+    return ServedEngine(engine, blocking_submit=True)

@@ -3,8 +3,10 @@
 ``publish`` may be called from any thread and never blocks the engine. Each subscription owns
 a bounded queue on its event loop; a subscriber that falls ``max_pending`` batches behind is
 closed (``overflowed``) rather than slowing the engine down, and must resubscribe. Every
-subscription starts with a batch holding one ``AllBlocksCleared`` ("forget what you knew about this
-pipeline"); blocks stored before it are not replayed.
+subscription starts with one batch holding ``AllBlocksCleared`` ("forget what you knew about this
+pipeline") followed by ``BlockStored`` chains for every block published and not removed so far
+(the hub mirrors the feed), so a router that (re)subscribes late still learns what is cached;
+later batches continue exactly where that snapshot ends.
 """
 
 from __future__ import annotations
@@ -13,19 +15,26 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
+from prefill_node.core.kv_event_aggregator import PipelineKVEventAggregator
 from prefill_node.core.kv_events import AllBlocksCleared, KVEvent
 
 
 class KVEventSubscription:
     """One subscriber's ordered batches: ``await next_batch()`` -> (sequence, events)."""
 
-    def __init__(self, hub: KVEventHub, loop: asyncio.AbstractEventLoop, max_pending: int):
+    def __init__(
+        self,
+        hub: KVEventHub,
+        loop: asyncio.AbstractEventLoop,
+        max_pending: int,
+        snapshot: tuple[KVEvent, ...] = (),
+    ):
         self._hub = hub
         self._loop = loop
         self._queue: asyncio.Queue[tuple[KVEvent, ...]] = asyncio.Queue(max_pending)
         self._sequence = 0
         self.overflowed = False
-        self._queue.put_nowait((AllBlocksCleared(),))
+        self._queue.put_nowait((AllBlocksCleared(), *snapshot))
 
     async def next_batch(self) -> tuple[int, tuple[KVEvent, ...]] | None:
         """The next batch, or None once the subscription overflowed (resubscribe)."""
@@ -67,11 +76,14 @@ class KVEventHub:
         self._max_pending = max_pending
         self._lock = threading.Lock()
         self._subscriptions: list[KVEventSubscription] = []
+        self._mirror = PipelineKVEventAggregator(1)  # what subscribers have been told
 
     def subscribe(self) -> KVEventSubscription:
         """Call on the event loop that will consume the subscription."""
-        sub = KVEventSubscription(self, asyncio.get_running_loop(), self._max_pending)
-        with self._lock:
+        loop = asyncio.get_running_loop()
+        with self._lock:  # atomic with publish: no batch is both in the snapshot and sent
+            snapshot = tuple(self._mirror.snapshot())
+            sub = KVEventSubscription(self, loop, self._max_pending, snapshot)
             self._subscriptions.append(sub)
         return sub
 
@@ -80,13 +92,16 @@ class KVEventHub:
         if not events:
             return
         batch = tuple(events)
-        with self._lock:
-            subs = list(self._subscriptions)
-        for sub in subs:
-            try:
-                sub._loop.call_soon_threadsafe(sub._offer, batch)
-            except RuntimeError:  # the subscriber's loop is closed: it is gone
-                self._remove(sub)
+        gone = []
+        with self._lock:  # scheduling under the lock keeps concurrent publishers' order
+            self._mirror.ingest(0, batch)
+            for sub in self._subscriptions:
+                try:
+                    sub._loop.call_soon_threadsafe(sub._offer, batch)
+                except RuntimeError:  # the subscriber's loop is closed: it is gone
+                    gone.append(sub)
+        for sub in gone:
+            self._remove(sub)
 
     @property
     def subscriber_count(self) -> int:

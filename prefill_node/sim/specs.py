@@ -177,8 +177,10 @@ class RoundCostSpec:
 
     ``phases`` message phases (hint all-gather, lease confirmation, escrow commit), each
     costing ``phase_latency_s`` (leader broadcast + all-gather across the P stages), plus
-    the host work of every request in the round: ``host_s_per_token`` per prompt token
-    (hashing, hint probe, pinning and escrowing blocks), done on every stage in parallel.
+    the host work of the requests the round sees for the first time: ``host_s_per_token``
+    per prompt token (transport, hashing, hint probe, pinning and escrowing blocks), done
+    on every stage in parallel. Retrying a waiting request costs only the phases (its spec
+    is registered and hashed already; an FCFS-blocked reserve answers at once).
     """
 
     phase_latency_s: float
@@ -191,5 +193,5 @@ class RoundCostSpec:
             raise InvalidSpecError("RoundCostSpec.phases must be >= 1")
 
     def round_s(self, prompt_tokens: int) -> float:
-        """Seconds of one round whose requests total ``prompt_tokens`` tokens."""
+        """Seconds of one round whose first-seen requests total ``prompt_tokens`` tokens."""
         return self.phases * self.phase_latency_s + self.host_s_per_token * prompt_tokens

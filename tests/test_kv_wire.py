@@ -1,0 +1,73 @@
+"""Engine <-> kv_transfer hand-off types: destinations per stage, manifests both ways."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from kv_transfer.errors import InvalidTransferRequest
+from kv_transfer.layout import KVLayout, MemoryRegion
+from kv_transfer.messages import PushDestination, StageManifest
+from prefill_node.engine.kv_shipping import KVShippingConfig
+from prefill_node.engine.kv_wire import (
+    engine_manifest,
+    engine_push_destination,
+    stage_push_destination,
+    wire_manifest,
+)
+from prefill_node.engine.types import KVPushDestination
+from prefill_node.errors import InvalidKVDestinationError, InvalidRequestError
+
+DECODE = KVLayout(0, 4, 32, 8, 2, 16, "bfloat16")
+
+
+def test_push_destination_skips_decodes_cached_blocks_and_keeps_the_transfer_id():
+    wire = PushDestination("r", "127.0.0.1:9", (7, 3), 30, skip_tokens=16, transfer_id="r#d#0")
+    dest = engine_push_destination(wire, "decode-a", DECODE, cached_block_ids=(5, 6))
+    assert dest.block_ids == (5, 6, 7, 3) and dest.layout.block_size == 8
+    assert dest.layout.dtype == "bfloat16" and dest.decode_cached_tokens == 16
+    assert stage_push_destination(dest, "r", 1, 30, prefill_block_size=4) == wire
+
+
+def test_per_stage_block_ids_override_and_request_id_names_the_attempt_without_one():
+    dest = KVPushDestination("d", "127.0.0.1:9", block_ids=(1, 2), stage_block_ids=((1, (8, 9)),))
+    assert stage_push_destination(dest, "r", 0, 5, 4).block_ids == (1, 2)
+    stage1 = stage_push_destination(dest, "r", 1, 5, 4)
+    assert stage1.block_ids == (8, 9) and stage1.transfer_id == "r"
+
+
+@pytest.mark.parametrize(
+    ("dest", "match"),
+    [
+        (KVPushDestination("d", "", agent_metadata=b"x", block_ids=(1, 2)), "metadata_endpoint"),
+        (KVPushDestination("d", "127.0.0.1:9", block_ids=(1,)), "needs 2 decode blocks"),
+        (
+            KVPushDestination("d", "127.0.0.1:9", block_ids=(1, 2), decode_cached_tokens=3),
+            "multiple",
+        ),
+    ],
+)
+def test_bad_push_destinations_say_what_to_fix(dest, match):
+    with pytest.raises(InvalidKVDestinationError, match=match):
+        stage_push_destination(dest, "r", 0, 5, 4)
+
+
+def test_pull_manifest_round_trips_through_the_engine_type():
+    regions = tuple(MemoryRegion(4096 * (i + 1) * 1000, 20 * 2 * 4 * 2 * 8 * 4) for i in range(2))
+    layout = KVLayout(2, 4, 20, 4, 2, 8, "float32", regions)
+    wire = StageManifest("r", 1, 2, "127.0.0.1:9", "stage1", layout, (4, 0), 7, "L-1", 30.0)
+    engine = engine_manifest(wire)
+    assert engine.lease_id == "L-1" and engine.regions[1].layer == 3
+    assert engine.lease_expiry_unix_s == pytest.approx(time.time() + 30.0, abs=2.0)
+    back = wire_manifest(engine, "r", 2)
+    assert back.layout == layout and back.lease_ttl_s == pytest.approx(30.0, abs=2.0)
+    assert (back.block_ids, back.num_tokens, back.agent_name) == ((4, 0), 7, "stage1")
+    with pytest.raises(InvalidTransferRequest, match="pull request"):
+        wire_manifest(replace(engine, lease_id=""), "r", 2)  # a push manifest has no lease
+
+
+def test_shipping_config_is_validated_once():
+    with pytest.raises(InvalidRequestError, match="positive"):
+        KVShippingConfig(lease_ttl_s=0)
