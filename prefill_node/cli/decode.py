@@ -7,9 +7,9 @@ decode worker allocated; pull: the decode worker READs the leased blocks), then 
 worker continues greedily with the same model and the text streams here.
 
 Server mode (``--prefill-server HOST:PORT``): the decode worker runs in this process and asks
-a running `wavepp serve` (which must have KV shipping enabled) to prefill over gRPC with a
-push destination. The proto has no transfer-id field, so the request id IS the decode
-receiver's transfer id.
+a running `wavepp serve` (KV shipping is on by default there) to prefill over gRPC with a
+push destination (the receiver's transfer id travels in ``KvPushDestination.transfer_id``) or,
+with ``--mode pull``, READs the blocks named by the response's leased manifests.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ examples:
   wavepp decode "What is the capital of France?"
   wavepp decode --local-stages 3 --mode pull --max-new-tokens 48 "Name three colours."
   wavepp decode --prefill-server 127.0.0.1:50051 "Hello"
+  wavepp decode --model ./tiny --ids --chat=false "1,2,3,4,5"   # token ids in, ids out
 """
 
 
@@ -47,6 +48,11 @@ def register(subparsers: Any) -> None:
     )
     where.add_argument("--prefill-server", metavar="HOST:PORT", help="use a running prefill node")
     p.add_argument("--mode", choices=("push", "pull"), default="push", help="KV hand-off mode")
+    p.add_argument(
+        "--ids",
+        action="store_true",
+        help="each PROMPT is comma-separated token ids; print the generated ids (no tokenizer)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument(
         "--chat",
@@ -84,7 +90,23 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return default_model_dir()
 
 
+def _tokenizer(args: argparse.Namespace, model_dir: Path) -> Any:
+    if args.ids:
+        return None
+    from prefill_node.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
 def _encode(args: argparse.Namespace, tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None:
+        try:
+            ids = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--ids: {text!r} is not comma-separated token ids") from None
+        if not ids or min(ids) < 0:
+            raise ValueError(f"--ids: {text!r} must hold non-negative token ids")
+        return ids
     if args.chat and tokenizer.has_chat_template:
         return tokenizer.encode_chat([{"role": "user", "content": text}])
     return tokenizer.encode(text)
@@ -92,8 +114,12 @@ def _encode(args: argparse.Namespace, tokenizer: Any, text: str) -> list[int]:
 
 def _stream(tokenizer: Any, tokens: Any) -> list[int]:
     """Print the text of ``tokens`` as they arrive (decoding the whole answer each time, so
-    multi-token characters come out whole); the token ids."""
+    multi-token characters come out whole); the token ids. No tokenizer: one line of ids."""
     answer: list[int] = []
+    if tokenizer is None:
+        answer = list(tokens)
+        print(",".join(map(str, answer)), flush=True)
+        return answer
     shown = ""
     for token in tokens:
         answer.append(token)
@@ -112,10 +138,9 @@ def _run_local(args: argparse.Namespace) -> int:
     from prefill_node.engine.kv_shipping_local import LocalKVShipping
     from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
     from prefill_node.engine.types import KVPullDestination, PrefillOptions
-    from prefill_node.model.tokenizer import Tokenizer
 
     model_dir = _model_dir(args)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = _tokenizer(args, model_dir)
     spec = DecodeWorkerSpec(
         model_dir=str(model_dir),
         num_blocks=args.decode_blocks,
@@ -146,7 +171,7 @@ def _run_local(args: argparse.Namespace) -> int:
                     request_id,
                     prefill.first_token_id,
                     args.max_new_tokens,
-                    tokenizer.eos_token_ids,
+                    tokenizer.eos_token_ids if tokenizer else (),
                 )
                 answer = _stream(tokenizer, tokens)
                 _summary(args, ids, prefill, started, prefilled, decode.kv_wait_s, answer)
@@ -169,13 +194,11 @@ def _summary(args, ids, prefill, started, prefilled, kv_wait_s, answer) -> None:
 def _run_server(args: argparse.Namespace) -> int:
     from kv_transfer.receiver import ReceiverConfig
     from prefill_node.decode.decode_worker import DecodeWorker
-    from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.engine.types import KVPullDestination
     from prefill_node.server.client import PrefillClient
 
-    if args.mode != "push":
-        raise ValueError("--prefill-server supports --mode push only (the proto has no pull ids)")
     model_dir = _model_dir(args)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = _tokenizer(args, model_dir)
     worker = DecodeWorker.from_model_dir(
         model_dir,
         num_blocks=args.decode_blocks,
@@ -188,18 +211,28 @@ def _run_server(args: argparse.Namespace) -> int:
                 ids = _encode(args, tokenizer, text)
                 request_id = uuid.uuid4().hex[:12]
                 started = time.monotonic()
-                dest = worker.expect_push(request_id, ids)
-                remote = client.prefill(
-                    ids, request_id=dest.transfer_id, kv_destination=dest, deadline_s=args.timeout
-                )
+                if args.mode == "push":
+                    dest: Any = worker.expect_push(request_id, ids)
+                else:
+                    dest = KVPullDestination()
+                try:
+                    remote = client.prefill(
+                        ids, request_id=request_id, kv_destination=dest, deadline_s=args.timeout
+                    )
+                except BaseException:
+                    if args.mode == "push":
+                        worker.release(request_id)
+                    raise
                 prefilled = time.monotonic()
+                if args.mode == "pull":
+                    worker.pull(request_id, ids, remote.result.stage_manifests)
                 worker.wait_kv(request_id, args.timeout)
                 kv_wait = time.monotonic() - prefilled
                 tokens = worker.generate(
                     request_id,
                     remote.result.first_token_id,
                     args.max_new_tokens,
-                    tokenizer.eos_token_ids,
+                    tokenizer.eos_token_ids if tokenizer else (),
                 )
                 answer = _stream(tokenizer, tokens)
                 worker.release(request_id)

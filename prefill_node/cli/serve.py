@@ -14,13 +14,17 @@ Serve the PrefillService (wavepp.prefill.v1) for one pipeline: the model's layer
 text (tokenised here with the model's tokenizer); responses carry the first token, cached vs
 computed tokens, per-stage KV manifests and timings. gRPC health (liveness on "", readiness on
 wavepp.prefill.v1.PrefillService) and server reflection are on; Prometheus metrics are served
-on --metrics-port. SIGINT / SIGTERM drain in-flight calls for --grace seconds, then exit.
+on --metrics-port. Each stage has a NIXL agent and ships a request's KV to the decode worker
+named in its kv_destination (push) or leases it for decode to read (pull); see --kv-*.
+SIGINT / SIGTERM drain in-flight calls for --grace seconds, then exit.
 
 examples:
   wavepp serve --stages 2 --port 50051
   wavepp serve --model ./Qwen3-0.6B --stages 4 --num-blocks 4096 --metrics-port 9400
   wavepp serve --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem
   wavepp prefill --server 127.0.0.1:50051 "What is the capital of France?"
+  wavepp serve --kv-allow 10.0.0.0/8 --kv-metadata-host 10.0.0.5   # decode on other hosts
+  wavepp decode --prefill-server 127.0.0.1:50051 "Hello"          # prefill -> NIXL -> decode
 """
 
 
@@ -96,6 +100,38 @@ def register(subparsers: Any) -> None:
         default=5.0,
         help="seconds to let in-flight calls finish on shutdown (default 5)",
     )
+    k = p.add_argument_group("KV hand-off to decode workers (NIXL)")
+    k.add_argument(
+        "--no-kv-shipping",
+        action="store_true",
+        help="no NIXL agents; requests carrying a kv_destination are rejected",
+    )
+    k.add_argument(
+        "--kv-allow",
+        action="append",
+        metavar="CIDR|AGENT",
+        help="decode destinations stages may WRITE to: a CIDR (checked before any contact) or "
+        "a decode NIXL agent name; repeatable (default: loopback only)",
+    )
+    k.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a push may take before the request fails (default 30)",
+    )
+    k.add_argument(
+        "--kv-lease-ttl",
+        type=float,
+        default=30.0,
+        help="pull mode: seconds a lease lives without a heartbeat (default 30; a request's "
+        "lease_ttl_ms overrides it)",
+    )
+    k.add_argument(
+        "--kv-metadata-host",
+        default="127.0.0.1",
+        help="address the stages' NIXL agents serve their metadata on (pull mode); set it to "
+        "this node's address reachable from decode workers (default 127.0.0.1)",
+    )
     t = p.add_argument_group("TLS (optional)")
     t.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM); enables TLS")
     t.add_argument("--tls-key", type=Path, help="server private key (PEM)")
@@ -162,6 +198,7 @@ def _run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device,
+        kv_shipping=_kv_shipping(args),
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())
@@ -172,6 +209,36 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _kv_shipping(args: argparse.Namespace) -> Any:
+    """The stages' KVShippingConfig from the --kv-* flags; None with --no-kv-shipping."""
+    import ipaddress
+
+    from kv_transfer.allowlist import AllowList
+    from kv_transfer.errors import InvalidTransferRequest
+    from prefill_node.engine.kv_shipping import KVShippingConfig
+
+    if args.no_kv_shipping:
+        return None
+    cidrs: list[str] = []
+    agents: list[str] = []
+    for entry in args.kv_allow or ():
+        try:
+            ipaddress.ip_network(entry, strict=False)
+            cidrs.append(entry)
+        except ValueError:
+            agents.append(entry)
+    try:
+        allow = AllowList.parse(cidrs, agents) if args.kv_allow else AllowList.loopback()
+    except InvalidTransferRequest as exc:
+        raise ValueError(f"--kv-allow: {exc}") from exc
+    return KVShippingConfig(
+        allow=allow,
+        transfer_timeout_s=args.kv_transfer_timeout,
+        lease_ttl_s=args.kv_lease_ttl,
+        metadata_host=args.kv_metadata_host,
+    )
 
 
 def _server_config(args: argparse.Namespace) -> Any:

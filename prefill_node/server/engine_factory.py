@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from prefill_node.engine.kv_event_feed import KVEventSink
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from prefill_node.engine.kv_shipping import KVShippingConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class EngineSpec:
     """What to serve. ``model_dir``: a Hugging Face checkpoint directory (config.json +
-    safetensors); ``num_blocks``: KV blocks per stage, one value or one per stage."""
+    safetensors); ``num_blocks``: KV blocks per stage, one value or one per stage;
+    ``kv_shipping``: each stage gets a NIXL agent and ships KV to the decode destinations
+    requests carry (None: requests with a ``kv_destination`` are rejected)."""
 
     model_dir: Path
     stages: int = 2
@@ -37,6 +42,7 @@ class EngineSpec:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    kv_shipping: KVShippingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -80,5 +86,10 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         dtype=getattr(torch, spec.dtype),
         device=spec.device,
     )
-    engine = LocalEngine.from_model_dir(spec.model_dir, config, kv_events=kv_events)
+    shipping = None
+    if spec.kv_shipping is not None:
+        from prefill_node.engine.kv_shipping_local import LocalKVShipping
+
+        shipping = LocalKVShipping(spec.kv_shipping)
+    engine = LocalEngine.from_model_dir(spec.model_dir, config, shipping, kv_events=kv_events)
     return ServedEngine(engine, blocking_submit=True)
