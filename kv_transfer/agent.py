@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ class KVAgent:
     ):
         from nixl._api import nixl_agent, nixl_agent_config
 
+        _nixl_logs_to_stderr()
         if not name:
             raise InvalidTransferRequest("a NIXL agent needs a non-empty unique name")
         config = nixl_agent_config(
@@ -115,3 +117,11 @@ class KVAgent:
         for registration in self._registrations:
             self.nixl.deregister_memory(registration)
         self._registrations.clear()
+
+
+def _nixl_logs_to_stderr() -> None:
+    """NIXL's own log handler writes to stdout; CLIs here print results there (``--ids``,
+    ``--json``), so its records go to stderr instead."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)

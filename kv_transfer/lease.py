@@ -25,16 +25,19 @@ class ReleaseReason(enum.Enum):
 
 @dataclass(frozen=True)
 class Lease:
-    """Blocks of one request pinned for decode to READ until ``deadline`` (clock seconds)."""
+    """Blocks of one request pinned for decode to READ until ``deadline`` (clock seconds);
+    each heartbeat moves the deadline to now + ``ttl_s``."""
 
     lease_id: str
     request_id: str
     block_ids: tuple[int, ...]
     deadline: float
+    ttl_s: float
 
 
 class LeaseTable:
-    """The live leases of one stage, by id; renewing pushes the deadline to now + ttl."""
+    """The live leases of one stage, by id; renewing pushes the deadline to now + the lease's
+    TTL (the table's ``ttl_s`` unless ``grant`` was given one)."""
 
     def __init__(
         self,
@@ -63,12 +66,19 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def grant(self, request_id: str, block_ids: tuple[int, ...]) -> Lease:
+    def grant(
+        self, request_id: str, block_ids: tuple[int, ...], ttl_s: float | None = None
+    ) -> Lease:
+        """A new lease; ``ttl_s``: this lease's TTL (None: the table's)."""
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise InvalidTransferRequest(f"lease TTL must be positive, got {ttl}")
         lease = Lease(
             lease_id=f"{self._prefix}-{next(self._ids)}",
             request_id=request_id,
             block_ids=tuple(block_ids),
-            deadline=self._clock() + self.ttl_s,
+            deadline=self._clock() + ttl,
+            ttl_s=ttl,
         )
         self._leases[lease.lease_id] = lease
         self._granted += 1
@@ -83,7 +93,11 @@ class LeaseTable:
             self._end(lease, ReleaseReason.EXPIRED)
             return False
         self._leases[lease_id] = Lease(
-            lease.lease_id, lease.request_id, lease.block_ids, self._clock() + self.ttl_s
+            lease.lease_id,
+            lease.request_id,
+            lease.block_ids,
+            self._clock() + lease.ttl_s,
+            lease.ttl_s,
         )
         return True
 

@@ -266,17 +266,24 @@ class KVSender:
         )
 
     # ----------------------------------------------------------------- pull mode
-    def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> StageManifest:
+    def publish(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        lease_ttl_s: float | None = None,
+    ) -> StageManifest:
         """Lease this stage's blocks of a finished request for decode to READ.
 
         The caller pinned ``block_ids``; ``on_lease_end`` unpins them when decode releases,
-        the lease expires (no heartbeat for ``lease_ttl_s``) or the sender revokes it.
+        the lease expires (no heartbeat for its TTL: ``lease_ttl_s``, default the config's)
+        or the sender revokes it.
         """
         if self._server is None:
             raise InvalidTransferRequest("pull mode needs SenderConfig.metadata_host")
         self.layout.check_block_ids(block_ids)
         PageMap(tuple(block_ids), self.layout.block_size).check_range(0, num_tokens, "source")
-        lease = self.leases.grant(request_id, tuple(block_ids))
+        lease = self.leases.grant(request_id, tuple(block_ids), lease_ttl_s)
         return StageManifest(
             request_id=request_id,
             stage=self.config.stage,
@@ -287,7 +294,7 @@ class KVSender:
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
             lease_id=lease.lease_id,
-            lease_ttl_s=self.config.lease_ttl_s,
+            lease_ttl_s=lease.ttl_s,
         )
 
     def _serve_notifications(self) -> None:

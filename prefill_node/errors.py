@@ -28,6 +28,11 @@ class RequestAbortedError(WaveppError):
     """The request was aborted or cancelled before it finished (CANCELLED)."""
 
 
+class DeadlineExceededError(RequestAbortedError):
+    """The request's deadline (``PrefillOptions.deadline_s``) passed before it finished; the
+    engine aborted it and freed its blocks on every stage (DEADLINE_EXCEEDED)."""
+
+
 class InvariantError(WaveppError, RuntimeError):
     """An internal invariant is broken: a bug, never the caller's fault (INTERNAL)."""
 

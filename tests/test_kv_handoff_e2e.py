@@ -161,14 +161,15 @@ def test_unreachable_or_silent_decode_fails_cleanly_and_engine_keeps_serving(eng
 
 
 def test_push_through_the_grpc_api_reaches_the_decode_worker(engine, decode):
-    """The destination crosses the proto (which has no transfer id: the request id is it)."""
+    """The destination, decode's transfer id included, crosses the proto; the request id is
+    the client's own (not the transfer id)."""
     from prefill_node.server.client import PrefillClient
     from tests.grpc_harness import ServerThread
 
     prompt = prompt_of(11, seed=7)
     dest = decode.expect_push("grpc-1", prompt)
     with ServerThread(engine) as server, PrefillClient(server.target) as client:
-        remote = client.prefill(prompt, request_id=dest.transfer_id, kv_destination=dest)
+        remote = client.prefill(prompt, request_id="client-req-1", kv_destination=dest)
     assert [m.pushed for m in remote.result.stage_manifests] == [True, True]
     tokens = list(decode.generate("grpc-1", remote.result.first_token_id, NEW_TOKENS))
     assert tokens == reference_greedy(CONFIG, WEIGHTS, prompt, NEW_TOKENS)
@@ -205,14 +206,15 @@ def test_rejected_destinations_fail_before_any_write(engine):
     wait_idle(engine)
 
 
-def test_unread_pull_lease_expires_and_unpins_every_stage():
+def test_unread_pull_lease_expires_after_the_requests_ttl_and_unpins_every_stage():
     config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=4)
-    shipping = LocalKVShipping(KVShippingConfig(lease_ttl_s=0.5))
+    shipping = LocalKVShipping(KVShippingConfig(lease_ttl_s=60.0))  # node default: long
     engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, shipping)
     try:
-        options = PrefillOptions("unread", kv_destination=KVPullDestination())
+        options = PrefillOptions("unread", kv_destination=KVPullDestination(lease_ttl_s=0.5))
         result = engine.submit(prompt_of(10, seed=6), options).result()
         assert len({m.lease_id for m in result.stage_manifests}) == 2
+        assert [m.lease_ttl_s for m in result.stage_manifests] == [0.5, 0.5]
         assert used_blocks(engine) == [3, 3]
         wait_idle(engine, timeout_s=3.0)  # nobody read them: expiry frees the blocks
     finally:

@@ -183,6 +183,22 @@ def test_lease_heartbeat_after_deadline_expires_instead_of_renewing():
     table.check_integrity()
 
 
+def test_a_lease_granted_with_its_own_ttl_keeps_it_across_heartbeats():
+    clock, ended = FakeClock(), []
+    table = LeaseTable(10.0, lambda lease, why: ended.append(lease.request_id), clock)
+    short = table.grant("short", (1,), ttl_s=2.0)
+    long = table.grant("long", (2,))
+    assert (short.ttl_s, long.ttl_s) == (2.0, 10.0)
+    clock.now += 1.5
+    assert table.renew(short.lease_id)  # deadline now 1.5 + 2.0, not + 10
+    clock.now += 2.0
+    assert [lease.request_id for lease in table.expire()] == ["short"]
+    assert ended == ["short"] and long.lease_id in table
+    with pytest.raises(InvalidTransferRequest, match="positive"):
+        table.grant("bad", (3,), ttl_s=0.0)
+    table.check_integrity()
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(

@@ -29,7 +29,7 @@ examples:
   wavepp decode "What is the capital of France?"
   wavepp decode --local-stages 3 --mode pull --max-new-tokens 48 "Name three colours."
   wavepp decode --prefill-server 127.0.0.1:50051 "Hello"
-  wavepp decode --model ./tiny --ids --chat=false "1,2,3,4,5"   # token ids in, ids out
+  wavepp decode --model ./tiny --ids --no-chat "1,2,3,4,5"   # token ids in, ids out
 """
 
 
@@ -71,6 +71,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import grpc
+
     from prefill_node.errors import WaveppError
 
     try:
@@ -80,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     except (WaveppError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except grpc.RpcError as exc:  # the prefill server's status, e.g. shipping turned off
+        print(f"error: prefill server: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
 
 
 def _model_dir(args: argparse.Namespace) -> Path:

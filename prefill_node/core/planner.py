@@ -58,9 +58,10 @@ class PlannerMode(enum.Enum):
 
 DEFAULT_PLANNER_MODE = PlannerMode.COST_AWARE
 """The mode to run when a cost model is at hand (the simulator always has one): the
-cost-aware MPU won (or tied within 0.2%) every setting of the simulator's ablation grid
-(both PP4 presets; cold and 90% reuse; 128K and 256K; concurrency 1, 8, 32): geometric-mean
-wave/lockstep ratio 1.52x vs 1.43x (MPU without hysteresis), 1.41x (MPU), 1.30x (fixed M).
+cost-aware MPU won 23 of the 24 settings of the simulator's ablation grid (both PP4
+presets; cold and 90% reuse; 128K and 256K; concurrency 1, 8, 32) and was 0.3% behind MPU
+without hysteresis in the last; geometric-mean wave/lockstep throughput ratio 1.52x vs
+1.43x (MPU without hysteresis), 1.41x (MPU) and 1.30x (fixed M).
 ``PlannerConfig`` itself defaults to plain MPU, which needs no cost model."""
 
 

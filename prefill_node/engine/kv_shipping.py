@@ -170,11 +170,18 @@ class StageKVShipper:
         self._pushing[request_id] = held
 
     def publish(
-        self, request_id: str, blocks: Sequence[KVBlock], manifest: StageKVManifest
+        self,
+        request_id: str,
+        blocks: Sequence[KVBlock],
+        manifest: StageKVManifest,
+        lease_ttl_s: float | None = None,
     ) -> None:
-        """Pull: lease the blocks for decode to READ; the result holds the lease manifest."""
+        """Pull: lease the blocks for decode to READ; the result holds the lease manifest.
+        ``lease_ttl_s``: this request's lease TTL (None: ``KVShippingConfig.lease_ttl_s``)."""
         try:
-            wire = self.sender.publish(request_id, manifest.block_ids, manifest.num_tokens)
+            wire = self.sender.publish(
+                request_id, manifest.block_ids, manifest.num_tokens, lease_ttl_s
+            )
         except KVTransferError as exc:
             self._unpin(list(blocks))
             self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)

@@ -8,8 +8,8 @@ waiting (the engine thread drains the queue whenever it holds the lock). So a pu
 are unpinned before ``complete`` returns, and a pull lease's blocks as soon as decode
 released it (or it expired) and the engine is idle.
 
-Decision: one lease TTL per node (``KVShippingConfig.lease_ttl_s``); a per-request
-``KVPullDestination.lease_ttl_s`` is not honoured yet (the lease table has a single TTL).
+Pull leases live ``KVPullDestination.lease_ttl_s`` when the request sets it, else
+``KVShippingConfig.lease_ttl_s``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ class LocalKVShipping:
         manifest = stage.manifest(seq)
         shipper = self._shippers[stage.stage]
         if isinstance(destination, KVPullDestination):
-            work = partial(shipper.publish, seq.request_id, blocks, manifest)
+            work = partial(
+                shipper.publish, seq.request_id, blocks, manifest, destination.lease_ttl_s
+            )
         else:
             work = partial(shipper.push, seq.request_id, blocks, manifest, destination)
         self._call(work)

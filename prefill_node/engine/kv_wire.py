@@ -113,6 +113,7 @@ def engine_manifest(wire: StageManifest, pushed: bool = False) -> StageKVManifes
         lease_id=wire.lease_id,
         lease_expiry_unix_s=time.time() + wire.lease_ttl_s if wire.lease_id else 0.0,
         pushed=pushed,
+        lease_ttl_s=wire.lease_ttl_s if wire.lease_id else 0.0,
     )
 
 

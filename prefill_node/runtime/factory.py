@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefill_node.errors import InvalidRequestError
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
+
+if TYPE_CHECKING:
+    from prefill_node.engine.kv_event_feed import KVEventSink
+    from prefill_node.engine.kv_shipping import KVShippingConfig
 
 
 def start_pipeline_engine(
@@ -27,6 +32,8 @@ def start_pipeline_engine(
     device: str = "cpu",
     from_env: bool | None = None,
     startup_timeout_s: float = 600.0,
+    kv_shipping: KVShippingConfig | None = None,
+    kv_events: KVEventSink | None = None,
 ) -> PipelineEngine:
     """Start a ``num_stages``-stage pipeline on the HF checkpoint ``model_dir``; this process
     becomes stage 0 (the leader) and the returned engine serves requests. Call ``shutdown``.
@@ -38,6 +45,8 @@ def start_pipeline_engine(
     stage, one value or one per stage. ``layer_ranges`` defaults to an even split.
     ``max_wave_tokens`` is the wave budget M (lockstep's fixed chunk budget) and must be a
     multiple of ``block_size``; ``min_wave_tokens`` (b_min) defaults to M/2 as in the paper.
+    ``kv_shipping``: ship each request's KV to its ``kv_destination`` over NIXL (None: off).
+    ``kv_events``: a sink for the pipeline's KV events, e.g. ``KVEventHub.publish``.
     """
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.partition import split_layers
@@ -63,6 +72,7 @@ def start_pipeline_engine(
         max_model_len=max_model_len,
         dtype=dtype,
         device=device,
+        kv_events=kv_events is not None,
     )
     use_env = "RANK" in os.environ if from_env is None else from_env
     if use_env:
@@ -72,6 +82,10 @@ def start_pipeline_engine(
                 f"this process is RANK {env.rank} of WORLD_SIZE {env.world_size}; the leader "
                 f"must be RANK 0 of {num_stages} (other ranks run `wavepp stage`)"
             )
-        return PipelineEngine.start(spec, env, launch=False, startup_timeout_s=startup_timeout_s)
+        return PipelineEngine.start(
+            spec, env, False, startup_timeout_s, kv_shipping=kv_shipping, kv_events=kv_events
+        )
     env = DistEnv(0, num_stages, "127.0.0.1", free_local_port())
-    return PipelineEngine.start(spec, env, launch=True, startup_timeout_s=startup_timeout_s)
+    return PipelineEngine.start(
+        spec, env, True, startup_timeout_s, kv_shipping=kv_shipping, kv_events=kv_events
+    )

@@ -16,6 +16,7 @@ from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.planner import PlannerConfig, PlannerMode, WavePlanner
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.wave import UnscheduledWork
+from prefill_node.engine.types import KVPullDestination, KVPushDestination
 from prefill_node.errors import NeverFitsError, WaveppError
 from prefill_node.runtime.messages import WaveChunk, WaveHeader, WaveResult
 from prefill_node.runtime.spec import PipelineSpec
@@ -45,6 +46,7 @@ class _Progress:
     next_start: int
     end: int
     top_k: int
+    destination: KVPushDestination | KVPullDestination | None = None
     inflight_chunks: int = 0
     aborted: bool = False
 
@@ -83,6 +85,7 @@ class LeaderCore:
         )
         self.model_id = f"{model_config.name or 'model'}|{spec.dtype}"
         self._top_k: dict[str, int] = {}
+        self._destinations: dict[str, KVPushDestination | KVPullDestination] = {}
         self._progress: OrderedDict[str, _Progress] = OrderedDict()
         self._waves: dict[int, tuple[WaveChunk, ...]] = {}
         self._next_wave_id = 0
@@ -95,9 +98,17 @@ class LeaderCore:
         if rejected is not None:
             raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
 
-    def submit(self, request_id: str, token_ids: tuple[int, ...], salt: str | None, top_k: int):
+    def submit(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        salt: str | None,
+        top_k: int,
+        kv_destination: KVPushDestination | KVPullDestination | None = None,
+    ):
         """Queue a request. DuplicateRequestError while the id is still known (queued, or an
-        aborted request whose stage-side cleanup waits for its in-flight chunks)."""
+        aborted request whose stage-side cleanup waits for its in-flight chunks).
+        ``kv_destination`` travels with the request's last chunk to every stage."""
         if request_id in self._progress:
             raise DuplicateRequestError(
                 f"request id {request_id!r} is still in the pipeline; use a fresh id"
@@ -107,6 +118,8 @@ class LeaderCore:
         if rejected is not None:
             raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
         self._top_k[request_id] = top_k
+        if kv_destination is not None:
+            self._destinations[request_id] = kv_destination
         self._dirty = True
 
     def has_round_work(self) -> bool:
@@ -129,18 +142,24 @@ class LeaderCore:
         for out in step.outcomes:
             if isinstance(out, Admitted):
                 top_k = self._top_k.pop(out.request_id, 1)
-                self._progress[out.request_id] = _Progress(out.cached_len, out.num_tokens, top_k)
+                dest = self._destinations.pop(out.request_id, None)
+                self._progress[out.request_id] = _Progress(
+                    out.cached_len, out.num_tokens, top_k, dest
+                )
                 outcomes.append(AdmissionOutcome(out.request_id, out.cached_len))
                 self._dirty = True  # progress: try the next queued requests
             elif isinstance(out, Rejected):
                 self._top_k.pop(out.request_id, None)
+                self._destinations.pop(out.request_id, None)
                 outcomes.append(AdmissionOutcome(out.request_id, error=NeverFitsError(out.reason)))
             elif isinstance(out, Aborted):
                 self._top_k.pop(out.request_id, None)
+                self._destinations.pop(out.request_id, None)
         return None, outcomes
 
     def abort(self, request_id: str) -> None:
         self._top_k.pop(request_id, None)
+        self._destinations.pop(request_id, None)
         self._dirty = True
         p = self._progress.get(request_id)
         if p is None:
@@ -166,7 +185,9 @@ class LeaderCore:
             p = self._progress[c.request_id]
             p.next_start = c.end
             p.inflight_chunks += 1
-            chunks.append(WaveChunk(c.request_id, c.start, c.length, c.end == p.end, p.top_k))
+            last = c.end == p.end
+            dest = p.destination if last else None
+            chunks.append(WaveChunk(c.request_id, c.start, c.length, last, p.top_k, dest))
         self._next_wave_id += 1
         self._waves[self._next_wave_id] = tuple(chunks)
         return WaveHeader(self._next_wave_id, tuple(chunks))

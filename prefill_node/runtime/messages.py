@@ -6,7 +6,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_node.engine.types import StageKVManifest
+from prefill_node.core.kv_events import KVEvent
+from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
+
+StageEventBatch = tuple[int, tuple[KVEvent, ...]]
+"""(stage, the events its block pool buffered since its previous wave), in that stage's order."""
 
 
 @dataclass(frozen=True)
@@ -15,6 +19,7 @@ class WaveChunk:
 
     ``is_last``: this chunk ends the prompt, so the last stage computes logits for its final
     row and every stage completes the request (index its new blocks, unpin) after it.
+    ``kv_destination`` (last chunk only): where each stage ships its layers' KV then.
     """
 
     request_id: str
@@ -22,6 +27,7 @@ class WaveChunk:
     length: int
     is_last: bool
     top_logprobs: int = 0
+    kv_destination: KVPushDestination | KVPullDestination | None = None
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class WaveHeader:
     ``failed`` maps request id -> message for requests some earlier stage could not run; their
     rows are still present (zeros) so shapes stay simple, and later stages skip them.
     ``manifests``: (request id, manifest) of each stage a request's last chunk has left.
+    ``kv_events``: each stage's KV event batch drained after this wave (only when the
+    pipeline publishes KV events; kv_event_feed.py).
     ``stop``: the shutdown sentinel, forwarded down the pipeline and back to the leader.
     """
 
@@ -39,6 +47,7 @@ class WaveHeader:
     failed: tuple[tuple[str, str], ...] = ()
     manifests: tuple[tuple[str, StageKVManifest], ...] = ()
     stop: bool = False
+    kv_events: tuple[StageEventBatch, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +71,28 @@ class WaveResult:
     failed: tuple[tuple[str, str], ...] = ()
     manifests: tuple[tuple[str, StageKVManifest], ...] = ()
     stop: bool = False
+    kv_events: tuple[StageEventBatch, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageHandoff:
+    """One stage's outcome of one request's KV hand-off (reply to a KV_COLLECT round).
+
+    Success: ``manifest`` (push: ``pushed=True``, the WRITE landed and decode was notified;
+    pull: the lease manifest). Failure: ``manifest`` is None, ``error`` is the cause's type
+    and message, ``invalid_destination`` when the destination itself was rejected (caller's
+    fault, INVALID_ARGUMENT) rather than unreachable or slow (UNAVAILABLE).
+    """
+
+    request_id: str
+    stage: int
+    manifest: StageKVManifest | None
+    error: str = ""
+    invalid_destination: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None
 
 
 class RoundKind(enum.Enum):
@@ -72,6 +103,8 @@ class RoundKind(enum.Enum):
     STATS = "stats"  # reply: StageStats
     CHECK = "check"  # run check_integrity(); reply: None or the error text
     DUMP_KV = "dump_kv"  # payload: request id; reply: captured KV (tests only)
+    KV_COLLECT = "kv_collect"  # reply: tuple[StageHandoff, ...] finished since the last one
+    KV_CANCEL = "kv_cancel"  # payload: request ids; abort their WRITEs / revoke their leases
     STOP = "stop"  # leave the WAVE loop
 
 
@@ -97,3 +130,4 @@ class StageStats:
     cached_blocks: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
+    kv_held_blocks: int = 0  # block references the stage's KV shipper holds (WRITEs, leases)

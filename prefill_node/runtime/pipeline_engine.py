@@ -5,30 +5,35 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import pickle
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from prefill_node.core.kv_event_aggregator import StageEvents
+from prefill_node.engine.kv_event_feed import KVEventFeed, KVEventSink
 from prefill_node.engine.types import (
     EngineHealth,
     EngineLoad,
     PrefillOptions,
     PrefillResult,
-    PrefillTimings,
     StageKVManifest,
     StageLoad,
 )
 from prefill_node.errors import (
+    DeadlineExceededError,
+    InvalidKVDestinationError,
     InvalidPromptError,
     InvalidRequestError,
     InvariantError,
+    KVHandoffError,
     RequestAbortedError,
     StageStateError,
     UnavailableError,
@@ -39,29 +44,25 @@ from prefill_node.runtime.heartbeat import Heartbeat
 from prefill_node.runtime.launcher import LocalLauncher
 from prefill_node.runtime.leader import Leader, LeaderConfig, Policy
 from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
-from prefill_node.runtime.messages import RoundKind, RoundMessage, StageStats, WaveResult
+from prefill_node.runtime.leader_handoff import LeaderHandoffs
+from prefill_node.runtime.leader_request import LeaderRequest, settle_future
+from prefill_node.runtime.messages import (
+    RoundKind,
+    RoundMessage,
+    StageStats,
+    WaveResult,
+)
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_compute import build_stage_compute
-from prefill_node.runtime.stage_main import SPEC_KEY, ready_key
+from prefill_node.runtime.stage_main import KV_SHIPPING_KEY, SPEC_KEY, ready_key
 from prefill_node.runtime.stage_worker import StageWorker
 
+if TYPE_CHECKING:
+    from prefill_node.engine.kv_shipping import KVShippingConfig
+    from prefill_node.runtime.stage_compute import PipelineStageCompute
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    """Leader-side record of one request, from submit to its future's resolution."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    options: PrefillOptions
-    future: Future[PrefillResult]
-    t_submit: float
-    t_admitted: float = 0.0
-    admission_s: float = 0.0
-    cached_tokens: int = 0
-    manifests: dict[int, StageKVManifest] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -73,13 +74,34 @@ class PipelineEngine:
     stage. A dead stage (process exit, heartbeat silence, or a plane error) turns the engine
     unhealthy and fails every unfinished request with UnavailableError at once; the engine
     never hangs a caller. Every method is thread-safe.
+
+    KV hand-off (``kv_shipping`` given): every stage process ships its layers of a request
+    with a ``kv_destination`` as soon as the request's last chunk left it (stage_shipping.py);
+    the answer waits for every stage's outcome (leader_handoff.py). KV events (``kv_events``
+    given): every stage drains its pool once per wave, the batches ride the wave to the leader
+    and a ``KVEventFeed`` publishes the pipeline-level events to the sink (collector thread).
+    Deadlines (``PrefillOptions.deadline_s``): a request still unanswered then is aborted on
+    every stage and fails with DeadlineExceededError.
     """
 
-    def __init__(self, spec: PipelineSpec, env: DistEnv, launch: bool):
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        env: DistEnv,
+        launch: bool,
+        kv_shipping: KVShippingConfig | None = None,
+        kv_events: KVEventSink | None = None,
+    ):
+        if kv_events is not None and not spec.kv_events:
+            spec = replace(spec, kv_events=True)
         self.spec = spec
+        self._kv_shipping = kv_shipping
+        self._feed = KVEventFeed(spec.num_stages, kv_events) if kv_events is not None else None
+        self._handoffs: LeaderHandoffs | None = None
+        self._compute: PipelineStageCompute | None = None
         self._env = env
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, LeaderRequest] = {}
         self._dead: str | None = None
         self._closed = False
         self._launcher = LocalLauncher(env, self._on_stage_exit) if launch else None
@@ -93,9 +115,15 @@ class PipelineEngine:
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
     def start(
-        cls, spec: PipelineSpec, env: DistEnv, launch: bool = True, startup_timeout_s: float = 600
+        cls,
+        spec: PipelineSpec,
+        env: DistEnv,
+        launch: bool = True,
+        startup_timeout_s: float = 600,
+        kv_shipping: KVShippingConfig | None = None,
+        kv_events: KVEventSink | None = None,
     ) -> PipelineEngine:
-        engine = cls(spec, env, launch)
+        engine = cls(spec, env, launch, kv_shipping, kv_events)
         try:
             engine._start(startup_timeout_s)
         except BaseException:
@@ -114,10 +142,12 @@ class PipelineEngine:
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=startup_timeout_s),
         )
+        self._store.set(KV_SHIPPING_KEY, pickle.dumps(self._kv_shipping))
         self._store.set(SPEC_KEY, self.spec.to_json())
         if self._launcher is not None:
             self._launcher.start()
-        compute = build_stage_compute(self.spec, 0)
+        compute = build_stage_compute(self.spec, 0, self._kv_shipping)
+        self._compute = compute
         self.config = compute.model_config
         self._wait_ready(startup_timeout_s)
         planes = Planes.join(0, env.world_size, self._store, compute.model.device, 3600.0)
@@ -147,9 +177,19 @@ class PipelineEngine:
         self._heartbeat = Heartbeat(
             env, self._on_dead, self.spec.heartbeat_s, self.spec.dead_after_s
         )
+        wait_limit = self._kv_shipping.wait_limit_s + 2.0 if self._kv_shipping else 60.0
+        self._handoffs = LeaderHandoffs(
+            env.world_size,
+            wait_limit,
+            collect=lambda: self._control(RoundKind.KV_COLLECT, timeout_s=10.0),
+            cancel=self._cancel_shipping,
+            settle=self._settle_handoff,
+            on_deadline=self._expire,
+        )
         self._heartbeat.start()
         self._leader.start()
         self._worker.start()
+        self._handoffs.start()
 
     def _wait_ready(self, timeout_s: float) -> None:
         store = self._store
@@ -178,6 +218,8 @@ class PipelineEngine:
         """Drain and stop the threads and the stages; the heartbeat stops last so that the
         stages never mistake a slow, orderly shutdown for a lost leader."""
         t0 = time.monotonic()
+        if self._handoffs is not None:
+            self._handoffs.stop()
         if self._leader is not None:
             self._leader.stop()
         if graceful and self._worker is not None and self._leader is not None:
@@ -191,6 +233,8 @@ class PipelineEngine:
             self._worker.join(timeout=5.0)
         if self._leader is not None:
             self._leader.join(timeout=5.0)
+        if self._compute is not None:
+            self._compute.close()  # stage 0's shipper: WRITEs aborted, leases revoked
         if self._heartbeat is not None:
             self._heartbeat.stop()
         Planes.close()
@@ -220,8 +264,10 @@ class PipelineEngine:
         with self._lock:
             pending = list(self._requests.values())
             self._requests.clear()
+        if self._handoffs is not None:
+            self._handoffs.clear()
         for req in pending:
-            _settle(req.future, error=error)
+            settle_future(req.future, error=error)
 
     # -- Engine API ----------------------------------------------------------------------------
     @property
@@ -239,17 +285,29 @@ class PipelineEngine:
         rid = options.request_id or uuid.uuid4().hex
         fut: Future[PrefillResult] = Future()
         fut.set_running_or_notify_cancel()
+        if options.deadline_s is not None and time.monotonic() >= options.deadline_s:
+            settle_future(
+                fut, error=DeadlineExceededError(f"request {rid!r}: deadline already passed")
+            )
+            return fut
         with self._lock:
             if self._dead is not None or self._closed:
                 reason = self._dead or "the pipeline is shut down"
-                _settle(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
+                settle_future(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
                 return fut
             if rid in self._requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight; use a new id")
-            self._requests[rid] = _Request(rid, tokens, options, fut, time.monotonic())
+            self._requests[rid] = LeaderRequest(rid, tokens, options, fut, time.monotonic())
+        handoffs = self._handoffs
+        if handoffs is not None:
+            if options.kv_destination is not None:
+                handoffs.expect(rid)
+            if options.deadline_s is not None:
+                handoffs.watch(rid, options.deadline_s)
         leader = self._running_leader()
         with leader.lock:
-            leader.core.submit(rid, tokens, options.cache_salt, max(1, options.top_logprobs))
+            top_k = max(1, options.top_logprobs)
+            leader.core.submit(rid, tokens, options.cache_salt, top_k, options.kv_destination)
             leader.lock.notify_all()
         return fut
 
@@ -267,6 +325,11 @@ class PipelineEngine:
             )
         if options.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be >= 0, got {options.top_logprobs}")
+        if options.kv_destination is not None and self._kv_shipping is None:
+            raise InvalidKVDestinationError(
+                "this pipeline has no KV shipping configured; omit kv_destination or start "
+                "it with a KVShippingConfig"
+            )
         self._running_leader().core.check_fits(len(tokens))
 
     def _running_leader(self) -> Leader:
@@ -275,11 +338,23 @@ class PipelineEngine:
         return self._leader
 
     def abort(self, request_id: str) -> bool:
+        return self._abort(request_id, RequestAbortedError(f"request {request_id!r} was aborted"))
+
+    def _expire(self, request_id: str) -> None:
+        error = DeadlineExceededError(
+            f"request {request_id!r} missed its deadline and was aborted; raise the deadline "
+            "or send a shorter prompt"
+        )
+        self._abort(request_id, error)
+
+    def _abort(self, request_id: str, error: WaveppError) -> bool:
         with self._lock:
             req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        _settle(req.future, error=RequestAbortedError(f"request {request_id!r} was aborted"))
+        settle_future(req.future, error=error)
+        if self._handoffs is not None:
+            self._handoffs.forget(request_id)
         leader = self._running_leader()
         with leader.lock:
             leader.core.abort(request_id)
@@ -351,7 +426,7 @@ class PipelineEngine:
             if req is None:
                 continue
             if out.error is not None:
-                _settle(req.future, error=out.error)
+                settle_future(req.future, error=out.error)
             else:
                 req.t_admitted = now
                 req.admission_s = round_s
@@ -359,47 +434,63 @@ class PipelineEngine:
 
     def _on_result(self, result: WaveResult) -> None:
         now = time.monotonic()
+        if self._feed is not None and result.kv_events:
+            self._feed.publish(StageEvents(s, ev) for s, ev in result.kv_events)
+        shipping: list[str] = []
         with self._lock:
             for rid, manifest in result.manifests:
                 req = self._requests.get(rid)
                 if req is not None:
                     req.manifests[manifest.stage] = manifest
-            finished = [(o, self._requests.pop(o.request_id, None)) for o in result.outputs]
+            finished = []
+            for o in result.outputs:
+                req = self._requests.get(o.request_id)
+                if req is not None and req.options.kv_destination is not None:
+                    req.output = o  # answered once every stage shipped
+                    shipping.append(o.request_id)
+                else:
+                    finished.append((o, self._requests.pop(o.request_id, None)))
             failed = [(m, self._requests.pop(rid, None)) for rid, m in result.failed]
+        for rid in shipping:
+            if self._handoffs is not None:
+                self._handoffs.logits_ready(rid)
         for msg, req in failed:
             if req is not None:
-                _settle(req.future, error=StageStateError(msg))
+                if self._handoffs is not None:
+                    self._handoffs.forget(req.request_id)
+                settle_future(req.future, error=StageStateError(msg))
         for out, req in finished:
-            if req is None:
-                continue  # aborted meanwhile
-            k = req.options.top_logprobs
-            timings = PrefillTimings(
-                queue_s=req.t_admitted - req.t_submit,
-                admission_s=req.admission_s,
-                compute_s=now - req.t_admitted,
-                total_s=now - req.t_submit,
-            )
-            _settle(
-                req.future,
-                result=PrefillResult(
-                    request_id=req.request_id,
-                    first_token_id=out.top_logprobs[0][0],
-                    top_logprobs=tuple(out.top_logprobs[:k]),
-                    prompt_tokens=len(req.token_ids),
-                    cached_tokens=req.cached_tokens,
-                    computed_tokens=len(req.token_ids) - req.cached_tokens,
-                    timings=timings,
-                    stage_manifests=tuple(req.manifests[s] for s in sorted(req.manifests)),
-                ),
-            )
+            if req is None and self._handoffs is not None:  # aborted or failed meanwhile
+                self._handoffs.late_output(out.request_id)
+            if req is not None:
+                manifests = tuple(req.manifests[s] for s in sorted(req.manifests))
+                settle_future(req.future, result=req.result(out, now, manifests))
 
+    # -- KV hand-off callbacks (LeaderHandoffs' thread) ----------------------------------------
+    def _settle_handoff(
+        self,
+        request_id: str,
+        manifests: tuple[StageKVManifest, ...] | None,
+        error: WaveppError | None,
+    ) -> None:
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is None:
+            return  # aborted or failed meanwhile
+        if error is not None or manifests is None or req.output is None:
+            settle_future(
+                req.future, error=error or KVHandoffError(f"{request_id}: no KV hand-off")
+            )
+            leader = self._leader
+            if leader is not None:  # stop scheduling its remaining chunks
+                with leader.lock:
+                    leader.core.abort(request_id)
+                    leader.lock.notify_all()
+            return
+        settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
 
-def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
-    """Resolve ``fut`` once; later attempts (a race with abort or failure) are ignored."""
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    except Exception:  # InvalidStateError: already settled
-        pass
+    def _cancel_shipping(self, request_ids: tuple[str, ...]) -> None:
+        """Every stage gives these requests' hand-offs up (fire and forget)."""
+        leader = self._leader
+        if leader is not None and self._dead is None and not self._closed:
+            leader.control(RoundMessage(RoundKind.KV_CANCEL, request_ids))

@@ -38,7 +38,8 @@ class PipelineSpec:
     ``layer_ranges``: (start, end) per stage, contiguous, covering the model (uneven allowed).
     ``stage_blocks``: KV blocks per stage (uneven allowed: stages can diverge). ``max_wave_tokens``
     is M, ``min_wave_tokens`` b_min. ``capture_kv`` keeps a copy of each finished request's KV
-    per stage for ``debug_dump_kv`` (tests only: it costs memory).
+    per stage for ``debug_dump_kv`` (tests only: it costs memory). ``kv_events``: stages
+    report their block pools' stored / removed events to the leader with every wave.
     """
 
     model: ModelSource
@@ -54,6 +55,7 @@ class PipelineSpec:
     dtype: str = "float32"
     device: str = "cpu"
     capture_kv: bool = False
+    kv_events: bool = False  # every stage's pool buffers KV events for the leader's feed
     heartbeat_s: float = 0.25
     dead_after_s: float = 5.0
     tick_s: float = 0.5

@@ -11,6 +11,7 @@ import torch
 from prefill_node.core.admission_messages import RoundRequest, StageReply
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
+from prefill_node.engine.kv_shipping import KVShippingConfig
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
@@ -18,8 +19,15 @@ from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
-from prefill_node.runtime.messages import RequestOutput, WaveChunk, WaveHeader
+from prefill_node.runtime.messages import (
+    RequestOutput,
+    StageEventBatch,
+    StageHandoff,
+    WaveChunk,
+    WaveHeader,
+)
 from prefill_node.runtime.spec import PipelineSpec
+from prefill_node.runtime.stage_shipping import StageShipping
 from prefill_node.runtime.stage_worker import Occupancy, StepOutput
 
 log = logging.getLogger(__name__)
@@ -80,9 +88,21 @@ class PipelineStageCompute:
     Failure: a chunk whose local state does not match (StageStateMismatch) fails its request
     (reported to the leader in the wave's ``failed``); an exception in the forward fails every
     request of that wave; the stage keeps serving either way.
+
+    KV hand-off (``kv_shipping`` given): a request whose last chunk carries a destination is
+    completed with its blocks kept pinned and handed to the stage's ``StageShipping``, whose
+    thread drops the pins (``_release_shipped``) when the WRITE ended or the lease did.
+    KV events (``spec.kv_events``): the pool buffers them; each wave drains them after its
+    completions, so a batch holds everything since the previous wave (admission evictions too).
     """
 
-    def __init__(self, spec: PipelineSpec, stage: int, model: StageModel):
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        stage: int,
+        model: StageModel,
+        kv_shipping: KVShippingConfig | None = None,
+    ):
         self.stage = stage
         self.spec = spec
         self.model = model
@@ -94,6 +114,7 @@ class PipelineStageCompute:
                 block_size=spec.block_size,
                 num_layers=len(model.layer_range),
                 headroom_blocks=headroom_blocks(spec, stage),
+                enable_kv_events=spec.kv_events,
             )
         )
         self.kv = PagedKVCache.for_model(
@@ -106,6 +127,32 @@ class PipelineStageCompute:
         )
         self._lock = threading.Lock()
         self._captured: dict[str, CapturedKV] = {}
+        self.shipping: StageShipping | None = None
+        if kv_shipping is not None:
+            self.shipping = StageShipping(
+                stage, spec.num_stages, self.kv, kv_shipping, self._release_shipped
+            )
+
+    # -- KV hand-off (shipping thread / WAVE thread) -----------------------------------------
+    def _release_shipped(self, request_id: str) -> None:
+        with self._lock:
+            self.admission.unpin(request_id)  # False when an abort released it already
+
+    def kv_collect(self) -> tuple[StageHandoff, ...]:
+        return self.shipping.take_outcomes() if self.shipping is not None else ()
+
+    def kv_cancel(self, request_ids: tuple[str, ...]) -> None:
+        if self.shipping is not None:
+            for rid in request_ids:
+                self.shipping.cancel(rid)
+
+    def kv_held_blocks(self) -> int:
+        return self.shipping.held_blocks() if self.shipping is not None else 0
+
+    def close(self) -> None:
+        """Stop shipping (WRITEs aborted, leases revoked, pins dropped); idempotent."""
+        if self.shipping is not None:
+            self.shipping.close()
 
     # -- WAVE thread ---------------------------------------------------------------------------
     def admit(self, message: RoundRequest) -> StageReply:
@@ -115,6 +162,8 @@ class PipelineStageCompute:
     def check(self) -> None:
         with self._lock:
             self.admission.check_integrity()
+        if self.shipping is not None:
+            self.shipping.check_integrity()
 
     def dump_kv(self, request_id: str) -> CapturedKV | None:
         return self._captured.get(request_id)
@@ -149,7 +198,7 @@ class PipelineStageCompute:
                 device=self.model.device,
             )
         if not tables:
-            return StepOutput(out, failed=tuple(failed))
+            return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
         try:
             hidden_ok = self._forward(tables, hidden)
             outputs = self._logits(tables, hidden_ok) if self.model.is_last else ()
@@ -160,17 +209,25 @@ class PipelineStageCompute:
                     self.admission.abort(chunk.request_id)
             msg = f"stage {self.stage}: wave {header.wave_id} failed: {exc!r}"
             failed.extend((chunk.request_id, msg) for _, chunk, _ in tables)
-            return StepOutput(out, failed=tuple(failed))
+            return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
         manifests = self._complete(tables, failed)
+        events = self._drain_events()
         if self.model.is_last:
-            return StepOutput(None, outputs, tuple(failed), manifests)
+            return StepOutput(None, outputs, tuple(failed), manifests, events)
         if out is None:
             raise InvariantError("a non-last stage without an output buffer")
         offset = 0
         for row, chunk, _ in tables:
             out[row : row + chunk.length] = hidden_ok[offset : offset + chunk.length]
             offset += chunk.length
-        return StepOutput(out, (), tuple(failed), manifests)
+        return StepOutput(out, (), tuple(failed), manifests, events)
+
+    def _drain_events(self) -> tuple[StageEventBatch, ...]:
+        if not self.spec.kv_events:
+            return ()
+        with self._lock:
+            events = tuple(self.admission.drain_events())
+        return ((self.stage, events),) if events else ()
 
     def _forward(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor | None
@@ -223,12 +280,17 @@ class PipelineStageCompute:
                 continue
             if self.spec.capture_kv:
                 self._capture(chunk.request_id, table)
+            dest = chunk.kv_destination if self.shipping is not None else None
             with self._lock:
-                done = self.admission.complete(chunk.request_id)
+                done = self.admission.complete(chunk.request_id, keep_pinned=dest is not None)
             if isinstance(done, StageStateMismatch):
                 failed.append((chunk.request_id, str(done.to_error())))
                 continue
-            manifests.append((chunk.request_id, self._manifest(done.block_ids, table.end)))
+            manifest = self._manifest(done.block_ids, table.end)
+            if dest is not None and self.shipping is not None:
+                blocks = [self.admission.pool.block(b) for b in done.block_ids]
+                self.shipping.ship(chunk.request_id, blocks, manifest, dest)
+            manifests.append((chunk.request_id, manifest))
         return tuple(manifests)
 
     def _manifest(self, block_ids: tuple[int, ...], num_tokens: int) -> StageKVManifest:
@@ -256,7 +318,10 @@ class PipelineStageCompute:
         )
 
 
-def build_stage_compute(spec: PipelineSpec, stage: int) -> PipelineStageCompute:
-    """Load stage ``stage``'s slice and allocate its KV (what each stage process does once)."""
+def build_stage_compute(
+    spec: PipelineSpec, stage: int, kv_shipping: KVShippingConfig | None = None
+) -> PipelineStageCompute:
+    """Load stage ``stage``'s slice and allocate its KV (what each stage process does once);
+    with ``kv_shipping``, also create its NIXL agent and register the KV tensors."""
     torch.manual_seed(0)
-    return PipelineStageCompute(spec, stage, load_stage_model(spec, stage))
+    return PipelineStageCompute(spec, stage, load_stage_model(spec, stage), kv_shipping)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import sys
 import time
 
@@ -21,6 +22,7 @@ from prefill_node.runtime.stage_worker import StageWorker
 log = logging.getLogger("wavepp.stage")
 
 SPEC_KEY = "wavepp/spec"
+KV_SHIPPING_KEY = "wavepp/kv_shipping"  # pickled KVShippingConfig or None (set before SPEC_KEY)
 EXIT_LEADER_LOST = 3
 EXIT_STAGE_FAILED = 4
 
@@ -62,7 +64,8 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
 
     from prefill_node.runtime.stage_compute import build_stage_compute
 
-    compute = build_stage_compute(spec, env.rank)
+    kv_shipping = pickle.loads(store.get(KV_SHIPPING_KEY))  # the leader's trusted store
+    compute = build_stage_compute(spec, env.rank, kv_shipping)
     store.set(ready_key(env.rank), "1")
     planes = Planes.join(env.rank, env.world_size, store, compute.model.device, 3600.0)
     worker = StageWorker(
@@ -84,6 +87,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
         log.error("stage %d failed: %r; exiting", env.rank, worker.error)
         os._exit(EXIT_STAGE_FAILED)
     worker.join(timeout=spec.dead_after_s)
+    compute.close()
     heartbeat.stop()
     Planes.close()
     return 0

@@ -17,6 +17,8 @@ from prefill_node.runtime.messages import (
     RequestOutput,
     RoundKind,
     RoundMessage,
+    StageEventBatch,
+    StageHandoff,
     StageStats,
     WaveHeader,
     WaveResult,
@@ -32,12 +34,14 @@ class StepOutput:
 
     ``hidden``: activations for the next stage (None on the last stage). ``outputs``: finished
     requests' logprobs (last stage only). ``failed``: requests this stage could not run.
+    ``kv_events``: this stage's KV event batch drained after the wave (empty when off).
     """
 
     hidden: torch.Tensor | None
     outputs: tuple[RequestOutput, ...] = ()
     failed: tuple[tuple[str, str], ...] = ()
     manifests: tuple[tuple[str, StageKVManifest], ...] = ()
+    kv_events: tuple[StageEventBatch, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,12 @@ class StageCompute(Protocol):
     def dump_kv(self, request_id: str) -> Any: ...
 
     def occupancy(self) -> Occupancy: ...
+
+    def kv_collect(self) -> tuple[StageHandoff, ...]: ...
+
+    def kv_cancel(self, request_ids: tuple[str, ...]) -> None: ...
+
+    def kv_held_blocks(self) -> int: ...
 
 
 class StageWorker:
@@ -163,14 +173,15 @@ class StageWorker:
     def _emit(self, header: WaveHeader, step: StepOutput) -> None:
         failed = header.failed + step.failed
         manifests = header.manifests + step.manifests
+        events = header.kv_events + step.kv_events
         if not self.is_last:
-            out = WaveHeader(header.wave_id, header.chunks, failed, manifests, header.stop)
+            out = WaveHeader(header.wave_id, header.chunks, failed, manifests, header.stop, events)
             hidden = step.hidden
             if hidden is None and not header.stop:
                 hidden = torch.zeros(0, 1)
             self._planes.data.send_next(Frame(out, None if header.stop else hidden))
             return
-        result = WaveResult(header.wave_id, step.outputs, failed, manifests, header.stop)
+        result = WaveResult(header.wave_id, step.outputs, failed, manifests, header.stop, events)
         if self.rank == 0:
             if self._result_sink is None:
                 raise InvariantError("a one-stage pipeline needs a result sink")
@@ -213,6 +224,11 @@ class StageWorker:
             return None
         if kind is RoundKind.DUMP_KV:
             return self._compute.dump_kv(message.payload)
+        if kind is RoundKind.KV_COLLECT:
+            return self._compute.kv_collect()
+        if kind is RoundKind.KV_CANCEL:
+            self._compute.kv_cancel(tuple(message.payload))
+            return None
         return None  # TICK, STOP
 
     def stats(self) -> StageStats:
@@ -228,4 +244,5 @@ class StageWorker:
             cached_blocks=occ.cached_blocks,
             used_blocks=occ.used_blocks,
             total_blocks=occ.total_blocks,
+            kv_held_blocks=self._compute.kv_held_blocks(),
         )

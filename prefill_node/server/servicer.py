@@ -26,6 +26,7 @@ import grpc
 from prefill_node import __version__
 from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult
 from prefill_node.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     NeverFitsError,
     RequestAbortedError,
@@ -267,12 +268,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         except Exception as exc:
             missed = deadline is not None and time.monotonic() >= deadline
-            if isinstance(exc, TimeoutError | RequestAbortedError) and missed:
+            expired = isinstance(exc, TimeoutError | RequestAbortedError) and missed
+            if expired or isinstance(exc, DeadlineExceededError):
                 self._engine.abort(request_id)
                 raise RequestFailure(
                     request_id,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {request_id} missed its deadline of {timeout_s:.3f}s and was "
+                    f"request {request_id} missed its deadline of {timeout_s or 0.0:.3f}s and was "
                     "aborted; raise the timeout or send a shorter prompt",
                 ) from None
             raise _failure(request_id, exc) from exc

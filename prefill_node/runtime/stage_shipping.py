@@ -1,0 +1,190 @@
+"""StageShipping: one stage process's KV hand-off thread around its StageKVShipper.
+
+Why a thread of its own: a stage's LOOP blocks on the data plane between waves (and its WAVE
+thread on the rounds plane), so neither can poll NIXL while the pipeline is idle; a push must
+still finish and a pull lease must still see decode's heartbeats and release. The shipping
+thread owns the shipper (NIXL is not thread-safe: every shipper call happens there), runs the
+commands the other threads queue, and polls every ``poll_interval_s`` while a WRITE or a
+lease is live.
+
+Block contract: the LOOP completes a shipped request with ``complete(keep_pinned=True)``
+(its reservation keeps one pin per block, so the stage's ``check_integrity`` stays exact),
+then calls ``ship``. When the shipper gives the blocks back (WRITE ended, lease released,
+expired or revoked, ``cancel``, ``close``), ``release(request_id)`` runs on this thread;
+the owner (PipelineStageCompute) drops the pins under its own lock there.
+
+Results: each request's outcome on this stage, exactly once, as a ``StageHandoff`` through
+``take_outcomes`` (the leader collects them with a KV_COLLECT round).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from functools import partial
+
+from kv_transfer.errors import InvalidTransferRequest
+from prefill_node.core.block import KVBlock
+from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
+from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
+from prefill_node.errors import InvalidKVDestinationError, InvariantError
+from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.runtime.messages import StageHandoff
+
+log = logging.getLogger(__name__)
+Destination = KVPushDestination | KVPullDestination
+
+
+def handoff_of(result: StageShipResult) -> StageHandoff:
+    """The picklable, narrow form of a shipper result (exceptions become text + a flag)."""
+    err = result.error
+    if err is None:
+        return StageHandoff(result.request_id, result.stage, result.manifest)
+    invalid = isinstance(err, InvalidTransferRequest | InvalidKVDestinationError)
+    return StageHandoff(
+        result.request_id,
+        result.stage,
+        None,
+        error=f"{type(err).__name__}: {err}",
+        invalid_destination=invalid,
+    )
+
+
+class StageShipping:
+    """Stage ``stage``'s shipper on its own thread. Every public method is thread-safe."""
+
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        kv: PagedKVCache,
+        config: KVShippingConfig,
+        release: Callable[[str], None],
+        poll_interval_s: float = 0.0005,
+        idle_interval_s: float = 0.05,
+    ) -> None:
+        """Creates the agent and registers ``kv``'s tensors (on the new thread; waits)."""
+        self.stage = stage
+        self._release = release
+        self._poll_interval_s = poll_interval_s
+        self._idle_interval_s = idle_interval_s
+        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._outcomes: deque[StageHandoff] = deque()
+        # block-id table -> request ids pinned with it (a shipper unpin names blocks only)
+        self._pinned: dict[tuple[int, ...], list[str]] = {}
+        self._shipper: StageKVShipper | None = None
+        self._thread = threading.Thread(target=self._run, name=f"stage{stage}-kv", daemon=True)
+        self._thread.start()
+        build = partial(StageKVShipper, stage, num_stages, kv, config, self._on_unpin)
+        self._shipper = self._call(build).result(timeout=60)
+
+    @property
+    def agent_name(self) -> str:
+        return self._running().agent_name
+
+    def _running(self) -> StageKVShipper:
+        if self._shipper is None:
+            raise InvariantError(f"stage {self.stage}: KV shipping is not running")
+        return self._shipper
+
+    # -- LOOP / WAVE threads -------------------------------------------------------------------
+    def ship(
+        self,
+        request_id: str,
+        blocks: Sequence[KVBlock],
+        manifest: StageKVManifest,
+        destination: Destination,
+    ) -> None:
+        """Start the hand-off of a request completed with ``keep_pinned``; returns at once."""
+        key = tuple(b.block_id for b in blocks)
+        self._call(partial(self._start, request_id, key, list(blocks), manifest, destination))
+
+    def cancel(self, request_id: str) -> None:
+        """Abort the request's WRITE or revoke its lease here (no-op when none); async."""
+        self._call(partial(self._cancel, request_id))
+
+    def take_outcomes(self) -> tuple[StageHandoff, ...]:
+        """Outcomes reported since the last call, each request's exactly once."""
+        out = []
+        while self._outcomes:
+            out.append(self._outcomes.popleft())
+        return tuple(out)
+
+    def held_blocks(self) -> int:
+        return int(self._call(lambda: self._running().held_blocks).result(timeout=10))
+
+    def check_integrity(self) -> None:
+        self._call(lambda: self._running().check_integrity()).result(timeout=10)
+
+    def close(self) -> None:
+        """Abort WRITEs, revoke leases (releasing their pins), free the agent, stop."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(lambda: self._running().close()).result(timeout=30)
+        finally:
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=10)
+
+    # -- the shipping thread ---------------------------------------------------------------------
+    def _start(
+        self,
+        request_id: str,
+        key: tuple[int, ...],
+        blocks: list[KVBlock],
+        manifest: StageKVManifest,
+        destination: Destination,
+    ) -> None:
+        self._pinned.setdefault(key, []).append(request_id)
+        shipper = self._running()
+        if isinstance(destination, KVPullDestination):
+            shipper.publish(request_id, blocks, manifest, destination.lease_ttl_s)
+        else:
+            shipper.push(request_id, blocks, manifest, destination)
+
+    def _cancel(self, request_id: str) -> None:
+        self._running().cancel(request_id)
+
+    def _on_unpin(self, blocks: Sequence[KVBlock]) -> None:
+        key = tuple(b.block_id for b in blocks)
+        owners = self._pinned.get(key)
+        if not owners:
+            raise InvariantError(f"stage {self.stage}: shipper unpinned blocks nobody pinned")
+        # Requests sharing one block table hold identical pins: releasing any one is exact.
+        request_id = owners.pop(0)
+        if not owners:
+            del self._pinned[key]
+        self._release(request_id)
+
+    def _call(self, work: Callable[[], object]) -> Future:
+        future: Future = Future()
+        self._commands.append((work, future))
+        self._wake.set()
+        return future
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            while self._commands:
+                work, future = self._commands.popleft()
+                try:
+                    future.set_result(work())
+                except Exception as exc:  # noqa: BLE001 - the caller of _call sees it
+                    log.exception("stage %d KV shipping command failed", self.stage)
+                    future.set_exception(exc)
+            shipper = self._shipper
+            if shipper is not None:
+                try:
+                    shipper.poll()
+                except Exception:  # a bug in one poll must not stop the stage's shipping
+                    log.exception("stage %d KV shipper poll failed", self.stage)
+                for result in shipper.take_results():
+                    self._outcomes.append(handoff_of(result))
+            busy = shipper is not None and shipper.busy
+            self._wake.wait(self._poll_interval_s if busy else self._idle_interval_s)
+            self._wake.clear()

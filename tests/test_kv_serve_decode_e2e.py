@@ -1,0 +1,136 @@
+"""A stock `wavepp serve` ships KV over NIXL to `wavepp decode --prefill-server` (real processes).
+
+One server process (2 stages, each with its own NIXL agent), two decode client processes at
+once (push, and pull over the leased manifests), decode block size 8 vs prefill 4 (layout
+conversion on the way). Every generated id must equal a monolithic greedy generation with the
+independent reference forward; the server keeps serving and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from prefill_node.cli import serve as serve_cli
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.loader_hf import save_hf_checkpoint
+from prefill_node.model.reference import reference_forward
+from prefill_node.model.weights import random_weights
+
+CLI = [sys.executable, "-m", "prefill_node.cli.main"]
+# Untied embeddings: a random tied model tends to repeat its last token, which would hide
+# wrong KV; this one's greedy continuations vary.
+CONFIG = ModelConfig.from_hf_config(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    name="tiny-untied",
+)
+NEW_TOKENS = 32
+
+
+def reference_greedy(weights, prompt: list[int], n: int) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits, _ = reference_forward(CONFIG, weights, ids)
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def _decode(port: int, model: str, mode: str, prompts: list[list[int]]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*CLI, "decode", "--prefill-server", f"127.0.0.1:{port}", "--model", model, "--ids",
+         "--no-chat", "--mode", mode, "--decode-block-size", "8", "--decode-blocks", "32",
+         "--max-new-tokens", str(NEW_TOKENS), "--timeout", "20",
+         *(",".join(map(str, p)) for p in prompts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def _ids(stdout: str) -> list[list[int]]:
+    """The generated-id lines (``--ids`` prints one per prompt, nothing else on stdout)."""
+    return [[int(x) for x in line.split(",")] for line in stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_decode_against_a_stock_serve_matches_monolithic_greedy(tmp_path):
+    weights = random_weights(CONFIG, seed=0)
+    save_hf_checkpoint(tmp_path, CONFIG, weights)
+    rng = random.Random(6)
+    first = [rng.randrange(64) for _ in range(13)]
+    second = first[:8] + [rng.randrange(64) for _ in range(6)]  # prefix hit on the prefill tier
+    third = [rng.randrange(64) for _ in range(11)]
+    server = subprocess.Popen(
+        [*CLI, "serve", "--model", str(tmp_path), "--stages", "2", "--num-blocks", "64",
+         "--block-size", "4", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+         "--threads", "1", "--kv-transfer-timeout", "10", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "serve.err").open("w"),
+        text=True,
+    )  # fmt: skip
+    try:
+        line = server.stdout.readline()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert match, f"first line {line!r}; stderr: {(tmp_path / 'serve.err').read_text()}"
+        port = int(match.group(1))
+        push = _decode(port, str(tmp_path), "push", [first, second])
+        pull = _decode(port, str(tmp_path), "pull", [third])
+        push_out, push_err = push.communicate(timeout=240)
+        pull_out, pull_err = pull.communicate(timeout=240)
+        assert push.returncode == 0, push_err
+        assert pull.returncode == 0, pull_err
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    finally:
+        for proc in (server, locals().get("push"), locals().get("pull")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert _ids(push_out) == [
+        reference_greedy(weights, first, NEW_TOKENS),
+        reference_greedy(weights, second, NEW_TOKENS),
+    ]
+    assert _ids(pull_out) == [reference_greedy(weights, third, NEW_TOKENS)]
+    assert "(8 cached)" in push_err  # the second prompt reused the first's prefill blocks
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_kv_flags_build_the_shipping_config():
+    config = serve_cli._kv_shipping(
+        _serve_args("--kv-allow", "10.0.0.0/8", "--kv-allow", "decode-7", "--kv-allow", "::1",
+                    "--kv-transfer-timeout", "3", "--kv-lease-ttl", "9",
+                    "--kv-metadata-host", "10.0.0.5")
+    )  # fmt: skip
+    assert [str(n) for n in config.allow.cidrs] == ["10.0.0.0/8", "::1/128"]
+    assert config.allow.agent_names == frozenset({"decode-7"})
+    assert (config.transfer_timeout_s, config.lease_ttl_s) == (3.0, 9.0)
+    assert config.metadata_host == "10.0.0.5"
+    default = serve_cli._kv_shipping(_serve_args())
+    assert default.allow.host_allowed("127.0.0.1") and not default.allow.host_allowed("10.0.0.5")
+    assert serve_cli._kv_shipping(_serve_args("--no-kv-shipping")) is None
+    with pytest.raises(Exception, match="positive"):
+        serve_cli._kv_shipping(_serve_args("--kv-lease-ttl", "0"))
