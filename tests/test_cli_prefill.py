@@ -69,6 +69,8 @@ def test_help_explains_every_flag() -> None:
         "--top-logprobs",
         "--generate",
         "--max-new-tokens",
+        "--engine",
+        "--policy",
         "--threads",
         "--json",
     ):
@@ -105,12 +107,33 @@ def test_token_ids_file_with_three_stages_shows_reuse(tiny_model_dir: Path, tmp_
         capsys,
         "--model", str(tiny_model_dir), "--token-ids", str(ids_file),
         "--stages", "3", "--repeat", "2", "--block-size", "4", "--max-chunk-tokens", "6",
+        "--engine", "local",
     )  # fmt: skip
     assert code == 0, err
     runs = [line for line in out.splitlines() if line.startswith("[run")]
     assert "cached 0 | computed 20" in runs[0]
     assert "cached 19 | computed 1" in runs[1]  # all 5 blocks reused, last token recomputed
     assert "first token:" in out
+
+
+def test_multi_process_pipeline_engine_matches_local_engine(tiny_model_dir: Path, capsys):
+    """`--engine pipeline` (one process per stage) gives the local engine's first token and
+    top logprobs; its reuse keeps whole blocks only (the last token is always computed)."""
+    common = ["--model", str(tiny_model_dir), "--ids", ",".join(map(str, range(1, 21))),
+              "--stages", "3", "--repeat", "2", "--block-size", "4", "--json"]  # fmt: skip
+    code, out, err = in_process(capsys, *common, "--max-chunk-tokens", "8", "--engine", "pipeline")
+    assert code == 0, err
+    piped = [json.loads(line) for line in out.splitlines()]
+    code, out, err = in_process(capsys, *common, "--engine", "local")
+    assert code == 0, err
+    local = [json.loads(line) for line in out.splitlines()]
+    assert [r["cached_tokens"] for r in piped] == [0, 16]
+    assert [r["computed_tokens"] for r in piped] == [20, 4]
+    for p, q in zip(piped, local, strict=True):
+        assert p["first_token_id"] == q["first_token_id"]
+        assert [i for i, _ in p["top_logprobs"]] == [i for i, _ in q["top_logprobs"]]
+        for (_, a), (_, b) in zip(p["top_logprobs"], q["top_logprobs"], strict=True):
+            assert abs(a - b) < 1e-4
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import sys
 
 # Subcommand modules, in the order `wavepp --help` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
+    "prefill_node.cli.demo",
     "prefill_node.cli.prefill",
     "prefill_node.cli.serve",
     "prefill_node.cli.sim",

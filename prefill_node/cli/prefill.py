@@ -1,10 +1,11 @@
-"""`wavepp prefill`: prefill prompts on a model with N pipeline stages simulated in one process.
+"""`wavepp prefill`: prefill prompts on a model over an N-stage pipeline and print the results.
 
 Prints, per prefill, the first generated token, cached vs computed tokens and timings; with
 ``--repeat 2`` (or prompts sharing a prefix) the later runs show the prefix reuse. Optional
 ``--generate N`` continues greedily by re-submitting prompt + answer, each step reusing the
 cached prefix. The engine is built in ``build_engine`` and used only through the Engine
-protocol, so other modes (a multi-process pipeline, a remote server) are one more branch there.
+protocol: the multi-process pipeline (default for N > 1), the in-process LocalEngine, or a
+remote ``wavepp serve`` (``--server``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 DESCRIPTION = """\
 Prefill one or more prompts on the default model (SmolLM2-135M-Instruct, converted from the
 bundled GGUF on first use) or a Hugging Face checkpoint directory, with the model's layers
-split over --stages pipeline stages that run in this process, each with its own paged KV
-cache and prefix index. Text prompts are wrapped in the model's chat template unless
---no-chat; --ids / --token-ids send raw token ids.
+split over --stages pipeline stages, each with its own paged KV cache and prefix index. By
+default each stage is its own OS process on torch.distributed (gloo on CPU, NCCL on CUDA);
+--engine local simulates the stages in this process. Text prompts are wrapped in the
+model's chat template unless --no-chat; --ids / --token-ids send raw token ids.
 
 examples:
   wavepp prefill --stages 2 --repeat 2 "What is the capital of France?"
@@ -33,7 +35,7 @@ examples:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "prefill",
-        help="prefill prompts in one process (N stages simulated), print the first token",
+        help="prefill prompts on an N-stage pipeline, print the first token and cache reuse",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -54,7 +56,21 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages to simulate (default 1)")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument(
+        "--engine",
+        choices=("pipeline", "local"),
+        default="pipeline",
+        help="pipeline: one OS process per stage on torch.distributed (the real runtime); "
+        "local: all stages simulated in this process (default pipeline; 1 stage is always local)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("wave", "lockstep"),
+        default="wave",
+        help="admission policy of the pipeline engine: wave (WavePP, admission ahead of "
+        "execution) or lockstep (the TensorRT-LLM PP baseline) (default wave)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="run the prompt list K times (default 1)")
     p.add_argument(
         "--num-blocks",
@@ -115,7 +131,8 @@ def _run(args: argparse.Namespace) -> int:
     prompts = _prompts(args, tokenizer)
     if not args.json:
         print(
-            f"model {model_dir} | {args.stages} stage(s) | loaded in {time.monotonic() - t0:.1f}s"
+            f"model {model_dir} | {args.stages} stage(s) | engine {_engine_kind(args)} | "
+            f"loaded in {time.monotonic() - t0:.1f}s"
         )
     try:
         for rep in range(args.repeat):
@@ -128,6 +145,14 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _engine_kind(args: argparse.Namespace) -> str:
+    if args.server:
+        return f"remote {args.server}"
+    if args.engine == "pipeline" and args.stages > 1:
+        return f"pipeline ({args.stages} processes, policy {args.policy})"
+    return "local (in-process)"
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -166,6 +191,20 @@ def build_engine(args: argparse.Namespace, model_dir: Path) -> Any:
         raise InvalidRequestError(
             f"--num-blocks must be integers, got {args.num_blocks!r}"
         ) from None
+    if args.engine == "pipeline" and args.stages > 1:
+        from prefill_node.runtime.factory import start_pipeline_engine
+
+        return start_pipeline_engine(
+            model_dir,
+            args.stages,
+            args.policy,
+            num_blocks=blocks[0] if len(blocks) == 1 else blocks,
+            block_size=args.block_size,
+            max_wave_tokens=args.max_chunk_tokens,
+            max_model_len=args.max_model_len,
+            dtype=args.dtype,
+            device=args.device,
+        )
     config = LocalEngineConfig(
         num_stages=args.stages,
         num_blocks=blocks[0] if len(blocks) == 1 else blocks,

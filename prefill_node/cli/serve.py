@@ -39,6 +39,13 @@ def register(subparsers: Any) -> None:
     m.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
     m.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     m.add_argument(
+        "--engine",
+        choices=("pipeline", "local"),
+        default="pipeline",
+        help="pipeline: one OS process per stage on torch.distributed (this process is stage 0, "
+        "the leader); local: all stages simulated in this process (default pipeline)",
+    )
+    m.add_argument(
         "--policy",
         choices=("wave", "lockstep"),
         default="wave",
@@ -199,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         kv_shipping=_kv_shipping(args),
+        engine=args.engine,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())

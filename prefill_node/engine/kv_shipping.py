@@ -111,14 +111,18 @@ class StageKVShipper:
         config: KVShippingConfig,
         unpin: Callable[[Sequence[KVBlock]], None],
         agent_name: str | None = None,
+        progress_thread: bool = True,
     ) -> None:
+        """``progress_thread``: NIXL's own busy-polling progress thread (about a quarter of a
+        core per agent); pass False only when the owner calls ``poll`` continuously while a
+        WRITE or lease is live (kv_shipping_local.py's thread does)."""
         self.stage = stage
         self.config = config
         self._unpin = unpin
         self._block_size = kv.block_size
         name = agent_name or f"{config.agent_prefix}-stage{stage}-{uuid.uuid4().hex[:8]}"
         self.sender = KVSender(
-            KVAgent(name),
+            KVAgent(name, progress_thread=progress_thread),
             kv.tensors,
             kv.layer_range.start,
             config.sender_config(stage, num_stages),

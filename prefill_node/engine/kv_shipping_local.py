@@ -78,6 +78,7 @@ class LocalKVShipping:
                     stage.kv,
                     self.config,
                     unpin=lambda blocks, s=s: self._unpins.append((s, list(blocks))),
+                    progress_thread=False,  # _run polls every poll_interval_s while busy
                 )
             )
 

@@ -156,6 +156,11 @@ class PipelineStageCompute:
 
     # -- WAVE thread ---------------------------------------------------------------------------
     def admit(self, message: RoundRequest) -> StageReply:
+        if self.shipping is not None:  # a reused id supersedes its predecessor's hand-off
+            for spec in message.new_requests:
+                if self.shipping.disown(spec.request_id):
+                    with self._lock:
+                        self.admission.unpin(spec.request_id)
         with self._lock:
             return self.admission.handle(message)
 

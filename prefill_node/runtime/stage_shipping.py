@@ -13,6 +13,11 @@ then calls ``ship``. When the shipper gives the blocks back (WRITE ended, lease 
 expired or revoked, ``cancel``, ``close``), ``release(request_id)`` runs on this thread;
 the owner (PipelineStageCompute) drops the pins under its own lock there.
 
+Reused request ids: a request id may come back (a client retry) while this stage still ships
+the previous request of that id; admission holds one reservation per id, so the owner first
+``disown``s the old hand-off (its pins are dropped at once, its WRITE / lease cancelled) and
+the shipper's later unpin of those blocks is absorbed here instead of releasing anything.
+
 Results: each request's outcome on this stage, exactly once, as a ``StageHandoff`` through
 ``take_outcomes`` (the leader collects them with a KV_COLLECT round).
 """
@@ -75,8 +80,11 @@ class StageShipping:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._outcomes: deque[StageHandoff] = deque()
-        # block-id table -> request ids pinned with it (a shipper unpin names blocks only)
+        # block-id table -> request ids pinned with it (a shipper unpin names blocks only),
+        # and how many of its unpins to absorb (disowned requests); guarded by _pin_lock
+        self._pin_lock = threading.Lock()
         self._pinned: dict[tuple[int, ...], list[str]] = {}
+        self._absorb: dict[tuple[int, ...], int] = {}
         self._shipper: StageKVShipper | None = None
         self._thread = threading.Thread(target=self._run, name=f"stage{stage}-kv", daemon=True)
         self._thread.start()
@@ -102,11 +110,27 @@ class StageShipping:
     ) -> None:
         """Start the hand-off of a request completed with ``keep_pinned``; returns at once."""
         key = tuple(b.block_id for b in blocks)
-        self._call(partial(self._start, request_id, key, list(blocks), manifest, destination))
+        with self._pin_lock:  # at once, so that a ``disown`` right after finds it
+            self._pinned.setdefault(key, []).append(request_id)
+        self._call(partial(self._start, request_id, list(blocks), manifest, destination))
 
     def cancel(self, request_id: str) -> None:
         """Abort the request's WRITE or revoke its lease here (no-op when none); async."""
         self._call(partial(self._cancel, request_id))
+
+    def disown(self, request_id: str) -> bool:
+        """Stop owning ``request_id``'s pins (the caller drops them now) and cancel its
+        hand-off; False when it has none here. Any thread."""
+        with self._pin_lock:
+            key = next((k for k, rids in self._pinned.items() if request_id in rids), None)
+            if key is None:
+                return False
+            self._pinned[key].remove(request_id)
+            if not self._pinned[key]:
+                del self._pinned[key]
+            self._absorb[key] = self._absorb.get(key, 0) + 1
+        self.cancel(request_id)
+        return True
 
     def take_outcomes(self) -> tuple[StageHandoff, ...]:
         """Outcomes reported since the last call, each request's exactly once."""
@@ -136,12 +160,10 @@ class StageShipping:
     def _start(
         self,
         request_id: str,
-        key: tuple[int, ...],
         blocks: list[KVBlock],
         manifest: StageKVManifest,
         destination: Destination,
     ) -> None:
-        self._pinned.setdefault(key, []).append(request_id)
         shipper = self._running()
         if isinstance(destination, KVPullDestination):
             shipper.publish(request_id, blocks, manifest, destination.lease_ttl_s)
@@ -153,14 +175,21 @@ class StageShipping:
 
     def _on_unpin(self, blocks: Sequence[KVBlock]) -> None:
         key = tuple(b.block_id for b in blocks)
-        owners = self._pinned.get(key)
-        if not owners:
-            raise InvariantError(f"stage {self.stage}: shipper unpinned blocks nobody pinned")
-        # Requests sharing one block table hold identical pins: releasing any one is exact.
-        request_id = owners.pop(0)
-        if not owners:
-            del self._pinned[key]
-        self._release(request_id)
+        with self._pin_lock:
+            # Requests sharing one block table hold identical pins, so which one an unpin
+            # stands for does not matter: absorb a disowned one first, else release the oldest.
+            if self._absorb.get(key, 0) > 0:
+                self._absorb[key] -= 1
+                if not self._absorb[key]:
+                    del self._absorb[key]
+                return
+            owners = self._pinned.get(key)
+            if not owners:
+                raise InvariantError(f"stage {self.stage}: shipper unpinned blocks nobody pinned")
+            request_id = owners.pop(0)
+            if not owners:
+                del self._pinned[key]
+            self._release(request_id)  # under _pin_lock: a concurrent disown sees it done
 
     def _call(self, work: Callable[[], object]) -> Future:
         future: Future = Future()

@@ -1,9 +1,10 @@
 """Builds the Engine a ``wavepp serve`` process fronts: the one switch between engine kinds.
 
-Today every spec builds the in-process ``LocalEngine`` (P stages simulated in one process).
-The multi-process pipeline (prefill_node/runtime/) plugs in here behind the same Engine
-protocol: add its branch to ``build_engine`` (with ``blocking_submit=False``: its submit only
-enqueues, so the server calls it inline) and nothing else changes.
+``engine="pipeline"`` (default, stages > 1) starts the multi-process pipeline of
+prefill_node/runtime/ (this process becomes stage 0, the leader; its submit only enqueues, so
+the server calls it inline). ``engine="local"`` (or one stage) builds the in-process
+``LocalEngine`` (P stages simulated in one process; its submit computes, so the server calls
+it on a worker thread). Both sit behind the same Engine protocol.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLICIES = ("wave", "lockstep")
+ENGINES = ("pipeline", "local")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -43,8 +45,11 @@ class EngineSpec:
     dtype: str = "float32"
     device: str = "cpu"
     kv_shipping: KVShippingConfig | None = None
+    engine: str = "pipeline"  # pipeline: one process per stage; local: stages in-process
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidRequestError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
         if self.stages < 1:
             raise InvalidRequestError(f"--stages must be >= 1, got {self.stages}")
         if self.policy not in POLICIES:
@@ -67,6 +72,23 @@ class ServedEngine(NamedTuple):
 def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> ServedEngine:
     """A started engine for ``spec``; the caller owns it and must call ``shutdown``.
     ``kv_events``: receives the pipeline's aggregated KV events (``KVEventHub.publish``)."""
+    if spec.engine == "pipeline" and spec.stages > 1:
+        from prefill_node.runtime.factory import start_pipeline_engine
+
+        engine = start_pipeline_engine(
+            spec.model_dir,
+            spec.stages,
+            spec.policy,
+            num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
+            block_size=spec.block_size,
+            max_wave_tokens=spec.max_chunk_tokens,
+            max_model_len=spec.max_model_len,
+            dtype=spec.dtype,
+            device=spec.device,
+            kv_shipping=spec.kv_shipping,
+            kv_events=kv_events,
+        )
+        return ServedEngine(engine, blocking_submit=False)
     import torch
 
     from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig

@@ -72,7 +72,7 @@ def regressions(results: Sequence[SimResult], tolerance: float = 0.03) -> list[C
 
 def plot(results: Sequence[SimResult], path: str) -> None:
     """PNG: input throughput vs concurrency, one panel per (preset, workload), one line per
-    (policy, input length); wave solid, lockstep dashed."""
+    (policy, input length): one colour per length, wave solid, lockstep dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,12 +87,14 @@ def plot(results: Sequence[SimResult], path: str) -> None:
         for r in results:
             if (r.preset, r.workload) == (preset, workload):
                 series.setdefault((r.policy, r.input_len), []).append(r)
+        lengths = sorted({n for _, n in series})
         for (policy, input_len), runs in sorted(series.items()):
             runs.sort(key=lambda r: r.concurrency)
             ax.plot(
                 [r.concurrency for r in runs],
                 [r.throughput_tok_s / 1e3 for r in runs],
                 linestyle="--" if policy == "lockstep" else "-",
+                color=f"C{lengths.index(input_len)}",
                 marker="o",
                 markersize=3,
                 label=f"{policy} {input_len // 1024}K",

@@ -1,0 +1,123 @@
+"""LeaderHandoffs: when a hand-off resolves, how it fails, what it cancels (no processes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from prefill_node.engine.types import StageKVManifest
+from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
+from prefill_node.runtime.leader_handoff import LeaderHandoffs
+from prefill_node.runtime.messages import StageHandoff
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def manifest(stage: int) -> StageKVManifest:
+    return StageKVManifest(stage, 2 * stage, 2 * stage + 2, (3, 4), 4, 7, 2, 8, "float32")
+
+
+class Stages:
+    """Two stages' outcome queues, as KV_COLLECT rounds would return them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued: list[list[StageHandoff]] = [[], []]
+        self.cancelled: list[str] = []
+        self.settled: dict[str, tuple] = {}
+        self.expired: list[str] = []
+        self.done = threading.Event()
+
+    def report(self, handoff: StageHandoff) -> None:
+        with self.lock:
+            self.queued[handoff.stage].append(handoff)
+
+    def collect(self):
+        with self.lock:
+            out, self.queued = self.queued, [[], []]
+        return out
+
+    def settle(self, rid, manifests, error) -> None:
+        self.settled[rid] = (manifests, error)
+        self.done.set()
+
+
+@pytest.fixture
+def stages():
+    s = Stages()
+    h = LeaderHandoffs(
+        2,
+        0.3,
+        s.collect,
+        s.cancelled.extend,
+        s.settle,
+        s.expired.append,
+        poll_interval_s=0.001,
+        slow_poll_s=0.005,
+    )
+    h.start()
+    yield s, h
+    h.stop()
+
+
+def wait_for(pred, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert pred()
+
+
+def test_resolves_after_logits_and_every_stage_in_stage_order(stages):
+    s, h = stages
+    h.expect("r")
+    s.report(StageHandoff("r", 1, manifest(1)))
+    s.report(StageHandoff("r", 1, None, "late duplicate"))  # a stage's second word is ignored
+    time.sleep(0.02)
+    assert "r" not in s.settled  # stage 0 missing, logits missing
+    s.report(StageHandoff("r", 0, manifest(0)))
+    time.sleep(0.02)
+    assert "r" not in s.settled  # logits still missing
+    h.logits_ready("r")
+    wait_for(lambda: "r" in s.settled)
+    assert s.settled["r"] == ((manifest(0), manifest(1)), None)
+    assert s.cancelled == []
+
+
+def test_rejected_destination_is_the_callers_fault_and_cancels_every_stage(stages):
+    s, h = stages
+    h.expect("bad")
+    s.report(StageHandoff("bad", 1, None, "InvalidTransferRequest: x", invalid_destination=True))
+    wait_for(lambda: "bad" in s.settled)
+    manifests, error = s.settled["bad"]
+    assert manifests is None and isinstance(error, InvalidKVDestinationError)
+    assert "stage 1" in str(error) and s.cancelled == ["bad"]
+    h.late_output("bad")  # failed before its logits: cancelled again once they arrive
+    h.late_output("bad")
+    assert s.cancelled == ["bad", "bad"]
+
+
+def test_unreachable_decode_and_missing_stage_fail_as_handoff_errors(stages):
+    s, h = stages
+    h.expect("lost")
+    h.logits_ready("lost")
+    s.report(StageHandoff("lost", 0, None, "DecodeUnreachable: refused"))
+    h.expect("quiet")
+    h.logits_ready("quiet")
+    s.report(StageHandoff("quiet", 0, manifest(0)))
+    wait_for(lambda: {"lost", "quiet"} <= set(s.settled))
+    lost, quiet = s.settled["lost"][1], s.settled["quiet"][1]
+    assert isinstance(lost, KVHandoffError) and "DecodeUnreachable" in str(lost)
+    assert isinstance(quiet, KVHandoffError) and "stages [1]" in str(quiet)
+    assert sorted(s.cancelled) == ["lost", "quiet"]
+
+
+def test_deadline_fires_once_and_forget_stops_it(stages):
+    s, h = stages
+    h.watch("d1", time.monotonic() + 0.05)
+    h.watch("d2", time.monotonic() + 0.05)
+    h.forget("d2")
+    wait_for(lambda: s.expired == ["d1"])
+    time.sleep(0.1)
+    assert s.expired == ["d1"] and s.cancelled == []  # d2 never shipped: nothing to cancel
