@@ -10,11 +10,11 @@ from collections.abc import Callable
 from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.stage_executor import StageExecutor
 from prefill_node.engine.types import Engine
-from prefill_node.model.config import ModelConfig, ModelFamily
 from prefill_node.model.weights import random_weights
 from prefill_node.server.convert import PromptTokenizer
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.server import PrefillServer, ServerConfig
+from tests.tiny_models import tiny_qwen3
 
 
 class ServerThread:
@@ -71,22 +71,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str 
         time.sleep(0.01)
 
 
-TINY_CONFIG = ModelConfig(
-    family=ModelFamily.QWEN3,
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-    name="tiny-grpc",
-)
+TINY_CONFIG = tiny_qwen3("tiny-grpc", max_position_embeddings=64)
 
 
 def tiny_local_engine(num_blocks: int = 256, stage_delay_s: float = 0.0) -> LocalEngine:

@@ -10,33 +10,18 @@ from hypothesis import strategies as st
 
 from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
-from prefill_node.model.config import ModelConfig, ModelFamily
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights
+from tests.tiny_models import tiny_qwen3
 
 BLOCK = 4
 NUM_BLOCKS = 40
 ATOL = 2e-5
 
-CONFIG = ModelConfig(
-    family=ModelFamily.QWEN3,
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    name="tiny-chunked",
-)
+CONFIG = tiny_qwen3("tiny-chunked", max_position_embeddings=512)
 WEIGHTS = random_weights(CONFIG, seed=11)
 RANGES = split_layers(CONFIG.num_layers, 2)
 STAGES = [StageModel.random_init(CONFIG, lr, seed=11) for lr in RANGES]

@@ -21,28 +21,13 @@ from prefill_node.engine.kv_shipping_local import LocalKVShipping
 from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
-from prefill_node.model.config import ModelConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.slow
 
-CONFIG = ModelConfig.from_hf_config(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-    },
-    name="tiny-llama",
-)
+CONFIG = tiny_llama("tiny-llama")
 WEIGHTS = random_weights(CONFIG, seed=0)
 SHIPPING = KVShippingConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
 NEW_TOKENS = 32

@@ -18,30 +18,15 @@ import sys
 import pytest
 
 from prefill_node.cli import serve as serve_cli
-from prefill_node.model.config import ModelConfig
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from tests.tiny_models import tiny_llama
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 # Untied embeddings: a random tied model tends to repeat its last token, which would hide
 # wrong KV; this one's greedy continuations vary.
-CONFIG = ModelConfig.from_hf_config(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-    },
-    name="tiny-untied",
-)
+CONFIG = tiny_llama("tiny-untied", tie_word_embeddings=False)
 NEW_TOKENS = 32
 
 

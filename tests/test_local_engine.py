@@ -21,26 +21,11 @@ from prefill_node.errors import (
     RequestAbortedError,
     UnavailableError,
 )
-from prefill_node.model.config import ModelConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from tests.tiny_models import tiny_llama
 
-CONFIG = ModelConfig.from_hf_config(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-    },
-    name="tiny-llama",
-)
+CONFIG = tiny_llama("tiny-llama")
 WEIGHTS = random_weights(CONFIG, seed=0)
 OPTS = PrefillOptions()
 

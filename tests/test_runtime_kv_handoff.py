@@ -28,22 +28,11 @@ from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
+from tests.tiny_models import TINY_LLAMA_HF
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
+HF_CONFIG = TINY_LLAMA_HF
 CONFIG = ModelConfig.from_hf_config(HF_CONFIG, name="tiny-llama")
 WEIGHTS = random_weights(CONFIG, seed=0)
 BS = 4

@@ -18,12 +18,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
+from prefill_node.engine.command_loop import CommandLoop
 from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
 from prefill_node.engine.stage_executor import StageExecutor, StageSequence
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
@@ -45,17 +45,13 @@ class LocalKVShipping:
         """Polls every ``poll_interval_s`` while a WRITE or lease is live, else every
         ``idle_interval_s`` (a new command wakes it at once)."""
         self.config = config or KVShippingConfig()
-        self._poll_interval_s = poll_interval_s
-        self._idle_interval_s = idle_interval_s
-        self._wake = threading.Event()
+        self._loop = CommandLoop("local KV shipping", poll_interval_s, idle_interval_s)
         self._stages: tuple[StageExecutor, ...] = ()
         self._shippers: list[StageKVShipper] = []
         self._engine_lock: threading.Lock | None = None
-        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
         self._unpins: deque[tuple[int, list[KVBlock]]] = deque()
         self._results: dict[tuple[str, int], StageShipResult] = {}
         self._changed = threading.Condition()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---- wiring (LocalEngine calls these) -------------------------------------------
@@ -67,7 +63,7 @@ class LocalKVShipping:
         self._stages, self._engine_lock = tuple(stages), engine_lock
         self._thread = threading.Thread(target=self._run, name="kv-shipping", daemon=True)
         self._thread.start()
-        self._call(self._build).result(timeout=60)
+        self._loop.call(self._build).result(timeout=60)
 
     def _build(self) -> None:
         for s, stage in enumerate(self._stages):
@@ -103,7 +99,7 @@ class LocalKVShipping:
             )
         else:
             work = partial(shipper.push, seq.request_id, blocks, manifest, destination)
-        self._call(work)
+        self._loop.call(work)
 
     def complete(
         self, request_id: str, manifests: Sequence[StageKVManifest]
@@ -133,7 +129,7 @@ class LocalKVShipping:
             for shipper in self._shippers:
                 shipper.cancel(request_id)
 
-        self._call(cancel_all).result(timeout=30)
+        self._loop.call(cancel_all).result(timeout=30)
         with self._changed:
             for s in range(len(self._stages)):
                 self._results.pop((request_id, s), None)
@@ -155,37 +151,25 @@ class LocalKVShipping:
                 shipper.close()
 
         try:
-            self._call(close_all).result(timeout=30)
+            self._loop.call(close_all).result(timeout=30)
         finally:
-            self._stop.set()
-            self._wake.set()
+            self._loop.stop()
             self._thread.join(timeout=10)
             self._thread = None
             self.drain()
 
     def check_integrity(self) -> None:
-        self._call(lambda: [s.check_integrity() for s in self._shippers]).result(timeout=10)
+        self._loop.call(lambda: [s.check_integrity() for s in self._shippers]).result(timeout=10)
 
     def held_blocks(self) -> tuple[int, ...]:
         """Per stage: references the shippers hold now (in-flight WRITEs, live leases)."""
-        return self._call(lambda: tuple(s.held_blocks for s in self._shippers)).result(10)
+        return self._loop.call(lambda: tuple(s.held_blocks for s in self._shippers)).result(10)
 
     # ---- the shipping thread ---------------------------------------------------------
 
-    def _call(self, work: Callable[[], object]) -> Future:
-        future: Future = Future()
-        self._commands.append((work, future))
-        self._wake.set()
-        return future
-
     def _run(self) -> None:
-        while not self._stop.is_set():
-            while self._commands:
-                work, future = self._commands.popleft()
-                try:
-                    future.set_result(work())
-                except Exception as exc:  # noqa: BLE001 - the caller of _call sees it
-                    future.set_exception(exc)
+        while not self._loop.stopped:
+            self._loop.run_pending()
             for shipper in self._shippers:
                 try:
                     shipper.poll()
@@ -198,9 +182,7 @@ class LocalKVShipping:
                     self.drain()
                 finally:
                     lock.release()
-            busy = any(s.busy for s in self._shippers)
-            self._wake.wait(self._poll_interval_s if busy else self._idle_interval_s)
-            self._wake.clear()
+            self._loop.pause(busy=any(s.busy for s in self._shippers))
 
     def _collect(self) -> None:
         found = [r for shipper in self._shippers for r in shipper.take_results()]

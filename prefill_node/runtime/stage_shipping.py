@@ -28,11 +28,11 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
+from prefill_node.engine.command_loop import CommandLoop
 from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
@@ -74,11 +74,7 @@ class StageShipping:
         """Creates the agent and registers ``kv``'s tensors (on the new thread; waits)."""
         self.stage = stage
         self._release = release
-        self._poll_interval_s = poll_interval_s
-        self._idle_interval_s = idle_interval_s
-        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._loop = CommandLoop(f"stage {stage} KV shipping", poll_interval_s, idle_interval_s)
         self._outcomes: deque[StageHandoff] = deque()
         # block-id table -> request ids pinned with it (a shipper unpin names blocks only),
         # and how many of its unpins to absorb (disowned requests); guarded by _pin_lock
@@ -89,7 +85,7 @@ class StageShipping:
         self._thread = threading.Thread(target=self._run, name=f"stage{stage}-kv", daemon=True)
         self._thread.start()
         build = partial(StageKVShipper, stage, num_stages, kv, config, self._on_unpin)
-        self._shipper = self._call(build).result(timeout=60)
+        self._shipper = self._loop.call(build).result(timeout=60)
 
     @property
     def agent_name(self) -> str:
@@ -112,11 +108,11 @@ class StageShipping:
         key = tuple(b.block_id for b in blocks)
         with self._pin_lock:  # at once, so that a ``disown`` right after finds it
             self._pinned.setdefault(key, []).append(request_id)
-        self._call(partial(self._start, request_id, list(blocks), manifest, destination))
+        self._loop.call(partial(self._start, request_id, list(blocks), manifest, destination))
 
     def cancel(self, request_id: str) -> None:
         """Abort the request's WRITE or revoke its lease here (no-op when none); async."""
-        self._call(partial(self._cancel, request_id))
+        self._loop.call(partial(self._cancel, request_id))
 
     def disown(self, request_id: str) -> bool:
         """Stop owning ``request_id``'s pins (the caller drops them now) and cancel its
@@ -140,20 +136,19 @@ class StageShipping:
         return tuple(out)
 
     def held_blocks(self) -> int:
-        return int(self._call(lambda: self._running().held_blocks).result(timeout=10))
+        return int(self._loop.call(lambda: self._running().held_blocks).result(timeout=10))
 
     def check_integrity(self) -> None:
-        self._call(lambda: self._running().check_integrity()).result(timeout=10)
+        self._loop.call(lambda: self._running().check_integrity()).result(timeout=10)
 
     def close(self) -> None:
         """Abort WRITEs, revoke leases (releasing their pins), free the agent, stop."""
         if not self._thread.is_alive():
             return
         try:
-            self._call(lambda: self._running().close()).result(timeout=30)
+            self._loop.call(lambda: self._running().close()).result(timeout=30)
         finally:
-            self._stop.set()
-            self._wake.set()
+            self._loop.stop()
             self._thread.join(timeout=10)
 
     # -- the shipping thread ---------------------------------------------------------------------
@@ -191,21 +186,9 @@ class StageShipping:
                 del self._pinned[key]
             self._release(request_id)  # under _pin_lock: a concurrent disown sees it done
 
-    def _call(self, work: Callable[[], object]) -> Future:
-        future: Future = Future()
-        self._commands.append((work, future))
-        self._wake.set()
-        return future
-
     def _run(self) -> None:
-        while not self._stop.is_set():
-            while self._commands:
-                work, future = self._commands.popleft()
-                try:
-                    future.set_result(work())
-                except Exception as exc:  # noqa: BLE001 - the caller of _call sees it
-                    log.exception("stage %d KV shipping command failed", self.stage)
-                    future.set_exception(exc)
+        while not self._loop.stopped:
+            self._loop.run_pending()
             shipper = self._shipper
             if shipper is not None:
                 try:
@@ -214,6 +197,4 @@ class StageShipping:
                     log.exception("stage %d KV shipper poll failed", self.stage)
                 for result in shipper.take_results():
                     self._outcomes.append(handoff_of(result))
-            busy = shipper is not None and shipper.busy
-            self._wake.wait(self._poll_interval_s if busy else self._idle_interval_s)
-            self._wake.clear()
+            self._loop.pause(busy=shipper is not None and shipper.busy)

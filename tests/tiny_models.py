@@ -1,0 +1,54 @@
+"""Tiny random-init model configs shared by the tests (one place to change their shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefill_node.model.config import ModelConfig
+
+# A 4-layer GQA Llama small enough for multi-process and NIXL tests to start in seconds.
+TINY_LLAMA_HF: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def tiny_llama_hf(**overrides: Any) -> dict[str, Any]:
+    """``TINY_LLAMA_HF`` with HF config keys replaced, e.g. ``tie_word_embeddings=False``."""
+    return {**TINY_LLAMA_HF, **overrides}
+
+
+def tiny_llama(name: str = "tiny-llama", **overrides: Any) -> ModelConfig:
+    """The tiny Llama as a ModelConfig (``name`` is the model identity in block hashes)."""
+    return ModelConfig.from_hf_config(tiny_llama_hf(**overrides), name=name)
+
+
+def tiny_qwen3(name: str, max_position_embeddings: int, vocab_size: int = 61) -> ModelConfig:
+    """A 3-layer GQA Qwen3 (q/k norm, tied embeddings)."""
+    from prefill_node.model.config import ModelFamily
+
+    return ModelConfig(
+        family=ModelFamily.QWEN3,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        name=name,
+    )
