@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
 
-# bench/kv_transfer.py would shadow the kv_transfer package: drop this script's directory.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-from tqdm import tqdm  # noqa: E402 - after the sys.path fix above
+from tqdm import tqdm
 
 
 def parse_args() -> argparse.Namespace:

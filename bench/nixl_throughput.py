@@ -7,7 +7,7 @@ completion); "raw" is a hand-made NIXL WRITE of the same destination bytes with
 descriptors built outside the timed region (initialize_xfer + transfer + poll). Blocks are
 random on both sides (a paged cache). Median of ``--runs`` runs; ratio = ours / raw.
 
-    PYTHONPATH=. python bench/kv_transfer.py --json out/kv.json [--runs 5] [--tokens 256 4096]
+    PYTHONPATH=. python bench/nixl_throughput.py --json out/kv.json [--runs 5] [--tokens 256 4096]
 """
 
 from __future__ import annotations
@@ -16,17 +16,11 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
-import os
 import statistics
-import sys
 import time
 
-# This script shares its name with the kv_transfer package: import the package, not itself.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import torch  # noqa: E402 - after the sys.path fix above
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
 LAYERS, HEADS, HEAD_DIM, PREFILL_BS = 8, 8, 128, 16
 # case -> (prefill dtype, decode block size, decode dtype)
