@@ -184,3 +184,58 @@ def test_compare_pairs_wave_with_lockstep_of_the_same_setting():
     lock = run(WorkloadKind.REUSE, 2, lockstep_policy(2), n=4)
     (pair,) = compare([wave, lock])
     assert pair.ratio == pytest.approx(wave.throughput_tok_s / lock.throughput_tok_s)
+
+
+def test_cpu_bench_preset_is_bench_pipeline_setup_with_calibrated_costs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import pipeline as bench  # bench/pipeline.py: the setup the preset must describe
+
+    p = get_preset("cpu-bench")
+    m, cfg = p.model, bench.MODEL
+    assert (m.hidden, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim) == (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    assert (m.dense_intermediate, m.vocab) == (cfg["intermediate_size"], cfg["vocab_size"])
+    spec = bench.make_spec("wave")
+    assert (p.block_size, p.max_wave_tokens, p.min_wave_tokens, p.max_batch) == (
+        spec.block_size,
+        spec.max_wave_tokens,
+        spec.min_wave_tokens,
+        spec.max_batch,
+    )
+    assert p.num_stages == len(spec.layer_ranges) and p.input_lens == (bench.PROMPT,)
+    roof = PipelineRoofline(p.model, p.gpu, p.link, p.num_stages, p.block_size)
+    assert [s.capacity_blocks for s in roof.stages] == list(spec.stage_blocks)
+    assert [(s.layer_start, s.layer_end) for s in roof.stages] == list(spec.layer_ranges)
+    # forward-only preset: exactly the fitted a, c, k of bench/calibrate_cpu.py
+    fwd = get_preset("cpu-bench-forward")
+    froof = PipelineRoofline(fwd.model, fwd.gpu, fwd.link, 2, 16)
+    cost = froof.chunk_cost_model()
+    assert cost.per_token_s == pytest.approx(68.4e-6)
+    assert cost.per_token_context_s == pytest.approx(62.1e-9)
+    warm = [ScheduledChunk(str(i), 448, 64) for i in range(4)]
+    pairs = 4 * 64 * (448 + 32)
+    assert froof.stage_time(1, warm) == pytest.approx(256 * 68.4e-6 + pairs * 62.1e-9 + 4e-4)
+    # calibrated preset: compute x1.2 plus 8 ms per wave (bench/sim_vs_pipeline.py --fit)
+    expected = 1.2 * (256 * 68.4e-6 + pairs * 62.1e-9 + 4e-4) + 8e-3
+    assert roof.stage_time(1, warm) == pytest.approx(expected)
+
+
+def test_cpu_bench_preset_runs_deterministically_through_the_core():
+    p = get_preset("cpu-bench")
+    runs = [
+        Simulator(
+            p, WorkloadSpec(WorkloadKind.REUSE, 512, 4, 8, p.block_size), pol, check_integrity=True
+        ).run()
+        for pol in (wave_policy(2, PlannerMode.MPU), wave_policy(2, PlannerMode.MPU))
+    ]
+    assert runs[0] == runs[1]
+    assert (runs[0].completed, runs[0].rejected) == (8, 0)
+    assert runs[0].cached_fraction == pytest.approx(448 / 512)  # 28 whole blocks seeded

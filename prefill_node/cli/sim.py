@@ -22,6 +22,7 @@ examples:
   wavepp sim --preset minimax-pp4 --workload reuse90 --input-len 262144 --planner all
   wavepp sim --sweep paper --json sweep.json --plot sweep.png
   wavepp sim --preset cpu --workload mixed --input-len 4096 --concurrency 4
+  wavepp sim --preset cpu-bench --workload reuse90 --input-len 512 --planner mpu
 """
 
 

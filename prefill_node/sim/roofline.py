@@ -1,6 +1,7 @@
 """Roofline of a P-stage pipeline: per-stage wave time, activation transfer, cache capacity.
 
-Per stage and wave, ``time = max(flops / (peak * eff), bytes / (bw * eff)) + layers * overhead``:
+Per stage and wave, ``time = max(flops / (peak * eff), bytes / (bw * eff)) + layers *
+(overhead + chunk_overhead * chunks)``:
 
 - FLOPs: ``2 * active parameters * tokens`` for the projections and experts (at the weights'
   precision), plus attention over the attended context (at the attention precision): a
@@ -114,7 +115,8 @@ class PipelineRoofline:
             weights += self._moe_layers[stage] * (touched + m.shared_experts) * self._expert_bytes
         kv_read = sl.kv_bytes_per_token * sum(c.end for c in chunks)
         memory = (weights + kv_read) / (g.hbm_bytes_per_s * g.bandwidth_efficiency)
-        return max(compute, memory) + layers * g.layer_overhead_s
+        overhead = layers * (g.layer_overhead_s + g.chunk_overhead_s * len(chunks))
+        return max(compute, memory) + overhead
 
     def transfer_time(self, tokens: int) -> float:
         """Seconds to send a wave's activations of ``tokens`` tokens to the next stage."""

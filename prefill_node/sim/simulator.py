@@ -109,6 +109,11 @@ class Simulator:
         self._num_waves = self._wave_tokens = self._num_rounds = self._round_requests = 0
         self._loop_stall_s = 0.0
 
+    @property
+    def records(self) -> tuple[RequestRecord, ...]:
+        """The finished requests so far, in completion order (all of them after ``run``)."""
+        return tuple(self._records)
+
     # ---- driver -------------------------------------------------------------------
 
     def run(self) -> SimResult:

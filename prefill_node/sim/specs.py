@@ -145,6 +145,7 @@ class GPUSpec:
     usable_memory_fraction: float = 0.9  # what the runtime may claim (allocator slack)
     workspace_bytes: float = 0.0  # activations / kernels workspace at the max wave size
     layer_overhead_s: float = 0.0  # launch + host overhead per layer per wave
+    chunk_overhead_s: float = 0.0  # per layer per chunk of a wave (per-chunk attention calls)
 
     def __post_init__(self) -> None:
         _require_positive(
