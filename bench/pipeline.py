@@ -35,7 +35,8 @@ from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
 
-# One stage's 256-token wave takes ~15-30 ms on one core of a laptop-class CPU.
+# One stage's 512-token wave takes ~50 ms on one core of this machine (2 of the 4 layers
+# at ~10K tok/s, bench/calibrate_cpu.py): the issue asks for 10-60 ms per stage wave.
 MODEL = {
     "architectures": ["LlamaForCausalLM"],
     "vocab_size": 2048,
@@ -47,8 +48,8 @@ MODEL = {
     "head_dim": 64,
     "max_position_embeddings": 4096,
 }
-BLOCK, M, B_MIN, PROMPT = 16, 256, 128, 512  # b_min = M/2, as the paper's 8K/16K
-PREFIX = PROMPT * 9 // 10 // BLOCK * BLOCK  # 90% reuse, whole blocks: 448 cached, 64 computed
+BLOCK, M, B_MIN, PROMPT = 16, 512, 256, 1024  # b_min = M/2, as the paper's 8K/16K
+PREFIX = PROMPT * 9 // 10 // BLOCK * BLOCK  # 90% reuse, whole blocks: 912 cached, 112 computed
 NUM_PREFIXES = 4
 
 
@@ -136,7 +137,7 @@ def closed_loop(engine: PipelineEngine, prompts: list[list[int]], concurrency: i
 # -- ceiling: independent single-thread processes, pure forward ------------------------------
 def _wave_batches(w: Workload):
     """The waves the planner forms at full load: cold = M-token slices of whole prompts;
-    warm = M tokens of 48-token suffixes at offset PREFIX."""
+    warm = the (PROMPT - PREFIX)-token suffixes at offset PREFIX that fit in M."""
     from prefill_node.model.batch import ChunkBatch, ChunkSpec
 
     table = tuple(range(PROMPT // BLOCK))
@@ -231,7 +232,7 @@ def main() -> None:
             engine = PipelineEngine.start(spec, DistEnv(0, 2, "127.0.0.1", free_local_port()))
             try:
                 # warm-up (untimed): first forwards of fresh stage processes are slow
-                closed_loop(engine, prompts_for(WORKLOADS[0], 8, random.Random(-1), prefixes), 4)
+                closed_loop(engine, prompts_for(WORKLOADS[0], 8, random.Random(999_999), prefixes), 4)
                 for w in WORKLOADS:
                     for c in levels:
                         if w.warm_share:  # seed the shared prefixes (untimed), cold runs evict

@@ -32,7 +32,7 @@ from prefill_node.sim.simulator import Simulator
 from prefill_node.sim.workloads import WorkloadKind, WorkloadSpec
 
 KINDS = {"cold": WorkloadKind.COLD, "reuse90": WorkloadKind.REUSE, "mixed75": WorkloadKind.MIXED}
-PROMPT = 512  # bench/pipeline.py PROMPT
+PROMPT = 1024  # bench/pipeline.py PROMPT
 
 
 def simulate(

@@ -61,7 +61,10 @@ class LeaderCore:
       something may have changed (new request, completion, abort, or the last round admitted
       someone), so requests waiting for capacity do not spin the rounds plane.
     - ``next_wave`` packs admitted work (FCFS) into the next wave; ``wave_done`` accounts
-      its result. A request's stages complete it on their own when its last chunk passes.
+      its result. Under ``lockstep`` a request with a chunk in flight is skipped until that
+      chunk returns (TensorRT-LLM's PP executor skips ``inflight_req_ids``), so a request's
+      chunks never overlap in the pipeline; under ``wave`` they do. A request's stages
+      complete it on their own when its last chunk passes.
     - ``abort`` of an admitted request defers the stage-side cleanup (the coordinator's
       ``forgets``) until none of its chunks is still in flight, so a stage never frees blocks
       that a forward is writing.
@@ -69,6 +72,7 @@ class LeaderCore:
 
     def __init__(self, spec: PipelineSpec, model_config: Any):
         lockstep = spec.policy == "lockstep"
+        self._lockstep = lockstep
         self._coordinator = AdmissionCoordinator(
             CoordinatorConfig(spec.block_size, spec.stage_blocks, spec.max_requests_per_round)
         )
@@ -175,7 +179,7 @@ class LeaderCore:
         work = [
             UnscheduledWork(rid, p.next_start, p.end)
             for rid, p in self._progress.items()
-            if not p.aborted and p.next_start < p.end
+            if not p.aborted and p.next_start < p.end and not (self._lockstep and p.inflight_chunks)
         ]
         wave = self._planner.plan(work)
         if wave is None or not wave.chunks:

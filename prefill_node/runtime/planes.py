@@ -4,9 +4,10 @@ Both sit on torch.distributed. Three process groups are created, in the same ord
 rank, right after the default group:
 
 - ``fwd``: the data plane's forward path, stage s -> s+1 (wave header + activations). Used
-  only by each stage's LOOP thread, so its p2p ops are ordered by construction.
-- ``ret``: the data plane's return path, last stage -> leader (per-wave results). Used by the
-  last stage's LOOP thread and the leader's collector thread.
+  only by one sender thread on s and one receiver thread on s+1 (channels.py), so its p2p
+  ops are ordered by construction.
+- ``ret``: the data plane's return path, last stage -> leader (per-wave results), likewise
+  one sender thread on the last stage and one receiver thread on the leader.
 - ``rounds``: the rounds plane, leader broadcast + all-gather of admission messages. Used only
   by each stage's WAVE thread, so admission never waits behind activations.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,41 +31,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prefill_node.errors import UnavailableError
+from prefill_node.runtime.channels import Frame, PlaneClosedError, RecvChannel, SendChannel
+
+__all__ = ["DataPlane", "Frame", "PlaneClosedError", "Planes", "RoundsPlane"]
 
 # Idle waits on the data plane are normal (no traffic); liveness comes from heartbeats and
 # from gloo's prompt error on a dead peer, not from this timeout.
 _DATA_TIMEOUT = datetime.timedelta(hours=24)
 
-_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class PlaneClosedError(UnavailableError):
-    """A peer stage died or the process group was torn down while communicating."""
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One data-plane message: a picklable header and an optional activation tensor."""
-
-    header: Any
-    tensor: torch.Tensor | None = None
+# A round's message or reply travels in one fixed-size buffer (one collective per step);
+# anything longer sends its tail in a second collective of the exact size.
+ROUND_BYTES = 16384
+_LEN = struct.Struct("<q")
 
 
 class DataPlane:
-    """p2p frames stage s -> s+1 (``fwd``) and last stage -> leader (``ret``).
+    """Frames stage s -> s+1 (``fwd``) and last stage -> leader (``ret``), see channels.py.
 
-    A frame is sent as: int64[4] (payload bytes, tensor dtype code or -1, rows, cols), the
-    pickled header as uint8, then the 2-D tensor if any. Send and receive are blocking; a
-    stage's LOOP thread is the only user of ``fwd``.
+    Each rank owns at most one send channel (to s+1, or to the leader from the last stage)
+    and one receive channel (from s-1, or from the last stage on the leader), each with its
+    own thread; frames keep their order. A frame whose header has ``stop=True`` ends its
+    stream. ``send_next`` / ``send_result`` return once the frame is queued.
     """
 
     def __init__(self, rank: int, world_size: int, fwd: Any, ret: Any, device: torch.device):
         self.rank = rank
         self.world_size = world_size
-        self._fwd = fwd
-        self._ret = ret
-        self._device = device
+        self._send: SendChannel | None = None
+        self._recv: RecvChannel | None = None
+        if world_size > 1:
+            if rank < world_size - 1:
+                self._send = SendChannel(rank + 1, fwd, device, f"plane-send-{rank}")
+            else:
+                self._send = SendChannel(0, ret, device, f"plane-result-{rank}")
+            if rank > 0:
+                self._recv = RecvChannel(rank - 1, fwd, device, f"plane-recv-{rank}")
+            else:
+                self._recv = RecvChannel(world_size - 1, ret, device, "plane-results-0")
 
     @property
     def is_last(self) -> bool:
@@ -71,56 +75,42 @@ class DataPlane:
 
     def send_next(self, frame: Frame) -> None:
         """Send to stage rank+1 (not valid on the last stage)."""
-        self._send(frame, self.rank + 1, self._fwd)
+        if self.is_last:
+            raise ValueError("the last stage has no next stage")
+        self._channel_send(frame)
 
     def recv_prev(self) -> Frame:
         """Receive from stage rank-1 (not valid on the leader)."""
-        return self._recv(self.rank - 1, self._fwd)
+        if self.rank == 0:
+            raise ValueError("the leader has no previous stage")
+        return self._channel_recv()
 
     def send_result(self, frame: Frame) -> None:
         """Last stage -> leader."""
-        self._send(frame, 0, self._ret)
+        if not self.is_last or self.rank == 0:
+            raise ValueError("only the last stage of a multi-stage pipeline sends results")
+        self._channel_send(frame)
 
     def recv_result(self) -> Frame:
         """Leader <- last stage."""
-        return self._recv(self.world_size - 1, self._ret)
+        if self.rank != 0:
+            raise ValueError("only the leader receives results")
+        return self._channel_recv()
 
-    def _send(self, frame: Frame, dst: int, group: Any) -> None:
-        payload = pickle.dumps(frame.header, protocol=pickle.HIGHEST_PROTOCOL)
-        t = frame.tensor
-        if t is not None and (t.dim() != 2 or t.dtype not in _DTYPES):
-            raise ValueError(
-                f"data plane carries 2-D float tensors, got {t.dtype} {tuple(t.shape)}"
-            )
-        meta = torch.tensor(
-            [len(payload), -1 if t is None else _DTYPES.index(t.dtype)]
-            + ([0, 0] if t is None else list(t.shape)),
-            dtype=torch.int64,
-            device=self._device,
-        )
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
-        try:
-            dist.send(meta, dst=dst, group=group)
-            dist.send(body, dst=dst, group=group)
-            if t is not None:
-                dist.send(t.to(self._device).contiguous(), dst=dst, group=group)
-        except (RuntimeError, ValueError) as exc:
-            raise PlaneClosedError(f"data plane send to stage {dst} failed: {exc}") from exc
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until every frame this rank queued is on the wire."""
+        if self._send is not None:
+            self._send.drain(timeout_s)
 
-    def _recv(self, src: int, group: Any) -> Frame:
-        try:
-            meta = torch.empty(4, dtype=torch.int64, device=self._device)
-            dist.recv(meta, src=src, group=group)
-            nbytes, code, rows, cols = (int(v) for v in meta.tolist())
-            body = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            dist.recv(body, src=src, group=group)
-            tensor = None
-            if code >= 0:
-                tensor = torch.empty(rows, cols, dtype=_DTYPES[code], device=self._device)
-                dist.recv(tensor, src=src, group=group)
-        except (RuntimeError, ValueError) as exc:
-            raise PlaneClosedError(f"data plane recv from stage {src} failed: {exc}") from exc
-        return Frame(pickle.loads(body.cpu().numpy().tobytes()), tensor)
+    def _channel_send(self, frame: Frame) -> None:
+        if self._send is None:
+            raise ValueError("a one-stage pipeline has no data plane")
+        self._send.send(frame, last=getattr(frame.header, "stop", False) is True)
+
+    def _channel_recv(self) -> Frame:
+        if self._recv is None:
+            raise ValueError("a one-stage pipeline has no data plane")
+        return self._recv.recv()
 
 
 class RoundsPlane:
@@ -128,6 +118,8 @@ class RoundsPlane:
 
     Every rank must take part in every round, in order; the WAVE thread of each stage is the
     only user. ``lead`` (leader) and ``follow`` (others) return all P replies, indexed by stage.
+    A round is one broadcast and one all-gather of ``ROUND_BYTES`` buffers (plus one more
+    collective for a step whose longest message does not fit).
     """
 
     def __init__(self, rank: int, world_size: int, group: Any):
@@ -138,25 +130,72 @@ class RoundsPlane:
     def lead(self, message: Any, answer: Callable[[Any], Any]) -> list[Any]:
         """Leader: broadcast ``message``, reply ``answer(message)`` for stage 0 (computed while
         the others compute theirs), gather all replies."""
-        return self._round([message], local_reply_fn=answer)[1]
+        return self._round(message, local_reply_fn=answer)[1]
 
     def follow(self, handler: Callable[[Any], Any]) -> tuple[Any, list[Any]]:
         """Non-leader: receive the round's message, reply with ``handler(message)``."""
-        return self._round([None], local_reply_fn=handler)
+        return self._round(None, local_reply_fn=handler)
 
-    def _round(self, box: list[Any], local_reply_fn: Callable[[Any], Any]) -> tuple[Any, list[Any]]:
+    def _round(self, message: Any, local_reply_fn: Callable[[Any], Any]) -> tuple[Any, list[Any]]:
         try:
             if self.world_size > 1:
-                dist.broadcast_object_list(box, src=0, group=self._group)
-            reply = local_reply_fn(box[0])
-            replies: list[Any] = [None] * self.world_size
+                message = self._broadcast(message)
+            reply = local_reply_fn(message)
             if self.world_size > 1:
-                dist.all_gather_object(replies, reply, group=self._group)
-            else:
-                replies[0] = reply
+                return message, self._all_gather(reply)
         except (RuntimeError, ValueError) as exc:
             raise PlaneClosedError(f"rounds plane failed on stage {self.rank}: {exc}") from exc
-        return box[0], replies
+        return message, [reply]
+
+    def _broadcast(self, message: Any) -> Any:
+        buf = torch.zeros(ROUND_BYTES, dtype=torch.uint8)
+        payload = b""
+        if self.rank == 0:
+            payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            _fill(buf, payload)
+        dist.broadcast(buf, src=0, group=self._group)
+        size, head = _split(buf)
+        if size > len(head):
+            rest = torch.empty(size - len(head), dtype=torch.uint8)
+            if self.rank == 0:
+                rest.copy_(torch.frombuffer(bytearray(payload[len(head) :]), dtype=torch.uint8))
+            dist.broadcast(rest, src=0, group=self._group)
+            head += rest.numpy().tobytes()
+        return pickle.loads(head)
+
+    def _all_gather(self, reply: Any) -> list[Any]:
+        payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        mine = torch.zeros(ROUND_BYTES, dtype=torch.uint8)
+        _fill(mine, payload)
+        bufs = [torch.empty(ROUND_BYTES, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(bufs, mine, group=self._group)
+        parts = [_split(b) for b in bufs]
+        longest = max(size - len(head) for size, head in parts)
+        if longest > 0:
+            tail = torch.zeros(longest, dtype=torch.uint8)
+            own = payload[ROUND_BYTES - _LEN.size :]
+            if own:
+                tail[: len(own)] = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+            tails = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(tails, tail, group=self._group)
+            parts = [
+                (size, head + tails[i][: size - len(head)].numpy().tobytes())
+                for i, (size, head) in enumerate(parts)
+            ]
+        return [pickle.loads(head) for _, head in parts]
+
+
+def _fill(buf: torch.Tensor, payload: bytes) -> None:
+    """``buf`` = [len][as much of payload as fits]."""
+    head = _LEN.pack(len(payload)) + payload[: ROUND_BYTES - _LEN.size]
+    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+
+
+def _split(buf: torch.Tensor) -> tuple[int, bytes]:
+    """(full payload length, the part of it inside ``buf``)."""
+    raw = buf.numpy().tobytes()
+    (size,) = _LEN.unpack_from(raw)
+    return size, raw[_LEN.size : _LEN.size + min(size, ROUND_BYTES - _LEN.size)]
 
 
 @dataclass

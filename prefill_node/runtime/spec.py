@@ -40,6 +40,9 @@ class PipelineSpec:
     is M, ``min_wave_tokens`` b_min. ``capture_kv`` keeps a copy of each finished request's KV
     per stage for ``debug_dump_kv`` (tests only: it costs memory). ``kv_events``: stages
     report their block pools' stored / removed events to the leader with every wave.
+    ``debug_wave_delay_s`` (tests only, 0 = off): every stage sleeps this long before each
+    wave's forward, so that a request on a tiny model stays in flight long enough to cancel,
+    expire or kill a stage under it deterministically.
     """
 
     model: ModelSource
@@ -59,6 +62,7 @@ class PipelineSpec:
     heartbeat_s: float = 0.25
     dead_after_s: float = 5.0
     tick_s: float = 0.5
+    debug_wave_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         p = len(self.layer_ranges)
@@ -90,6 +94,10 @@ class PipelineSpec:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidPipelineSpecError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 <= self.debug_wave_delay_s <= 10.0:
+            raise InvalidPipelineSpecError(
+                f"debug_wave_delay_s must be in [0, 10], got {self.debug_wave_delay_s}"
+            )
         if self.max_batch < 1 or self.max_requests_per_round < 1:
             raise InvalidPipelineSpecError("max_batch and max_requests_per_round must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -109,8 +117,10 @@ class PipelineSpec:
 
     @property
     def ring(self) -> int:
-        """R = 2P waves in flight (WAVEPP.md section 4)."""
-        return 2 * self.num_stages
+        """Waves in flight: R = 2P under ``wave`` (WAVEPP.md section 4); P under ``lockstep``,
+        as TensorRT-LLM's PP executor keeps ``num_micro_batches = pp_size`` micro-batches
+        (``PyExecutor._executor_loop_pp``)."""
+        return self.num_stages if self.policy == "lockstep" else 2 * self.num_stages
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -180,6 +180,8 @@ class StageWorker:
             if hidden is None and not header.stop:
                 hidden = torch.zeros(0, 1)
             self._planes.data.send_next(Frame(out, None if header.stop else hidden))
+            if header.stop:
+                self._planes.data.drain()
             return
         result = WaveResult(header.wave_id, step.outputs, failed, manifests, header.stop, events)
         if self.rank == 0:
@@ -188,6 +190,8 @@ class StageWorker:
             self._result_sink(result)
         else:
             self._planes.data.send_result(Frame(result))
+            if header.stop:
+                self._planes.data.drain()
 
     # -- WAVE ------------------------------------------------------------------------------
     def _wave(self) -> None:
