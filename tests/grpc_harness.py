@@ -11,10 +11,13 @@ from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.stage_executor import StageExecutor
 from prefill_node.engine.types import Engine
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.dist_env import DistEnv, free_local_port
+from prefill_node.runtime.pipeline_engine import PipelineEngine
+from prefill_node.runtime.spec import ModelSource, PipelineSpec
 from prefill_node.server.convert import PromptTokenizer
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.server import PrefillServer, ServerConfig
-from tests.tiny_models import tiny_qwen3
+from tests.tiny_models import tiny_llama_hf, tiny_qwen3
 
 
 class ServerThread:
@@ -104,3 +107,46 @@ class SlowStage:
 
 def stage_used_blocks(engine: Engine) -> list[int]:
     return [s.used_blocks for s in engine.load().stages]
+
+
+PIPELINE_HF = tiny_llama_hf(max_position_embeddings=256)  # vocab 64, 4 layers
+
+
+def start_tiny_pipeline(**spec_fields) -> PipelineEngine:
+    """A real 2-stage PipelineEngine (this process = stage 0, one spawned stage process, gloo
+    on loopback) on the random tiny Llama: layers 2 + 2, block size 4. ``spec_fields``
+    override PipelineSpec fields (stage_blocks, max_wave_tokens, debug_wave_delay_s, ...).
+    Only one pipeline may run per process at a time (torch.distributed's default group)."""
+    fields = {
+        "stage_blocks": (256, 256),
+        "block_size": 4,
+        "max_wave_tokens": 32,
+        "min_wave_tokens": 8,
+        "dead_after_s": 3.0,
+        **spec_fields,
+    }
+    spec = PipelineSpec(
+        model=ModelSource(config=PIPELINE_HF, seed=11, name="tiny-grpc-pipeline"),
+        layer_ranges=((0, 2), (2, 4)),
+        **fields,
+    )
+    env = DistEnv(0, spec.num_stages, "127.0.0.1", free_local_port())
+    return PipelineEngine.start(spec, env, startup_timeout_s=60)
+
+
+def pipeline_server_config(**overrides) -> ServerConfig:
+    """Loopback, any port, fast health polling; submit inline (the pipeline only enqueues)."""
+    fields = {"host": "127.0.0.1", "port": 0, "health_poll_s": 0.05, "blocking_submit": False}
+    return ServerConfig(**{**fields, **overrides})
+
+
+def wait_mid_flight(engine: Engine, prompt_tokens: int, timeout_s: float = 10.0) -> None:
+    """Until a ``prompt_tokens`` request is part-way through: admitted, partly computed, and
+    holding blocks on every stage."""
+
+    def mid_flight() -> bool:
+        load = engine.load()
+        started = 0 < load.inflight_tokens < prompt_tokens
+        return started and all(s.used_blocks > 0 for s in load.stages)
+
+    wait_until(mid_flight, timeout_s, "a request part-way through the pipeline")

@@ -1,22 +1,143 @@
-"""`wavepp serve` and `wavepp prefill --server` as real processes on a tiny checkpoint."""
+"""`wavepp serve` and `wavepp prefill --server` as real processes on a tiny checkpoint: token
+ids over gRPC, and text prompts sent as text and tokenised by the server (chat template)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import grpc
 import pytest
 
 from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.model.loader_hf import save_hf_checkpoint
+from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.model.weights import random_weights
-from tests.grpc_harness import TINY_CONFIG
+from prefill_node.server.client import PrefillClient
+from tests.grpc_harness import TINY_CONFIG, wait_until
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
+WORDS = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "be", "brief", "what", "is", "the"]
+WORDS += ["capital", "of", "france", "spain", "?"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _save_word_tokenizer(directory) -> None:
+    """tokenizer.json (word level, vocabulary WORDS) + tokenizer_config.json with a template."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    backend = Backend(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    backend.add_special_tokens(["<|system|>", "<|user|>", "<|assistant|>"])
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _start_serve(model_dir, *extra):
+    """A real `wavepp serve` (2-stage multi-process pipeline) on a free port -> (proc, port)."""
+    server = subprocess.Popen(
+        [*CLI, "serve", "--model", str(model_dir), "--stages", "2", "--num-blocks", "64",
+         "--block-size", "4", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+         "--threads", "1", "--log-level", "WARNING", "--no-kv-shipping", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    line = server.stdout.readline()
+    match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    if not match:
+        server.kill()
+        raise AssertionError(f"unexpected first line {line!r}; stderr: {server.stderr.read()}")
+    return server, int(match.group(1))
+
+
+def _stop(server) -> None:
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            assert server.wait(timeout=30) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
+
+def _stage_children(pid: int) -> list[int]:
+    """Pids of the stage processes ``pid`` launched (from any of its threads)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    cmdline = lambda c: Path(f"/proc/{c}/cmdline").read_bytes()
+    return [c for c in children if b"prefill_node.runtime.stage_main" in cmdline(c)]
+
+
+def _kill_a_stage_and_check_the_server_survives(server, port: int) -> None:
+    """SIGKILL the stage process: readiness NOT_SERVING, liveness and the process stay,
+    prefills are refused with UNAVAILABLE saying why."""
+    (stage,) = _stage_children(server.pid)
+    os.kill(stage, signal.SIGKILL)
+    with PrefillClient(f"127.0.0.1:{port}") as client:
+        wait_until(lambda: not client.is_ready(), 15, "readiness NOT_SERVING")
+        assert client.is_live() and server.poll() is None
+        with pytest.raises(grpc.RpcError) as err:
+            client.prefill([1, 2, 3])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details().startswith("the pipeline is not ready (")
+
+
+def _prefill_json(*args) -> list[dict]:
+    client = subprocess.run(
+        [*CLI, "prefill", "--json", *args], capture_output=True, text=True, timeout=120
+    )
+    assert client.returncode == 0, client.stderr
+    return [json.loads(x) for x in client.stdout.splitlines() if x.startswith("{")]
+
+
+@pytest.mark.slow
+def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
+    """Text goes to the server as text (chat template + system there, no model on the
+    client); afterwards a killed stage leaves the `wavepp serve` process up, not ready."""
+    save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=4))
+    _save_word_tokenizer(tmp_path)
+    text, system = "what is the capital of france ?", "be brief"
+    server, port = _start_serve(tmp_path)
+    try:
+        target = ["--server", f"127.0.0.1:{port}", "--top-logprobs", "2"]  # no --model here
+        chat = _prefill_json(*target, "--system", system, "--repeat", "2", text)
+        plain = _prefill_json(*target, "--no-chat", "--cache-salt", "plain", text)
+        _kill_a_stage_and_check_the_server_survives(server, port)
+        _stop(server)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    chat_ids = tokenizer.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": text}]
+    )
+    plain_ids = tokenizer.encode(text)
+    assert len(chat_ids) == 12 and len(plain_ids) == 7  # the template and system were applied
+    direct = LocalEngine.from_model_dir(tmp_path, LocalEngineConfig(2, 64, 4))
+    for rows, ids in ((chat, chat_ids), (plain, plain_ids)):
+        want = direct.submit(ids, PrefillOptions(top_logprobs=2)).result()
+        assert {r["first_token_id"] for r in rows} == {want.first_token_id}
+        assert [t for t, _ in rows[0]["top_logprobs"]] == [t for t, _ in want.top_logprobs]
+        assert rows[0]["prompt_tokens"] == len(ids) and rows[0]["cached_tokens"] == 0
+    # the repeat reuses the server's KV: all full blocks but the one holding the last token
+    assert [r["cached_tokens"] for r in chat] == [0, 8]
+    assert chat[0]["first_token_text"] is None  # no --model: the client has no tokenizer
 
 
 @pytest.mark.slow
@@ -44,6 +165,13 @@ def test_serve_then_prefill_over_grpc_shows_reuse_and_matches_in_process(tmp_pat
         )  # fmt: skip
         assert client.returncode == 0, client.stderr
         rows = [json.loads(x) for x in client.stdout.splitlines() if x.startswith("{")]
+        text = subprocess.run(
+            [*CLI, "prefill", "--server", f"127.0.0.1:{match.group(1)}", "hello"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert text.returncode == 2 and "has no tokenizer" in text.stderr, text.stderr
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0
     finally:

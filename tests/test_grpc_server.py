@@ -121,9 +121,10 @@ def test_stream_carries_many_requests_and_survives_a_bad_one(engine):
 
 def test_text_prompt_is_tokenised_on_the_server_with_the_chat_template(engine):
     words = ["<unk>", "<|user|>", "<|assistant|>", "what", "is", "the", "capital", "of", "france"]
+    words.append("<|system|>")
     backend = Backend(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
-    backend.add_special_tokens(["<|user|>", "<|assistant|>"])
+    backend.add_special_tokens(["<|user|>", "<|assistant|>", "<|system|>"])
     template = (
         "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -133,8 +134,15 @@ def test_text_prompt_is_tokenised_on_the_server_with_the_chat_template(engine):
     with ServerThread(engine, tokenizer=tokenizer) as srv, PrefillClient(srv.target) as client:
         plain = client.prefill(text)
         chat = client.prefill(text, chat=True)
+        system = client.prefill(text, chat=True, system="france")
+        with pytest.raises(grpc.RpcError) as err:
+            client.prefill(text, system="france")  # a system prompt only fits a chat
+        assert client.server_info().chat_template is True
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "system_prompt needs text.apply_chat_template" in err.value.details()
     assert plain.prompt_token_ids == (3, 4, 5, 6, 7, 8)
     assert chat.prompt_token_ids == (1, 3, 4, 5, 6, 7, 8, 2)
+    assert system.prompt_token_ids == (9, 8, 1, 3, 4, 5, 6, 7, 8, 2)
     assert chat.result.prompt_tokens == 8
     want = _direct([list(chat.prompt_token_ids)])[0]
     assert chat.result.first_token_id == want.first_token_id

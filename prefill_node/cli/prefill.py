@@ -25,10 +25,16 @@ default each stage is its own OS process on torch.distributed (gloo on CPU, NCCL
 --engine local simulates the stages in this process. Text prompts are wrapped in the
 model's chat template unless --no-chat; --ids / --token-ids send raw token ids.
 
+With --server HOST:PORT the prefills go to a running `wavepp serve` instead: text prompts
+are sent AS TEXT and tokenised by the server with its model's tokenizer (and chat template,
+with --system, unless --no-chat), so the client needs no model; token files and --ids are
+sent as token ids. --model is then optional and only used to print token texts.
+
 examples:
   wavepp prefill --stages 2 --repeat 2 "What is the capital of France?"
   wavepp prefill --stages 3 --generate 16 "Name three primary colours."
   wavepp prefill --ids 1,504,3458,314 --no-chat
+  wavepp prefill --server 127.0.0.1:50051 --repeat 2 "What is the capital of France?"
 """
 
 
@@ -52,10 +58,16 @@ def register(subparsers: Any) -> None:
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="wrap text prompts in the model's chat template as one user turn (default: on)",
+        help="wrap text prompts in the model's chat template as one user turn, if the model has "
+        "one (default: on; with --server the server applies it)",
     )
-    p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
+    p.add_argument("--system", help="system message for the chat template (with --chat)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="HF checkpoint dir (default: built-in SmolLM2); with --server optional, only "
+        "used locally to print token texts",
+    )
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument(
         "--engine",
@@ -117,28 +129,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
     from prefill_node.engine.types import PrefillOptions
 
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     _check_args(args)
     t0 = time.monotonic()
-    model_dir = _model_dir(args)
-    engine = build_engine(args, model_dir)
-    tokenizer = _tokenizer(model_dir, required=not (args.ids or args.token_ids))
-    prompts = _prompts(args, tokenizer)
+    if args.server:
+        engine, tokenizer, prompts, where = _remote(args)
+    else:
+        model_dir = _model_dir(args)
+        tokenizer = _tokenizer(model_dir, required=not (args.ids or args.token_ids))
+        prompts = _prompts(args, tokenizer)
+        engine = build_engine(args, model_dir)
+        where = f"model {model_dir} | {args.stages} stage(s)"
     if not args.json:
-        print(
-            f"model {model_dir} | {args.stages} stage(s) | engine {_engine_kind(args)} | "
-            f"loaded in {time.monotonic() - t0:.1f}s"
-        )
+        print(f"{where} | engine {_engine_kind(args)} | loaded in {time.monotonic() - t0:.1f}s")
     try:
         for rep in range(args.repeat):
-            for i, ids in enumerate(prompts):
+            for i, prompt in enumerate(prompts):
                 options = PrefillOptions(cache_salt=args.cache_salt, top_logprobs=args.top_logprobs)
-                result = engine.submit(ids, options).result()
+                result, ids = _prefill(engine, prompt, options, args)
                 label = f"run {rep + 1}.{i + 1}" if len(prompts) > 1 else f"run {rep + 1}"
                 answer = _generate(engine, tokenizer, ids, result, args) if args.generate else None
                 _report(label, result, tokenizer, answer, args.json)
@@ -147,9 +160,40 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote(args: argparse.Namespace) -> tuple[Any, Any, list[Any], str]:
+    """``--server``: the RemoteEngine, a tokenizer for printing token texts (only with
+    --model), and the prompts: token-id lists, or the TEXT of text prompts, which the server
+    tokenises (its tokenizer and chat template) - the client needs no model for that."""
+    from prefill_node.errors import InvalidRequestError
+
+    tokenizer = _tokenizer(args.model, required=False) if args.model is not None else None
+    prompts: list[Any] = _prompts(args, None) if (args.ids or args.token_ids) else args.prompts
+    engine = build_engine(args, args.model)
+    info = engine.info
+    if args.prompts and not info.text_prompts:
+        engine.shutdown()
+        raise InvalidRequestError(
+            f"the server at {args.server} has no tokenizer (its model directory has no "
+            "tokenizer.json): send --ids or --token-ids instead of text"
+        )
+    where = f"server {args.server} | model {info.model_name} | {info.num_stages} stage(s)"
+    return engine, tokenizer, prompts, where
+
+
+def _prefill(engine: Any, prompt: Any, options: Any, args: argparse.Namespace):
+    """One prefill -> (result, the prompt's token ids). Text (remote only) is sent as text:
+    the server tokenises it, in its chat template with --chat when the model has one."""
+    if isinstance(prompt, str):
+        chat = args.chat and engine.info.chat_template
+        system = (args.system or "") if chat else ""
+        remote = engine.submit_text(prompt, options, chat=chat, system=system).result()
+        return remote.result, list(remote.prompt_token_ids)
+    return engine.submit(prompt, options).result(), prompt
+
+
 def _engine_kind(args: argparse.Namespace) -> str:
     if args.server:
-        return f"remote {args.server}"
+        return "remote (gRPC)"
     if args.engine == "pipeline" and args.stages > 1:
         return f"pipeline ({args.stages} processes, policy {args.policy})"
     return "local (in-process)"
@@ -174,12 +218,17 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return default_model_dir()
 
 
-def build_engine(args: argparse.Namespace, model_dir: Path) -> Any:
-    """The Engine to run on (single-process LocalEngine; other modes branch here)."""
+def build_engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
+    """The Engine to run on: a RemoteEngine (--server), the multi-process pipeline, or the
+    in-process LocalEngine (``model_dir`` is needed for the last two)."""
     if args.server:  # remote mode: the same loop, every prefill a gRPC call
         from prefill_node.server.remote_args import remote_engine_from_args
 
         return remote_engine_from_args(args)
+    if model_dir is None:
+        from prefill_node.errors import InvariantError
+
+        raise InvariantError("build_engine needs a model directory without --server")
     import torch
 
     from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig

@@ -57,6 +57,12 @@ class LocalLauncher:
         """Stage rank -> OS pid of its process."""
         return {rank: p.pid for rank, p in self._procs.items()}
 
+    def exit_summary(self) -> str:
+        """'stage R exited with code C' for every child that already exited, else ''."""
+        codes = {rank: p.poll() for rank, p in self._procs.items()}
+        dead = [f"stage {r} exited with code {c}" for r, c in codes.items() if c is not None]
+        return ", ".join(dead)
+
     def start(self) -> None:
         cpus = stage_cpus(self._env.world_size) if self._pin_cpus else None
         for rank in range(1, self._env.world_size):

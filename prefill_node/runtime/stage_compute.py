@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,8 @@ class PipelineStageCompute:
             )
         if not tables:
             return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
+        if self.spec.debug_wave_delay_s > 0:  # tests only: see PipelineSpec
+            time.sleep(self.spec.debug_wave_delay_s)
         try:
             hidden_ok = self._forward(tables, hidden)
             outputs = self._logits(tables, hidden_ok) if self.model.is_last else ()

@@ -45,6 +45,7 @@ class RemoteServerInfo(NamedTuple):
     num_stages: int
     text_prompts: bool
     server_version: str
+    chat_template: bool  # text prompts may ask for the model's chat template
 
 
 def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
@@ -55,6 +56,7 @@ def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
         msg.num_stages,
         msg.text_prompts,
         msg.server_version,
+        msg.chat_template,
     )
 
 
@@ -82,16 +84,20 @@ def build_request(
     *,
     request_id: str = "",
     chat: bool = False,
+    system: str = "",
     cache_salt: str = "",
     top_logprobs: int | None = None,
     kv_destination: KVPushDestination | KVPullDestination | None = None,
     timeout_s: float | None = None,
 ) -> prefill_pb2.PrefillRequest:
-    """A PrefillRequest for token ids or text (``chat``: apply the model's chat template)."""
+    """A PrefillRequest for token ids or text. Text is tokenised on the server; ``chat``
+    wraps it as a user message in the model's chat template, after a ``system`` message if
+    given (``system`` needs ``chat``)."""
     req = prefill_pb2.PrefillRequest(request_id=request_id, cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.text.text = prompt
         req.text.apply_chat_template = chat
+        req.text.system_prompt = system
     else:
         req.token_ids.ids.extend(prompt)
     if top_logprobs is not None:

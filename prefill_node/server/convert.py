@@ -7,6 +7,7 @@ InvalidRequestError whose message names the field to fix.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +34,9 @@ MAX_ID_CHARS = 256
 class PromptTokenizer(Protocol):
     """What the server needs to tokenise text prompts (prefill_node.model.tokenizer.Tokenizer)."""
 
+    @property
+    def has_chat_template(self) -> bool: ...
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(
@@ -54,9 +58,9 @@ class ParsedRequest:
     """A validated request: the engine's input plus what the response needs to echo."""
 
     token_ids: tuple[int, ...]
-    options: PrefillOptions
+    options: PrefillOptions  # deadline_s: monotonic, the earlier of timeout and call deadline
     from_text: bool  # True: echo token_ids in the response
-    timeout_s: float | None  # the request's own timeout (relative), None = none
+    timeout_s: float | None  # relative: the earlier of the request's timeout and the call's
 
 
 def parse_request(
@@ -65,8 +69,10 @@ def parse_request(
     request_id: str,
     limits: ModelLimits,
     tokenizer: PromptTokenizer | None,
+    call_remaining_s: float | None = None,
 ) -> ParsedRequest:
-    """Validate ``req`` and convert it; ``request_id`` is the id the server settled on."""
+    """Validate ``req`` and convert it; ``request_id`` is the id the server settled on,
+    ``call_remaining_s`` the gRPC call's time left (None: no call deadline)."""
     if len(request_id) > MAX_ID_CHARS:
         raise InvalidRequestError(f"request_id is longer than {MAX_ID_CHARS} characters")
     if len(req.cache_salt) > MAX_ID_CHARS:
@@ -75,11 +81,12 @@ def parse_request(
     top = req.top_logprobs if req.HasField("top_logprobs") else limits.default_top_logprobs
     if top > MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs={top} is above the maximum {MAX_TOP_LOGPROBS}")
-    timeout_s = None
+    timeout_s = call_remaining_s
     if req.HasField("timeout"):
-        timeout_s = req.timeout.ToNanoseconds() / 1e9
-        if timeout_s <= 0:
+        own = req.timeout.ToNanoseconds() / 1e9
+        if own <= 0:
             raise InvalidRequestError("timeout must be positive; leave it unset for none")
+        timeout_s = own if timeout_s is None else min(own, timeout_s)
     destination = None
     if req.HasField("kv_destination"):
         destination = destination_from_proto(req.kv_destination, len(token_ids))
@@ -88,13 +95,14 @@ def parse_request(
         cache_salt=req.cache_salt or None,
         top_logprobs=top,
         kv_destination=destination,
+        deadline_s=None if timeout_s is None else time.monotonic() + timeout_s,
     )
-    return ParsedRequest(tuple(token_ids), options, from_text, timeout_s)
+    return ParsedRequest(token_ids, options, from_text, timeout_s)
 
 
 def _prompt_tokens(
     req: prefill_pb2.PrefillRequest, limits: ModelLimits, tokenizer: PromptTokenizer | None
-) -> tuple[list[int], bool]:
+) -> tuple[tuple[int, ...], bool]:
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidPromptError("the request has no prompt: set token_ids or text")
@@ -103,12 +111,20 @@ def _prompt_tokens(
             raise InvalidPromptError("text.text is empty: send a non-empty prompt")
         if tokenizer is None:
             raise InvalidPromptError("this server has no tokenizer: send token_ids instead")
+        system = req.text.system_prompt
         if req.text.apply_chat_template:
-            ids = tokenizer.encode_chat([{"role": "user", "content": req.text.text}])
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": req.text.text})
+            ids = tuple(tokenizer.encode_chat(messages))  # ChatTemplateError: no template
+        elif system:
+            raise InvalidPromptError(
+                "text.system_prompt needs text.apply_chat_template: set it, or put the system "
+                "text into the prompt yourself"
+            )
         else:
-            ids = tokenizer.encode(req.text.text)
+            ids = tuple(tokenizer.encode(req.text.text))
     else:
-        ids = list(req.token_ids.ids)
+        ids = tuple(req.token_ids.ids)  # uint32 on the wire: never negative
     if not ids:
         raise InvalidPromptError("the prompt is empty: send at least one token")
     if len(ids) > limits.max_model_len:
@@ -128,26 +144,27 @@ def _prompt_tokens(
 def response_to_proto(
     result: PrefillResult, *, prompt_token_ids: Sequence[int] = (), server_s: float = 0.0
 ) -> prefill_pb2.PrefillResponse:
-    t = result.timings
-    return prefill_pb2.PrefillResponse(
+    """Filled in place: sub-messages are not built separately and copied in (the hot path)."""
+    resp = prefill_pb2.PrefillResponse(
         request_id=result.request_id,
         first_token_id=result.first_token_id,
-        top_logprobs=[
-            prefill_pb2.TokenLogprob(token_id=tok, logprob=lp) for tok, lp in result.top_logprobs
-        ],
         prompt_tokens=result.prompt_tokens,
         cached_tokens=result.cached_tokens,
         computed_tokens=result.computed_tokens,
-        stage_manifests=[manifest_to_proto(m) for m in result.stage_manifests],
-        timings=prefill_pb2.PrefillTimings(
-            queue_seconds=t.queue_s,
-            admission_seconds=t.admission_s,
-            compute_seconds=t.compute_s,
-            engine_seconds=t.total_s,
-            server_seconds=server_s,
-        ),
         prompt_token_ids=prompt_token_ids,
     )
+    add_logprob = resp.top_logprobs.add
+    for tok, lp in result.top_logprobs:
+        add_logprob(token_id=tok, logprob=lp)
+    for m in result.stage_manifests:
+        resp.stage_manifests.append(manifest_to_proto(m))
+    t, out = result.timings, resp.timings
+    out.queue_seconds = t.queue_s
+    out.admission_seconds = t.admission_s
+    out.compute_seconds = t.compute_s
+    out.engine_seconds = t.total_s
+    out.server_seconds = server_s
+    return resp
 
 
 def result_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:

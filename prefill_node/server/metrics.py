@@ -2,17 +2,21 @@
 
 Everything lives in the server's own CollectorRegistry (never the global one), so several
 servers in one process (tests) do not collide. Load gauges are read from ``engine.load()`` at
-scrape time by a collector, so there is no polling thread and no stale value.
+scrape time by a collector, so there is no polling thread and no stale value. Per-request
+figures are plain counters owned by the event loop (the only writer: no lock per update, as
+prometheus_client's own metrics take) and exported by a collector at scrape time.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from prefill_node.engine.types import EngineLoad, PrefillResult
 
@@ -77,61 +81,93 @@ class _EngineLoadCollector(Collector):
         yield conflicts
 
 
+class _Histogram:
+    """Cumulative-bucket histogram with one writer thread; a scrape reads a snapshot."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self._labels = tuple(floatToGoString(b) for b in bounds)
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: bound >= value
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        counts, total, buckets = list(self.counts), 0, []
+        for label, count in zip(self._labels, counts, strict=False):
+            total += count
+            buckets.append((label, total))
+        buckets.append(("+Inf", total + counts[-1]))
+        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
+
+
+class _RequestCollector(Collector):
+    """Exports the per-request figures ServerMetrics accumulates."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        m = self._m
+        requests = CounterMetricFamily(
+            "wavepp_requests",
+            "Prefill requests by outcome (a gRPC status, lower case)",
+            labels=["outcome"],
+        )
+        for outcome, count in list(m.outcomes.items()):
+            requests.add_metric([outcome], count)
+        yield requests
+        tokens = CounterMetricFamily(
+            "wavepp_prompt_tokens",
+            "Prompt tokens of successful requests, cached (reused) or computed",
+            labels=["kind"],
+        )
+        tokens.add_metric(["cached"], m.cached_tokens)
+        tokens.add_metric(["computed"], m.computed_tokens)
+        yield tokens
+        for histogram in (m.ttft, m.admission, m.queue):
+            yield histogram.family()
+
+
 class ServerMetrics:
-    """The server's metrics. ``observe_*`` are cheap and safe to call from the event loop."""
+    """The server's metrics. ``observe_*`` must be called from one thread (the server's event
+    loop): they update plain counters without a lock; scrapes from other threads are safe."""
 
     def __init__(self, load: Callable[[], EngineLoad] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "wavepp_requests",
-            "Prefill requests by outcome (a gRPC status, lower case)",
-            ["outcome"],
-            registry=self.registry,
-        )
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome)
-        self.tokens = Counter(
-            "wavepp_prompt_tokens",
-            "Prompt tokens of successful requests, cached (reused) or computed",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self.cached_tokens = 0
+        self.computed_tokens = 0
+        self.ttft = _Histogram(
             "wavepp_ttft_seconds",
             "Request received -> first token ready, in the server",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self.admission = Histogram(
+        self.admission = _Histogram(
             "wavepp_admission_seconds",
             "Time in admission rounds (lookup, lease, escrow) per request",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self.queue = Histogram(
-            "wavepp_queue_seconds",
-            "Submit -> admitted per request",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.queue = _Histogram(
+            "wavepp_queue_seconds", "Submit -> admitted per request", _LATENCY_BUCKETS
         )
+        self.registry.register(_RequestCollector(self))
         if load is not None:
             self.registry.register(_EngineLoadCollector(load))
         self._http_server = None
-        # labelled children resolved once: the success path runs per request
-        self._ok = self.requests.labels("ok")
-        self._cached = self.tokens.labels("cached")
-        self._computed = self.tokens.labels("computed")
 
     def observe_success(self, result: PrefillResult, server_s: float) -> None:
-        self._ok.inc()
-        self._cached.inc(result.cached_tokens)
-        self._computed.inc(result.computed_tokens)
+        self.outcomes["ok"] += 1
+        self.cached_tokens += result.cached_tokens
+        self.computed_tokens += result.computed_tokens
         self.ttft.observe(server_s)
         self.admission.observe(result.timings.admission_s)
         self.queue.observe(result.timings.queue_s)
 
     def observe_failure(self, outcome: str) -> None:
-        self.requests.labels(outcome).inc()
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def serve_http(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve /metrics on ``host:port`` (0 = any free port) in a daemon thread; the port."""

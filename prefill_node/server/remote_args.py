@@ -13,7 +13,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--server",
         metavar="HOST:PORT",
-        help="send the prefills to a running `wavepp serve` instead of running the model here",
+        help="send the prefills to a running `wavepp serve` instead of running the model here; "
+        "text prompts are sent as text and tokenised by the server, token ids as ids",
     )
     g.add_argument("--tls-ca", type=Path, help="CA bundle (PEM) to verify the server; enables TLS")
     g.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mutual TLS")

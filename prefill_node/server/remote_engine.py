@@ -9,8 +9,9 @@ an in-process engine: validation errors arrive through the future, not from ``su
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TypeVar
 
 import grpc
 
@@ -22,7 +23,16 @@ from prefill_node.errors import (
     UnavailableError,
     WaveppError,
 )
-from prefill_node.server.client import ClientTLS, PrefillClient, build_request, to_remote_result
+from prefill_node.server.client import (
+    ClientTLS,
+    PrefillClient,
+    RemoteResult,
+    build_request,
+    to_remote_result,
+)
+from wavepp_proto.prefill.v1 import prefill_pb2
+
+T = TypeVar("T")
 
 _ERRORS: dict[grpc.StatusCode, type[WaveppError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
@@ -63,23 +73,46 @@ class RemoteEngine:
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """Send one Prefill call; ``options.deadline_s`` (monotonic) becomes the call deadline."""
-        request = build_request(
-            list(token_ids),
+        request = self._request(list(token_ids), options)
+        return self._call(request, options, lambda remote: remote.result)
+
+    def submit_text(
+        self, text: str, options: PrefillOptions, *, chat: bool = False, system: str = ""
+    ) -> Future[RemoteResult]:
+        """Send ``text`` to be tokenised on the server (``chat``: in the model's chat template,
+        after a ``system`` message if given). The RemoteResult carries the prompt's token ids
+        as the server tokenised them (``prompt_token_ids``), e.g. to continue generation."""
+        request = self._request(text, options, chat=chat, system=system)
+        return self._call(request, options, lambda remote: remote)
+
+    def _request(
+        self, prompt: list[int] | str, options: PrefillOptions, **text_options
+    ) -> prefill_pb2.PrefillRequest:
+        return build_request(
+            prompt,
             request_id=options.request_id or "",
             cache_salt=options.cache_salt or "",
             top_logprobs=options.top_logprobs,
             kv_destination=options.kv_destination,
+            **text_options,
         )
+
+    def _call(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        options: PrefillOptions,
+        pick: Callable[[RemoteResult], T],
+    ) -> Future[T]:
         timeout = None
         if options.deadline_s is not None:
             timeout = max(0.0, options.deadline_s - time.monotonic())
-        result: Future[PrefillResult] = Future()
+        result: Future[T] = Future()
         result.set_running_or_notify_cancel()
         call = self._client.prefill_future(request, deadline_s=timeout)
 
         def settle(done: grpc.Future) -> None:
             try:
-                result.set_result(to_remote_result(done.result()).result)
+                result.set_result(pick(to_remote_result(done.result())))
             except grpc.RpcError as exc:
                 result.set_exception(error_from_rpc(exc))
             except grpc.FutureCancelledError:

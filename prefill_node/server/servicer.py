@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import grpc
 
@@ -34,6 +33,7 @@ from prefill_node.errors import (
 )
 from prefill_node.server.convert import (
     ModelLimits,
+    ParsedRequest,
     PromptTokenizer,
     load_to_proto,
     parse_request,
@@ -41,6 +41,7 @@ from prefill_node.server.convert import (
 )
 from prefill_node.server.kv_convert import batch_to_proto
 from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.server.loop_bridge import LoopBridge
 from prefill_node.server.metrics import ServerMetrics
 from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -101,6 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._kv_events = kv_events
         self._limits = ModelLimits(engine.vocab_size, engine.max_model_len)
         self._max_stream_inflight = max_stream_inflight
+        self._bridge: LoopBridge | None = None  # engine futures -> the serving loop
         self.ready = True
         self.not_ready_detail = ""
 
@@ -181,6 +183,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             max_model_len=self._limits.max_model_len,
             num_stages=len(load.stages),
             text_prompts=self._tokenizer is not None,
+            chat_template=self._tokenizer is not None and self._tokenizer.has_chat_template,
             server_version=__version__,
         )
 
@@ -207,15 +210,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """With ``blocking_submit`` (the default) ``submit`` runs on the submit pool: an engine
         may compute inside it (LocalEngine does), which must never stall the event loop. An
         engine whose submit only enqueues (the pipeline) is called inline, saving a thread hop.
+        Completions reach the loop through the LoopBridge (one wakeup per burst).
         """
+        loop = asyncio.get_running_loop()
+        if self._bridge is None or self._bridge.loop is not loop:
+            self._bridge = LoopBridge(loop)
         if self._submit_pool is None:
             future = self._engine.submit(token_ids, options)
         else:
-            loop = asyncio.get_running_loop()
             future = await loop.run_in_executor(
                 self._submit_pool, self._engine.submit, token_ids, options
             )
-        return await asyncio.wrap_future(future)
+        return await self._bridge.watch(future)
 
     def close(self) -> None:
         """Stop the submit pool; submits not yet started are dropped."""
@@ -229,40 +235,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         started = time.perf_counter()
         request_id = req.request_id or uuid.uuid4().hex
         try:
-            response = await self._prefill_inner(req, request_id, call_remaining_s, started)
+            if not self.ready:
+                raise RequestFailure(
+                    request_id,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the pipeline is not ready ({self.not_ready_detail}); retry later",
+                )
+            try:
+                parsed = parse_request(
+                    req,
+                    request_id=request_id,
+                    limits=self._limits,
+                    tokenizer=self._tokenizer,
+                    call_remaining_s=call_remaining_s,
+                )
+            except Exception as exc:
+                raise _failure(request_id, exc) from exc
+            result = await self._await_engine(parsed)
         except RequestFailure as f:
             self._metrics.observe_failure(f.code.name.lower())
             raise
         except asyncio.CancelledError:
             self._metrics.observe_failure("cancelled")
             raise
-        return response
+        server_s = time.perf_counter() - started
+        self._metrics.observe_success(result, server_s)
+        echo = parsed.token_ids if parsed.from_text else ()
+        return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
 
-    async def _prefill_inner(
-        self,
-        req: prefill_pb2.PrefillRequest,
-        request_id: str,
-        call_remaining_s: float | None,
-        started: float,
-    ) -> prefill_pb2.PrefillResponse:
-        if not self.ready:
-            raise RequestFailure(
-                request_id,
-                grpc.StatusCode.UNAVAILABLE,
-                f"the pipeline is not ready ({self.not_ready_detail}); retry later",
-            )
+    async def _await_engine(self, parsed: ParsedRequest) -> PrefillResult:
+        """The engine's result; aborts the request in the engine (its blocks freed on every
+        stage) when the call is cancelled or the deadline passes, and maps errors."""
+        request_id = parsed.options.request_id or ""
+        deadline = parsed.options.deadline_s
         try:
-            parsed = parse_request(
-                req, request_id=request_id, limits=self._limits, tokenizer=self._tokenizer
-            )
-        except Exception as exc:
-            raise _failure(request_id, exc) from exc
-        limits = [t for t in (parsed.timeout_s, call_remaining_s) if t is not None]
-        timeout_s = min(limits) if limits else None
-        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
-        options = replace(parsed.options, deadline_s=deadline)
-        try:
-            result = await asyncio.wait_for(self._run_engine(parsed.token_ids, options), timeout_s)
+            if parsed.timeout_s is None:  # no timer task on the common path
+                return await self._run_engine(parsed.token_ids, parsed.options)
+            run = self._run_engine(parsed.token_ids, parsed.options)
+            return await asyncio.wait_for(run, parsed.timeout_s)
         except asyncio.CancelledError:
             self._engine.abort(request_id)
             raise
@@ -274,11 +284,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise RequestFailure(
                     request_id,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {request_id} missed its deadline of {timeout_s or 0.0:.3f}s and was "
-                    "aborted; raise the timeout or send a shorter prompt",
+                    f"request {request_id} missed its deadline of {parsed.timeout_s or 0.0:.3f}s "
+                    "and was aborted; raise the timeout or send a shorter prompt",
                 ) from None
             raise _failure(request_id, exc) from exc
-        server_s = time.perf_counter() - started
-        self._metrics.observe_success(result, server_s)
-        echo = parsed.token_ids if parsed.from_text else ()
-        return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)

@@ -18,12 +18,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TextPrompt(_message.Message):
-    __slots__ = ("text", "apply_chat_template")
+    __slots__ = ("text", "apply_chat_template", "system_prompt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     text: str
     apply_chat_template: bool
-    def __init__(self, text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+    system_prompt: str
+    def __init__(self, text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., system_prompt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "cache_salt", "top_logprobs", "kv_destination", "timeout")
@@ -154,17 +156,19 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version", "chat_template")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     TEXT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
     num_stages: int
     text_prompts: bool
     server_version: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ...) -> None: ...
+    chat_template: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
