@@ -239,3 +239,76 @@ def test_cpu_bench_preset_runs_deterministically_through_the_core():
     assert runs[0] == runs[1]
     assert (runs[0].completed, runs[0].rejected) == (8, 0)
     assert runs[0].cached_fraction == pytest.approx(448 / 512)  # 28 whole blocks seeded
+
+
+# ---- the lockstep baseline's executor loops (executor_loops.py) ---------------------
+
+
+def test_executor_loops_charge_every_rank_serially_in_wave_order():
+    from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, WaveHostWork
+
+    loops = ExecutorLoops(3, LoopCosts(walk_s_per_token=1e-6, add_s_per_token=2e-6, hop_s=1e-5))
+    work = WaveHostWork(pass_walk_tokens=1000, batch_walk_tokens=400, first_chunk_tokens=500)
+    assert loops.leader_free_at() == 0.0
+    k, launch0 = loops.begin(0.0, work)
+    # rank 0: its scheduler pass walks 1000 tokens (1 ms), then add_sequence 500 (1 ms)
+    assert (k, launch0) == (0, pytest.approx(2e-3))
+    # rank 1 gets the schedule one hop after rank 0's pass, re-walks the wave's first
+    # chunks (can_schedule) and the whole pass (replay), then add_sequence: 2.4 ms
+    assert loops.launch_time(1, 0) == pytest.approx(1e-3 + 1e-5 + 1.4e-3 + 1e-3)
+    # rank 2 one more hop behind rank 1's receive
+    assert loops.launch_time(2, 0) == pytest.approx(1e-3 + 2e-5 + 2.4e-3)
+    assert loops.leader_free_at() == pytest.approx(2e-3)  # one wave ahead of GPU 0
+    loops.begin(2e-3, WaveHostWork(0, 0, 0))
+    assert loops.leader_free_at() is None  # wave 2 waits for GPU 0 to finish wave 0
+    loops.gpu_done(0, 0, 5e-3)
+    assert loops.leader_free_at() == pytest.approx(5e-3)
+    # rank 1's wave 1: its loop is free after launching wave 0 (3.41 ms), no GPU wait yet
+    assert loops.launch_time(1, 1) == pytest.approx(1e-3 + 1e-5 + 2.4e-3)
+    loops.gpu_done(1, 0, 9e-3)
+    loops.begin(5e-3, WaveHostWork(0, 0, 100))
+    # rank 1's wave 2 starts only after its GPU finished wave 0 (sync previous sampler event)
+    assert loops.launch_time(1, 2) == pytest.approx(9e-3 + 2e-6 * 100)
+    assert loops.host_busy_s[0] == pytest.approx(2e-3 + 2e-4)
+
+
+def _lockstep_single(walk_s: float):
+    """One 4,096-token suffix request alone on TOY under lockstep, host costs given."""
+    preset = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=walk_s))
+    spec = WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 1, 64, suffix_tokens=512)
+    sim = Simulator(preset, spec, lockstep_policy(2))
+    return sim.run(), sim.roof, preset
+
+
+def test_lockstep_request_waits_for_each_rank_loop_exactly():
+    # Cheap walks: rank 1's loop finishes while stage 0 computes, only rank 0 stalls.
+    res, roof, p = _lockstep_single(27e-9)
+    chunk = [ScheduledChunk("req-0", 3584, 512)]  # 3,584 tokens seeded, 512 computed
+    t0, t1 = roof.stage_time(0, chunk), roof.stage_time(1, chunk)
+    launch0 = 27e-9 * 3584 + 1e-6 * 4096  # pass walk + add_sequence of the whole prompt
+    expected = launch0 + t0 + roof.transfer_time(512) + t1
+    assert res.p50_latency_s == pytest.approx(expected, rel=1e-9)
+    assert res.loop_stall_s == pytest.approx(launch0, rel=1e-9)
+    # Dear walks: rank 1 re-walks the prefix twice (can_schedule + its replayed pass) after
+    # rank 0's pass and a hop, and stage 1 idles until its own loop has launched the wave.
+    res, roof, p = _lockstep_single(1e-5)
+    walk0 = 1e-5 * 3584
+    launch1 = walk0 + p.link.latency_s + 1e-5 * (3584 + 3584) + 1e-6 * 4096
+    arrive1 = walk0 + 1e-6 * 4096 + t0 + roof.transfer_time(512)
+    assert launch1 > arrive1
+    assert res.p50_latency_s == pytest.approx(launch1 + t1, rel=1e-9)
+    assert res.loop_stall_s == pytest.approx(walk0 + 1e-6 * 4096 + launch1 - arrive1, rel=1e-9)
+
+
+def test_lockstep_scheduler_pass_walks_every_admitted_context_request():
+    # At c=8 the pass walks all admitted requests' cached prefixes on every iteration,
+    # so dearer walks slow lockstep down while wave (no such pass) is unaffected.
+    cheap = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=0.0))
+    dear = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=1e-5))
+    lock = [run(WorkloadKind.SUFFIX, 8, lockstep_policy(2), preset=p) for p in (cheap, dear)]
+    wave = [run(WorkloadKind.SUFFIX, 8, wave_policy(2), preset=p) for p in (cheap, dear)]
+    assert wave[0] == replace(wave[1], preset=wave[0].preset)
+    assert lock[1].throughput_tok_s < 0.8 * lock[0].throughput_tok_s
+    assert lock[1].loop_stall_s > lock[0].loop_stall_s
+    again = run(WorkloadKind.SUFFIX, 8, lockstep_policy(2), preset=dear)
+    assert again == lock[1]  # deterministic

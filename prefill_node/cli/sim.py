@@ -8,8 +8,9 @@ import sys
 
 _DESCRIPTION = """\
 Simulate one prefill pipeline under the WavePP policy (admission rounds run ahead of
-execution, MPU wave planner) and the lockstep baseline (TensorRT-LLM PP: admission rounds
-on the executor loop, fixed chunk budget M), driving the real sans-IO admission core
+execution, MPU wave planner) and the lockstep baseline (TensorRT-LLM's PP executor: every
+rank's loop schedules, walks cached prefixes and allocates serially before it launches a
+micro-batch; fixed chunk budget M), driving the real sans-IO admission core
 (block pools, leases, escrows, coordinator) with a roofline cost model of the preset's
 model and GPUs. Closed loop: each of C clients sends its next request when the previous
 one completes. Deterministic given --seed.
@@ -92,6 +93,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="override the rounds plane's latency per message phase (sensitivity studies)",
     )
+    p.add_argument(
+        "--walk-ns-per-token",
+        type=float,
+        default=None,
+        help=(
+            "override the lockstep baseline's prefix-walk cost per cached token, paid by "
+            "every rank's scheduler pass on every loop iteration (sensitivity studies)"
+        ),
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write a list of flat rows")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the runs")
     p.add_argument(
@@ -114,6 +124,7 @@ def _preset(name: str, args: argparse.Namespace):
     for value, field, scale in (
         (args.host_ns_per_token, "host_s_per_token", 1e-9),
         (args.phase_latency_us, "phase_latency_s", 1e-6),
+        (args.walk_ns_per_token, "walk_s_per_token", 1e-9),
     ):
         if value is not None:
             if value < 0:

@@ -5,18 +5,32 @@
   ``max_round_requests`` of them. Waves are planned by the MPU planner (or an ablation),
   a request's successive chunks may be in flight in successive waves (each stage handles
   waves in order, so chunk k+1 on stage s always runs after chunk k on stage s), and up to
-  ``R = 2P`` waves are in flight.
-- LOCKSTEP: the TensorRT-LLM PP executor loop (``PyExecutor._executor_loop_pp``): before
-  each wave the leader runs the admission round synchronously on the executor loop, so
-  stage 0 stalls for the round's latency and the stall propagates down the pipeline. Fixed
-  chunk budget ``M`` filled to the brim (no fragment rule), ``P`` micro-batches in flight
-  (``num_micro_batches = pp_size``) and at most one chunk of a request in flight (TRT-LLM
-  skips requests in ``inflight_req_ids``). The round's latency is charged to the leader
-  only: the other stages are assumed to answer round messages at no cost to their loops,
-  a lower bound on the real stall, so lockstep is modelled generously.
+  ``R = 2P`` waves are in flight. Per-request host work (``host_s_per_token``) is paid once
+  per stage, in the rounds, off the executor loops.
+- LOCKSTEP: TensorRT-LLM's PyTorch PP executor (``PyExecutor._executor_loop_pp``, read at
+  NVIDIA/TensorRT-LLM commit 0004396720054f). Every rank runs its own executor loop and
+  does its host work for a micro-batch serially on it before launching that micro-batch
+  (``executor_loops.py`` has the timing model and its source citations):
+  rank 0 schedules (capacity scheduler pass that walks the cached prefix of every admitted
+  context-phase request, ``walk_s_per_token`` each token), sends the schedule down the
+  chain; every other rank receives it, re-checks and replays the same pass on its own
+  cache (``_pp_retry_until_can_schedule``, ``scheduler.schedule_request``); every rank runs
+  ``prepare_resources`` (``add_sequence``: prefix match + allocation on its own cache for
+  each first-chunk request, ``host_s_per_token`` per prompt token, the same constant a
+  WavePP stage pays per request); then launches the forward, and blocks on its GPU's
+  previous micro-batch before the next iteration (one wave ahead at most). A stage's GPU
+  starts a wave only when its own rank has launched it. Fixed chunk budget ``M`` filled to
+  the brim (no fragment rule), ``P`` micro-batches in flight (``num_micro_batches =
+  pp_size``), at most one chunk of a request in flight (``inflight_req_ids``). The
+  admission core's round is applied at rank 0's iteration with no time of its own: in
+  TRT-LLM there is no cross-stage negotiation, its cost is the loop work above. Not
+  modelled: a rank > 0 that cannot fit rank 0's schedule retries only while disaggregated
+  KV transfers drain and otherwise raises (``_pp_retry_until_can_schedule``); here both
+  policies take the admission core's all-stage capacity decision, so that never happens.
 
-Both policies drive the same admission core, with the same rounds and the same costs; only
-when the rounds run and how waves are formed differ.
+Both policies drive the same admission core with the same per-token host cost; only when
+and where the host work runs, how often the scheduler repeats its prefix walks, and how
+waves are formed differ.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ Shared estimates (all GPU presets):
   stage's share of a round in our sans-IO core (spec, hashing, hint probe, lease, escrow,
   commit) at 680-1030 ns/token with 16- and 32-token blocks on this development VM while
   it ran at load ~5.6 on 2 cores; a dedicated server core is taken as ~3x faster.
+  The lockstep baseline pays this per prompt token on every rank's executor loop
+  (``add_sequence``), and its scheduler re-walks the cached prefix of every admitted
+  context-phase request on every iteration at ``walk_s_per_token`` = 27 ns per token
+  (RoundCostSpec default, measured with ``bench/trtllm_walk.cpp``: C++ speed, which
+  favours the baseline; see specs.py and executor_loops.py).
 - Simulated cache blocks are 256 tokens (coarser than TRT-LLM's 32 to keep the Python
   simulator fast at 256K prompts; reuse granularity is irrelevant at these lengths, and the
   host cost above is per token so it does not depend on this choice), and the core sees
@@ -278,13 +283,16 @@ CPU_CORE_BENCH_PIPE = replace(
 # lease, escrow commit), each one broadcast_object_list + one all_gather_object on gloo (2
 # collectives each, size then payload): ~2 measured send+ack round trips = 1 ms per phase.
 _BENCH_ROUNDS = RoundCostSpec(phase_latency_s=1.0e-3, host_s_per_token=10e-6, phases=3)
+# bench/pipeline.py's setup (M, b_min, prompt; tests/test_sim.py checks it). The bench
+# moved from 256-token waves / 512-token prompts to 512 / 1,024 after the fit above, which
+# was not redone at the new shapes.
 _BENCH_SETUP = dict(
     num_stages=2,
     block_size=_BENCH_BLOCK,
-    max_wave_tokens=256,
-    min_wave_tokens=128,
+    max_wave_tokens=512,
+    min_wave_tokens=256,
     max_batch=128,
-    input_lens=(512,),
+    input_lens=(1024,),
 )
 
 PRESETS: dict[str, Preset] = {

@@ -47,7 +47,7 @@ class SimResult:
     mean_wave_tokens: float
     rounds: int
     mean_round_requests: float
-    loop_stall_s: float  # executor-loop time lost to admission rounds (lockstep)
+    loop_stall_s: float  # lockstep: GPU time waiting for its rank's loop, summed over stages
     stage_utilisation: float  # mean over stages of busy / makespan
 
     def row(self) -> dict[str, object]:

@@ -15,6 +15,10 @@ Timeline rules (both policies, see ``policies.py`` for what differs):
   plane's latency: the phases, plus per-token host work for the requests it sees for the
   first time); requests that must wait are retried when something has changed (an
   arrival or a completion), so an idle pipeline never spins.
+- LOCKSTEP instead runs the round inside rank 0's executor-loop iteration, with no time of
+  its own, and charges the loop work TensorRT-LLM does per wave on every rank
+  (``executor_loops.py``); a stage's GPU starts a wave only once its own rank's loop has
+  launched it (the wait is reported as ``loop_stall_s``).
 
 Deterministic: no wall clock, no hashing of Python objects, ties broken by event order.
 """
@@ -30,13 +34,14 @@ from prefill_node.core.planner import PlannerConfig, WavePlanner
 from prefill_node.core.wave import UnscheduledWork, Wave
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
+from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, WaveHostWork
 from prefill_node.sim.policies import Policy
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.workloads import SimRequest, Workload, WorkloadSpec
 
-_ARRIVE, _ROUND_DONE, _STAGE_DONE, _WAVE_AT_STAGE = range(4)
+_ARRIVE, _ROUND_DONE, _STAGE_DONE, _WAVE_AT_STAGE, _HOST_LAUNCH, _LEADER_FREE = range(6)
 
 
 @dataclass
@@ -99,9 +104,16 @@ class Simulator:
         self._running: dict[str, _Running] = {}  # admitted, not finished, FCFS order
         self._records: list[RequestRecord] = []
         self._rejected = 0
-        self._round_busy = False  # a round is in progress (its own timeline or the loop's)
+        self._round_busy = False  # WAVE: a round is in progress on the rounds timeline
         self._round_wanted = False  # something changed since the last round
-        self._loop_round_done = False  # lockstep: the round before the next wave has run
+        # LOCKSTEP: every rank's executor loop (executor_loops.py); wave_id -> loop index
+        self.loops: ExecutorLoops | None = None
+        if policy.admission_on_loop:
+            rounds = p.rounds
+            costs = LoopCosts(rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s)
+            self.loops = ExecutorLoops(p.num_stages, costs)
+        self._loop_index: dict[int, int] = {}
+        self._leader_wakeup: float | None = None
         self._in_flight = 0
         self._stage_busy = [False] * p.num_stages
         self._stage_queue: list[deque[Wave]] = [deque() for _ in range(p.num_stages)]
@@ -130,8 +142,13 @@ class Simulator:
                 self._on_round_done(payload)  # type: ignore[arg-type]
             elif kind == _STAGE_DONE:
                 self._on_stage_done(*payload)  # type: ignore[misc]
-            else:
+            elif kind == _WAVE_AT_STAGE:
                 self._on_wave_at_stage(*payload)  # type: ignore[misc]
+            elif kind == _HOST_LAUNCH:
+                self._on_host_launch(*payload)  # type: ignore[misc]
+            else:
+                self._leader_wakeup = None
+                self._try_issue()
             if self._check:
                 self.core.check_integrity()
         if len(self._records) + self._rejected != self.spec.num_requests:
@@ -199,8 +216,6 @@ class Simulator:
         fresh = [r for r in ids if r not in self._charged]
         self._charged.update(fresh)
         latency = self.preset.rounds.round_s(sum(self._submitted[r][0].num_tokens for r in fresh))
-        if self.policy.admission_on_loop:
-            self._loop_stall_s += latency
         self._num_rounds += 1
         self._round_requests += len(ids)
         self._push(self.now + latency, _ROUND_DONE, None)
@@ -215,8 +230,14 @@ class Simulator:
 
     def _on_round_done(self, _: object) -> None:
         self._round_busy = False
+        self._apply_outcomes(self.core.run_round())
+        self._maybe_start_round()
+        self._try_issue()
+
+    def _apply_outcomes(self, outcomes: tuple[object, ...]) -> None:
+        """Admitted requests start running, rejected ones are counted, waiting ones stay queued."""
         admitted = 0
-        for outcome in self.core.run_round():
+        for outcome in outcomes:
             rid = outcome.request_id
             if isinstance(outcome, Admitted):
                 request, arrival = self._submitted.pop(rid)
@@ -233,10 +254,6 @@ class Simulator:
                 raise InvariantError(f"unexpected admission outcome {outcome!r}")
         if admitted and self._admission_waiting():
             self._round_wanted = True  # progress was made: the rest may fit now
-        if self.policy.admission_on_loop:
-            self._loop_round_done = True
-        self._maybe_start_round()
-        self._try_issue()
 
     # ---- execution ----------------------------------------------------------------
 
@@ -250,26 +267,69 @@ class Simulator:
 
     def _try_issue(self) -> None:
         """Plan and start the next wave on stage 0 if the leader and the ring allow it."""
-        on_loop = self.policy.admission_on_loop
-        if self._stage_busy[0] or self._stage_queue[0] or (on_loop and self._round_busy):
+        if self.loops is not None:
+            self._try_issue_lockstep(self.loops)
+            return
+        if self._stage_busy[0] or self._stage_queue[0]:
             return
         if self._in_flight >= self.policy.ring_size:
             return
-        # Lockstep: one loop iteration = fetch/admit (one round, synchronous: stage 0 idles
-        # meanwhile), then schedule and launch one micro-batch, as in TRT-LLM's PP loop.
-        if (
-            on_loop
-            and not self._loop_round_done
-            and self._round_wanted
-            and self._admission_waiting()
-            and self._start_round()
-        ):
+        work = self._schedulable()
+        wave = self.planner.plan(work) if work else None
+        if wave is not None:
+            self._take(wave)
+            self._start_on_stage(0, wave)
+
+    def _try_issue_lockstep(self, loops: ExecutorLoops) -> None:
+        """Rank 0's loop iteration: admit (capacity), schedule one wave, charge the loops.
+
+        Runs when rank 0's loop is free (``ExecutorLoops.leader_free_at``) and fewer than
+        ``P`` waves are in flight (``num_micro_batches = pp_size``). The admission round is
+        applied at once (its effect is TRT-LLM's capacity decision); its time is the loop
+        work the wave causes on every rank (executor_loops.py), which also gates each
+        stage's GPU in ``_start_on_stage``.
+        """
+        free_at = loops.leader_free_at()
+        if free_at is None or self._in_flight >= self.policy.ring_size:
+            return  # GPU 0 / the ring will call again when a wave finishes
+        if free_at > self.now:
+            if self._leader_wakeup is None or self._leader_wakeup > free_at:
+                self._leader_wakeup = free_at
+                self._push(free_at, _LEADER_FREE, None)
             return
+        self._submit_pending()
+        ids = self.core.next_round_ids()
+        if self._round_wanted and ids:
+            self._round_wanted = False
+            self._num_rounds += 1
+            self._round_requests += len(ids)
+            self._apply_outcomes(self.core.run_round())
+        # The pass walks every admitted request still in its context phase and the queue's
+        # head (walked, then refused for capacity): the cached prefixes it can match.
+        walk = sum(r.cached_len for r in self._running.values() if r.next_start < r.end)
+        waiting = self.core.next_round_ids()
+        if waiting:
+            walk += self._submitted[waiting[0]][0].seeded_len
         work = self._schedulable()
         wave = self.planner.plan(work) if work else None
         if wave is None:
             return
-        self._loop_round_done = False
+        runs = [self._running[c.request_id] for c in wave.chunks]
+        firsts = [r for c, r in zip(wave.chunks, runs, strict=True) if c.start == r.cached_len]
+        host = WaveHostWork(
+            pass_walk_tokens=walk,
+            batch_walk_tokens=sum(r.cached_len for r in firsts),
+            first_chunk_tokens=sum(r.end for r in firsts),
+        )
+        k, launch = loops.begin(self.now, host)
+        self._loop_index[wave.wave_id] = k
+        self._take(wave)
+        self._leader_wakeup = launch
+        self._push(launch, _LEADER_FREE, None)
+        self._on_wave_at_stage(0, wave)
+
+    def _take(self, wave: Wave) -> None:
+        """Move the planned wave's chunks from unscheduled to in flight."""
         for chunk in wave.chunks:
             run = self._running[chunk.request_id]
             if chunk.start != run.next_start or chunk.end > run.end:
@@ -279,15 +339,25 @@ class Simulator:
         self._in_flight += 1
         self._num_waves += 1
         self._wave_tokens += wave.num_tokens
-        self._start_on_stage(0, wave)
 
     def _start_on_stage(self, stage: int, wave: Wave) -> None:
+        if self.loops is not None:  # lockstep: the GPU waits for its rank's loop to launch
+            launch = self.loops.launch_time(stage, self._loop_index[wave.wave_id])
+            if launch > self.now:
+                self._stage_busy[stage] = True  # held for this wave; later ones queue
+                self._loop_stall_s += launch - self.now
+                self._push(launch, _HOST_LAUNCH, (stage, wave))
+                return
         for chunk in wave.chunks:
             self.core.materialise(stage, chunk)
         duration = self.roof.stage_time(stage, wave.chunks)
         self._stage_busy[stage] = True
         self._busy_s[stage] += duration
         self._push(self.now + duration, _STAGE_DONE, (stage, wave))
+
+    def _on_host_launch(self, stage: int, wave: Wave) -> None:
+        self._stage_busy[stage] = False
+        self._start_on_stage(stage, wave)
 
     def _on_wave_at_stage(self, stage: int, wave: Wave) -> None:
         if self._stage_busy[stage]:
@@ -298,6 +368,8 @@ class Simulator:
     def _on_stage_done(self, stage: int, wave: Wave) -> None:
         self._stage_busy[stage] = False
         last_stage = stage == self.preset.num_stages - 1
+        if self.loops is not None:
+            self.loops.gpu_done(stage, self._loop_index[wave.wave_id], self.now)
         for chunk in wave.chunks:
             run = self._running[chunk.request_id]
             if chunk.end == run.end:
@@ -309,7 +381,7 @@ class Simulator:
                     self._complete(run)
         if last_stage:
             self._in_flight -= 1
-            self._loop_round_done = False  # lockstep: a new loop iteration fetches again
+            self._loop_index.pop(wave.wave_id, None)
         else:
             arrive = self.now + self.roof.transfer_time(wave.num_tokens)
             self._push(arrive, _WAVE_AT_STAGE, (stage + 1, wave))

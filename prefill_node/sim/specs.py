@@ -182,11 +182,23 @@ class RoundCostSpec:
     per prompt token (transport, hashing, hint probe, pinning and escrowing blocks), done
     on every stage in parallel. Retrying a waiting request costs only the phases (its spec
     is registered and hashed already; an FCFS-blocked reserve answers at once).
+
+    ``walk_s_per_token``: host seconds per matched-prefix token of one radix-tree prefix
+    walk, which the lockstep baseline's scheduler repeats on every loop iteration
+    (``executor_loops.py``). Default 27 ns (measured): ``bench/trtllm_walk.cpp`` times the
+    operations of TensorRT-LLM's C++ ``findNewContextBlock`` (copy the prompt's tokens, cut
+    them into per-block keys, walk a tree of hash maps hashing each key) at 3.6 ms for a
+    131,072-token prompt with 126,976 cached, i.e. 27 ns per prompt token, on the
+    development VM. That is C++ speed against our Python core's 250 ns per admitted token,
+    which favours the baseline; at equal per-token efficiency (our core's prefix hashing
+    is 0.61-0.92 of its whole per-token admission cost) it would be ~150 ns
+    (``wavepp sim --walk-ns-per-token 150``).
     """
 
     phase_latency_s: float
     host_s_per_token: float
     phases: int = 3
+    walk_s_per_token: float = 27e-9
 
     def __post_init__(self) -> None:
         _require_non_negative(self)
