@@ -124,3 +124,22 @@ def test_spec_round_trips_as_json_and_rejects_bad_options() -> None:
         )
     with pytest.raises(InvalidPipelineSpecError, match="exactly one"):
         ModelSource()
+
+
+@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+def test_lockstep_keeps_one_chunk_of_a_request_in_flight_wave_pipelines_them(policy) -> None:
+    """TensorRT-LLM's PP executor (the lockstep baseline) skips requests with a chunk in
+    flight and keeps P micro-batches; WavePP pipelines a request's chunks over R = 2P waves."""
+    spec = _spec(policy)
+    assert spec.ring == (2 if policy == "lockstep" else 4)
+    core, stages = LeaderCore(spec, _Model()), _stages(spec)
+    core.submit("a", tuple(range(40)), None, 1)  # 40 tokens: 3 chunks of <= 16
+    _admit_all(core, stages)
+    first = core.next_wave()
+    assert first is not None and [c.request_id for c in first.chunks] == ["a"]
+    second = core.next_wave()
+    if policy == "lockstep":
+        assert second is None  # "a" is in flight: nothing else to schedule
+        core.wave_done(WaveResult(first.wave_id))
+        second = core.next_wave()
+    assert second is not None and second.chunks[0].start == first.chunks[0].length

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import threading
 import time
 
@@ -112,3 +113,54 @@ def test_dist_env_parses_torchrun_variables_and_names_what_is_missing() -> None:
         DistEnv.from_env({"RANK": "3", "WORLD_SIZE": "3", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
     with pytest.raises(DistEnvError, match="WORLD_SIZE must be an integer"):
         DistEnv.from_env({"RANK": "0", "WORLD_SIZE": "x", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+
+
+def _echo_big(port: int, out: mp.Queue) -> None:
+    """Stage 1 of 2: return each frame to the leader; answer one round with a big reply."""
+    torch.set_num_threads(1)
+    planes = _join(1, 2, port)
+    for _ in range(3):
+        frame = planes.data.recv_prev()
+        planes.data.send_result(Frame(frame.header, frame.tensor))
+    msg, replies = planes.rounds.follow(lambda m: [f"r{i}" for i in range(5000)])
+    out.put((len(msg), [len(r) for r in replies]))
+    out.close()
+    out.join_thread()
+    planes.data.drain()
+    Planes.close()
+
+
+def test_headers_and_round_messages_larger_than_one_buffer_arrive_whole() -> None:
+    """Frames whose pickled header exceeds HEAD_BYTES and round messages / replies beyond
+    ROUND_BYTES take the overflow path; order, content and tensors survive it."""
+    from prefill_node.runtime.channels import HEAD_BYTES
+    from prefill_node.runtime.planes import ROUND_BYTES
+
+    ctx = mp.get_context("spawn")
+    port = free_local_port()
+    out: mp.Queue = ctx.Queue()
+    proc = ctx.Process(target=_echo_big, args=(port, out))
+    proc.start()
+    planes = _join(0, 2, port)
+    try:
+        headers = [{"i": i, "blob": list(range(n))} for i, n in enumerate((10, 9000, 3))]
+        assert len(pickle.dumps(headers[1])) > HEAD_BYTES
+        tensors = [torch.randn(3, 5), None, torch.randn(700, 64)]
+        for h, t in zip(headers, tensors, strict=True):
+            planes.data.send_next(Frame(h, t))
+        for h, t in zip(headers, tensors, strict=True):
+            got = planes.data.recv_result()
+            assert got.header == h
+            if t is None:
+                assert got.tensor is None
+            else:
+                torch.testing.assert_close(got.tensor, t, rtol=0, atol=0)
+        big = [f"m{i}" for i in range(6000)]
+        assert len(pickle.dumps(big)) > ROUND_BYTES
+        assert len(pickle.dumps([f"r{i}" for i in range(5000)])) > ROUND_BYTES
+        replies = planes.rounds.lead(big, lambda m: ["r0"] * 10)
+        assert replies == [["r0"] * 10, [f"r{i}" for i in range(5000)]]
+        assert out.get(timeout=20) == (6000, [10, 5000])
+    finally:
+        proc.join(timeout=20)
+        Planes.close()
