@@ -150,3 +150,26 @@ def wait_mid_flight(engine: Engine, prompt_tokens: int, timeout_s: float = 10.0)
         return started and all(s.used_blocks > 0 for s in load.stages)
 
     wait_until(mid_flight, timeout_s, "a request part-way through the pipeline")
+
+
+def assert_same_result(remote, direct) -> None:
+    """A result over gRPC equals the in-process engine's: first token, top-k ids (logprobs
+    within 1e-4), token counts, and per-stage manifests (stage, layers, block count/size)."""
+    import pytest
+
+    assert remote.first_token_id == direct.first_token_id
+    assert [t for t, _ in remote.top_logprobs] == [t for t, _ in direct.top_logprobs]
+    for (_, got), (_, want) in zip(remote.top_logprobs, direct.top_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+    assert (remote.prompt_tokens, remote.cached_tokens, remote.computed_tokens) == (
+        direct.prompt_tokens,
+        direct.cached_tokens,
+        direct.computed_tokens,
+    )
+    assert [
+        (m.stage, m.layer_start, m.layer_end, m.block_size, len(m.block_ids))
+        for m in remote.stage_manifests
+    ] == [
+        (m.stage, m.layer_start, m.layer_end, m.block_size, len(m.block_ids))
+        for m in direct.stage_manifests
+    ]

@@ -26,6 +26,7 @@ from prefill_node.server.client import (
 from tests.grpc_harness import (
     PIPELINE_HF,
     ServerThread,
+    assert_same_result,
     pipeline_server_config,
     start_tiny_pipeline,
 )
@@ -77,30 +78,11 @@ def _in_process(engine, prompts, salt):
     return [f.result(timeout=60) for f in futures]
 
 
-def _assert_same(remote, direct):
-    assert remote.first_token_id == direct.first_token_id
-    assert [t for t, _ in remote.top_logprobs] == [t for t, _ in direct.top_logprobs]
-    for (_, got), (_, want) in zip(remote.top_logprobs, direct.top_logprobs, strict=True):
-        assert got == pytest.approx(want, abs=1e-4)
-    assert (remote.prompt_tokens, remote.cached_tokens, remote.computed_tokens) == (
-        direct.prompt_tokens,
-        direct.cached_tokens,
-        direct.computed_tokens,
-    )
-    assert [(m.stage, m.layer_start, m.layer_end) for m in remote.stage_manifests] == [
-        (0, 0, 2),
-        (1, 2, 4),
-    ]
-    assert [len(m.block_ids) for m in remote.stage_manifests] == [
-        len(m.block_ids) for m in direct.stage_manifests
-    ]
-
-
 def _check(remote_bursts, engine, bursts, tag):
     for remote, prompts, name in zip(remote_bursts, bursts, ("cold", "warm"), strict=True):
         direct = _in_process(engine, prompts, f"{tag}-direct")
         for got, want in zip(remote, direct, strict=True):
-            _assert_same(got.result, want)
+            assert_same_result(got.result, want)
         cached = sum(r.result.cached_tokens for r in remote)
         assert (cached == 0) if name == "cold" else (cached > 0), (name, cached)
 

@@ -28,7 +28,13 @@ from prefill_node.server.client import (
 )
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.server import ServerConfig
-from tests.grpc_harness import ServerThread, stage_used_blocks, tiny_local_engine, wait_until
+from tests.grpc_harness import (
+    ServerThread,
+    assert_same_result,
+    stage_used_blocks,
+    tiny_local_engine,
+    wait_until,
+)
 from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
 
 VOCAB = 61
@@ -57,26 +63,13 @@ def _direct(prompts, top_logprobs=5):
         reference.shutdown()
 
 
-def _assert_same(remote, direct):
-    assert remote.first_token_id == direct.first_token_id
-    assert [t for t, _ in remote.top_logprobs] == [t for t, _ in direct.top_logprobs]
-    for (_, got), (_, want) in zip(remote.top_logprobs, direct.top_logprobs, strict=True):
-        assert got == pytest.approx(want, abs=1e-4)
-    assert (remote.prompt_tokens, remote.cached_tokens, remote.computed_tokens) == (
-        direct.prompt_tokens,
-        direct.cached_tokens,
-        direct.computed_tokens,
-    )
-    assert [m.block_size for m in remote.stage_manifests] == [4, 4]
-
-
 def test_sync_clients_at_concurrency_64_match_the_engine(engine):
     prompts = _prompts(64, seed=0)
     pool = ThreadPoolExecutor(64)
     with ServerThread(engine) as srv, PrefillClient(srv.target) as client, pool:
         remote = list(pool.map(lambda p: client.prefill(p, top_logprobs=3), prompts))
     for got, want in zip(remote, _direct(prompts, top_logprobs=3), strict=True):
-        _assert_same(got.result, want)
+        assert_same_result(got.result, want)
     assert len({r.result.request_id for r in remote}) == len(prompts)
     engine.check_integrity()
     assert stage_used_blocks(engine) == [0, 0]
@@ -98,7 +91,7 @@ def test_async_clients_at_concurrency_64_match_the_engine(engine):
     with ServerThread(engine) as srv:
         remote = asyncio.run(run(srv.target))
     for got, want in zip(remote, _direct(prompts), strict=True):
-        _assert_same(got.result, want)
+        assert_same_result(got.result, want)
     assert [r.result.request_id for r in remote] == [f"async-{i}" for i in range(len(prompts))]
     engine.check_integrity()
 
@@ -256,7 +249,7 @@ def test_server_info_and_remote_engine_behave_like_the_engine(engine):
             assert remote.info.text_prompts is False
             prompt = [3, 1, 4, 1, 5, 9, 2, 6]
             got = remote.submit(prompt, PrefillOptions(request_id="re-1")).result(10)
-            _assert_same(got, _direct([prompt])[0])
+            assert_same_result(got, _direct([prompt])[0])
             with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
                 remote.submit([VOCAB], PrefillOptions()).result(10)
             slow = PrefillOptions(deadline_s=0.0)  # already passed: the call's deadline expires
