@@ -13,6 +13,9 @@ other work cpu < busy, and the absolute figures say more about the neighbours th
 
     python bench/pipeline.py --json pipeline.json            # full grid
     python bench/pipeline.py --quick --json pipeline.json    # c in 1, 8, 32, smaller runs
+
+Writes the medians to PATH, every run's row to PATH with suffix .runs.json, a markdown
+table (.md) and a plot (.png) beside it.
 """
 
 from __future__ import annotations
@@ -271,6 +274,19 @@ def main() -> None:
         )
     rows.sort(key=lambda r: (r["workload"], r["concurrency"], r["policy"]))
     args.json.write_text(json.dumps(rows, indent=1))
+    per_run = [  # every run's own figures, for spread and pooling across invocations
+        {
+            "workload": wname,
+            "policy": policy,
+            "concurrency": c,
+            "run": i,
+            **r,
+            "ceiling_tok_s": ceiling_runs[wname][i],
+        }
+        for (wname, policy, c), runs in raw.items()
+        for i, r in enumerate(runs)
+    ]
+    args.json.with_suffix(".runs.json").write_text(json.dumps(per_run, indent=1))
     table = markdown(rows)
     args.json.with_suffix(".md").write_text(table + "\n")
     print(table)
