@@ -5,17 +5,26 @@ prompt length, reuse, request count ``c + max(c, 8|16)``, throughput over the wi
 which every client stays busy, as bench/pipeline.py measures it) under both policies with
 the calibrated ``cpu-bench`` preset, median over 3 prompt draws (and, for reference,
 ``cpu-bench-forward``: the isolated forward's costs only), and flags predictions more
-than ``--tolerance`` off.
-The runtime's wave policy plans with the MPU planner (runtime/leader_core.py), so does
-the simulated one here. The simulator is deterministic given the draw.
+than ``--tolerance`` off. The runtime's wave policy plans with the MPU planner
+(runtime/leader_core.py), so does the simulated one here; the simulated lockstep is our
+runtime's (the preset's ``LockstepModel.LEADER_ROUNDS``: rounds on stage 0's loop).
+The simulator is deterministic given the draw.
 
-    python bench/sim_vs_pipeline.py --pipeline /work/notes/bench/pipeline.json \\
-        --json sim_vs_pipeline.json
+``--fit`` grid-searches the pipeline overhead terms (compute scale, per-wave cost, the
+leader's host work per prompt token, round phase latency) on the ``--in-sample``
+concurrency levels only (default 1, 8, 32): a coarse grid, then a finer one around its
+best. Without ``--fit`` the table marks each row in-sample or OUT-of-sample, and the
+summary gives both errors separately.
+
+    python bench/sim_vs_pipeline.py --pipeline /work/notes/bench/pipeline_full.json --fit
+    python bench/sim_vs_pipeline.py --pipeline /work/notes/bench/pipeline_full.json \\
+        --json sim_vs_pipeline.json --md sim_vs_pipeline.md
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -66,13 +75,21 @@ def _simulate_once(
 
 
 def compare(
-    bench_rows: list[dict], preset: Preset, tolerance: float, progress: bool = True
+    bench_rows: list[dict],
+    preset: Preset,
+    tolerance: float,
+    progress: bool = True,
+    quick: bool | None = None,
+    seeds: int = 3,
 ) -> list[dict]:
-    """One flat row per bench row: measured, predicted, predicted/measured, flags."""
-    quick = max(r["concurrency"] for r in bench_rows) <= 32
+    """One flat row per bench row: measured, predicted, predicted/measured, flags.
+    ``quick``: whether the bench ran with ``--quick`` (fewer requests a row); by default
+    guessed from the rows' concurrency levels, so pass it when ``bench_rows`` is a subset."""
+    if quick is None:
+        quick = max(r["concurrency"] for r in bench_rows) <= 32
     out = []
     for b in tqdm(bench_rows, desc="simulating", disable=not progress):
-        s = simulate(preset, b["workload"], b["concurrency"], b["policy"], quick)
+        s = simulate(preset, b["workload"], b["concurrency"], b["policy"], quick, seeds)
         row = {"workload": b["workload"], "concurrency": b["concurrency"], "policy": b["policy"]}
         for key in ("input_tok_s", "computed_tok_s", "p50_s"):
             row[f"bench_{key}"] = b[key]
@@ -101,9 +118,11 @@ def compare(
     return out
 
 
-def with_overheads(preset: Preset, scale: float, wave_s: float, host_s: float) -> Preset:
-    """``preset`` with compute ``scale``d, ``wave_s`` per wave per stage, and ``host_s`` of
-    round host work per prompt token."""
+def with_overheads(
+    preset: Preset, scale: float, wave_s: float, host_s: float, phase_s: float | None = None
+) -> Preset:
+    """``preset`` with compute ``scale``d, ``wave_s`` per wave per stage, ``host_s`` of the
+    leader's round host work per prompt token and (if given) ``phase_s`` per round phase."""
     layers = max(
         s.num_layers
         for s in PipelineRoofline(
@@ -116,39 +135,75 @@ def with_overheads(preset: Preset, scale: float, wave_s: float, host_s: float) -
         chunk_overhead_s=preset.gpu.chunk_overhead_s * scale,
         layer_overhead_s=wave_s / layers,
     )
-    return replace(preset, gpu=gpu, rounds=replace(preset.rounds, host_s_per_token=host_s))
+    rounds = replace(preset.rounds, host_s_per_token=host_s)
+    if phase_s is not None:
+        rounds = replace(rounds, phase_latency_s=phase_s)
+    return replace(preset, gpu=gpu, rounds=rounds)
 
 
-def fit_overheads(bench_rows: list[dict], preset: Preset) -> list[dict]:
-    """Grid search of (compute scale, per-wave cost, round host work per token) minimising the
-    mean |log(sim / bench)| of input tok/s over all rows; rows sorted best first."""
-    grid = [
-        (scale, wave_ms, host_us)
-        for scale in (1.0, 1.2, 1.4)
-        for wave_ms in (0.0, 4.0, 8.0, 12.0)
-        for host_us in (1.0, 5.0, 10.0, 20.0)
+COARSE = {  # compute scale, ms per wave per stage, us per prompt token, ms per round phase
+    "scale": (1.0, 1.1, 1.2, 1.3),
+    "wave_ms": (0.0, 2.0, 4.0, 8.0),
+    "host_us_per_token": (1.0, 3.0, 6.0, 12.0),
+    "phase_ms": (1.0,),
+}
+
+
+def _log_error(rows: list[dict]) -> float:
+    return statistics.mean(abs(math.log(r["sim_over_bench_input_tok_s"])) for r in rows)
+
+
+def fit_overheads(
+    bench_rows: list[dict], preset: Preset, quick: bool, grid: dict[str, tuple[float, ...]]
+) -> list[dict]:
+    """Grid search over ``grid`` (keys as ``COARSE``) minimising the mean |log(sim / bench)|
+    of input tok/s over ``bench_rows`` (the in-sample rows); results sorted best first."""
+    points = [
+        dict(zip(grid, values, strict=True))
+        for values in itertools.product(*(grid[k] for k in grid))
     ]
     out = []
-    for scale, wave_ms, host_us in tqdm(grid, desc="fitting"):
-        p = with_overheads(preset, scale, wave_ms * 1e-3, host_us * 1e-6)
-        rows = compare(bench_rows, p, 0.2, progress=False)
-        err = sum(abs(math.log(r["sim_over_bench_input_tok_s"])) for r in rows) / len(rows)
-        out.append({"scale": scale, "wave_ms": wave_ms, "host_us_per_token": host_us, "err": err})
+    for g in tqdm(points, desc="fitting"):
+        p = with_overheads(
+            preset,
+            g["scale"],
+            g["wave_ms"] * 1e-3,
+            g["host_us_per_token"] * 1e-6,
+            g["phase_ms"] * 1e-3,
+        )
+        rows = compare(bench_rows, p, 0.2, progress=False, quick=quick)
+        out.append({**g, "err": _log_error(rows)})
     return sorted(out, key=lambda r: r["err"])
 
 
-def markdown(rows: list[dict]) -> str:
+def refine(best: dict, coarse: dict[str, tuple[float, ...]]) -> dict[str, tuple[float, ...]]:
+    """A 3-point grid per term around ``best``: half the coarse grid's step either side
+    (phase latency: x0.5, x1, x2)."""
+    out = {}
+    for key, values in coarse.items():
+        v = best[key]
+        if key == "phase_ms":
+            out[key] = (v / 2, v, v * 2)
+            continue
+        steps = sorted({abs(b - a) for a, b in itertools.pairwise(values)})
+        half = steps[0] / 2
+        out[key] = tuple(sorted({max(v - half, values[0] if key == "scale" else 0.0), v, v + half}))
+    return out
+
+
+def markdown(rows: list[dict], in_sample: set[int] | None = None) -> str:
     lines = [
-        "| workload | c | policy | bench in tok/s | sim in tok/s | sim/bench | sim fwd-only "
-        "| computed share bench/sim | bench busy | sim busy | bench w/l | sim w/l "
-        "| sim/bench w/l |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | c | sample | policy | bench in tok/s | sim in tok/s | sim/bench "
+        "| sim fwd-only | computed share bench/sim | bench busy | sim busy | bench w/l "
+        "| sim w/l | sim/bench w/l |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         f1 = " **>20%**" if r["flag_input"] else ""
         f2 = " **>20%**" if r["flag_ratio"] else ""
+        sample = "-" if in_sample is None else ("in" if r["concurrency"] in in_sample else "OUT")
         lines.append(
-            f"| {r['workload']} | {r['concurrency']} | {r['policy']} "
+            f"| {r['workload']} | {r['concurrency']} | {sample} | {r['policy']} "
             f"| {r['bench_input_tok_s']:.0f} | {r['sim_input_tok_s']:.0f} "
             f"| {r['sim_over_bench_input_tok_s']:.2f}{f1} "
             f"| {r.get('sim_forward_only_input_tok_s', float('nan')):.0f} "
@@ -160,29 +215,86 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict], tolerance: float) -> str:
+    """Error figures of ``rows``: flagged cells, mean |log| of throughput and of w/l."""
+    n_in = sum(r["flag_input"] for r in rows)
+    n_ratio = sum(r["flag_ratio"] for r in rows) // 2
+    ratio_err = statistics.mean(abs(math.log(r["sim_over_bench_ratio"])) for r in rows)
+    return (
+        f"{len(rows)} rows: {n_in} throughput cells and {n_ratio} of {len(rows) // 2} "
+        f"wave/lockstep ratios off by more than {tolerance:.0%}; mean |log(sim/bench)| "
+        f"input tok/s {_log_error(rows):.3f}, wave/lockstep {ratio_err:.3f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pipeline", type=Path, required=True, help="bench/pipeline.py --json rows")
     ap.add_argument("--json", type=Path, default=None, help="write the side-by-side rows here")
+    ap.add_argument("--md", type=Path, default=None, help="write the markdown table here")
     ap.add_argument("--preset", default="cpu-bench")
     ap.add_argument("--tolerance", type=float, default=0.2, help="flag |sim/bench - 1| above")
+    ap.add_argument(
+        "--in-sample",
+        default="1,8,32",
+        help="concurrency levels the fit sees; the others are out-of-sample (default 1,8,32)",
+    )
     ap.add_argument("--fit", action="store_true", help="grid-fit the pipeline overheads")
     args = ap.parse_args()
     bench_rows = json.loads(args.pipeline.read_text())
+    quick = max(r["concurrency"] for r in bench_rows) <= 32
+    in_sample = {int(c) for c in args.in_sample.split(",")}
     if args.fit:  # from the forward-only constants, as presets.py's comments describe
-        for r in fit_overheads(bench_rows, get_preset("cpu-bench-forward"))[:8]:
+        fit_rows = [r for r in bench_rows if r["concurrency"] in in_sample]
+        base = get_preset("cpu-bench-forward")
+        coarse = fit_overheads(fit_rows, base, quick, COARSE)
+        print("coarse grid, best 6:")
+        for r in coarse[:6]:
+            print(r)
+        fine = fit_overheads(fit_rows, base, quick, refine(coarse[0], COARSE))
+        print("refined grid, best 6:")
+        for r in fine[:6]:
             print(r)
         return
-    rows = compare(bench_rows, get_preset(args.preset), args.tolerance)
-    forward = compare(bench_rows, get_preset("cpu-bench-forward"), args.tolerance, progress=False)
+    rows = compare(bench_rows, get_preset(args.preset), args.tolerance, quick=quick)
+
+    forward = compare(
+        bench_rows, get_preset("cpu-bench-forward"), args.tolerance, progress=False, quick=quick
+    )
     for row, f in zip(rows, forward, strict=True):
         row["sim_forward_only_input_tok_s"] = f["sim_input_tok_s"]
-    print(markdown(rows))
-    flagged = sum(r["flag_input"] for r in rows)
-    print(f"\n{flagged} of {len(rows)} throughput cells off by more than {args.tolerance:.0%}")
-    for key in ("sim_input_tok_s", "sim_forward_only_input_tok_s"):
-        err = statistics.mean(abs(math.log(r[key] / r["bench_input_tok_s"])) for r in rows)
-        print(f"mean |log(sim/bench)| of input tok/s, {key}: {err:.2f}")
+        row["sample"] = "in" if row["concurrency"] in in_sample else "out"
+    preset = get_preset(args.preset)
+    gpu, rounds = preset.gpu, preset.rounds
+    lines = [
+        f"# simulator `{args.preset}` vs `{args.pipeline.name}` (bench/pipeline.py)",
+        "",
+        f"Preset terms: compute x{1 / gpu.flops_efficiency:.2f}, "
+        f"{gpu.layer_overhead_s * 1e3:.2f} ms per layer per wave, "
+        f"{rounds.host_s_per_token * 1e6:.1f} us leader host work per prompt token, "
+        f"{rounds.phases} round phases of {rounds.phase_latency_s * 1e3:.1f} ms; lockstep "
+        f"model {preset.lockstep_model.value}. Fit rows (in-sample): c in "
+        f"{sorted(in_sample)}; the others are out-of-sample. Cells more than "
+        f"{args.tolerance:.0%} off are marked. w/l = wave / lockstep input tok/s.",
+        "",
+        markdown(rows, in_sample),
+        "",
+    ]
+    for label, subset in (
+        ("in-sample", [r for r in rows if r["sample"] == "in"]),
+        ("out-of-sample", [r for r in rows if r["sample"] == "out"]),
+        ("all", rows),
+    ):
+        if subset:
+            lines.append(f"- {label}: {summary(subset, args.tolerance)}")
+    fwd_err = statistics.mean(
+        abs(math.log(r["sim_forward_only_input_tok_s"] / r["bench_input_tok_s"])) for r in rows
+    )
+    lines.append(f"- forward-only preset, all rows: mean |log(sim/bench)| {fwd_err:.3f}")
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        args.md.write_text(text + "\n")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -148,15 +148,26 @@ def test_wave_ids_increase_and_request_cap_holds():
 def test_cost_aware_gives_long_context_chunks_fewer_tokens():
     from dataclasses import replace
 
-    # a = 1 s/token, c = 1/1024 s per (token x context token); ref = end/2 = 32768, so
-    # tau = 16384 * (1 + 32) = 540672 s. At offset 49152: l * (49 + l/2048) <= 540672
-    # -> l = 10031, aligned down to 9984. At offset 0 the M = 16384 token cap binds.
+    # a = 1 s/token, c = 1/1024 s per (token x context token); for a cold request ref =
+    # (first_start + end)/2 = 32768, so tau = 16384 * (1 + 32) = 540672 s. At offset 49152:
+    # l * (49 + l/2048) <= 540672 -> l = 10031, aligned down to 9984. At offset 0 the
+    # M = 16384 token cap binds.
     cost = ChunkCostModel(per_token_s=1.0, per_token_context_s=1 / 1024)
     planner = WavePlanner(replace(CFG, mode=PlannerMode.COST_AWARE), cost)
-    assert chunks(planner.plan([UnscheduledWork("x", 0, 65536)])) == [("x", 0, 16384)]
-    tail = [UnscheduledWork("x", 49152, 65536)]
+    assert chunks(planner.plan([UnscheduledWork("x", 0, 65536, 0)])) == [("x", 0, 16384)]
+    tail = [UnscheduledWork("x", 49152, 65536, first_start=0)]
     assert chunks(planner.plan(tail)) == [("x", 49152, 9984)]
     assert cost.chunk_cost(49152, 9984) <= 540672 < cost.chunk_cost(49152, 10240)
+    # A reuse suffix computes [49152, 65536) only: ref = 57344, tau = 16384 * (1 + 56) =
+    # 933888 s = chunk_cost(49152, 16384), so it gets the whole M-token budget, not the
+    # 9984 tokens a cold request's tail gets at the same offset (without first_start the
+    # planner takes next_start, the same here).
+    for suffix in (UnscheduledWork("y", 49152, 65536, 49152), UnscheduledWork("y", 49152, 65536)):
+        fresh = WavePlanner(replace(CFG, mode=PlannerMode.COST_AWARE), cost)  # budget M
+        assert chunks(fresh.plan([suffix])) == [("y", 49152, 16384)]
+    assert cost.chunk_cost(49152, 16384) == 933888
+    with pytest.raises(InvariantError):
+        UnscheduledWork("z", 100, 200, first_start=101)
 
 
 def test_cost_model_max_length_is_exact():

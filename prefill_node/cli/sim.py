@@ -8,9 +8,11 @@ import sys
 
 _DESCRIPTION = """\
 Simulate one prefill pipeline under the WavePP policy (admission rounds run ahead of
-execution, MPU wave planner) and the lockstep baseline (TensorRT-LLM's PP executor: every
-rank's loop schedules, walks cached prefixes and allocates serially before it launches a
-micro-batch; fixed chunk budget M), driving the real sans-IO admission core
+execution, cost-aware wave planner by default) and the lockstep baseline (GPU presets:
+TensorRT-LLM's PP executor - every rank's loop schedules, walks cached prefixes and
+allocates serially before it launches a micro-batch; cpu-bench presets: this project's
+runtime lockstep - the leader's admission rounds on stage 0's loop; fixed chunk budget M in
+both), driving the real sans-IO admission core
 (block pools, leases, escrows, coordinator) with a roofline cost model of the preset's
 model and GPUs. Closed loop: each of C clients sends its next request when the previous
 one completes. Deterministic given --seed.
@@ -23,7 +25,7 @@ examples:
   wavepp sim --preset minimax-pp4 --workload reuse90 --input-len 262144 --planner all
   wavepp sim --sweep paper --json sweep.json --plot sweep.png
   wavepp sim --preset cpu --workload mixed --input-len 4096 --concurrency 4
-  wavepp sim --preset cpu-bench --workload reuse90 --input-len 512 --planner mpu
+  wavepp sim --preset cpu-bench --workload reuse90 --input-len 1024 --planner mpu
 """
 
 

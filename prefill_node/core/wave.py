@@ -64,12 +64,16 @@ class UnscheduledWork:
     """An admitted request's tokens ``[next_start, end)`` that no wave has taken yet.
 
     ``next_start`` is the cached length on admission and advances as waves take chunks;
-    ``end`` is the prompt length. The planner never schedules past ``end``.
+    ``end`` is the prompt length. The planner never schedules past ``end``. ``first_start``
+    (optional) is where the request's computation began, its cached length on admission;
+    only the cost-aware planner reads it (``computed_from``), and without it takes
+    ``next_start``.
     """
 
     request_id: str
     next_start: int
     end: int
+    first_start: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.next_start < self.end:
@@ -77,6 +81,16 @@ class UnscheduledWork:
                 f"unscheduled work of {self.request_id!r} must satisfy "
                 f"0 <= next_start < end, got {self.next_start}, {self.end}"
             )
+        if self.first_start is not None and not 0 <= self.first_start <= self.next_start:
+            raise InvariantError(
+                f"unscheduled work of {self.request_id!r} must satisfy "
+                f"0 <= first_start <= next_start, got {self.first_start}, {self.next_start}"
+            )
+
+    @property
+    def computed_from(self) -> int:
+        """Start of the tokens this request computes: ``first_start`` if known."""
+        return self.next_start if self.first_start is None else self.first_start
 
     @property
     def remaining(self) -> int:

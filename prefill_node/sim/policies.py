@@ -28,6 +28,14 @@
   KV transfers drain and otherwise raises (``_pp_retry_until_can_schedule``); here both
   policies take the admission core's all-stage capacity decision, so that never happens.
 
+``LockstepModel`` says which lockstep a preset runs: ``TRTLLM_EXECUTOR`` (above; the GPU
+presets, the paper's baseline) or ``LEADER_ROUNDS``, the lockstep of our own runtime
+(``leader_rounds.py``: the leader runs the 3-phase admission rounds synchronously on stage
+0's execution loop, the other stages answer them between waves, no scheduler prefix walks
+and no per-rank replay; same fixed M, ``P`` waves in flight, one chunk of a request in
+flight), which the ``cpu-bench`` preset uses so that it can be compared with the real CPU
+pipeline (``bench/sim_vs_pipeline.py``).
+
 Both policies drive the same admission core with the same per-token host cost; only when
 and where the host work runs, how often the scheduler repeats its prefix walks, and how
 waves are formed differ.
@@ -44,6 +52,13 @@ from prefill_node.errors import InvalidRequestError
 
 class UnknownPolicyError(InvalidRequestError):
     """A policy or planner name is not one of the known ones; the message lists them."""
+
+
+class LockstepModel(enum.Enum):
+    """Which lockstep baseline a preset simulates (see the module docstring)."""
+
+    TRTLLM_EXECUTOR = "trtllm-executor"
+    LEADER_ROUNDS = "leader-rounds"
 
 
 class PolicyKind(enum.Enum):

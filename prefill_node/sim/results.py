@@ -47,7 +47,9 @@ class SimResult:
     mean_wave_tokens: float
     rounds: int
     mean_round_requests: float
-    loop_stall_s: float  # lockstep: GPU time waiting for its rank's loop, summed over stages
+    # lockstep: time stages wait for their loops, summed over stages (TRT-LLM executor:
+    # each rank's host work; leader rounds: stage 0's loop running admission rounds)
+    loop_stall_s: float
     stage_utilisation: float  # mean over stages of busy / makespan
 
     def row(self) -> dict[str, object]:

@@ -18,7 +18,10 @@ Timeline rules (both policies, see ``policies.py`` for what differs):
 - LOCKSTEP instead runs the round inside rank 0's executor-loop iteration, with no time of
   its own, and charges the loop work TensorRT-LLM does per wave on every rank
   (``executor_loops.py``); a stage's GPU starts a wave only once its own rank's loop has
-  launched it (the wait is reported as ``loop_stall_s``).
+  launched it (the wait is reported as ``loop_stall_s``). A preset whose
+  ``lockstep_model`` is ``LEADER_ROUNDS`` (our runtime's lockstep) runs each round on
+  stage 0's loop instead, phase by phase, each phase answered by the other stages between
+  their waves (``leader_rounds.py``); stage 0 computes nothing meanwhile.
 
 Deterministic: no wall clock, no hashing of Python objects, ties broken by event order.
 """
@@ -35,13 +38,15 @@ from prefill_node.core.wave import UnscheduledWork, Wave
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
 from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, WaveHostWork
-from prefill_node.sim.policies import Policy
+from prefill_node.sim.leader_rounds import LeaderRounds
+from prefill_node.sim.policies import LockstepModel, Policy
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.workloads import SimRequest, Workload, WorkloadSpec
 
 _ARRIVE, _ROUND_DONE, _STAGE_DONE, _WAVE_AT_STAGE, _HOST_LAUNCH, _LEADER_FREE = range(6)
+_PHASE_SEND, _PHASE_AT_STAGE, _PHASE_REPLY = range(6, 9)  # LEADER_ROUNDS lockstep only
 
 
 @dataclass
@@ -108,12 +113,18 @@ class Simulator:
         self._round_wanted = False  # something changed since the last round
         # LOCKSTEP: every rank's executor loop (executor_loops.py); wave_id -> loop index
         self.loops: ExecutorLoops | None = None
-        if policy.admission_on_loop:
+        self.leader_rounds: LeaderRounds | None = None
+        if policy.admission_on_loop and p.lockstep_model is LockstepModel.LEADER_ROUNDS:
+            rounds = p.rounds
+            self.leader_rounds = LeaderRounds(p.num_stages, rounds.phases, rounds.phase_latency_s)
+        elif policy.admission_on_loop:
             rounds = p.rounds
             costs = LoopCosts(rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s)
             self.loops = ExecutorLoops(p.num_stages, costs)
         self._loop_index: dict[int, int] = {}
         self._leader_wakeup: float | None = None
+        self._loop_round_done = False  # LEADER_ROUNDS: a round ran since the last wave
+        self._round_started = 0.0
         self._in_flight = 0
         self._stage_busy = [False] * p.num_stages
         self._stage_queue: list[deque[Wave]] = [deque() for _ in range(p.num_stages)]
@@ -146,6 +157,8 @@ class Simulator:
                 self._on_wave_at_stage(*payload)  # type: ignore[misc]
             elif kind == _HOST_LAUNCH:
                 self._on_host_launch(*payload)  # type: ignore[misc]
+            elif kind >= _PHASE_SEND:
+                self._on_phase_event(kind, payload)  # type: ignore[arg-type]
             else:
                 self._leader_wakeup = None
                 self._try_issue()
@@ -215,11 +228,40 @@ class Simulator:
         # measures); a request retried after a Wait costs little more than the phases.
         fresh = [r for r in ids if r not in self._charged]
         self._charged.update(fresh)
-        latency = self.preset.rounds.round_s(sum(self._submitted[r][0].num_tokens for r in fresh))
+        tokens = sum(self._submitted[r][0].num_tokens for r in fresh)
         self._num_rounds += 1
         self._round_requests += len(ids)
-        self._push(self.now + latency, _ROUND_DONE, None)
+        if self.leader_rounds is not None:  # on stage 0's loop: host work, then the phases
+            self.leader_rounds.begin()
+            host = self.preset.rounds.host_s_per_token * tokens
+            self._round_started = self.now
+            self._push(self.now + host, _PHASE_SEND, None)
+            return True
+        self._push(self.now + self.preset.rounds.round_s(tokens), _ROUND_DONE, None)
         return True
+
+    def _on_phase_event(self, kind: int, stage: int | None) -> None:
+        """LEADER_ROUNDS: send a phase to every other stage, deliver it, collect replies."""
+        lr = self.leader_rounds
+        if lr is None:
+            raise InvariantError("phase event without a leader-rounds lockstep")
+        if kind == _PHASE_SEND:
+            for s in range(1, self.preset.num_stages):
+                self._push(self.now + lr.one_way_s, _PHASE_AT_STAGE, s)
+            if self.preset.num_stages > 1:
+                return
+        elif kind == _PHASE_AT_STAGE:
+            if lr.arrive(stage, self._stage_busy[stage]):  # answered at once
+                self._push(self.now + lr.one_way_s, _PHASE_REPLY, stage)
+            return
+        elif not lr.reply(stage):
+            return
+        if lr.next_phase():
+            self._push(self.now, _PHASE_SEND, None)
+            return
+        self._loop_stall_s += self.now - self._round_started  # stage 0 computed nothing
+        self._loop_round_done = True
+        self._on_round_done(None)
 
     def _maybe_start_round(self) -> None:
         """WAVE policy only: rounds on their own timeline, back to back while useful."""
@@ -260,7 +302,7 @@ class Simulator:
     def _schedulable(self) -> list[UnscheduledWork]:
         pipelined = self.policy.pipelined_chunks
         return [
-            UnscheduledWork(rid, r.next_start, r.end)
+            UnscheduledWork(rid, r.next_start, r.end, r.cached_len)
             for rid, r in self._running.items()
             if r.next_start < r.end and (pipelined or r.in_flight == 0)
         ]
@@ -269,6 +311,9 @@ class Simulator:
         """Plan and start the next wave on stage 0 if the leader and the ring allow it."""
         if self.loops is not None:
             self._try_issue_lockstep(self.loops)
+            return
+        if self.leader_rounds is not None:
+            self._try_issue_leader_rounds()
             return
         if self._stage_busy[0] or self._stage_queue[0]:
             return
@@ -279,6 +324,25 @@ class Simulator:
         if wave is not None:
             self._take(wave)
             self._start_on_stage(0, wave)
+
+    def _try_issue_leader_rounds(self) -> None:
+        """Our runtime's lockstep (``Leader.next_wave``): when stage 0's loop is free, one
+        round if there is round work, then one wave if the ring allows; with no wave to run,
+        a further round as soon as there is round work again."""
+        if self._stage_busy[0] or self._round_busy:
+            return
+        after_round, self._loop_round_done = self._loop_round_done, False
+        round_work = self._round_wanted and self._admission_waiting()
+        if not after_round and round_work and self._start_round():
+            return
+        work = self._schedulable() if self._in_flight < self.policy.ring_size else []
+        wave = self.planner.plan(work) if work else None
+        if wave is None:
+            if after_round and self._round_wanted and self._admission_waiting():
+                self._start_round()
+            return
+        self._take(wave)
+        self._start_on_stage(0, wave)
 
     def _try_issue_lockstep(self, loops: ExecutorLoops) -> None:
         """Rank 0's loop iteration: admit (capacity), schedule one wave, charge the loops.
@@ -385,6 +449,9 @@ class Simulator:
         else:
             arrive = self.now + self.roof.transfer_time(wave.num_tokens)
             self._push(arrive, _WAVE_AT_STAGE, (stage + 1, wave))
+        lr = self.leader_rounds
+        if lr is not None and lr.stage_free(stage):  # a parked phase takes the lock first
+            self._push(self.now + lr.one_way_s, _PHASE_REPLY, stage)
         if self._stage_queue[stage]:
             self._start_on_stage(stage, self._stage_queue[stage].popleft())
         self._maybe_start_round()
