@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from prefill_node.runtime.dist_env import DistEnv
@@ -57,11 +58,17 @@ class LocalLauncher:
         """Stage rank -> OS pid of its process."""
         return {rank: p.pid for rank, p in self._procs.items()}
 
-    def exit_summary(self) -> str:
-        """'stage R exited with code C' for every child that already exited, else ''."""
-        codes = {rank: p.poll() for rank, p in self._procs.items()}
-        dead = [f"stage {r} exited with code {c}" for r, c in codes.items() if c is not None]
-        return ", ".join(dead)
+    def exit_summary(self, wait_s: float = 0.5) -> str:
+        """'stage R exited with code C' for every child that exited, else '' - waiting up
+        to ``wait_s`` for one: a dying process closes its sockets (peers see the error)
+        before it can be reaped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            codes = {rank: p.poll() for rank, p in self._procs.items()}
+            dead = [f"stage {r} exited with code {c}" for r, c in codes.items() if c is not None]
+            if dead or time.monotonic() >= deadline:
+                return ", ".join(dead)
+            time.sleep(0.02)
 
     def start(self) -> None:
         cpus = stage_cpus(self._env.world_size) if self._pin_cpus else None

@@ -251,7 +251,7 @@ class PipelineEngine:
         self._on_dead(f"stage {rank} process exited with code {code}")
 
     def _on_dead(self, reason: str) -> None:
-        if self._launcher is not None and "process exited" not in reason:
+        if not (self._dead or self._closed or self._launcher is None or "exited" in reason):
             summary = self._launcher.exit_summary()  # a plane error often beats its poll
             reason = f"{summary} ({reason})" if summary else reason
         with self._lock:
