@@ -13,6 +13,7 @@ other work cpu < busy, and the absolute figures say more about the neighbours th
 
     python bench/pipeline.py --json pipeline.json            # full grid
     python bench/pipeline.py --quick --json pipeline.json    # c in 1, 8, 32, smaller runs
+    python bench/pipeline.py --json all.json --pool a.runs.json b.runs.json  # medians of both
 
 Writes the medians to PATH, every run's row to PATH with suffix .runs.json, a markdown
 table (.md) and a plot (.png) beside it.
@@ -129,6 +130,7 @@ def closed_loop(engine: PipelineEngine, prompts: list[list[int]], concurrency: i
         "computed_tok_s": sum(d[2] for d in window) / span,
         "p50_s": lat[len(lat) // 2],
         "p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+        "requests": len(prompts),
     }
     for a, b in zip(before, after, strict=True):
         row[f"busy_stage{a.stage}"] = (b.busy_s - a.busy_s) / wall
@@ -215,7 +217,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="c in 1, 8, 32; fewer requests")
     ap.add_argument("--runs", type=int, default=3, help="runs per setting (median; >= 3)")
     ap.add_argument("--concurrency", type=str, default=None, help="e.g. 1,4,8,32,128")
+    ap.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RUNS_JSON",
+        help="run nothing: pool the .runs.json files of earlier invocations (medians over all\n"
+        "their runs) and write PATH, .md and .png from them",
+    )
     args = ap.parse_args()
+    if args.pool:
+        per_run = []
+        for i, src in enumerate(args.pool):
+            per_run += [{**r, "source": i} for r in json.loads(src.read_text())]
+        write_summary(per_run, args.json)
+        return
     levels = [1, 8, 32] if args.quick else [1, 4, 8, 32, 128]
     if args.concurrency:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -243,7 +260,7 @@ def main() -> None:
                         if w.warm_share:  # seed the shared prefixes (untimed), cold runs evict
                             for f in [engine.submit(p + [1], PrefillOptions()) for p in prefixes]:
                                 f.result(timeout=120)
-                        n = c + max(c, 8 if args.quick else 16)
+                        n = c + max(c, 8 if args.quick else 32)  # >= 33 requests timed per cell
                         prompts = prompts_for(w, n, random.Random(run * 1000 + c), prefixes)
                         row = closed_loop(engine, prompts, c)
                         raw.setdefault((w.name, policy, c), []).append(row)
@@ -252,13 +269,43 @@ def main() -> None:
             finally:
                 engine.shutdown()
     bar.close()
+    per_run = [  # every run's own figures, for spread and pooling across invocations
+        {
+            "workload": wname,
+            "policy": policy,
+            "concurrency": c,
+            "run": i,
+            **r,
+            "ceiling_tok_s": ceiling_runs[wname][i],
+        }
+        for (wname, policy, c), runs in raw.items()
+        for i, r in enumerate(runs)
+    ]
+    args.json.with_suffix(".runs.json").write_text(json.dumps(per_run, indent=1))
+    write_summary(per_run, args.json)
+
+
+def summarise(per_run: list[dict]) -> list[dict]:
+    """Median rows, one per (workload, policy, concurrency), from every run's own row.
+
+    ``efficiency`` = median computed tok/s / median ceiling of that workload over the same
+    runs; ``efficiency_per_run`` = the median of each run's computed / its own ceiling (less
+    sensitive to drift between runs). ``wave_over_lockstep`` compares median input tok/s.
+    """
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for r in per_run:
+        groups.setdefault((r["workload"], r["policy"], r["concurrency"]), []).append(r)
+    skip = {"workload", "policy", "concurrency", "run", "source"}
     rows = []
-    for (wname, policy, c), runs in raw.items():
-        row = {"workload": wname, "policy": policy, "concurrency": c, "runs": len(runs)}
+    for (wname, policy, c), runs in groups.items():
+        row: dict = {"workload": wname, "policy": policy, "concurrency": c, "runs": len(runs)}
         for key in runs[0]:
-            row[key] = statistics.median(r[key] for r in runs)
-        row["ceiling_tok_s"] = statistics.median(ceiling_runs[wname])
+            if key not in skip and all(key in r for r in runs):
+                row[key] = statistics.median(r[key] for r in runs)
         row["efficiency"] = row["computed_tok_s"] / row["ceiling_tok_s"]
+        row["efficiency_per_run"] = statistics.median(
+            r["computed_tok_s"] / r["ceiling_tok_s"] for r in runs
+        )
         rows.append(row)
     for row in rows:
         other = next(
@@ -273,37 +320,32 @@ def main() -> None:
             else other["input_tok_s"] / row["input_tok_s"]
         )
     rows.sort(key=lambda r: (r["workload"], r["concurrency"], r["policy"]))
-    args.json.write_text(json.dumps(rows, indent=1))
-    per_run = [  # every run's own figures, for spread and pooling across invocations
-        {
-            "workload": wname,
-            "policy": policy,
-            "concurrency": c,
-            "run": i,
-            **r,
-            "ceiling_tok_s": ceiling_runs[wname][i],
-        }
-        for (wname, policy, c), runs in raw.items()
-        for i, r in enumerate(runs)
-    ]
-    args.json.with_suffix(".runs.json").write_text(json.dumps(per_run, indent=1))
+    return rows
+
+
+def write_summary(per_run: list[dict], path: Path) -> None:
+    """The median rows to ``path``, a markdown table (.md) and a plot (.png) beside it."""
+    rows = summarise(per_run)
+    path.write_text(json.dumps(rows, indent=1))
     table = markdown(rows)
-    args.json.with_suffix(".md").write_text(table + "\n")
+    path.with_suffix(".md").write_text(table + "\n")
     print(table)
-    plot(rows, args.json.with_suffix(".png"))
+    plot(rows, path.with_suffix(".png"))
 
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| workload | c | policy | input tok/s | computed tok/s | ceiling tok/s | efficiency "
-        "| p50 s | p95 s | busy s0 | busy s1 | cpu s0 | cpu s1 | wave/lockstep |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| workload | c | policy | runs | input tok/s | computed tok/s | ceiling tok/s "
+        "| efficiency | efficiency per run | p50 s | p95 s | busy s0 | busy s1 | cpu s0 | cpu s1 "
+        "| wave/lockstep |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['workload']} | {r['concurrency']} | {r['policy']} | {r['input_tok_s']:.0f} "
-            f"| {r['computed_tok_s']:.0f} | {r['ceiling_tok_s']:.0f} | {r['efficiency']:.2f} "
+            f"| {r['workload']} | {r['concurrency']} | {r['policy']} | {r['runs']} "
+            f"| {r['input_tok_s']:.0f} | {r['computed_tok_s']:.0f} | {r['ceiling_tok_s']:.0f} "
+            f"| {r['efficiency']:.2f} | {r['efficiency_per_run']:.2f} "
             f"| {r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['busy_stage0']:.2f} "
             f"| {r['busy_stage1']:.2f} | {r['cpu_stage0']:.2f} | {r['cpu_stage1']:.2f} "
             f"| {r['wave_over_lockstep']:.2f}x |"

@@ -1,12 +1,12 @@
 """Side by side: bench/pipeline.py's measured rows vs the simulator's `cpu-bench` prediction.
 
 For every (workload, concurrency) of a pipeline.json, simulates the same closed loop (same
-prompt length, reuse, request count ``c + max(c, 8|16)``, throughput over the window in
-which every client stays busy, as bench/pipeline.py measures it) under both policies with
-the calibrated ``cpu-bench`` preset, median over 3 prompt draws (and, for reference,
-``cpu-bench-forward``: the isolated forward's costs only), and flags predictions more
-than ``--tolerance`` off. The runtime's wave policy plans with the MPU planner
-(runtime/leader_core.py), so does the simulated one here; the simulated lockstep is our
+prompt length, reuse, request count - the row's ``requests``, else ``c + max(c, --tail)`` -
+throughput over the window in which every client stays busy, as bench/pipeline.py measures
+it) under both policies with the calibrated ``cpu-bench`` preset, median over 3 prompt
+draws (and, for reference, ``cpu-bench-forward``: the isolated forward's costs only), and
+flags predictions more than ``--tolerance`` off. The runtime's wave policy plans with the
+MPU planner (runtime/leader_core.py), so does the simulated one here; the simulated lockstep is our
 runtime's (the preset's ``LockstepModel.LEADER_ROUNDS``: rounds on stage 0's loop).
 The simulator is deterministic given the draw.
 
@@ -45,19 +45,19 @@ PROMPT = 1024  # bench/pipeline.py PROMPT
 
 
 def simulate(
-    preset: Preset, workload: str, concurrency: int, policy: str, quick: bool, seeds: int = 3
+    preset: Preset, workload: str, concurrency: int, policy: str, tail: int, seeds: int = 3
 ) -> dict:
     """The simulator's figures for one bench row, measured the way bench/pipeline.py does:
     the median over ``seeds`` prompt draws, as the bench takes the median of its runs (with
     9-64 requests a run, the warm share of mixed75 varies by +-15% between draws)."""
-    runs = [_simulate_once(preset, workload, concurrency, policy, quick, s) for s in range(seeds)]
+    runs = [_simulate_once(preset, workload, concurrency, policy, tail, s) for s in range(seeds)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def _simulate_once(
-    preset: Preset, workload: str, concurrency: int, policy: str, quick: bool, seed: int
+    preset: Preset, workload: str, concurrency: int, policy: str, tail: int, seed: int
 ) -> dict:
-    n = concurrency + max(concurrency, 8 if quick else 16)
+    n = concurrency + max(concurrency, tail)
     spec = WorkloadSpec(KINDS[workload], PROMPT, concurrency, n, preset.block_size, seed=seed)
     pol = wave_policy(2, PlannerMode.MPU) if policy == "wave" else lockstep_policy(2)
     sim = Simulator(preset, spec, pol)
@@ -79,17 +79,17 @@ def compare(
     preset: Preset,
     tolerance: float,
     progress: bool = True,
-    quick: bool | None = None,
+    tail: int = 32,
     seeds: int = 3,
 ) -> list[dict]:
     """One flat row per bench row: measured, predicted, predicted/measured, flags.
-    ``quick``: whether the bench ran with ``--quick`` (fewer requests a row); by default
-    guessed from the rows' concurrency levels, so pass it when ``bench_rows`` is a subset."""
-    if quick is None:
-        quick = max(r["concurrency"] for r in bench_rows) <= 32
+    ``tail``: the bench timed ``c + max(c, tail)`` requests a row, unless the row says
+    (``requests``)."""
     out = []
     for b in tqdm(bench_rows, desc="simulating", disable=not progress):
-        s = simulate(preset, b["workload"], b["concurrency"], b["policy"], quick, seeds)
+        c = b["concurrency"]
+        t = int(b["requests"]) - c if "requests" in b else max(c, tail)
+        s = simulate(preset, b["workload"], c, b["policy"], t, seeds)
         row = {"workload": b["workload"], "concurrency": b["concurrency"], "policy": b["policy"]}
         for key in ("input_tok_s", "computed_tok_s", "p50_s"):
             row[f"bench_{key}"] = b[key]
@@ -154,7 +154,7 @@ def _log_error(rows: list[dict]) -> float:
 
 
 def fit_overheads(
-    bench_rows: list[dict], preset: Preset, quick: bool, grid: dict[str, tuple[float, ...]]
+    bench_rows: list[dict], preset: Preset, tail: int, grid: dict[str, tuple[float, ...]]
 ) -> list[dict]:
     """Grid search over ``grid`` (keys as ``COARSE``) minimising the mean |log(sim / bench)|
     of input tok/s over ``bench_rows`` (the in-sample rows); results sorted best first."""
@@ -171,7 +171,7 @@ def fit_overheads(
             g["host_us_per_token"] * 1e-6,
             g["phase_ms"] * 1e-3,
         )
-        rows = compare(bench_rows, p, 0.2, progress=False, quick=quick)
+        rows = compare(bench_rows, p, 0.2, progress=False, tail=tail)
         out.append({**g, "err": _log_error(rows)})
     return sorted(out, key=lambda r: r["err"])
 
@@ -240,26 +240,32 @@ def main() -> None:
         help="concurrency levels the fit sees; the others are out-of-sample (default 1,8,32)",
     )
     ap.add_argument("--fit", action="store_true", help="grid-fit the pipeline overheads")
+    ap.add_argument(
+        "--tail",
+        type=int,
+        default=32,
+        help="rows without a `requests` count timed c + max(c, TAIL) requests (bench/pipeline.py"
+        " default 32; 16 before 2026-11-29 14:00, 8 with --quick)",
+    )
     args = ap.parse_args()
     bench_rows = json.loads(args.pipeline.read_text())
-    quick = max(r["concurrency"] for r in bench_rows) <= 32
     in_sample = {int(c) for c in args.in_sample.split(",")}
     if args.fit:  # from the forward-only constants, as presets.py's comments describe
         fit_rows = [r for r in bench_rows if r["concurrency"] in in_sample]
         base = get_preset("cpu-bench-forward")
-        coarse = fit_overheads(fit_rows, base, quick, COARSE)
+        coarse = fit_overheads(fit_rows, base, args.tail, COARSE)
         print("coarse grid, best 6:")
         for r in coarse[:6]:
             print(r)
-        fine = fit_overheads(fit_rows, base, quick, refine(coarse[0], COARSE))
+        fine = fit_overheads(fit_rows, base, args.tail, refine(coarse[0], COARSE))
         print("refined grid, best 6:")
         for r in fine[:6]:
             print(r)
         return
-    rows = compare(bench_rows, get_preset(args.preset), args.tolerance, quick=quick)
+    rows = compare(bench_rows, get_preset(args.preset), args.tolerance, tail=args.tail)
 
     forward = compare(
-        bench_rows, get_preset("cpu-bench-forward"), args.tolerance, progress=False, quick=quick
+        bench_rows, get_preset("cpu-bench-forward"), args.tolerance, progress=False, tail=args.tail
     )
     for row, f in zip(rows, forward, strict=True):
         row["sim_forward_only_input_tok_s"] = f["sim_input_tok_s"]

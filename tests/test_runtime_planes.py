@@ -8,6 +8,7 @@ import os
 import pickle
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from prefill_node.runtime.planes import Frame, PlaneClosedError, Planes
 pytestmark = pytest.mark.timeout(60)
 
 
-def _join(rank: int, world: int, port: int) -> Planes:
+def _join(rank: int, world: int, port: int, inline: int = 0) -> Planes:
     store = dist.TCPStore(
         "127.0.0.1",
         port,
@@ -28,7 +29,7 @@ def _join(rank: int, world: int, port: int) -> Planes:
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=30),
     )
-    return Planes.join(rank, world, store, torch.device("cpu"), rounds_timeout_s=30)
+    return Planes.join(rank, world, store, torch.device("cpu"), 30, inline_bytes=inline)
 
 
 def _relay(rank: int, world: int, port: int, out: mp.Queue) -> None:
@@ -115,11 +116,17 @@ def test_dist_env_parses_torchrun_variables_and_names_what_is_missing() -> None:
         DistEnv.from_env({"RANK": "0", "WORLD_SIZE": "x", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
 
 
-def _echo_big(port: int, out: mp.Queue) -> None:
-    """Stage 1 of 2: return each frame to the leader; answer one round with a big reply."""
+@dataclass(frozen=True)
+class _Stop:
+    stop: bool = True
+
+
+def _echo_big(port: int, inline: int, out: mp.Queue) -> None:
+    """Stage 1 of 2: return each frame to the leader (the stop frame last); answer one round
+    with a big reply."""
     torch.set_num_threads(1)
-    planes = _join(1, 2, port)
-    for _ in range(3):
+    planes = _join(1, 2, port, inline)
+    for _ in range(5):  # 4 frames, then the stop frame
         frame = planes.data.recv_prev()
         planes.data.send_result(Frame(frame.header, frame.tensor))
     msg, replies = planes.rounds.follow(lambda m: [f"r{i}" for i in range(5000)])
@@ -130,31 +137,42 @@ def _echo_big(port: int, out: mp.Queue) -> None:
     Planes.close()
 
 
-def test_headers_and_round_messages_larger_than_one_buffer_arrive_whole() -> None:
-    """Frames whose pickled header exceeds HEAD_BYTES and round messages / replies beyond
-    ROUND_BYTES take the overflow path; order, content and tensors survive it."""
+@pytest.mark.parametrize("inline", [0, 8192])
+def test_headers_and_round_messages_larger_than_one_buffer_arrive_whole(inline: int) -> None:
+    """Frames whose pickled header exceeds HEAD_BYTES, tensors beyond the inline capacity
+    (each alone and both in one frame) and round messages / replies beyond ROUND_BYTES take
+    the overflow paths; order, content and tensors survive them, and a stop frame ends both
+    streams with no receive left pending (the processes close their groups and exit)."""
     from prefill_node.runtime.channels import HEAD_BYTES
     from prefill_node.runtime.planes import ROUND_BYTES
 
     ctx = mp.get_context("spawn")
     port = free_local_port()
     out: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_echo_big, args=(port, out))
+    proc = ctx.Process(target=_echo_big, args=(port, inline, out))
     proc.start()
-    planes = _join(0, 2, port)
+    planes = _join(0, 2, port, inline)
     try:
-        headers = [{"i": i, "blob": list(range(n))} for i, n in enumerate((10, 9000, 3))]
+        headers = [{"i": i, "blob": list(range(n))} for i, n in enumerate((10, 9000, 3, 9000))]
         assert len(pickle.dumps(headers[1])) > HEAD_BYTES
-        tensors = [torch.randn(3, 5), None, torch.randn(700, 64)]
+        tensors = [torch.randn(3, 5), None, torch.randn(700, 64), torch.randn(40, 64)]
+        assert tensors[3].numel() * 4 > inline and (not inline or inline >= 3 * 5 * 4)
+        # Each frame's result is taken before the next frame goes out: a frame's tail
+        # messages complete only when the receiver reads that frame, so a sender that never
+        # receives while the peer's sends back up would deadlock (the engine receives
+        # results on their own thread for this reason).
         for h, t in zip(headers, tensors, strict=True):
             planes.data.send_next(Frame(h, t))
-        for h, t in zip(headers, tensors, strict=True):
             got = planes.data.recv_result()
             assert got.header == h
             if t is None:
                 assert got.tensor is None
             else:
                 torch.testing.assert_close(got.tensor, t, rtol=0, atol=0)
+        planes.data.send_next(Frame(_Stop()))
+        assert planes.data.recv_result().header == _Stop()
+        with pytest.raises(PlaneClosedError, match="ended"):
+            planes.data.recv_result()
         big = [f"m{i}" for i in range(6000)]
         assert len(pickle.dumps(big)) > ROUND_BYTES
         assert len(pickle.dumps([f"r{i}" for i in range(5000)])) > ROUND_BYTES

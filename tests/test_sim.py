@@ -365,6 +365,20 @@ def test_leader_rounds_lockstep_request_pays_the_round_on_stage0_loop_exactly():
     assert _leader_rounds_single(1e-5)[0] == res  # the walk cost plays no part
 
 
+def test_leader_sharing_stage0_core_delays_stage0_by_its_host_work_exactly():
+    """With ``leader_shares_stage0_core`` the wave policy's round host work (1 us per prompt
+    token) also occupies stage 0 before its next wave; without it only admission waits."""
+    spec = WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 1, 64, suffix_tokens=512)
+    off, on = (
+        Simulator(replace(TOY, leader_shares_stage0_core=flag), spec, wave_policy(2)).run()
+        for flag in (False, True)
+    )
+    assert TOY.rounds.host_s_per_token == 1e-6 and off.completed == on.completed == 1
+    assert on.p50_latency_s - off.p50_latency_s == pytest.approx(1e-6 * 4096)
+    assert get_preset("cpu-bench").leader_shares_stage0_core
+    assert not get_preset("glm5-pp4").leader_shares_stage0_core
+
+
 def test_cpu_bench_lockstep_is_our_runtime_lockstep_and_gpu_presets_trtllm():
     assert get_preset("cpu-bench").lockstep_model is LockstepModel.LEADER_ROUNDS
     assert get_preset("cpu-bench-forward").lockstep_model is LockstepModel.LEADER_ROUNDS

@@ -146,11 +146,12 @@ class PipelineEngine:
         self._store.set(SPEC_KEY, self.spec.to_json())
         if self._launcher is not None:
             self._launcher.start()
-        compute = build_stage_compute(self.spec, 0, self._kv_shipping)
-        self._compute = compute
+        self._compute = compute = build_stage_compute(self.spec, 0, self._kv_shipping)
         self.config = compute.model_config
         self._wait_ready(startup_timeout_s)
-        planes = Planes.join(0, env.world_size, self._store, compute.model.device, 3600.0)
+        planes = Planes.join_stage(
+            0, env.world_size, self._store, compute.model, self.spec.max_wave_tokens
+        )
         lockstep = self.spec.policy == "lockstep"
         core = LeaderCore(self.spec, self.config)
         self._leader = Leader(

@@ -4,10 +4,10 @@ Both sit on torch.distributed. Three process groups are created, in the same ord
 rank, right after the default group:
 
 - ``fwd``: the data plane's forward path, stage s -> s+1 (wave header + activations). Used
-  only by one sender thread on s and one receiver thread on s+1 (channels.py), so its p2p
-  ops are ordered by construction.
-- ``ret``: the data plane's return path, last stage -> leader (per-wave results), likewise
-  one sender thread on the last stage and one receiver thread on the leader.
+  only by stage s's LOOP thread (sends) and stage s+1's LOOP thread (receives, channels.py),
+  so its p2p ops are ordered by construction.
+- ``ret``: the data plane's return path, last stage -> leader (per-wave results): the last
+  stage's LOOP thread sends, the leader's collector thread receives.
 - ``rounds``: the rounds plane, leader broadcast + all-gather of admission messages. Used only
   by each stage's WAVE thread, so admission never waits behind activations.
 
@@ -33,7 +33,14 @@ import torch.distributed as dist
 
 from prefill_node.runtime.channels import Frame, PlaneClosedError, RecvChannel, SendChannel
 
-__all__ = ["DataPlane", "Frame", "PlaneClosedError", "Planes", "RoundsPlane"]
+__all__ = [
+    "DataPlane",
+    "Frame",
+    "PlaneClosedError",
+    "Planes",
+    "RoundsPlane",
+    "inline_activation_bytes",
+]
 
 # Idle waits on the data plane are normal (no traffic); liveness comes from heartbeats and
 # from gloo's prompt error on a dead peer, not from this timeout.
@@ -45,29 +52,54 @@ ROUND_BYTES = 16384
 _LEN = struct.Struct("<q")
 
 
+# Activations up to this size travel inside the frame's one fixed-size message (CPU only).
+MAX_INLINE_BYTES = 8 << 20
+
+
+def inline_activation_bytes(
+    max_wave_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """``inline_bytes`` for a pipeline: a whole wave's activations on CPU (one message per
+    frame, the receive already posted), 0 on CUDA, where NCCL moves an exact-size second
+    message and a fixed wave-sized buffer would waste bandwidth; 0 above MAX_INLINE_BYTES."""
+    size = max_wave_tokens * hidden * torch.empty(0, dtype=dtype).element_size()
+    return size if device.type == "cpu" and size <= MAX_INLINE_BYTES else 0
+
+
 class DataPlane:
     """Frames stage s -> s+1 (``fwd``) and last stage -> leader (``ret``), see channels.py.
 
     Each rank owns at most one send channel (to s+1, or to the leader from the last stage)
-    and one receive channel (from s-1, or from the last stage on the leader), each with its
-    own thread; frames keep their order. A frame whose header has ``stop=True`` ends its
-    stream. ``send_next`` / ``send_result`` return once the frame is queued.
+    and one receive channel (from s-1, or from the last stage on the leader); each is used by
+    one thread only and frames keep their order. ``inline_bytes`` is the largest activation
+    tensor that travels inside the frame's single message on ``fwd`` (the wave limit times
+    the hidden size times the element size; larger ones, and every tensor on ``ret``, follow
+    as a second message). A frame whose header has ``stop=True`` ends its stream.
+    ``send_next`` / ``send_result`` return once the frame is posted.
     """
 
-    def __init__(self, rank: int, world_size: int, fwd: Any, ret: Any, device: torch.device):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        fwd: Any,
+        ret: Any,
+        device: torch.device,
+        inline_bytes: int = 0,
+    ):
         self.rank = rank
         self.world_size = world_size
         self._send: SendChannel | None = None
         self._recv: RecvChannel | None = None
         if world_size > 1:
             if rank < world_size - 1:
-                self._send = SendChannel(rank + 1, fwd, device, f"plane-send-{rank}")
+                self._send = SendChannel(rank + 1, fwd, device, inline_bytes)
             else:
-                self._send = SendChannel(0, ret, device, f"plane-result-{rank}")
+                self._send = SendChannel(0, ret, device)
             if rank > 0:
-                self._recv = RecvChannel(rank - 1, fwd, device, f"plane-recv-{rank}")
+                self._recv = RecvChannel(rank - 1, fwd, device, inline_bytes)
             else:
-                self._recv = RecvChannel(world_size - 1, ret, device, "plane-results-0")
+                self._recv = RecvChannel(world_size - 1, ret, device)
 
     @property
     def is_last(self) -> bool:
@@ -98,7 +130,7 @@ class DataPlane:
         return self._channel_recv()
 
     def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait until every frame this rank queued is on the wire."""
+        """Wait until every frame this rank posted is on the wire."""
         if self._send is not None:
             self._send.drain(timeout_s)
 
@@ -213,8 +245,10 @@ class Planes:
         store: dist.Store,
         device: torch.device,
         rounds_timeout_s: float,
+        inline_bytes: int = 0,
     ) -> Planes:
-        """Collectively create the groups (every rank calls this with the same arguments)."""
+        """Collectively create the groups (every rank calls this with the same arguments;
+        ``inline_bytes``: see ``DataPlane``)."""
         data_backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend="gloo" if data_backend == "gloo" else "cpu:gloo,cuda:nccl",
@@ -229,9 +263,20 @@ class Planes:
             backend="gloo", timeout=datetime.timedelta(seconds=rounds_timeout_s)
         )
         return cls(
-            data=DataPlane(rank, world_size, fwd, ret, device),
+            data=DataPlane(rank, world_size, fwd, ret, device, inline_bytes),
             rounds=RoundsPlane(rank, world_size, rounds),
         )
+
+    @classmethod
+    def join_stage(
+        cls, rank: int, world_size: int, store: dist.Store, model: Any, max_wave_tokens: int
+    ) -> Planes:
+        """``join`` for a stage running ``model`` (a StageModel): its device, and inline
+        activations sized for waves of up to ``max_wave_tokens``."""
+        inline = inline_activation_bytes(
+            max_wave_tokens, model.config.hidden_size, model.dtype, model.device
+        )
+        return cls.join(rank, world_size, store, model.device, 3600.0, inline)
 
     @staticmethod
     def close() -> None:

@@ -67,7 +67,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     kv_shipping = pickle.loads(store.get(KV_SHIPPING_KEY))  # the leader's trusted store
     compute = build_stage_compute(spec, env.rank, kv_shipping)
     store.set(ready_key(env.rank), "1")
-    planes = Planes.join(env.rank, env.world_size, store, compute.model.device, 3600.0)
+    planes = Planes.join_stage(env.rank, env.world_size, store, compute.model, spec.max_wave_tokens)
     worker = StageWorker(
         env.rank, env.world_size, planes, compute, lockstep=spec.policy == "lockstep"
     )

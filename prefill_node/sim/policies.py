@@ -10,16 +10,21 @@
 - LOCKSTEP: TensorRT-LLM's PyTorch PP executor (``PyExecutor._executor_loop_pp``, read at
   NVIDIA/TensorRT-LLM commit 0004396720054f). Every rank runs its own executor loop and
   does its host work for a micro-batch serially on it before launching that micro-batch
-  (``executor_loops.py`` has the timing model and its source citations):
-  rank 0 schedules (capacity scheduler pass that walks the cached prefix of every admitted
+  (``executor_loops.py`` has the timing model and its source citations): every rank
+  fetches the new requests, which rank 0 pickles and each rank unpickles and forwards with
+  a blocking send (so a rank's fetch waits for the next rank's loop to come round) and
+  turns into ``LlmRequest``s (``trtllm_costs.py``: per prompt token, measured); rank 0
+  schedules (capacity scheduler pass that walks the cached prefix of every admitted
   context-phase request, ``walk_s_per_token`` each token), sends the schedule down the
   chain; every other rank receives it, re-checks and replays the same pass on its own
   cache (``_pp_retry_until_can_schedule``, ``scheduler.schedule_request``); every rank runs
   ``prepare_resources`` (``add_sequence``: prefix match + allocation on its own cache for
   each first-chunk request, ``host_s_per_token`` per prompt token, the same constant a
-  WavePP stage pays per request); then launches the forward, and blocks on its GPU's
-  previous micro-batch before the next iteration (one wave ahead at most). A stage's GPU
-  starts a wave only when its own rank has launched it. Fixed chunk budget ``M`` filled to
+  WavePP stage pays per request) and converts each scheduled request's whole prompt to a
+  Python list (``_prepare_tp_inputs``); then launches the forward, blocks on its GPU's
+  previous micro-batch, receives the sample state of the micro-batch ``P - 1`` back and
+  retires it (two more walks of each finished prompt) before the next iteration. A stage's
+  GPU starts a wave only when its own rank has launched it. Fixed chunk budget ``M`` filled to
   the brim (no fragment rule), ``P`` micro-batches in flight (``num_micro_batches =
   pp_size``), at most one chunk of a request in flight (``inflight_req_ids``). The
   admission core's round is applied at rank 0's iteration with no time of its own: in

@@ -23,7 +23,12 @@ Shared estimates (all GPU presets):
   (``add_sequence``), and its scheduler re-walks the cached prefix of every admitted
   context-phase request on every iteration at ``walk_s_per_token`` = 27 ns per token
   (RoundCostSpec default, measured with ``bench/trtllm_walk.cpp``: C++ speed, which
-  favours the baseline; see specs.py and executor_loops.py).
+  favours the baseline; see specs.py and executor_loops.py). Its loops also move whole
+  prompts (``TRTLLM_PP_MEASURED``, trtllm_costs.py, measured with
+  ``bench/trtllm_host_costs.py``): every new request is pickled and forwarded rank to rank
+  with a blocking send (so a rank's fetch waits for the next rank's loop), converted to an
+  ``LlmRequest`` on every rank, its whole prompt converted to a Python list for each of its
+  chunks, and walked twice more when it retires.
 - Simulated cache blocks are 256 tokens (coarser than TRT-LLM's 32 to keep the Python
   simulator fast at 256K prompts; reuse granularity is irrelevant at these lengths, and the
   host cost above is per token so it does not depend on this choice), and the core sees
@@ -38,6 +43,7 @@ from dataclasses import dataclass, replace
 from prefill_node.errors import InvalidRequestError
 from prefill_node.sim.policies import LockstepModel
 from prefill_node.sim.specs import GPUSpec, LinkSpec, ModelSpec, RoundCostSpec
+from prefill_node.sim.trtllm_costs import TRTLLM_PP_MEASURED, TrtllmLoopCosts
 
 
 class UnknownPresetError(InvalidRequestError):
@@ -63,6 +69,13 @@ class Preset:
     fill_factor: int = 2  # F
     input_lens: tuple[int, ...] = (65_536, 131_072, 262_144)  # the paper's grid
     lockstep_model: LockstepModel = LockstepModel.TRTLLM_EXECUTOR  # policies.py
+    # TRTLLM_EXECUTOR lockstep: prompt broadcast / conversion / retire costs per token
+    # (trtllm_costs.py); the zero default charges the scheduler walks and add_sequence only
+    trtllm: TrtllmLoopCosts = TrtllmLoopCosts()
+    # The leader's host work for a round (rounds.host_s_per_token) runs on stage 0's core
+    # under ``wave`` too, delaying stage 0's next wave by as much: true when the machine has
+    # no core to spare for the leader's threads (the 2-core bench machine)
+    leader_shares_stage0_core: bool = False
 
 
 _NVFP4 = 0.5625
@@ -171,7 +184,12 @@ KIMI_K2 = ModelSpec(
 _ROUNDS_NODE = RoundCostSpec(phase_latency_s=0.3e-3, host_s_per_token=250e-9)
 _ROUNDS_NVL72 = RoundCostSpec(phase_latency_s=0.5e-3, host_s_per_token=250e-9)
 _PAPER = dict(
-    block_size=256, max_wave_tokens=16_384, min_wave_tokens=8_192, max_batch=128, token_scale=16
+    block_size=256,
+    max_wave_tokens=16_384,
+    min_wave_tokens=8_192,
+    max_batch=128,
+    token_scale=16,
+    trtllm=TRTLLM_PP_MEASURED,
 )
 
 # SmolLM2-135M (card, HuggingFaceTB/SmolLM2-135M config.json): 30 layers, hidden 576,
@@ -277,6 +295,14 @@ CPU_CORE_BENCH = GPUSpec(
 # loop, where in the runtime part of it runs on the collector and client threads) and
 # wave on reuse90 at c = 4-8 30% fast (the leader's Python shares the GIL with stage 0,
 # not modelled). Table: /work/notes/bench/sim_vs_pipeline_final.md.
+# Re-validated on the runtime with pre-posted data-plane receives (9 runs pooled from three
+# bench invocations, ``bench/pipeline.py --pool``), all 30 rows unseen by the fit: with
+# ``leader_shares_stage0_core`` (the leader's host work delays stage 0's next wave under
+# ``wave`` too, as it does when the leader's threads have no core of their own), mean
+# |log(sim/bench)| 0.076, 2 of 30 cells and 2 of 15 wave/lockstep ratios off by > 20%
+# (without it: 0.089, 3 cells, 6 ratios: the sim ran wave's stage 0 as if it had its core
+# to itself). A refit on those rows moves nothing that matters (best x1.0, 3 ms, 7 us, 1 ms
+# at 0.072 in-sample against 0.073 for the constants below), so they stay.
 # - compute x1.0: the in-run ceiling (bench/pipeline.py's pure-forward processes, 9,558
 #   tok/s cold) is within 4% of what a, c, k above predict for its wave shapes;
 # - 2 ms per wave per stage (as layer_overhead_s): wave header pickling, the activation
@@ -366,6 +392,7 @@ PRESETS: dict[str, Preset] = {
         gpu=CPU_CORE_BENCH_PIPE,
         link=LinkSpec(bytes_per_s=5e9, latency_s=0.25e-3),  # measured, see above
         rounds=_BENCH_ROUNDS_PIPE,
+        leader_shares_stage0_core=True,  # 2 cores, 2 stages: the leader lives on stage 0's
         **_BENCH_SETUP,
     ),
     "cpu-bench-forward": Preset(

@@ -37,12 +37,13 @@ from prefill_node.core.planner import PlannerConfig, WavePlanner
 from prefill_node.core.wave import UnscheduledWork, Wave
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
-from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, WaveHostWork
+from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts
 from prefill_node.sim.leader_rounds import LeaderRounds
 from prefill_node.sim.policies import LockstepModel, Policy
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
+from prefill_node.sim.trtllm_issue import TrtllmLockstepIssue
 from prefill_node.sim.workloads import SimRequest, Workload, WorkloadSpec
 
 _ARRIVE, _ROUND_DONE, _STAGE_DONE, _WAVE_AT_STAGE, _HOST_LAUNCH, _LEADER_FREE = range(6)
@@ -65,7 +66,7 @@ class _Running:
         return self.request.num_tokens
 
 
-class Simulator:
+class Simulator(TrtllmLockstepIssue):
     """One run: ``spec.num_requests`` requests of one workload under one policy."""
 
     def __init__(
@@ -119,8 +120,17 @@ class Simulator:
             self.leader_rounds = LeaderRounds(p.num_stages, rounds.phases, rounds.phase_latency_s)
         elif policy.admission_on_loop:
             rounds = p.rounds
-            costs = LoopCosts(rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s)
+            costs = LoopCosts(
+                rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s, p.trtllm
+            )
             self.loops = ExecutorLoops(p.num_stages, costs)
+        # LOCKSTEP (executor loops): prompts not yet broadcast by rank 0's fetch, FCFS, and
+        # waves whose launch on a rank waits for another rank's GPU (stage -> (wave, since))
+        self._unfetched: deque[tuple[float, int]] = deque()
+        self._fetched_until = 0.0  # the last fetch's cut-off: later arrivals wait for the next
+        self._leader_idle = False  # rank 0's loop found nothing to run: it fetches continuously
+        self._fetch_cut: float | None = None  # arrivals the fetch in progress broadcasts
+        self._parked: dict[int, tuple[Wave, float]] = {}
         self._loop_index: dict[int, int] = {}
         self._leader_wakeup: float | None = None
         self._loop_round_done = False  # LEADER_ROUNDS: a round ran since the last wave
@@ -131,6 +141,7 @@ class Simulator:
         self._busy_s = [0.0] * p.num_stages
         self._num_waves = self._wave_tokens = self._num_rounds = self._round_requests = 0
         self._loop_stall_s = 0.0
+        self._stage0_debt_s = 0.0  # leader host work owed to stage 0's core (see Preset)
 
     @property
     def records(self) -> tuple[RequestRecord, ...]:
@@ -198,6 +209,8 @@ class Simulator:
 
     def _on_arrive(self, request: SimRequest) -> None:
         self._pending.append((request, self.now))
+        if self.loops is not None:
+            self._unfetched.append((self.now, request.num_tokens))
         self._round_wanted = True
         self._maybe_start_round()
         self._try_issue()
@@ -206,8 +219,11 @@ class Simulator:
         return bool(self._pending or self._submitted)
 
     def _submit_pending(self) -> None:
-        """Hand arrivals to the coordinator while the batch limit allows (FCFS)."""
+        """Hand arrivals to the coordinator while the batch limit allows (FCFS); under the
+        executor-loops lockstep only those rank 0's last fetch has broadcast."""
         while self._pending and (len(self._running) + len(self._submitted) < self.preset.max_batch):
+            if self.loops is not None and self._pending[0][1] > self._fetched_until:
+                break
             request, arrival = self._pending.popleft()
             rejected = self.core.submit(self.core.spec(request.request_id, request.tokens))
             if rejected is not None:
@@ -237,6 +253,8 @@ class Simulator:
             self._round_started = self.now
             self._push(self.now + host, _PHASE_SEND, None)
             return True
+        if self.preset.leader_shares_stage0_core:  # its Python time-slices stage 0's core
+            self._stage0_debt_s += self.preset.rounds.host_s_per_token * tokens
         self._push(self.now + self.preset.rounds.round_s(tokens), _ROUND_DONE, None)
         return True
 
@@ -344,53 +362,10 @@ class Simulator:
         self._take(wave)
         self._start_on_stage(0, wave)
 
-    def _try_issue_lockstep(self, loops: ExecutorLoops) -> None:
-        """Rank 0's loop iteration: admit (capacity), schedule one wave, charge the loops.
-
-        Runs when rank 0's loop is free (``ExecutorLoops.leader_free_at``) and fewer than
-        ``P`` waves are in flight (``num_micro_batches = pp_size``). The admission round is
-        applied at once (its effect is TRT-LLM's capacity decision); its time is the loop
-        work the wave causes on every rank (executor_loops.py), which also gates each
-        stage's GPU in ``_start_on_stage``.
-        """
-        free_at = loops.leader_free_at()
-        if free_at is None or self._in_flight >= self.policy.ring_size:
-            return  # GPU 0 / the ring will call again when a wave finishes
-        if free_at > self.now:
-            if self._leader_wakeup is None or self._leader_wakeup > free_at:
-                self._leader_wakeup = free_at
-                self._push(free_at, _LEADER_FREE, None)
-            return
-        self._submit_pending()
-        ids = self.core.next_round_ids()
-        if self._round_wanted and ids:
-            self._round_wanted = False
-            self._num_rounds += 1
-            self._round_requests += len(ids)
-            self._apply_outcomes(self.core.run_round())
-        # The pass walks every admitted request still in its context phase and the queue's
-        # head (walked, then refused for capacity): the cached prefixes it can match.
-        walk = sum(r.cached_len for r in self._running.values() if r.next_start < r.end)
-        waiting = self.core.next_round_ids()
-        if waiting:
-            walk += self._submitted[waiting[0]][0].seeded_len
-        work = self._schedulable()
-        wave = self.planner.plan(work) if work else None
-        if wave is None:
-            return
-        runs = [self._running[c.request_id] for c in wave.chunks]
-        firsts = [r for c, r in zip(wave.chunks, runs, strict=True) if c.start == r.cached_len]
-        host = WaveHostWork(
-            pass_walk_tokens=walk,
-            batch_walk_tokens=sum(r.cached_len for r in firsts),
-            first_chunk_tokens=sum(r.end for r in firsts),
-        )
-        k, launch = loops.begin(self.now, host)
-        self._loop_index[wave.wave_id] = k
-        self._take(wave)
-        self._leader_wakeup = launch
-        self._push(launch, _LEADER_FREE, None)
-        self._on_wave_at_stage(0, wave)
+    def _wake_leader(self, at: float) -> None:
+        if self._leader_wakeup is None or self._leader_wakeup > at:
+            self._leader_wakeup = at
+            self._push(at, _LEADER_FREE, None)
 
     def _take(self, wave: Wave) -> None:
         """Move the planned wave's chunks from unscheduled to in flight."""
@@ -407,6 +382,10 @@ class Simulator:
     def _start_on_stage(self, stage: int, wave: Wave) -> None:
         if self.loops is not None:  # lockstep: the GPU waits for its rank's loop to launch
             launch = self.loops.launch_time(stage, self._loop_index[wave.wave_id])
+            if launch is None:  # its fetch waits for the next rank's loop (blocking send)
+                self._stage_busy[stage] = True
+                self._parked[stage] = (wave, self.now)
+                return
             if launch > self.now:
                 self._stage_busy[stage] = True  # held for this wave; later ones queue
                 self._loop_stall_s += launch - self.now
@@ -415,6 +394,8 @@ class Simulator:
         for chunk in wave.chunks:
             self.core.materialise(stage, chunk)
         duration = self.roof.stage_time(stage, wave.chunks)
+        if stage == 0:  # the leader's host work since stage 0's last wave (wave policy)
+            duration, self._stage0_debt_s = duration + self._stage0_debt_s, 0.0
         self._stage_busy[stage] = True
         self._busy_s[stage] += duration
         self._push(self.now + duration, _STAGE_DONE, (stage, wave))
@@ -434,6 +415,7 @@ class Simulator:
         last_stage = stage == self.preset.num_stages - 1
         if self.loops is not None:
             self.loops.gpu_done(stage, self._loop_index[wave.wave_id], self.now)
+            self._retry_parked()
         for chunk in wave.chunks:
             run = self._running[chunk.request_id]
             if chunk.end == run.end:

@@ -187,12 +187,13 @@ class RoundCostSpec:
     walk, which the lockstep baseline's scheduler repeats on every loop iteration
     (``executor_loops.py``). Default 27 ns (measured): ``bench/trtllm_walk.cpp`` times the
     operations of TensorRT-LLM's C++ ``findNewContextBlock`` (copy the prompt's tokens, cut
-    them into per-block keys, walk a tree of hash maps hashing each key) at 3.6 ms for a
-    131,072-token prompt with 126,976 cached, i.e. 27 ns per prompt token, on the
-    development VM. That is C++ speed against our Python core's 250 ns per admitted token,
-    which favours the baseline; at equal per-token efficiency (our core's prefix hashing
-    is 0.61-0.92 of its whole per-token admission cost) it would be ~150 ns
-    (``wavepp sim --walk-ns-per-token 150``).
+    them into per-block keys, walk a tree of hash maps hashing each key) at 3.8-3.9 ms for
+    a 131,072-token prompt with 126,976 cached and 0.44 ms with nothing cached, on the
+    development VM: 27 ns per cached token plus 3.4 ns per prompt token (the latter is
+    ``TrtllmLoopCosts.walk_base_s_per_token``). That is C++ speed against our Python
+    core's 250 ns per admitted token, which favours the baseline; at equal per-token
+    efficiency (our core's prefix hashing is 0.61-0.92 of its whole per-token admission
+    cost) it would be ~150 ns (``wavepp sim --walk-ns-per-token 150``).
     """
 
     phase_latency_s: float
