@@ -218,6 +218,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per setting (median; >= 3)")
     ap.add_argument("--concurrency", type=str, default=None, help="e.g. 1,4,8,32,128")
     ap.add_argument(
+        "--min-requests",
+        type=int,
+        default=None,
+        help="a cell times c + max(c, N) requests (default 32, 8 with --quick): raise it for\n"
+        "steadier low-concurrency cells",
+    )
+    ap.add_argument(
         "--pool",
         type=Path,
         nargs="+",
@@ -260,7 +267,7 @@ def main() -> None:
                         if w.warm_share:  # seed the shared prefixes (untimed), cold runs evict
                             for f in [engine.submit(p + [1], PrefillOptions()) for p in prefixes]:
                                 f.result(timeout=120)
-                        n = c + max(c, 8 if args.quick else 32)  # >= 33 requests timed per cell
+                        n = c + max(c, args.min_requests or (8 if args.quick else 32))
                         prompts = prompts_for(w, n, random.Random(run * 1000 + c), prefixes)
                         row = closed_loop(engine, prompts, c)
                         raw.setdefault((w.name, policy, c), []).append(row)
