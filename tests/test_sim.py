@@ -389,3 +389,21 @@ def test_cpu_bench_lockstep_is_our_runtime_lockstep_and_gpu_presets_trtllm():
     runs = [Simulator(p, spec, lockstep_policy(2), check_integrity=True).run() for _ in "ab"]
     assert runs[0] == runs[1] and (runs[0].completed, runs[0].rejected) == (16, 0)
     assert runs[0].loop_stall_s > 0
+
+
+def test_round_host_work_charges_cached_prefix_tokens_at_their_own_rate():
+    flat = RoundCostSpec(phase_latency_s=1e-3, host_s_per_token=6e-6)
+    split = replace(flat, host_s_per_cached_token=2e-6)
+    assert flat.round_s(1024, 912) == pytest.approx(3e-3 + 6e-6 * 1024)  # unset: one rate
+    assert split.round_s(1024, 912) == pytest.approx(3e-3 + 6e-6 * 112 + 2e-6 * 912)
+    assert split.host_s(1024, 5000) == pytest.approx(2e-6 * 1024)  # cached never > prompt
+    assert get_preset("cpu-bench").rounds.host_s_per_cached_token == 2e-6
+
+
+def test_cached_prefix_rate_speeds_up_simulated_reuse_on_a_shared_leader_core():
+    base = get_preset("cpu-bench")
+    costly = replace(base, rounds=replace(base.rounds, host_s_per_cached_token=None))
+    spec = WorkloadSpec(WorkloadKind.REUSE, 1024, 64, 192, base.block_size, seed=1)
+    pol = wave_policy(2, PlannerMode.MPU)
+    runs = [Simulator(p, spec, pol).run() for p in (base, costly)]
+    assert runs[0].throughput_tok_s > 1.1 * runs[1].throughput_tok_s

@@ -313,6 +313,14 @@ CPU_CORE_BENCH = GPUSpec(
 # - 2 ms per round phase (broadcast + all-gather of pickled messages on gloo; measured
 #   send + ack round trips are 0.5 ms each, the rest is the leader's and stages' Python).
 _FIT_SCALE, _FIT_WAVE_S, _FIT_HOST_S, _FIT_PHASE_S = 1.0, 2e-3, 6e-6, 2e-3
+# 2 us per token of a request's seeded prefix (session 4): the 6 us above is a cold prompt's
+# figure. Per-thread CPU of the leader's threads (schedstat) measured 7 ms per request on
+# cold c = 32 but 1.6 ms on 90% reuse at c = 128: a cached block is leased, not escrowed, and
+# rounds batch more requests. Charging 6 us to cached tokens too put wave's stage 0 under
+# 0.33 s/s of host work there (sim 0.67x the bench). On the 9 pooled paired runs of
+# /work/notes/bench/s4 (all 30 rows), 1 / 1.5 / 2 / 3 us give mean |log(sim/bench)| 0.061 /
+# 0.060 / 0.059 / 0.059 and 1 / 1 / 0 / 0 cells off by > 20% (6 us: 0.085, 1 cell).
+_CACHED_HOST_S = 2e-6
 CPU_CORE_BENCH_PIPE = replace(
     CPU_CORE_BENCH,
     name="cpu-core-calibrated-pipeline",
@@ -326,7 +334,10 @@ CPU_CORE_BENCH_PIPE = replace(
 # costs (bench/calibrate_admission.py); the calibrated preset uses the fitted terms.
 _BENCH_ROUNDS = RoundCostSpec(phase_latency_s=1.0e-3, host_s_per_token=1.0e-6, phases=3)
 _BENCH_ROUNDS_PIPE = replace(
-    _BENCH_ROUNDS, phase_latency_s=_FIT_PHASE_S, host_s_per_token=_FIT_HOST_S
+    _BENCH_ROUNDS,
+    phase_latency_s=_FIT_PHASE_S,
+    host_s_per_token=_FIT_HOST_S,
+    host_s_per_cached_token=_CACHED_HOST_S,
 )
 # bench/pipeline.py's setup (M, b_min, prompt; tests/test_sim.py checks it); its lockstep
 # is our runtime's (rounds on the leader's loop), not TensorRT-LLM's executor loops.

@@ -245,17 +245,18 @@ class Simulator(TrtllmLockstepIssue):
         fresh = [r for r in ids if r not in self._charged]
         self._charged.update(fresh)
         tokens = sum(self._submitted[r][0].num_tokens for r in fresh)
+        seeded = sum(self._submitted[r][0].seeded_len for r in fresh)
+        host = self.preset.rounds.host_s(tokens, seeded)
         self._num_rounds += 1
         self._round_requests += len(ids)
         if self.leader_rounds is not None:  # on stage 0's loop: host work, then the phases
             self.leader_rounds.begin()
-            host = self.preset.rounds.host_s_per_token * tokens
             self._round_started = self.now
             self._push(self.now + host, _PHASE_SEND, None)
             return True
         if self.preset.leader_shares_stage0_core:  # its Python time-slices stage 0's core
-            self._stage0_debt_s += self.preset.rounds.host_s_per_token * tokens
-        self._push(self.now + self.preset.rounds.round_s(tokens), _ROUND_DONE, None)
+            self._stage0_debt_s += host
+        self._push(self.now + self.preset.rounds.round_s(tokens, seeded), _ROUND_DONE, None)
         return True
 
     def _on_phase_event(self, kind: int, stage: int | None) -> None:

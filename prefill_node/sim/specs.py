@@ -180,7 +180,9 @@ class RoundCostSpec:
     costing ``phase_latency_s`` (leader broadcast + all-gather across the P stages), plus
     the host work of the requests the round sees for the first time: ``host_s_per_token``
     per prompt token (transport, hashing, hint probe, pinning and escrowing blocks), done
-    on every stage in parallel. Retrying a waiting request costs only the phases (its spec
+    on every stage in parallel; ``host_s_per_cached_token``, when set, replaces it for the
+    tokens of a request's seeded (expected cached) prefix, which are leased rather than
+    escrowed. Retrying a waiting request costs only the phases (its spec
     is registered and hashed already; an FCFS-blocked reserve answers at once).
 
     ``walk_s_per_token``: host seconds per matched-prefix token of one radix-tree prefix
@@ -200,12 +202,22 @@ class RoundCostSpec:
     host_s_per_token: float
     phases: int = 3
     walk_s_per_token: float = 27e-9
+    host_s_per_cached_token: float | None = None  # None: host_s_per_token for every token
 
     def __post_init__(self) -> None:
         _require_non_negative(self)
         if self.phases < 1:
             raise InvalidSpecError("RoundCostSpec.phases must be >= 1")
 
-    def round_s(self, prompt_tokens: int) -> float:
+    def host_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Host seconds for first-seen requests of ``prompt_tokens`` tokens, ``cached_tokens``
+        of them expected cached (``host_s_per_cached_token`` each, when set)."""
+        cached = min(cached_tokens, prompt_tokens)
+        per_cached = self.host_s_per_token
+        if self.host_s_per_cached_token is not None:
+            per_cached = self.host_s_per_cached_token
+        return self.host_s_per_token * (prompt_tokens - cached) + per_cached * cached
+
+    def round_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds of one round whose first-seen requests total ``prompt_tokens`` tokens."""
-        return self.phases * self.phase_latency_s + self.host_s_per_token * prompt_tokens
+        return self.phases * self.phase_latency_s + self.host_s(prompt_tokens, cached_tokens)
