@@ -197,7 +197,13 @@ class PolicyDriver:
                 raise RuntimeError(f"{self.policy} pipeline exited ({self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.policy} pipeline: no answer in {timeout_s:.0f}s")
-        ok, value = self._conn.recv()
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(5.0)
+            raise RuntimeError(
+                f"{self.policy} pipeline process ended (exit code {self._proc.exitcode})"
+            ) from None
         if not ok:
             raise RuntimeError(f"{self.policy} pipeline: {value}")
         return value

@@ -319,7 +319,8 @@ _FIT_SCALE, _FIT_WAVE_S, _FIT_HOST_S, _FIT_PHASE_S = 1.0, 2e-3, 6e-6, 2e-3
 # rounds batch more requests. Charging 6 us to cached tokens too put wave's stage 0 under
 # 0.33 s/s of host work there (sim 0.67x the bench). On the 9 pooled paired runs of
 # /work/notes/bench/s4 (all 30 rows), 1 / 1.5 / 2 / 3 us give mean |log(sim/bench)| 0.061 /
-# 0.060 / 0.059 / 0.059 and 1 / 1 / 0 / 0 cells off by > 20% (6 us: 0.085, 1 cell).
+# 0.060 / 0.059 / 0.059 and 1 / 1 / 0 / 0 cells off by > 20% (6 us: 0.085, 1 cell); with a
+# fourth set (12 runs), 2 us gives 0.055, no cell and no wave/lockstep ratio off by > 20%.
 _CACHED_HOST_S = 2e-6
 CPU_CORE_BENCH_PIPE = replace(
     CPU_CORE_BENCH,
