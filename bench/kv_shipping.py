@@ -1,12 +1,15 @@
 """Benchmark: end-to-end prefill throughput with KV shipping ON (push to decode) vs OFF.
 
-One LocalEngine (``--stages`` stages, each with its own NIXL agent) serves the same prompts
-twice per run: OFF (no ``kv_destination``: KV stays on the prefill tier) and ON (push: every
-stage WRITEs its layers into blocks a reference decode worker in another process allocated;
-the request completes only when every stage's WRITE landed and was notified). Timed: each
-request's ``submit -> result`` (what a router waits for), wall and this process's CPU time
-(the engine thread plus the shipping thread; the decode process is not counted). After each
-ON request the decode worker confirms the KV arrived (outside the timed region).
+One engine (``--engine pipeline``, the default: the multi-process runtime, one OS process
+per stage; ``--engine local``: the in-process LocalEngine; either way each stage owns its
+NIXL agent) serves the same prompts twice per run: OFF (no ``kv_destination``: KV stays on
+the prefill tier) and ON (push: every stage WRITEs its layers into blocks a reference
+decode worker in another process allocated; the request completes only when every stage's
+WRITE landed and was notified). Timed: each request's ``submit -> result`` (what a router
+waits for), wall and this process's CPU time (local: the engine and shipping threads;
+pipeline: the leader process only, stage 0 with its shipping thread; other stages and the
+decode process are not counted). After each ON request the decode worker confirms the KV
+arrived (outside the timed region).
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
 hits the prefix cache of an earlier one (same compute in every pass). Modes alternate order
@@ -14,7 +17,7 @@ run by run; one untimed warm-up pass per mode (NIXL connects on the first push).
 ``--runs`` runs; ratio = ON / OFF throughput (goal >= 0.95: shipping hides behind compute).
 
     PYTHONPATH=. python bench/kv_shipping.py --json out/kv_shipping.json [--runs 3]
-        [--prompts 6] [--tokens 512] [--model DIR] [--threads 1]
+        [--prompts 6] [--tokens 512] [--model DIR] [--threads 1] [--engine pipeline|local]
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", type=Path, required=True, help="write the rows here")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument(
+        "--engine",
+        choices=("pipeline", "local"),
+        default="pipeline",
+        help="multi-process pipeline (default) or the in-process LocalEngine",
+    )
     p.add_argument("--runs", type=int, default=3, help="timed runs per mode (median)")
     p.add_argument("--prompts", type=int, default=6, help="prompts per pass")
     p.add_argument("--tokens", type=int, default=512, help="tokens per prompt")
@@ -64,17 +73,29 @@ class Bench:
                 block_size=args.block_size,
             )
         )
-        config = LocalEngineConfig(
-            num_stages=args.stages,
-            num_blocks=blocks_per_prompt * 4,
-            block_size=args.block_size,
-            max_chunk_tokens=args.max_chunk_tokens,
-        )
-        self.engine = LocalEngine.from_model_dir(
-            model_dir, config, LocalKVShipping(KVShippingConfig())
-        )
+        if args.engine == "pipeline":
+            from prefill_node.runtime.factory import start_pipeline_engine
+
+            self.engine = start_pipeline_engine(
+                model_dir,
+                args.stages,
+                num_blocks=blocks_per_prompt * 4,
+                block_size=args.block_size,
+                max_wave_tokens=args.max_chunk_tokens,
+                kv_shipping=KVShippingConfig(),
+            )
+        else:
+            config = LocalEngineConfig(
+                num_stages=args.stages,
+                num_blocks=blocks_per_prompt * 4,
+                block_size=args.block_size,
+                max_chunk_tokens=args.max_chunk_tokens,
+            )
+            self.engine = LocalEngine.from_model_dir(
+                model_dir, config, LocalKVShipping(KVShippingConfig())
+            )
         rng = random.Random(0)
-        vocab = self.engine.model_config.vocab_size
+        vocab = self.engine.vocab_size
         self.prompts = [
             [rng.randrange(vocab) for _ in range(args.tokens)] for _ in range(args.prompts)
         ]
@@ -132,6 +153,7 @@ def main() -> None:
                     rows.append(
                         {
                             "mode": "shipping_on" if ship else "shipping_off",
+                            "engine": args.engine,
                             "run": run,
                             "stages": args.stages,
                             "prompts": args.prompts,
@@ -155,6 +177,7 @@ def main() -> None:
     rows.append(
         {
             "mode": "summary",
+            "engine": args.engine,
             "off_tok_per_s": summary["shipping_off"][0],
             "on_tok_per_s": summary["shipping_on"][0],
             "ratio_on_over_off": round(ratio, 4),

@@ -7,6 +7,11 @@ completion); "raw" is a hand-made NIXL WRITE of the same destination bytes with
 descriptors built outside the timed region (initialize_xfer + transfer + poll). Blocks are
 random on both sides (a paged cache). Median of ``--runs`` runs; ratio = ours / raw.
 
+``--progress`` runs every case once per NIXL progress mode (both agents in that mode; see
+``kv_transfer.progress.KVProgress``): ``event`` (the default everywhere), ``poll`` (NIXL's
+busy-polling thread) and ``owner`` (no thread; both loops poll). Rows carry ``progress``;
+``vs_<first mode>`` is a mode's GB/s over the first mode's on the same case and size.
+
     PYTHONPATH=. python bench/nixl_throughput.py --json out/kv.json [--runs 5] [--tokens 256 4096]
 """
 
@@ -31,15 +36,17 @@ CASES = {
 }
 
 
-def decode_main(conn, block_size: int, dtype: str, num_blocks: int) -> None:
+def decode_main(conn, block_size: int, dtype: str, num_blocks: int, progress: str) -> None:
     from kv_transfer.agent import KVAgent
+    from kv_transfer.progress import KVProgress
     from kv_transfer.receiver import KVReceiver
 
     pool = [
         torch.zeros(num_blocks, 2, block_size, HEADS, HEAD_DIM, dtype=getattr(torch, dtype))
         for _ in range(LAYERS)
     ]
-    rx = KVReceiver(KVAgent(f"bench-decode-{block_size}-{dtype}", progress_thread=False), pool)
+    agent = KVAgent(f"bench-decode-{block_size}-{dtype}", progress=KVProgress(progress))
+    rx = KVReceiver(agent, pool)
     conn.send(rx.endpoint)
     ended: set[str] = set()
     while True:
@@ -117,11 +124,12 @@ class RawSource:
             self._sender.agent.deregister(self._reg)
 
 
-def run_case(case: str, sizes: list[int], runs: int, bar) -> list[dict]:
+def run_case(case: str, sizes: list[int], runs: int, progress: str, bar) -> list[dict]:
     from kv_transfer.agent import KVAgent
     from kv_transfer.allowlist import AllowList
     from kv_transfer.messages import PushDestination
     from kv_transfer.plan import PageMap, build_descriptors, token_runs
+    from kv_transfer.progress import KVProgress
     from kv_transfer.sender import KVSender, SenderConfig
 
     src_dtype, dst_bs, dst_dtype = CASES[case]
@@ -134,11 +142,13 @@ def run_case(case: str, sizes: list[int], runs: int, bar) -> list[dict]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(
-        target=decode_main, args=(child, dst_bs, dst_dtype, max_tokens // dst_bs + 1), daemon=True
+        target=decode_main,
+        args=(child, dst_bs, dst_dtype, max_tokens // dst_bs + 1, progress),
+        daemon=True,
     )
     proc.start()
     sender = KVSender(
-        KVAgent(f"bench-prefill-{case}", progress_thread=False),
+        KVAgent(f"bench-prefill-{case}-{progress}", progress=KVProgress(progress)),
         kv,
         0,
         SenderConfig(0, 1, AllowList.loopback(), transfer_timeout_s=60, metadata_host=None),
@@ -184,6 +194,7 @@ def run_case(case: str, sizes: list[int], runs: int, bar) -> list[dict]:
             rows.append(
                 {
                     "case": case,
+                    "progress": progress,
                     "tokens": num_tokens,
                     "bytes": num_bytes,
                     "descriptors": len(descs.local),
@@ -209,19 +220,34 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument(
+        "--progress",
+        nargs="+",
+        default=["event", "poll"],
+        choices=["event", "poll", "owner"],
+        help="NIXL progress modes to compare, each on every case (default: event poll)",
+    )
     args = parser.parse_args()
     if args.runs < 3:
         parser.error("--runs must be >= 3 (medians)")
     rows = []
-    with tqdm(total=len(args.cases) * len(args.tokens) * args.runs, desc="kv transfer") as bar:
-        for case in args.cases:
-            rows += run_case(case, args.tokens, args.runs, bar)
-    header = f"{'case':<22}{'tokens':>7}{'MiB':>8}{'descs':>7}"
-    print(header + f"{'ours GB/s':>11}{'raw GB/s':>10}{'ratio':>7}")
+    total = len(args.progress) * len(args.cases) * len(args.tokens) * args.runs
+    with tqdm(total=total, desc="kv transfer") as bar:
+        for case in args.cases:  # modes back to back per case: the VM drifts over minutes
+            for progress in args.progress:
+                rows += run_case(case, args.tokens, args.runs, progress, bar)
+    base = {
+        (r["case"], r["tokens"]): r["ours_gbps"] for r in rows if r["progress"] == args.progress[0]
+    }
+    for r in rows:
+        r[f"vs_{args.progress[0]}"] = round(r["ours_gbps"] / base[r["case"], r["tokens"]], 3)
+    header = f"{'case':<22}{'progress':>9}{'tokens':>7}{'MiB':>8}{'descs':>7}"
+    print(header + f"{'ours GB/s':>11}{'raw GB/s':>10}{'ratio':>7}{'vs ' + args.progress[0]:>10}")
     for r in rows:
         print(
-            f"{r['case']:<22}{r['tokens']:>7}{r['bytes'] / 2**20:>8.1f}{r['descriptors']:>7}"
-            f"{r['ours_gbps']:>11.2f}{r['raw_nixl_gbps']:>10.2f}{r['ratio']:>7.2f}"
+            f"{r['case']:<22}{r['progress']:>9}{r['tokens']:>7}{r['bytes'] / 2**20:>8.1f}"
+            f"{r['descriptors']:>7}{r['ours_gbps']:>11.2f}{r['raw_nixl_gbps']:>10.2f}"
+            f"{r['ratio']:>7.2f}{r[f'vs_{args.progress[0]}']:>10.2f}"
         )
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

@@ -12,6 +12,7 @@ import torch
 
 from kv_transfer.errors import InvalidTransferRequest, TransferFailed
 from kv_transfer.layout import KVLayout, layout_of_tensors
+from kv_transfer.progress import EVENT_WAKEUP_US, KVProgress
 from kv_transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -24,13 +25,9 @@ class KVAgent:
     method must be called from one thread (the owner's loop). ``metadata`` is a cached
     bytes snapshot, safe to hand to another thread (the metadata endpoint serves it).
 
-    Progress: UCX over TCP (what a CPU box uses) needs the TARGET to progress too: a
-    decode worker receiving a WRITE, or a prefill stage serving a READ. With
-    ``progress_thread`` (the default) NIXL's thread does it, at the cost of busy polling
-    (about a quarter of a core per idle agent measured here). Turn it off only where the
-    owner calls ``poll`` continuously; otherwise transfers stall until it does. Measured
-    limit without it: a standalone notification (a stage with no tokens to send) on a
-    connection that never carried a transfer stays queued, so keep it on for senders.
+    Progress: see ``KVProgress``. Measured limit of ``OWNER``: a standalone notification
+    (a stage with no tokens to send) on a connection that never carried a transfer stays
+    queued, so senders keep a progress thread (``EVENT`` costs nothing at idle).
     """
 
     def __init__(
@@ -38,18 +35,14 @@ class KVAgent:
         name: str,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
-        progress_thread: bool = True,
+        progress: KVProgress = KVProgress.EVENT,
     ):
-        from nixl._api import nixl_agent, nixl_agent_config
-
         _nixl_logs_to_stderr()
         if not name:
             raise InvalidTransferRequest("a NIXL agent needs a non-empty unique name")
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
-        )
         self.name = name
-        self.nixl = nixl_agent(name, config)
+        self.progress = KVProgress(progress)
+        self.nixl = _make_nixl_agent(name, backends, num_threads, self.progress)
         missing = [b for b in backends if b not in self.nixl.backends]
         if missing:
             raise TransferFailed(f"NIXL backends {missing} unavailable on agent {name}")
@@ -119,9 +112,38 @@ class KVAgent:
         self._registrations.clear()
 
 
+def _make_nixl_agent(
+    name: str, backends: Sequence[str], num_threads: int, progress: KVProgress
+) -> Any:
+    """A ``nixl_agent`` whose progress thread follows ``progress``.
+
+    nixl's Python wrapper hard-codes the progress thread's poll timeout to 0 (a busy loop)
+    and takes no option for it, so the wrapper is built without backends, its native agent
+    is replaced by one made from our ``nixlAgentConfig``, and the backends are created
+    through the wrapper as usual (they read the delay from the native agent at creation).
+    """
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    wrapper = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    bindings = sys.modules[nixl_agent.__module__].nixlBind
+    config = bindings.nixlAgentConfig()
+    config.useProgThread = progress is not KVProgress.OWNER
+    config.useListenThread = False
+    config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value
+    config.pthrDelay = EVENT_WAKEUP_US if progress is KVProgress.EVENT else 0
+    wrapper.agent = bindings.nixlAgent(name, config)
+    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+    for backend in backends:
+        if backend in wrapper.plugin_list:
+            wrapper.create_backend(backend, dict(init))
+    return wrapper
+
+
 def _nixl_logs_to_stderr() -> None:
     """NIXL's own log handler writes to stdout; CLIs here print results there (``--ids``,
-    ``--json``), so its records go to stderr instead."""
+    ``--json``), so its records go to stderr instead (nixl adds its handler on import)."""
+    import nixl._api  # noqa: F401
+
     for handler in logging.getLogger("nixl").handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)

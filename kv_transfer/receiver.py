@@ -91,6 +91,11 @@ class KVReceiver:
     def endpoint(self) -> str:
         return self._server.endpoint
 
+    @property
+    def busy(self) -> bool:
+        """A reception is live or an outcome waits for ``poll``: poll often until False."""
+        return bool(self._pending or self._unclaimed)
+
     # ----------------------------------------------------------------- blocks
     @property
     def free_blocks(self) -> int:

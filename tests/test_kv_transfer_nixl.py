@@ -26,6 +26,7 @@ from kv_transfer.errors import (
 from kv_transfer.lease import ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest
 from kv_transfer.plan import PageMap
+from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> 
             torch.full((32, 2, block_size, HEADS, HEAD_DIM), SENTINEL, dtype=getattr(torch, dtype))
             for _ in range(LAYERS)
         ]
-        agent = KVAgent(f"decode-{name}-{mp.current_process().pid}", progress_thread=False)
+        agent = KVAgent(f"decode-{name}-{mp.current_process().pid}", progress=KVProgress.OWNER)
         rx = KVReceiver(agent, pool, ReceiverConfig(timeout_s=timeout_s))
         scrambled = rx.allocate(32)  # scramble the free list: destinations are not contiguous
         rx.free(scrambled[::-1][::2] + scrambled[::-1][1::2])
@@ -157,7 +158,7 @@ class Stages:
         self.outcomes, self.lease_ends = [], []
         self.senders = [
             KVSender(
-                KVAgent(f"stage{s}{tag}-{id(self)}", progress_thread=False),
+                KVAgent(f"stage{s}{tag}-{id(self)}", progress=KVProgress.OWNER),
                 self.kv[2 * s : 2 * s + 2],
                 2 * s,
                 SenderConfig(
@@ -393,7 +394,7 @@ def test_unread_lease_expires_and_releases_its_blocks():
 
     clock, ended = Clock(), []
     sender = KVSender(
-        KVAgent("stage-lease", progress_thread=False),
+        KVAgent("stage-lease", progress=KVProgress.OWNER),
         [torch.zeros(4, 2, PREFILL_BS, HEADS, HEAD_DIM)],
         0,
         SenderConfig(0, 1, AllowList.loopback(), lease_ttl_s=2.0),

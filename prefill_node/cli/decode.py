@@ -21,6 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from prefill_node.cli.options import add_kv_progress
+
 DESCRIPTION = """\
 Prefill a prompt on a pipeline, ship its KV cache over NIXL to a reference decode worker
 (another process), and stream the greedy continuation the decode worker generates from it.
@@ -67,6 +69,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--decode-blocks", type=int, default=256, help="decode pool size in blocks")
     p.add_argument("--timeout", type=float, default=30.0, help="KV transfer timeout, seconds")
+    add_kv_progress(p)
     p.set_defaults(func=run)
 
 
@@ -151,8 +154,11 @@ def _run_local(args: argparse.Namespace) -> int:
         num_blocks=args.decode_blocks,
         block_size=args.decode_block_size,
         timeout_s=args.timeout,
+        kv_progress=args.kv_progress,
     )
-    shipping = LocalKVShipping(KVShippingConfig(transfer_timeout_s=args.timeout))
+    shipping = LocalKVShipping(
+        KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
+    )
     with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
         config = LocalEngineConfig(
             num_stages=args.local_stages, num_blocks=args.num_blocks, block_size=args.block_size
@@ -209,6 +215,7 @@ def _run_server(args: argparse.Namespace) -> int:
         num_blocks=args.decode_blocks,
         block_size=args.decode_block_size,
         receiver_config=ReceiverConfig(timeout_s=args.timeout),
+        kv_progress=args.kv_progress,
     )
     try:
         with PrefillClient(args.prefill_server) as client:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefill_node.cli.options import add_kv_progress
+
 DESCRIPTION = """\
 Serve the PrefillService (wavepp.prefill.v1) for one pipeline: the model's layers split over
 --stages stages, each with its own paged KV cache and prefix index. Clients send token ids or
@@ -133,6 +135,7 @@ def register(subparsers: Any) -> None:
         help="pull mode: seconds a lease lives without a heartbeat (default 30; a request's "
         "lease_ttl_ms overrides it)",
     )
+    add_kv_progress(k)
     k.add_argument(
         "--kv-metadata-host",
         default="127.0.0.1",
@@ -246,6 +249,7 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
         transfer_timeout_s=args.kv_transfer_timeout,
         lease_ttl_s=args.kv_lease_ttl,
         metadata_host=args.kv_metadata_host,
+        progress=args.kv_progress,
     )
 
 

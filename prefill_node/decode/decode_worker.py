@@ -23,6 +23,7 @@ import torch
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.messages import TransferOutcome
+from kv_transfer.progress import KVProgress
 from kv_transfer.receiver import KVReceiver, ReceiverConfig
 from prefill_node.engine.kv_wire import engine_push_destination, wire_manifest
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
@@ -56,6 +57,7 @@ class DecodeWorker:
         block_size: int,
         agent_name: str | None = None,
         receiver_config: ReceiverConfig | None = None,
+        kv_progress: KVProgress = KVProgress.EVENT,
     ) -> None:
         if not (model.is_first and model.is_last):
             raise InvalidRequestError("the decode worker needs the whole model (all layers)")
@@ -66,7 +68,9 @@ class DecodeWorker:
         )
         self.agent_name = agent_name or f"wavepp-decode-{uuid.uuid4().hex[:8]}"
         self.receiver = KVReceiver(
-            KVAgent(self.agent_name), self.kv.tensors, receiver_config or ReceiverConfig()
+            KVAgent(self.agent_name, progress=kv_progress),
+            self.kv.tensors,
+            receiver_config or ReceiverConfig(),
         )
         self._outcomes: dict[str, TransferOutcome] = {}
         self._sequences: dict[str, DecodeSequence] = {}

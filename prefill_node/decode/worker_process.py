@@ -1,7 +1,9 @@
 """DecodeWorkerProcess: a DecodeWorker in its own OS process, driven over a pipe.
 
-The child owns the NIXL agent, the model and the KV pool; between commands it keeps polling
-its receiver, so pushes from prefill stages land while the parent is busy prefilling. The
+The child owns the NIXL agent, the model and the KV pool; between commands it polls its
+receiver (every millisecond while a reception is live, so pushes from prefill stages land
+while the parent is busy prefilling; every ``IDLE_POLL_S`` otherwise, so an idle worker
+idles: a command wakes it at once). The
 parent handle turns replies back into typed errors; every wait on the child is bounded.
 Tokens of ``generate`` stream back one message per token.
 """
@@ -14,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kv_transfer.progress import KVProgress
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import (
     InvalidRequestError,
@@ -23,6 +26,9 @@ from prefill_node.errors import (
     WaveppError,
 )
 from prefill_node.model.config import ModelConfig
+
+BUSY_POLL_S = 0.001
+IDLE_POLL_S = 0.05
 
 _ERRORS: dict[str, type[WaveppError]] = {
     "KVHandoffError": KVHandoffError,
@@ -41,6 +47,7 @@ class DecodeWorkerSpec:
     num_blocks: int = 256
     block_size: int = 16
     timeout_s: float = 30.0
+    kv_progress: KVProgress = KVProgress.EVENT
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.model_config is None):
@@ -54,6 +61,7 @@ class DecodeWorkerSpec:
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "receiver_config": ReceiverConfig(timeout_s=self.timeout_s),
+            "kv_progress": self.kv_progress,
         }
         if self.model_dir is not None:
             return DecodeWorker.from_model_dir(self.model_dir, **kw)
@@ -78,7 +86,7 @@ def serve(conn: Any, spec: DecodeWorkerSpec) -> None:
     conn.send(("ready", worker.endpoint, worker.agent_name))
     try:
         while True:
-            if not conn.poll(0.001):
+            if not conn.poll(BUSY_POLL_S if worker.receiver.busy else IDLE_POLL_S):
                 worker.pump()
                 continue
             cmd, *args = conn.recv()

@@ -29,6 +29,7 @@ from kv_transfer.allowlist import AllowList
 from kv_transfer.errors import KVInvariantError, KVTransferError
 from kv_transfer.lease import Lease, ReleaseReason
 from kv_transfer.messages import TransferOutcome
+from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.kv_wire import engine_manifest, stage_push_destination
@@ -41,7 +42,8 @@ from prefill_node.model.paged_kv import PagedKVCache
 class KVShippingConfig:
     """Settings of every stage's shipper. ``allow``: decode destinations a stage may write to
     (CIDRs or agent names; default loopback only). ``lease_ttl_s``: pull leases (renewed by
-    decode's heartbeats)."""
+    decode's heartbeats). ``progress``: how each stage's NIXL agent progresses (``KVProgress``;
+    the default sleeps until traffic arrives)."""
 
     allow: AllowList = field(default_factory=AllowList.loopback)
     transfer_timeout_s: float = 30.0
@@ -49,6 +51,7 @@ class KVShippingConfig:
     lease_ttl_s: float = 30.0
     metadata_host: str = "127.0.0.1"
     agent_prefix: str = "wavepp"
+    progress: KVProgress = KVProgress.EVENT
 
     def __post_init__(self) -> None:
         if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
@@ -111,18 +114,14 @@ class StageKVShipper:
         config: KVShippingConfig,
         unpin: Callable[[Sequence[KVBlock]], None],
         agent_name: str | None = None,
-        progress_thread: bool = True,
     ) -> None:
-        """``progress_thread``: NIXL's own busy-polling progress thread (about a quarter of a
-        core per agent); pass False only when the owner calls ``poll`` continuously while a
-        WRITE or lease is live (kv_shipping_local.py's thread does)."""
         self.stage = stage
         self.config = config
         self._unpin = unpin
         self._block_size = kv.block_size
         name = agent_name or f"{config.agent_prefix}-stage{stage}-{uuid.uuid4().hex[:8]}"
         self.sender = KVSender(
-            KVAgent(name, progress_thread=progress_thread),
+            KVAgent(name, progress=config.progress),
             kv.tensors,
             kv.layer_range.start,
             config.sender_config(stage, num_stages),

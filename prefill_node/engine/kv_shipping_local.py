@@ -40,10 +40,11 @@ class LocalKVShipping:
         self,
         config: KVShippingConfig | None = None,
         poll_interval_s: float = 0.0005,
-        idle_interval_s: float = 0.02,
+        idle_interval_s: float = 1.0,
     ) -> None:
         """Polls every ``poll_interval_s`` while a WRITE or lease is live, else every
-        ``idle_interval_s`` (a new command wakes it at once)."""
+        ``idle_interval_s`` (a new command wakes it at once; an idle pipeline holds nothing
+        that needs polling)."""
         self.config = config or KVShippingConfig()
         self._loop = CommandLoop("local KV shipping", poll_interval_s, idle_interval_s)
         self._stages: tuple[StageExecutor, ...] = ()
@@ -74,7 +75,6 @@ class LocalKVShipping:
                     stage.kv,
                     self.config,
                     unpin=lambda blocks, s=s: self._unpins.append((s, list(blocks))),
-                    progress_thread=False,  # _run polls every poll_interval_s while busy
                 )
             )
 
@@ -182,7 +182,7 @@ class LocalKVShipping:
                     self.drain()
                 finally:
                     lock.release()
-            self._loop.pause(busy=any(s.busy for s in self._shippers))
+            self._loop.pause(busy=bool(self._unpins) or any(s.busy for s in self._shippers))
 
     def _collect(self) -> None:
         found = [r for shipper in self._shippers for r in shipper.take_results()]

@@ -32,7 +32,7 @@ class LeaderConfig:
     policy: Policy
     world_size: int
     ring: int  # waves in flight at most (R = 2P)
-    tick_s: float = 0.5  # idle rounds-plane keep-alive
+    tick_s: float = 2.0  # idle rounds-plane keep-alive (the plane never times out: 1 h)
 
 
 class Leader:

@@ -152,7 +152,7 @@ class LeaderHandoffs:
 
     def _next_wait(self) -> float:
         if not self._deadlines:
-            return 0.05
+            return 1.0  # nothing can expire; expect / watch notify at once
         return min(0.05, max(0.0, min(self._deadlines.values()) - time.monotonic()))
 
     def _ingest(self, replies: Sequence[Sequence[StageHandoff]]) -> None:

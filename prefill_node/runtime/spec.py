@@ -61,7 +61,7 @@ class PipelineSpec:
     kv_events: bool = False  # every stage's pool buffers KV events for the leader's feed
     heartbeat_s: float = 0.25
     dead_after_s: float = 5.0
-    tick_s: float = 0.5
+    tick_s: float = 2.0
     debug_wave_delay_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -80,7 +80,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     heartbeat.start()
     worker.start()
     while worker.loop_thread.is_alive() and worker.wave_thread.is_alive():
-        time.sleep(0.05)
+        time.sleep(0.25)  # a dead thread ends the stage; heartbeats cover hangs
     if isinstance(worker.error, PlaneClosedError):
         leader_lost(str(worker.error))
     if worker.error is not None:

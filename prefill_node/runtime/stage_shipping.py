@@ -69,7 +69,7 @@ class StageShipping:
         config: KVShippingConfig,
         release: Callable[[str], None],
         poll_interval_s: float = 0.0005,
-        idle_interval_s: float = 0.05,
+        idle_interval_s: float = 1.0,
     ) -> None:
         """Creates the agent and registers ``kv``'s tensors (on the new thread; waits)."""
         self.stage = stage
