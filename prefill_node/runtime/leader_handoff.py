@@ -5,8 +5,9 @@ wave is flowing (an idle pipeline sends none), so piggy-backing on wave results 
 push unanswered; instead, while any hand-off is pending, this thread runs a KV_COLLECT round
 every ``poll_interval_s`` and every stage replies with the ``StageHandoff`` outcomes its
 shipping thread recorded since the previous round (every ``slow_poll_s`` until some pending
-request's logits are back - its early stages may have shipped already - then every
-``poll_interval_s``). A request resolves when its logits came
+request's logits are back - its early stages may have shipped already, but nothing can be
+answered before the logits, and each round takes the stages' time from their waves - then
+every ``poll_interval_s``). A request resolves when its logits came
 back AND (push) every stage confirmed its WRITE / (pull) every stage published its lease.
 Any stage failing, or the outcome not arriving within ``wait_limit_s`` after the logits,
 fails the request and sends KV_CANCEL to every stage (WRITEs aborted, leases revoked, pins
@@ -60,7 +61,7 @@ class LeaderHandoffs:
         settle: Settle,
         on_deadline: Callable[[str], None],
         poll_interval_s: float = 0.003,
-        slow_poll_s: float = 0.02,
+        slow_poll_s: float = 0.25,
     ) -> None:
         self._num_stages = num_stages
         self._wait_limit_s = wait_limit_s

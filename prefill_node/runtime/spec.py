@@ -59,7 +59,7 @@ class PipelineSpec:
     device: str = "cpu"
     capture_kv: bool = False
     kv_events: bool = False  # every stage's pool buffers KV events for the leader's feed
-    heartbeat_s: float = 0.25
+    heartbeat_s: float = 1.0
     dead_after_s: float = 5.0
     tick_s: float = 2.0
     debug_wave_delay_s: float = 0.0
