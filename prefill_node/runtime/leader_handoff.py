@@ -76,6 +76,7 @@ class LeaderHandoffs:
         self._deadlines: dict[str, float] = {}
         self._failed_early: OrderedDict[str, None] = OrderedDict()  # capped, oldest dropped
         self._stop = False
+        self._logits_seen = 0  # logits_ready calls so far (wakes the slow wait)
         self._thread = threading.Thread(target=self._run, name="leader-kv", daemon=True)
 
     def start(self) -> None:
@@ -101,6 +102,7 @@ class LeaderHandoffs:
             p = self._pending.get(request_id)
             if p is not None:
                 p.logits_at = time.monotonic()
+                self._logits_seen += 1
             self._cond.notify_all()
 
     def watch(self, request_id: str, deadline_s: float) -> None:
@@ -140,6 +142,7 @@ class LeaderHandoffs:
                     self._cond.wait(timeout=self._next_wait())
                 busy = bool(self._pending)
                 due = any(p.logits_at is not None for p in self._pending.values())
+                seen = self._logits_seen
             try:
                 if busy:
                     self._ingest(self._collect())
@@ -148,8 +151,14 @@ class LeaderHandoffs:
             except Exception:  # a dead pipeline fails its requests elsewhere; keep ticking
                 log.debug("KV hand-off poll failed", exc_info=True)
                 time.sleep(0.05)
-            if busy:
-                time.sleep(self._poll_interval_s if due else self._slow_poll_s)
+            if busy:  # a request's logits coming back ends the slow wait at once
+                with self._cond:
+                    wait = (
+                        self._poll_interval_s if due else min(self._slow_poll_s, self._next_wait())
+                    )
+                    self._cond.wait_for(
+                        lambda: self._stop or self._logits_seen != seen, timeout=wait
+                    )
 
     def _next_wait(self) -> float:
         if not self._deadlines:
