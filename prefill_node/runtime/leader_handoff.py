@@ -156,9 +156,7 @@ class LeaderHandoffs:
                     wait = (
                         self._poll_interval_s if due else min(self._slow_poll_s, self._next_wait())
                     )
-                    self._cond.wait_for(
-                        lambda: self._stop or self._logits_seen != seen, timeout=wait
-                    )
+                    self._cond.wait_for(lambda s=seen: self._stop or self._logits_seen != s, wait)
 
     def _next_wait(self) -> float:
         if not self._deadlines:
