@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from prefill_node.engine.types import (
+    CacheIdentity,
     EngineHealth,
     EngineLoad,
     PrefillOptions,
@@ -68,6 +69,10 @@ class ToyEngine:
     @property
     def max_model_len(self) -> int:
         return self._max_len
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity("toy|float32", self.block_size)
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         if not token_ids:

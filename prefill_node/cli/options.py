@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
 KV_PROGRESS_HELP = (
@@ -22,4 +24,80 @@ def add_kv_progress(group: Any) -> None:
         default=KVProgress.EVENT,
         metavar="{event,poll}",
         help=KV_PROGRESS_HELP,
+    )
+
+
+def add_network_arguments(parser: argparse.ArgumentParser, port: int, metrics_port: int) -> None:
+    """The gRPC server's bind, limits and shutdown flags (``wavepp serve``, ``wavepp router``)."""
+    n = parser.add_argument_group("network and limits")
+    n.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
+    n.add_argument("--port", type=int, default=port, help=f"gRPC port, 0 = any (default {port})")
+    n.add_argument("--metrics-host", default="0.0.0.0", help="metrics bind address")
+    n.add_argument(
+        "--metrics-port",
+        type=int,
+        default=metrics_port,
+        help=f"Prometheus /metrics HTTP port, 0 = any free port, -1 = off (default {metrics_port})",
+    )
+    n.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=64,
+        help="largest gRPC message accepted or sent, MiB (default 64)",
+    )
+    n.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=4096,
+        help="calls in progress at once; more get RESOURCE_EXHAUSTED (default 4096)",
+    )
+    n.add_argument(
+        "--max-stream-inflight",
+        type=int,
+        default=256,
+        help="requests in flight per PrefillStream call (default 256)",
+    )
+    n.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds to let in-flight calls finish on shutdown (default 5)",
+    )
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """Server-side TLS flags."""
+    t = parser.add_argument_group("TLS (optional)")
+    t.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM); enables TLS")
+    t.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    t.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="CA bundle (PEM) for client certificates; enables mutual TLS",
+    )
+
+
+def server_config(args: argparse.Namespace, model_name: str, router: bool = False) -> Any:
+    """The ServerConfig of ``add_network_arguments`` + ``add_tls_arguments`` flags."""
+    from prefill_node.server.server import ServerConfig, TLSConfig
+
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+    elif args.tls_client_ca:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_stream_inflight=args.max_stream_inflight,
+        grace_s=args.grace,
+        tls=tls,
+        model_name=model_name,
+        router=router,
     )

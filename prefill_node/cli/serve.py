@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefill_node.cli.options import add_kv_progress
+from prefill_node.cli.options import (
+    add_kv_progress,
+    add_network_arguments,
+    add_tls_arguments,
+    server_config,
+)
 
 DESCRIPTION = """\
 Serve the PrefillService (wavepp.prefill.v1) for one pipeline: the model's layers split over
@@ -72,43 +77,16 @@ def register(subparsers: Any) -> None:
     m.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     m.add_argument(
+        "--debug-wave-delay",
+        type=float,
+        default=0.0,
+        help=argparse.SUPPRESS,  # tests: every stage sleeps this long per wave
+    )
+    m.add_argument(
         "--pipeline-id",
         help="name of this pipeline in its KV-event stream (SubscribeKvEvents) (default: hostname)",
     )
-    n = p.add_argument_group("network and limits")
-    n.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
-    n.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any (default 50051)")
-    n.add_argument("--metrics-host", default="0.0.0.0", help="metrics bind address")
-    n.add_argument(
-        "--metrics-port",
-        type=int,
-        default=9400,
-        help="Prometheus /metrics HTTP port, 0 = any free port, -1 = off (default 9400)",
-    )
-    n.add_argument(
-        "--max-message-mb",
-        type=int,
-        default=64,
-        help="largest gRPC message accepted or sent, MiB (default 64)",
-    )
-    n.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=4096,
-        help="calls in progress at once; more get RESOURCE_EXHAUSTED (default 4096)",
-    )
-    n.add_argument(
-        "--max-stream-inflight",
-        type=int,
-        default=256,
-        help="requests in flight per PrefillStream call (default 256)",
-    )
-    n.add_argument(
-        "--grace",
-        type=float,
-        default=5.0,
-        help="seconds to let in-flight calls finish on shutdown (default 5)",
-    )
+    add_network_arguments(p, port=50051, metrics_port=9400)
     k = p.add_argument_group("KV hand-off to decode workers (NIXL)")
     k.add_argument(
         "--no-kv-shipping",
@@ -142,14 +120,7 @@ def register(subparsers: Any) -> None:
         help="address the stages' NIXL agents serve their metadata on (pull mode); set it to "
         "this node's address reachable from decode workers (default 127.0.0.1)",
     )
-    t = p.add_argument_group("TLS (optional)")
-    t.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM); enables TLS")
-    t.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    t.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        help="CA bundle (PEM) for client certificates; enables mutual TLS",
-    )
+    add_tls_arguments(p)
     p.add_argument(
         "--smoke-test",
         metavar="PROMPT",
@@ -192,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.smoke_test and args.tls_cert:
         raise ValueError("--smoke-test talks plaintext to loopback; drop the TLS flags")
-    config = _server_config(args)
+    config = server_config(args, str(args.model or "default:SmolLM2-135M-Instruct"))
     model_dir = args.model
     if model_dir is None:
         from prefill_node.model.default_model import default_model_dir
@@ -210,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         kv_shipping=_kv_shipping(args),
         engine=args.engine,
+        debug_wave_delay_s=args.debug_wave_delay,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())
@@ -250,30 +222,6 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
         lease_ttl_s=args.kv_lease_ttl,
         metadata_host=args.kv_metadata_host,
         progress=args.kv_progress,
-    )
-
-
-def _server_config(args: argparse.Namespace) -> Any:
-    from prefill_node.server.server import ServerConfig, TLSConfig
-
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
-    elif args.tls_client_ca:
-        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_host=args.metrics_host,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
-        max_stream_inflight=args.max_stream_inflight,
-        grace_s=args.grace,
-        tls=tls,
-        model_name=str(args.model or "default:SmolLM2-135M-Instruct"),
     )
 
 

@@ -34,6 +34,18 @@ class ChunkCostModel:
                 f"chunk cost coefficients must be finite, >= 0 and not both 0, got a={a}, c={c}"
             )
 
+    @classmethod
+    def from_flops(
+        cls, linear_flops_per_token: float, attention_flops_per_pair: float, flops_per_s: float
+    ) -> ChunkCostModel:
+        """Compute-bound estimate: every token costs ``linear_flops_per_token`` (projections,
+        MLP: about twice the active parameters), every (query, key) pair
+        ``attention_flops_per_pair``, at ``flops_per_s``. Only ratios matter to a router
+        comparing pipelines of the same model; the absolute scale is a guess."""
+        if not flops_per_s > 0:
+            raise InvalidCostModelError(f"flops_per_s must be positive, got {flops_per_s}")
+        return cls(linear_flops_per_token / flops_per_s, attention_flops_per_pair / flops_per_s)
+
     def chunk_cost(self, start: int, length: int) -> float:
         """Estimated seconds of tokens ``[start, start + length)``."""
         return length * (self.per_token_s + self.per_token_context_s * (start + length / 2))

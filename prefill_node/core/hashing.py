@@ -64,6 +64,17 @@ class ExtraKeys:
         object.__setattr__(self, "digest", h.digest())
 
 
+def model_cache_id(model_name: str, dtype: str) -> str:
+    """``ExtraKeys.model_id`` of a model served in ``dtype`` (``"float32"`` or ``torch.float32``):
+    the one spelling every engine and the router use, so their block hashes agree."""
+    return f"{model_name or 'model'}|{str(dtype).removeprefix('torch.')}"
+
+
+def model_cache_name(model_id: str) -> str:
+    """The model name inside a ``model_cache_id`` (what a router compares to its model)."""
+    return model_id.rpartition("|")[0] or model_id
+
+
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     try:
         arr = array("q", token_ids)

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
+from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_id
 from prefill_node.engine.abort_registry import AbortFlag, AbortRegistry
 from prefill_node.engine.kv_event_feed import KVEventFeed
 from prefill_node.engine.stage_executor import ChunkWork, StageExecutor, StageSequence
 from prefill_node.engine.types import (
+    CacheIdentity,
     EngineHealth,
     EngineLoad,
     PrefillOptions,
@@ -139,7 +140,7 @@ class LocalEngine:
         self.model_config = model_config
         self.stages = tuple(stages)
         self.config = config
-        self.model_id = f"{model_config.name}|{str(config.dtype).removeprefix('torch.')}"
+        self.model_id = model_cache_id(model_config.name, str(config.dtype))
         self._lock = threading.Lock()
         self._inflight_tokens = 0
         self._aborts = AbortRegistry()
@@ -216,6 +217,10 @@ class LocalEngine:
     def max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         return min(limit, self.config.max_model_len or limit)
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity(self.model_id, self.config.block_size)
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """Validate (raising), run the prefill now, return a completed future."""

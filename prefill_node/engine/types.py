@@ -128,8 +128,23 @@ class StageLoad:
 
 
 @dataclass(frozen=True)
+class PipelineLoad:
+    """A router's view of one pipeline behind it (GetLoad on a router)."""
+
+    pipeline_id: str
+    address: str
+    ready: bool
+    queue_depth: int  # from the pipeline's last GetLoad
+    inflight_requests: int  # routed there by this router, not answered yet
+    inflight_tokens: int  # from the pipeline's last GetLoad
+    indexed_blocks: int  # prefix blocks the router's index holds for it
+    stages: tuple[StageLoad, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineLoad:
-    """Queue and cache state, as the router and GetLoad see it."""
+    """Queue and cache state, as the router and GetLoad see it. From a router: ``pipelines``
+    holds one entry per pipeline and the totals are their sums (``stages`` is empty)."""
 
     queue_depth: int
     inflight_requests: int
@@ -137,6 +152,7 @@ class EngineLoad:
     stages: tuple[StageLoad, ...]
     lease_conflicts: int = 0  # cumulative: lease boundaries that shrank on re-check
     escrow_conflicts: int = 0  # cumulative: escrow victims replaced at commit
+    pipelines: tuple[PipelineLoad, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,15 @@ class EngineHealth:
     live: bool
     ready: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """What decides whether two servers' block hashes can be compared: the model identity
+    hashed into every block (``ExtraKeys.model_id``) and the block size in tokens."""
+
+    model_id: str
+    block_size: int
 
 
 class Engine(Protocol):
@@ -162,6 +187,9 @@ class Engine(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def cache_identity(self) -> CacheIdentity: ...
 
     def submit(
         self, token_ids: Sequence[int], options: PrefillOptions

@@ -34,6 +34,7 @@ def start_pipeline_engine(
     startup_timeout_s: float = 600.0,
     kv_shipping: KVShippingConfig | None = None,
     kv_events: KVEventSink | None = None,
+    debug_wave_delay_s: float = 0.0,
 ) -> PipelineEngine:
     """Start a ``num_stages``-stage pipeline on the HF checkpoint ``model_dir``; this process
     becomes stage 0 (the leader) and the returned engine serves requests. Call ``shutdown``.
@@ -47,6 +48,8 @@ def start_pipeline_engine(
     multiple of ``block_size``; ``min_wave_tokens`` (b_min) defaults to M/2 as in the paper.
     ``kv_shipping``: ship each request's KV to its ``kv_destination`` over NIXL (None: off).
     ``kv_events``: a sink for the pipeline's KV events, e.g. ``KVEventHub.publish``.
+    ``debug_wave_delay_s``: every stage sleeps this long per wave (tests: requests that stay
+    in flight long enough to act on them).
     """
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.partition import split_layers
@@ -73,6 +76,7 @@ def start_pipeline_engine(
         dtype=dtype,
         device=device,
         kv_events=kv_events is not None,
+        debug_wave_delay_s=debug_wave_delay_s,
     )
     use_env = "RANK" in os.environ if from_env is None else from_env
     if use_env:

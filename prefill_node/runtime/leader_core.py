@@ -12,7 +12,7 @@ from prefill_node.core.coordinator import (
     CoordinatorConfig,
     DuplicateRequestError,
 )
-from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.hashing import ExtraKeys, model_cache_id
 from prefill_node.core.planner import PlannerConfig, PlannerMode, WavePlanner
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.wave import UnscheduledWork
@@ -87,7 +87,7 @@ class LeaderCore:
                 fragment_rule=not lockstep,
             )
         )
-        self.model_id = f"{model_config.name or 'model'}|{spec.dtype}"
+        self.model_id = model_cache_id(model_config.name, spec.dtype)
         self._top_k: dict[str, int] = {}
         self._destinations: dict[str, KVPushDestination | KVPullDestination] = {}
         self._progress: OrderedDict[str, _Progress] = OrderedDict()

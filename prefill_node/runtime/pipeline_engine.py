@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from prefill_node.core.hashing import model_cache_id
 from prefill_node.core.kv_event_aggregator import StageEvents
 from prefill_node.engine.kv_event_feed import KVEventFeed, KVEventSink
 from prefill_node.engine.types import (
+    CacheIdentity,
     EngineHealth,
     EngineLoad,
     PrefillOptions,
@@ -282,6 +284,12 @@ class PipelineEngine:
     def max_model_len(self) -> int:
         limit = int(self.config.max_position_embeddings)
         return limit if self.spec.max_model_len is None else min(limit, self.spec.max_model_len)
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity(
+            model_cache_id(self.config.name, self.spec.dtype), self.spec.block_size
+        )
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         tokens = tuple(int(t) for t in token_ids)

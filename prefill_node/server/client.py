@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,7 +22,7 @@ from prefill_node.engine.types import (
 )
 from prefill_node.server.convert import load_from_proto, result_from_proto
 from prefill_node.server.kv_convert import destination_to_proto
-from wavepp_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -46,6 +46,12 @@ class RemoteServerInfo(NamedTuple):
     text_prompts: bool
     server_version: str
     chat_template: bool  # text prompts may ask for the model's chat template
+    instance_id: str = ""  # new at every server start
+    block_size: int = 0
+    cache_model_id: str = ""  # ExtraKeys.model_id inside the server's block hashes
+    pipeline_id: str = ""
+    kv_events: bool = False  # SubscribeKvEvents is served
+    router: bool = False
 
 
 def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
@@ -57,6 +63,12 @@ def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
         msg.text_prompts,
         msg.server_version,
         msg.chat_template,
+        msg.instance_id,
+        msg.block_size,
+        msg.cache_model_id,
+        msg.pipeline_id,
+        msg.kv_events,
+        msg.router,
     )
 
 
@@ -157,8 +169,8 @@ class PrefillClient:
     def abort(self, request_id: str) -> bool:
         return self._stub.Abort(prefill_pb2.AbortRequest(request_id=request_id)).aborted
 
-    def load(self) -> EngineLoad:
-        return load_from_proto(self._stub.GetLoad(prefill_pb2.GetLoadRequest()))
+    def load(self, timeout_s: float | None = None) -> EngineLoad:
+        return load_from_proto(self._stub.GetLoad(prefill_pb2.GetLoadRequest(), timeout=timeout_s))
 
     def server_info(self, timeout_s: float | None = 30.0) -> RemoteServerInfo:
         req = prefill_pb2.GetServerInfoRequest()
@@ -169,6 +181,12 @@ class PrefillClient:
     ) -> grpc.Future:
         """A non-blocking Prefill call; the future resolves to a PrefillResponse."""
         return self._stub.Prefill.future(request, timeout=deadline_s)
+
+    def subscribe_kv_events(self, timeout_s: float | None = None) -> Any:
+        """The server's KV-event stream: an iterator of KvEventBatch that is also a grpc call
+        (``cancel()`` ends it). The first batch is AllBlocksCleared + a snapshot."""
+        request = kv_events_pb2.SubscribeKvEventsRequest()
+        return self._stub.SubscribeKvEvents(request, timeout=timeout_s)
 
     def is_live(self, timeout_s: float = 5.0) -> bool:
         """Liveness as the health service reports it ("" service)."""

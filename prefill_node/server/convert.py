@@ -14,6 +14,7 @@ from typing import Protocol
 
 from prefill_node.engine.types import (
     EngineLoad,
+    PipelineLoad,
     PrefillOptions,
     PrefillResult,
     PrefillTimings,
@@ -187,21 +188,46 @@ def result_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
     )
 
 
+def _stages_to_proto(stages: Sequence[StageLoad]) -> list[prefill_pb2.StageLoad]:
+    return [
+        prefill_pb2.StageLoad(
+            stage=s.stage,
+            free_blocks=s.free_blocks,
+            cached_blocks=s.cached_blocks,
+            used_blocks=s.used_blocks,
+            total_blocks=s.total_blocks,
+            busy_fraction=s.busy_fraction,
+        )
+        for s in stages
+    ]
+
+
+def _stages_from_proto(stages: Sequence[prefill_pb2.StageLoad]) -> tuple[StageLoad, ...]:
+    return tuple(
+        StageLoad(s.stage, s.free_blocks, s.cached_blocks, s.used_blocks, s.total_blocks,
+                  s.busy_fraction)
+        for s in stages
+    )  # fmt: skip
+
+
 def load_to_proto(load: EngineLoad) -> prefill_pb2.LoadReport:
     return prefill_pb2.LoadReport(
         queue_depth=load.queue_depth,
         inflight_requests=load.inflight_requests,
         inflight_tokens=load.inflight_tokens,
-        stages=[
-            prefill_pb2.StageLoad(
-                stage=s.stage,
-                free_blocks=s.free_blocks,
-                cached_blocks=s.cached_blocks,
-                used_blocks=s.used_blocks,
-                total_blocks=s.total_blocks,
-                busy_fraction=s.busy_fraction,
+        stages=_stages_to_proto(load.stages),
+        pipelines=[
+            prefill_pb2.PipelineLoad(
+                pipeline_id=p.pipeline_id,
+                address=p.address,
+                ready=p.ready,
+                queue_depth=p.queue_depth,
+                inflight_requests=p.inflight_requests,
+                inflight_tokens=p.inflight_tokens,
+                indexed_blocks=p.indexed_blocks,
+                stages=_stages_to_proto(p.stages),
             )
-            for s in load.stages
+            for p in load.pipelines
         ],
     )
 
@@ -211,15 +237,18 @@ def load_from_proto(msg: prefill_pb2.LoadReport) -> EngineLoad:
         queue_depth=msg.queue_depth,
         inflight_requests=msg.inflight_requests,
         inflight_tokens=msg.inflight_tokens,
-        stages=tuple(
-            StageLoad(
-                s.stage,
-                s.free_blocks,
-                s.cached_blocks,
-                s.used_blocks,
-                s.total_blocks,
-                s.busy_fraction,
+        stages=_stages_from_proto(msg.stages),
+        pipelines=tuple(
+            PipelineLoad(
+                p.pipeline_id,
+                p.address,
+                p.ready,
+                p.queue_depth,
+                p.inflight_requests,
+                p.inflight_tokens,
+                p.indexed_blocks,
+                _stages_from_proto(p.stages),
             )
-            for s in msg.stages
+            for p in msg.pipelines
         ),
     )

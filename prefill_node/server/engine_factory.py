@@ -46,6 +46,7 @@ class EngineSpec:
     device: str = "cpu"
     kv_shipping: KVShippingConfig | None = None
     engine: str = "pipeline"  # pipeline: one process per stage; local: stages in-process
+    debug_wave_delay_s: float = 0.0  # testing: every stage sleeps this long per wave
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -87,6 +88,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
             device=spec.device,
             kv_shipping=spec.kv_shipping,
             kv_events=kv_events,
+            debug_wave_delay_s=spec.debug_wave_delay_s,
         )
         return ServedEngine(engine, blocking_submit=False)
     import torch

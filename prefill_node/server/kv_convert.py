@@ -298,11 +298,16 @@ def event_from_proto(msg: kv_events_pb2.KvEvent) -> KVEvent:
 
 
 def batch_to_proto(
-    sequence: int, events: Sequence[KVEvent], pipeline_id: str, unix_s: float
+    sequence: int,
+    events: Sequence[KVEvent],
+    pipeline_id: str,
+    unix_s: float,
+    instance_id: str = "",
 ) -> kv_events_pb2.KvEventBatch:
     return kv_events_pb2.KvEventBatch(
         sequence=sequence,
         timestamp=_timestamp(unix_s),
         pipeline_id=pipeline_id,
         events=[event_to_proto(e) for e in events],
+        instance_id=instance_id,
     )

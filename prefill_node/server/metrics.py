@@ -79,6 +79,27 @@ class _EngineLoadCollector(Collector):
         conflicts.add_metric(["lease"], load.lease_conflicts)
         conflicts.add_metric(["escrow"], load.escrow_conflicts)
         yield conflicts
+        if load.pipelines:  # a router: one series per pipeline behind it
+            ready = GaugeMetricFamily(
+                "wavepp_pipeline_ready", "1 while the pipeline is a candidate", labels=["pipeline"]
+            )
+            inflight = GaugeMetricFamily(
+                "wavepp_pipeline_inflight_requests",
+                "Requests routed to the pipeline, not answered yet",
+                labels=["pipeline"],
+            )
+            indexed = GaugeMetricFamily(
+                "wavepp_pipeline_indexed_blocks",
+                "Prefix blocks the router's index holds for the pipeline",
+                labels=["pipeline"],
+            )
+            for p in load.pipelines:
+                ready.add_metric([p.pipeline_id], float(p.ready))
+                inflight.add_metric([p.pipeline_id], p.inflight_requests)
+                indexed.add_metric([p.pipeline_id], p.indexed_blocks)
+            yield ready
+            yield inflight
+            yield indexed
 
 
 class _Histogram:

@@ -15,7 +15,13 @@ from typing import TypeVar
 
 import grpc
 
-from prefill_node.engine.types import EngineHealth, EngineLoad, PrefillOptions, PrefillResult
+from prefill_node.engine.types import (
+    CacheIdentity,
+    EngineHealth,
+    EngineLoad,
+    PrefillOptions,
+    PrefillResult,
+)
 from prefill_node.errors import (
     InvalidRequestError,
     NeverFitsError,
@@ -70,6 +76,10 @@ class RemoteEngine:
     @property
     def max_model_len(self) -> int:
         return self.info.max_model_len
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity(self.info.cache_model_id, self.info.block_size)
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """Send one Prefill call; ``options.deadline_s`` (monotonic) becomes the call deadline."""

@@ -47,6 +47,9 @@ from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# UNAVAILABLE before anything was admitted starts with this: a router may retry elsewhere.
+NOT_READY = "the pipeline is not ready"
+
 
 class RequestFailure(Exception):
     """A request's final status; raised inside the servicer, sent as a status or stream entry."""
@@ -76,7 +79,9 @@ def _failure(request_id: str, exc: BaseException) -> RequestFailure:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    """Serves one engine. ``ready`` is kept current by the server's health monitor."""
+    """Serves one engine. ``ready`` is kept current by the server's health monitor.
+    ``instance_id`` is new for every servicer (a server start): GetServerInfo and every KV
+    event batch carry it, so a router sees a restart at the same address."""
 
     def __init__(
         self,
@@ -89,9 +94,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         submit_threads: int = 8,
         blocking_submit: bool = True,
         model_name: str = "",
+        is_router: bool = False,
     ) -> None:
         self._engine = engine
         self._model_name = model_name
+        self._is_router = is_router
+        self.instance_id = uuid.uuid4().hex
         self._submit_pool = None
         if blocking_submit:
             self._submit_pool = ThreadPoolExecutor(
@@ -100,11 +108,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._tokenizer = tokenizer
         self._metrics = metrics or ServerMetrics()
         self._kv_events = kv_events
-        self._limits = ModelLimits(engine.vocab_size, engine.max_model_len)
         self._max_stream_inflight = max_stream_inflight
         self._bridge: LoopBridge | None = None  # engine futures -> the serving loop
         self.ready = True
         self.not_ready_detail = ""
+
+    @property
+    def _limits(self) -> ModelLimits:
+        """Read per request: a router learns its pipelines' limits after it starts."""
+        return ModelLimits(self._engine.vocab_size, self._engine.max_model_len)
 
     async def Prefill(self, request, context):
         try:
@@ -177,6 +189,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except Exception as exc:
             f = _failure("GetServerInfo", exc)
             await context.abort(f.code, f.message)
+        identity = self._engine.cache_identity
         return prefill_pb2.ServerInfo(
             model_name=self._model_name,
             vocab_size=self._limits.vocab_size,
@@ -185,18 +198,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             text_prompts=self._tokenizer is not None,
             chat_template=self._tokenizer is not None and self._tokenizer.has_chat_template,
             server_version=__version__,
+            instance_id=self.instance_id,
+            block_size=identity.block_size,
+            cache_model_id=identity.model_id,
+            pipeline_id=self._kv_events.pipeline_id if self._kv_events is not None else "",
+            kv_events=self._kv_events is not None,
+            router=self._is_router,
         )
 
     async def SubscribeKvEvents(
         self, request, context
     ) -> AsyncIterator[kv_events_pb2.KvEventBatch]:
         if self._kv_events is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server publishes no KV events")
+            why = "this server publishes no KV events"
+            if self._is_router:  # its pipelines do; GetLoad lists them
+                why = "a router publishes no KV events; subscribe to its pipelines (see GetLoad)"
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, why)
         sub = self._kv_events.subscribe()
         try:
             while (batch := await sub.next_batch()) is not None:
                 sequence, events = batch
-                yield batch_to_proto(sequence, events, self._kv_events.pipeline_id, time.time())
+                yield batch_to_proto(
+                    sequence, events, self._kv_events.pipeline_id, time.time(), self.instance_id
+                )
         finally:
             sub.close()
         await context.abort(
@@ -239,7 +263,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise RequestFailure(
                     request_id,
                     grpc.StatusCode.UNAVAILABLE,
-                    f"the pipeline is not ready ({self.not_ready_detail}); retry later",
+                    f"{NOT_READY} ({self.not_ready_detail}); retry later",
                 )
             try:
                 parsed = parse_request(

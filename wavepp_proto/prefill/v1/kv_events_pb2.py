@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'wavepp_proto/prefill/v1/kv_events.proto\x12\x11wavepp.prefill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x81\x01\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\rB\x14\n\x12_parent_block_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\xb2\x01\n\x07KvEvent\x12\x31\n\x06stored\x18\x01 \x01(\x0b\x32\x1f.wavepp.prefill.v1.BlocksStoredH\x00\x12\x33\n\x07removed\x18\x02 \x01(\x0b\x32 .wavepp.prefill.v1.BlocksRemovedH\x00\x12\x36\n\x07\x63leared\x18\x03 \x01(\x0b\x32#.wavepp.prefill.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x90\x01\n\x0cKvEventBatch\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12-\n\ttimestamp\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bpipeline_id\x18\x03 \x01(\t\x12*\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1a.wavepp.prefill.v1.KvEvent\"\x1a\n\x18SubscribeKvEventsRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'wavepp_proto/prefill/v1/kv_events.proto\x12\x11wavepp.prefill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x81\x01\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\rB\x14\n\x12_parent_block_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\xb2\x01\n\x07KvEvent\x12\x31\n\x06stored\x18\x01 \x01(\x0b\x32\x1f.wavepp.prefill.v1.BlocksStoredH\x00\x12\x33\n\x07removed\x18\x02 \x01(\x0b\x32 .wavepp.prefill.v1.BlocksRemovedH\x00\x12\x36\n\x07\x63leared\x18\x03 \x01(\x0b\x32#.wavepp.prefill.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa5\x01\n\x0cKvEventBatch\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12-\n\ttimestamp\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bpipeline_id\x18\x03 \x01(\t\x12*\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1a.wavepp.prefill.v1.KvEvent\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\x1a\n\x18SubscribeKvEventsRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENT']._serialized_start=287
   _globals['_KVEVENT']._serialized_end=465
   _globals['_KVEVENTBATCH']._serialized_start=468
-  _globals['_KVEVENTBATCH']._serialized_end=612
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=614
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=640
+  _globals['_KVEVENTBATCH']._serialized_end=633
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=635
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=661
 # @@protoc_insertion_point(module_scope)

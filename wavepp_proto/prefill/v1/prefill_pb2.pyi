@@ -140,23 +140,45 @@ class StageLoad(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("queue_depth", "inflight_requests", "inflight_tokens", "stages")
+    __slots__ = ("queue_depth", "inflight_requests", "inflight_tokens", "stages", "pipelines")
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
     queue_depth: int
     inflight_requests: int
     inflight_tokens: int
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
-    def __init__(self, queue_depth: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ...) -> None: ...
+    pipelines: _containers.RepeatedCompositeFieldContainer[PipelineLoad]
+    def __init__(self, queue_depth: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[PipelineLoad, _Mapping]]] = ...) -> None: ...
+
+class PipelineLoad(_message.Message):
+    __slots__ = ("pipeline_id", "address", "ready", "queue_depth", "inflight_requests", "inflight_tokens", "indexed_blocks", "stages")
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    pipeline_id: str
+    address: str
+    ready: bool
+    queue_depth: int
+    inflight_requests: int
+    inflight_tokens: int
+    indexed_blocks: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
+    def __init__(self, pipeline_id: _Optional[str] = ..., address: _Optional[str] = ..., ready: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version", "chat_template")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version", "chat_template", "instance_id", "block_size", "cache_model_id", "pipeline_id", "kv_events", "router")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +186,12 @@ class ServerInfo(_message.Message):
     TEXT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -171,4 +199,10 @@ class ServerInfo(_message.Message):
     text_prompts: bool
     server_version: str
     chat_template: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    block_size: int
+    cache_model_id: str
+    pipeline_id: str
+    kv_events: bool
+    router: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ..., chat_template: _Optional[bool] = ..., instance_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_model_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., kv_events: _Optional[bool] = ..., router: _Optional[bool] = ...) -> None: ...

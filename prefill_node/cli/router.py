@@ -1,0 +1,195 @@
+"""`wavepp router`: the cluster router: one PrefillService endpoint in front of many pipelines."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefill_node.cli.options import add_network_arguments, add_tls_arguments, server_config
+
+DESCRIPTION = """\
+Route prefill requests to the pipeline that holds the longest prefix of each prompt on ALL of
+its stages, without piling everything onto one pipeline. The router speaks the same
+PrefillService (wavepp.prefill.v1) as a pipeline, so every client works against it unchanged;
+KV destinations pass through and the stages still ship their KV straight to decode.
+
+It follows every pipeline's KV events (SubscribeKvEvents) into a global prefix index, hashes
+each prompt with the pipelines' own block hashing (model identity, block size, cache_salt:
+tenants never match each other's blocks), scores the ready pipelines (--policy), records the
+prompt's blocks as pending on the chosen one (a burst sharing a new prefix lands together),
+and forwards the request as token ids (text is tokenised here, once). A pipeline that dies or
+turns NOT_SERVING leaves the candidate set within about a second and its index entries with
+it; a request a pipeline refused before admitting it is retried once on the next best one.
+
+Policies: prefix (default): least estimated seconds = queued work + this prompt's uncached
+suffix (linear + attention cost from the model's shape); least-loaded: least queued work;
+prefix-only: longest cached prefix, ties by load; round-robin.
+
+examples:
+  wavepp router --pipeline 10.0.0.5:50051 --pipeline 10.0.0.6:50051 --port 50050
+  wavepp router --k8s-service wavepp-pipelines --namespace prefill
+  wavepp prefill --server 127.0.0.1:50050 "What is the capital of France?"
+"""
+
+POLICIES = {"prefix": "PREFIX", "round-robin": "ROUND_ROBIN",
+            "least-loaded": "LEAST_LOADED", "prefix-only": "PREFIX_ONLY"}  # fmt: skip
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "router",
+        help="route prefills across pipelines by global prefix hits and load (same gRPC API)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = p.add_argument_group("pipelines (one of)")
+    where = d.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--pipeline",
+        action="append",
+        metavar="HOST:PORT",
+        help="a pipeline leader's gRPC address (`wavepp serve`); repeatable",
+    )
+    where.add_argument(
+        "--k8s-service",
+        metavar="NAME",
+        help="discover pipeline leaders from the EndpointSlices of this Kubernetes Service "
+        "(list + watch; needs get/list/watch on endpointslices)",
+    )
+    d.add_argument("--namespace", default=None, help="the Service's namespace (default: own)")
+    d.add_argument(
+        "--k8s-port-name",
+        default="grpc",
+        help="the EndpointSlice port carrying gRPC (default grpc)",
+    )
+    r = p.add_argument_group("routing")
+    r.add_argument("--policy", choices=tuple(POLICIES), default="prefix", help="default prefix")
+    r.add_argument(
+        "--model",
+        type=Path,
+        help="the pipelines' HF checkpoint dir: tokenizer for text prompts and the cost model "
+        "(default: built-in SmolLM2); pipelines serving another model are refused",
+    )
+    r.add_argument(
+        "--pending-ttl",
+        type=float,
+        default=2.0,
+        help="seconds a routed prompt's blocks count as held by its pipeline before that "
+        "pipeline's own KV events confirm them (default 2)",
+    )
+    r.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.5,
+        help="seconds between health + load checks of each pipeline (default 0.5)",
+    )
+    u = p.add_argument_group("TLS to the pipelines (optional)")
+    u.add_argument("--pipeline-ca", type=Path, help="CA bundle (PEM) to verify pipelines")
+    u.add_argument("--pipeline-cert", type=Path, help="client certificate (PEM), mutual TLS")
+    u.add_argument("--pipeline-key", type=Path, help="client private key (PEM), mutual TLS")
+    add_network_arguments(p, port=50050, metrics_port=9401)
+    add_tls_arguments(p)
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill_node.errors import InvalidRequestError, WaveppError
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return _run(args)
+    except (InvalidRequestError, FileNotFoundError, ValueError) as exc:
+        print(f"wavepp router: error: {exc}", file=sys.stderr)
+        return 2
+    except WaveppError as exc:
+        print(f"wavepp router: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+    from dataclasses import replace
+
+    from prefill_node.model.loader_hf import load_hf_config
+    from prefill_node.model.tokenizer import Tokenizer
+    from prefill_router.cost import cost_model_for
+    from prefill_router.pipeline_link import LinkConfig
+    from prefill_router.router_engine import RouterConfig, RouterEngine
+    from prefill_router.scoring import RoutingPolicy
+
+    if args.pending_ttl <= 0 or args.poll_interval <= 0:
+        raise ValueError("--pending-ttl and --poll-interval must be positive")
+    model_dir = args.model
+    if model_dir is None:
+        from prefill_node.model.default_model import default_model_dir
+
+        model_dir = default_model_dir()
+    model = load_hf_config(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    config = RouterConfig(
+        policy=RoutingPolicy[POLICIES[args.policy]],
+        cost_model=cost_model_for(model),
+        pending_ttl_s=args.pending_ttl,
+        link=LinkConfig(poll_s=args.poll_interval, tls=_pipeline_tls(args)),
+        model_name=model.name,
+    )
+    engine = RouterEngine(_discovery(args), config)
+    # submit only hashes, scores and starts a call: the server calls it inline
+    server_cfg = replace(server_config(args, model.name, router=True), blocking_submit=False)
+    engine.start()
+    try:
+        asyncio.run(_serve(engine, server_cfg, tokenizer))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _discovery(args: argparse.Namespace) -> Any:
+    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery
+
+    if args.pipeline:
+        return StaticDiscovery(args.pipeline)
+    return EndpointSliceDiscovery(
+        args.k8s_service, args.namespace or _own_namespace(), port_name=args.k8s_port_name
+    )
+
+
+def _own_namespace() -> str:
+    """The pod's namespace (the service account mount), else "default"."""
+    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return path.read_text().strip() if path.is_file() else "default"
+
+
+def _pipeline_tls(args: argparse.Namespace) -> Any:
+    from prefill_node.server.client import ClientTLS
+
+    if (args.pipeline_cert or args.pipeline_key) and not args.pipeline_ca:
+        raise ValueError("--pipeline-cert / --pipeline-key need --pipeline-ca")
+    return ClientTLS(args.pipeline_ca, args.pipeline_cert, args.pipeline_key) if (
+        args.pipeline_ca) else None  # fmt: skip
+
+
+async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:
+    import asyncio
+    import signal
+
+    from prefill_node.server.server import PrefillServer
+
+    server = PrefillServer(engine, config, tokenizer=tokenizer)
+    server.metrics.registry.register(engine.metrics.collector())
+    await server.start()
+    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(f"wavepp router: listening on {config.host}:{server.port}{metrics}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("wavepp router: draining in-flight calls, then stopping", flush=True)
+    await server.stop()

@@ -1,0 +1,187 @@
+"""PipelineLink: the router's connection to one pipeline: identity, health, load, KV events.
+
+Two threads per link, both owned here and stopped by ``stop``:
+
+- the MONITOR checks readiness (grpc.health.v1, the PrefillService) and fetches GetLoad every
+  ``poll_s``; on (re)connect it reads GetServerInfo first. A failed call, NOT_SERVING, or a new
+  ``instance_id`` (the pipeline restarted) makes the link not ready at once; the owner hears
+  every change through ``LinkListener``.
+- the EVENTS thread holds a SubscribeKvEvents stream while the link is ready and accepted,
+  hands every batch to the owner (which feeds its index) and resubscribes after any break,
+  gap or restart, with a short backoff. A new subscription starts with AllBlocksCleared +
+  a snapshot, so the owner's entries for this pipeline are rebuilt from scratch each time.
+
+Contract: the listener's methods run on these threads and must not block for long; the
+link's public attributes (``ready``, ``info``, ``load``) are plain reads of immutable
+values, safe from any thread. Forwarded Prefill calls use ``client`` (thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from prefill_node.core.kv_events import KVEvent
+from prefill_node.engine.types import EngineLoad
+from prefill_node.server.client import ClientTLS, PrefillClient, RemoteServerInfo
+from prefill_node.server.kv_convert import event_from_proto
+from prefill_router.discovery import PipelineEndpoint
+
+log = logging.getLogger(__name__)
+
+
+class LinkListener(Protocol):
+    """What a link reports to its owner (the router). Called from the link's threads."""
+
+    def link_identified(self, link: PipelineLink, info: RemoteServerInfo) -> str | None:
+        """A (re)connected pipeline's ServerInfo; return why it is refused, or None."""
+
+    def link_ready(self, link: PipelineLink, ready: bool, reason: str) -> None:
+        """Readiness changed (False: leave the candidate set and drop its index entries)."""
+
+    def link_batch(self, link: PipelineLink, sequence: int, events: tuple[KVEvent, ...]) -> bool:
+        """One KV-event batch; return False to resubscribe (a gap)."""
+
+    def link_stream_lost(self, link: PipelineLink, reason: str) -> None:
+        """The KV-event stream ended: the pipeline's index entries are stale."""
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """``poll_s``: health + load period (a dead pipeline leaves the candidate set within
+    about ``poll_s + rpc_timeout_s``); ``retry_s``: resubscribe / reconnect backoff cap."""
+
+    poll_s: float = 0.5
+    rpc_timeout_s: float = 1.0
+    retry_s: float = 2.0
+    tls: ClientTLS | None = None
+
+
+class PipelineLink:
+    """One pipeline behind the router (see the module contract)."""
+
+    def __init__(
+        self, endpoint: PipelineEndpoint, listener: LinkListener, config: LinkConfig
+    ) -> None:
+        self.endpoint = endpoint
+        self.config = config
+        self.client = PrefillClient(endpoint.address, tls=config.tls)
+        self._listener = listener
+        self.info: RemoteServerInfo | None = None
+        self.ready = False
+        self.refused: str | None = None  # why the router refuses this pipeline (None: ok)
+        self.load: EngineLoad | None = None
+        self._stop = threading.Event()
+        self._wake_events = threading.Event()  # the monitor saw the link become ready
+        self._stream = None  # the live SubscribeKvEvents call (cancel() ends it)
+        self._lock = threading.Lock()
+        name = endpoint.id
+        self._monitor = threading.Thread(target=self._run_monitor, name=f"link-{name}", daemon=True)
+        self._events = threading.Thread(target=self._run_events, name=f"events-{name}", daemon=True)
+
+    @property
+    def pid(self) -> str:
+        return self.endpoint.id
+
+    def start(self) -> None:
+        self._monitor.start()
+        self._events.start()
+
+    def stop(self) -> None:
+        """End both threads and close the channel (bounded: a blocked RPC times out)."""
+        self._stop.set()
+        self._wake_events.set()
+        self._cancel_stream()
+        for thread in (self._monitor, self._events):
+            if thread.is_alive():
+                thread.join(timeout=self.config.rpc_timeout_s + 2.0)
+        self.client.close()
+
+    # -- monitor ------------------------------------------------------------------------------
+    def _run_monitor(self) -> None:
+        while not self._stop.is_set():
+            self._check()
+            self._stop.wait(self.config.poll_s)
+
+    def _check(self) -> None:
+        timeout = self.config.rpc_timeout_s
+        try:
+            info = self.client.server_info(timeout_s=timeout)
+            if self.info is None or info.instance_id != self.info.instance_id:
+                self._identify(info)
+            if self.refused is not None:
+                return
+            ready = self.client.is_ready(timeout_s=timeout)
+            self.load = self.client.load(timeout_s=timeout) if ready else self.load
+        except grpc.RpcError as exc:
+            self._set_ready(False, f"unreachable: {exc.code().name}")
+            return
+        self._set_ready(ready, "" if ready else "NOT_SERVING")
+
+    def _identify(self, info: RemoteServerInfo) -> None:
+        restarted = self.info is not None
+        if restarted:  # same address, new server: everything known about it is gone
+            self._set_ready(False, "restarted")
+        self.info = info
+        self.refused = self._listener.link_identified(self, info)
+        if self.refused is not None:
+            log.warning("pipeline %s refused: %s", self.pid, self.refused)
+
+    def _set_ready(self, ready: bool, reason: str) -> None:
+        with self._lock:
+            if ready == self.ready:
+                return
+            self.ready = ready
+        if ready:
+            log.info("pipeline %s is ready", self.pid)
+            self._wake_events.set()
+        else:
+            log.warning("pipeline %s is not ready: %s", self.pid, reason)
+            self._cancel_stream()
+        self._listener.link_ready(self, ready, reason)
+
+    # -- events -------------------------------------------------------------------------------
+    def _run_events(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            if not self.ready:
+                self._wake_events.wait(self.config.poll_s)
+                self._wake_events.clear()
+                continue
+            reason = self._follow()
+            if self._stop.is_set():
+                return
+            self._listener.link_stream_lost(self, reason)
+            self._stop.wait(backoff)
+            backoff = min(self.config.retry_s, backoff * 2)
+            if reason == "gap":
+                backoff = 0.1
+
+    def _follow(self) -> str:
+        """Hold one subscription until it breaks; the reason it ended."""
+        instance = self.info.instance_id if self.info is not None else ""
+        stream = self.client.subscribe_kv_events()
+        with self._lock:
+            self._stream = stream
+        try:
+            for batch in stream:
+                if batch.instance_id and batch.instance_id != instance:
+                    return "restarted"
+                events = tuple(event_from_proto(e) for e in batch.events)
+                if not self._listener.link_batch(self, batch.sequence, events):
+                    return "gap"
+        except grpc.RpcError as exc:
+            return f"stream ended: {exc.code().name}"
+        finally:
+            self._cancel_stream()
+        return "stream ended"
+
+    def _cancel_stream(self) -> None:
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()

@@ -1,0 +1,387 @@
+"""RouterEngine: the Engine protocol over a cluster of pipelines, so the node's gRPC server
+(PrefillServer: the same PrefillService, health, reflection, TLS, metrics) fronts a router.
+
+Per request (``submit``, called inline on the server's event loop): hash the prompt with the
+node's own code and the cluster's cache identity + the request's ``cache_salt``, look up
+every pipeline's leading cached blocks in the global index, score the ready candidates
+(``Scorer``), record the prompt's blocks as pending on the chosen pipeline, and forward the
+request there as a Prefill call (token ids; KV destinations pass through untouched, so the
+stages still ship straight to decode). The answer comes back unchanged.
+
+Failover: a call the pipeline refused BEFORE admitting anything (UNAVAILABLE "not ready", or
+no connection at all) is retried once on the next best pipeline; any other failure is the
+request's answer (no silent duplicate compute). ``abort`` (a client cancel, a deadline, or
+the Abort RPC) cancels the forwarded call, which makes the pipeline abort the request and
+free its blocks. Pipelines come and go through the discovery; a link that is not ready, or
+whose KV-event stream broke, has no entries in the index until its next snapshot.
+
+Threading: one lock guards the index, the scorer and the routed-request table; links call
+in from their threads, gRPC completions from gRPC's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import grpc
+
+from prefill_node.core.cost_model import ChunkCostModel
+from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_name
+from prefill_node.core.kv_events import KVEvent
+from prefill_node.engine.types import (
+    CacheIdentity,
+    EngineHealth,
+    EngineLoad,
+    PipelineLoad,
+    PrefillOptions,
+    PrefillResult,
+)
+from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
+from prefill_node.server.client import RemoteServerInfo, build_request, to_remote_result
+from prefill_node.server.remote_engine import error_from_rpc
+from prefill_node.server.servicer import NOT_READY
+from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
+from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
+from prefill_router.pipeline_link import LinkConfig, PipelineLink
+from prefill_router.router_metrics import RouterMetrics
+from prefill_router.scoring import PipelineView, RouteReason, RoutingDecision, RoutingPolicy, Scorer
+
+log = logging.getLogger(__name__)
+
+# A generic compute-bound default (about a 1B dense model); ``wavepp router --model`` derives
+# one from the model's shape. Only the ratio of the two terms changes routing decisions.
+DEFAULT_COST = ChunkCostModel(per_token_s=2e-6, per_token_context_s=2e-10)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``model_name``: refuse pipelines serving another model (its name as in the cache
+    identity, ``model_cache_id``). Either way the first pipeline accepted defines the
+    cluster's identity (model id with dtype, block size); later ones must match it."""
+
+    policy: RoutingPolicy = RoutingPolicy.PREFIX
+    cost_model: ChunkCostModel = DEFAULT_COST
+    pending_ttl_s: float = 2.0
+    link: LinkConfig = field(default_factory=LinkConfig)
+    model_name: str | None = None
+
+
+@dataclass
+class _Routed:
+    """One forwarded request (guarded by the engine lock)."""
+
+    pid: str
+    cost_s: float
+    computed_tokens: int
+    predicted_cached: int
+    call: grpc.Future | None = None
+    tried: tuple[str, ...] = ()
+
+
+def refused_before_admission(exc: grpc.RpcError) -> bool:
+    """True when a failed call never reached a pipeline's admission (safe to retry)."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = (exc.details() or "").lower()
+    return details.startswith(NOT_READY) or "failed to connect" in details
+
+
+class RouterEngine:
+    """See the module contract. ``start`` begins discovery; ``shutdown`` stops every link."""
+
+    def __init__(self, discovery: PipelineDiscovery, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics(config.policy.value)
+        self._discovery = discovery
+        self._lock = threading.Lock()
+        self._index = GlobalPrefixIndex(config.pending_ttl_s)
+        self._scorer: Scorer | None = None  # once the cluster's identity is known
+        self._identity: CacheIdentity | None = None
+        self._links: dict[str, PipelineLink] = {}
+        self._routed: dict[str, _Routed] = {}
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._discovery.start(self._on_endpoints)
+
+    def shutdown(self) -> None:
+        self._discovery.stop()
+        with self._lock:
+            self._closed = True
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.stop()
+
+    def _on_endpoints(self, endpoints: frozenset[PipelineEndpoint]) -> None:
+        """Discovery's full set: start links for new endpoints, stop links for gone ones."""
+        wanted = {e.id: e for e in endpoints}
+        with self._lock:
+            if self._closed:
+                return
+            gone = [link for pid, link in self._links.items() if pid not in wanted]
+            for link in gone:
+                del self._links[link.pid]
+                self._drop_index(link.pid)
+            new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
+                   if pid not in self._links]  # fmt: skip
+            for link in new:
+                self._links[link.pid] = link
+        for link in gone:
+            log.info("pipeline %s left the discovery", link.pid)
+            link.stop()
+        for link in new:
+            log.info("pipeline %s (%s) found", link.pid, link.endpoint.address)
+            link.start()
+
+    # -- LinkListener --------------------------------------------------------------------------
+    def link_identified(self, link: PipelineLink, info: RemoteServerInfo) -> str | None:
+        identity = CacheIdentity(info.cache_model_id, info.block_size)
+        with self._lock:
+            if info.router or not info.block_size or not info.kv_events:
+                why = "not a pipeline publishing KV events (a router, or --no-kv-events)"
+            elif self.config.model_name not in (None, model_cache_name(identity.model_id)):
+                why = f"serves {identity.model_id!r}, this router routes {self.config.model_name!r}"
+            elif self._identity is not None and identity != self._identity:
+                why = (f"serves {identity.model_id!r} with {identity.block_size}-token blocks; "
+                       f"the cluster serves {self._identity.model_id!r} with "
+                       f"{self._identity.block_size}-token blocks")  # fmt: skip
+            else:
+                why = None
+                if self._identity is None:
+                    self._identity = identity
+                    self._scorer = Scorer(self.config.cost_model, identity.block_size,
+                                          self.config.policy)  # fmt: skip
+                    log.info("cluster cache identity: %s, %d-token blocks", *(
+                        identity.model_id, identity.block_size))  # fmt: skip
+        if why is not None:
+            self.metrics.pipeline_refused(link.pid)
+        return why
+
+    def link_ready(self, link: PipelineLink, ready: bool, reason: str) -> None:
+        with self._lock:
+            if self._links.get(link.pid) is not link:
+                return
+            if ready:
+                if link.pid not in self._index.pipelines:
+                    self._index.add_pipeline(link.pid)  # entries come with its snapshot
+            else:
+                self._drop_index(link.pid)
+        if not ready:
+            self.metrics.pipeline_lost(link.pid)
+
+    def link_batch(self, link: PipelineLink, sequence: int, events: tuple[KVEvent, ...]) -> bool:
+        with self._lock:
+            if self._links.get(link.pid) is not link:
+                return False
+            try:
+                result = self._index.apply(link.pid, sequence, events)
+            except UnknownPipelineError:  # dropped while the batch was on its way
+                return False
+        if sequence == 1:
+            self.metrics.resync(link.pid)
+        return not result.needs_resubscribe
+
+    def link_stream_lost(self, link: PipelineLink, reason: str) -> None:
+        with self._lock:
+            if self._links.get(link.pid) is not link or link.pid not in self._index.pipelines:
+                return
+            self._drop_index(link.pid)
+            if link.ready:
+                self._index.add_pipeline(link.pid)  # awaiting the next snapshot
+        log.info("pipeline %s: KV events %s; re-indexing from a new subscription", link.pid,
+                 reason)  # fmt: skip
+
+    def _drop_index(self, pid: str) -> None:
+        """Caller holds the lock."""
+        if pid in self._index.pipelines:
+            self._index.drop_pipeline(pid)
+
+    # -- Engine protocol -----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        infos = [link.info for link in self._accepted() if link.info is not None]
+        return max((i.vocab_size for i in infos), default=0)
+
+    @property
+    def max_model_len(self) -> int:
+        infos = [link.info for link in self._accepted() if link.info is not None]
+        return max((i.max_model_len for i in infos), default=0)
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        return self._identity or CacheIdentity("", 0)
+
+    def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
+        tokens = list(token_ids)
+        result: Future[PrefillResult] = Future()
+        result.set_running_or_notify_cancel()
+        with self._lock:
+            identity = self._identity
+        if identity is None:
+            raise UnavailableError("no pipeline has connected to the router yet; retry later")
+        extra = ExtraKeys(identity.model_id, options.cache_salt)
+        hashes = hash_block_tokens(tokens, identity.block_size, extra)
+        self._route(tokens, hashes, options, result, ())
+        return result
+
+    def _route(
+        self,
+        tokens: list[int],
+        hashes: Sequence[int],
+        options: PrefillOptions,
+        result: Future[PrefillResult],
+        tried: tuple[str, ...],
+    ) -> None:
+        """Choose a pipeline (not one of ``tried``) and forward; raises when none can take it
+        and nothing was tried yet, else fails ``result``."""
+        now = time.monotonic()
+        request_id = options.request_id or ""
+        with self._lock:
+            decision = self._decide(len(tokens), hashes, now, tried)
+            if decision.pipeline is not None:
+                link = self._links[decision.pipeline]
+                chosen = next(c for c in decision.candidates if c.pid == decision.pipeline)
+                self._index.record_pending(decision.pipeline, hashes, now)
+                routed = _Routed(decision.pipeline, chosen.prefill_cost_s,
+                                 len(tokens) - decision.cached_tokens, decision.cached_tokens,
+                                 tried=(*tried, decision.pipeline))  # fmt: skip
+                self._routed[request_id] = routed
+        self.metrics.decision(decision.reason.value)
+        if decision.pipeline is None:
+            error = self._no_pipeline(decision)
+            if not tried:
+                raise error
+            result.set_exception(error)
+            return
+        timeout = None if options.deadline_s is None else max(0.0, options.deadline_s - now)
+        request = build_request(tokens, request_id=request_id, cache_salt=options.cache_salt or "",
+                                top_logprobs=options.top_logprobs,
+                                kv_destination=options.kv_destination)  # fmt: skip
+        call = link.client.prefill_future(request, deadline_s=timeout)
+        with self._lock:
+            routed.call = call
+        call.add_done_callback(
+            lambda done: self._settle(done, tokens, hashes, options, result, routed)
+        )
+
+    def _decide(self, prompt_tokens: int, hashes, now: float, tried) -> RoutingDecision:
+        """Caller holds the lock."""
+        if self._scorer is None:
+            raise UnavailableError("no pipeline has connected to the router yet; retry later")
+        matches = self._index.match(hashes, now)
+        views = [
+            self._view(link)
+            for link in self._links.values()
+            if link.refused is None and link.info is not None and link.pid not in tried
+        ]
+        return self._scorer.choose(prompt_tokens, matches, views)  # fmt: skip
+
+    def _view(self, link: PipelineLink) -> PipelineView:
+        """Caller holds the lock."""
+        mine = [r for r in self._routed.values() if r.pid == link.pid]
+        own_cost = sum(r.cost_s for r in mine)
+        own_tokens = sum(r.computed_tokens for r in mine)
+        load, info = link.load, link.info
+        others = max(0, load.inflight_tokens - own_tokens) if load is not None else 0
+        capacity = min((s.total_blocks for s in load.stages), default=1 << 40) if load else 1 << 40
+        return PipelineView(
+            pid=link.pid,
+            ready=link.ready and link.pid in self._index.pipelines,
+            queued_cost_s=own_cost + others * self.config.cost_model.per_token_s,
+            max_model_len=info.max_model_len if info is not None else 0,
+            capacity_blocks=capacity,
+            inflight_requests=len(mine),
+        )
+
+    def _no_pipeline(self, decision: RoutingDecision) -> Exception:
+        if decision.reason is RouteReason.NEVER_FITS:
+            return NeverFitsError(
+                f"the prompt ({decision.prompt_tokens} tokens) fits no pipeline behind this "
+                "router (too long, or more KV blocks than a stage holds); send a shorter one"
+            )
+        return UnavailableError("no pipeline is ready to take this prompt; retry later")
+
+    def _settle(self, done, tokens, hashes, options, result, routed: _Routed) -> None:
+        """A forwarded call ended (a gRPC thread): answer, or retry once elsewhere."""
+        request_id = options.request_id or ""
+        with self._lock:
+            if self._routed.get(request_id) is routed:
+                del self._routed[request_id]
+        try:
+            remote = to_remote_result(done.result())
+        except grpc.FutureCancelledError:
+            result.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
+            return
+        except grpc.RpcError as exc:
+            if refused_before_admission(exc) and len(routed.tried) == 1:
+                self.metrics.failover(routed.pid)
+                log.info("pipeline %s refused %s before admission (%s); retrying elsewhere",
+                         routed.pid, request_id, exc.details())  # fmt: skip
+                try:
+                    self._route(tokens, hashes, options, result, routed.tried)
+                except Exception as again:  # noqa: BLE001 - the request's own answer
+                    result.set_exception(again)
+                return
+            result.set_exception(error_from_rpc(exc))
+            return
+        self.metrics.answered(routed.pid, routed.predicted_cached, remote.result.cached_tokens)
+        result.set_result(remote.result)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            routed = self._routed.get(request_id)
+            call = routed.call if routed is not None else None
+        return call is not None and call.cancel()
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            links = list(self._links.values())
+            inflight = {pid: 0 for pid in self._links}
+            for r in self._routed.values():
+                inflight[r.pid] = inflight.get(r.pid, 0) + 1
+            indexed = {pid: self._index.num_blocks(pid) for pid in self._index.pipelines}
+        pipelines = tuple(
+            PipelineLoad(
+                pipeline_id=link.pid,
+                address=link.endpoint.address,
+                ready=link.ready and link.refused is None,
+                queue_depth=link.load.queue_depth if link.load else 0,
+                inflight_requests=inflight.get(link.pid, 0),
+                inflight_tokens=link.load.inflight_tokens if link.load else 0,
+                indexed_blocks=indexed.get(link.pid, 0),
+                stages=link.load.stages if link.load else (),
+            )
+            for link in links
+        )
+        return EngineLoad(
+            queue_depth=sum(p.queue_depth for p in pipelines),
+            inflight_requests=sum(p.inflight_requests for p in pipelines),
+            inflight_tokens=sum(p.inflight_tokens for p in pipelines),
+            stages=(),
+            pipelines=pipelines,
+        )
+
+    def health(self) -> EngineHealth:
+        ready = any(link.ready for link in self._accepted())
+        detail = "" if ready else "no pipeline behind the router is ready"
+        return EngineHealth(live=True, ready=ready, detail=detail)
+
+    def _accepted(self) -> list[PipelineLink]:
+        with self._lock:
+            return [link for link in self._links.values() if link.refused is None]
+
+    def links(self) -> dict[str, PipelineLink]:
+        """The current links by pipeline id (a copy; for tests and the CLI)."""
+        with self._lock:
+            return dict(self._links)
+
+    def index_snapshot(self, pid: str) -> int:
+        """Confirmed blocks the index holds for ``pid`` (0 when it has none)."""
+        with self._lock:
+            return self._index.num_blocks(pid) if pid in self._index.pipelines else 0

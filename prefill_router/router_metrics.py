@@ -1,0 +1,105 @@
+"""RouterMetrics: the router's own Prometheus counters (decisions, cache-hit accuracy, churn).
+
+Register ``collector()`` in the serving PrefillServer's registry; per-pipeline load gauges
+(ready, in flight, indexed blocks) come from the server's load collector. Updates come from
+several threads (the event loop, gRPC completions, pipeline links), so one lock guards them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+
+class RouterMetrics:
+    """Counters; every method is thread-safe and O(1)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._lock = threading.Lock()
+        self.decisions: Counter[str] = Counter()  # by reason
+        self.predicted_cached: Counter[str] = Counter()  # by pipeline, answered requests
+        self.actual_cached: Counter[str] = Counter()
+        self.answered_requests: Counter[str] = Counter()
+        self.resyncs: Counter[str] = Counter()
+        self.failovers: Counter[str] = Counter()  # by the pipeline that refused
+        self.lost: Counter[str] = Counter()  # by pipeline: left the candidate set
+        self.refused: Counter[str] = Counter()  # by pipeline: wrong model / block size
+
+    def decision(self, reason: str) -> None:
+        with self._lock:
+            self.decisions[reason] += 1
+
+    def answered(self, pid: str, predicted_cached: int, actual_cached: int) -> None:
+        with self._lock:
+            self.answered_requests[pid] += 1
+            self.predicted_cached[pid] += predicted_cached
+            self.actual_cached[pid] += actual_cached
+
+    def resync(self, pid: str) -> None:
+        with self._lock:
+            self.resyncs[pid] += 1
+
+    def failover(self, pid: str) -> None:
+        with self._lock:
+            self.failovers[pid] += 1
+
+    def pipeline_lost(self, pid: str) -> None:
+        with self._lock:
+            self.lost[pid] += 1
+
+    def pipeline_refused(self, pid: str) -> None:
+        with self._lock:
+            self.refused[pid] += 1
+
+    def collector(self) -> Collector:
+        return _RouterCollector(self)
+
+
+class _RouterCollector(Collector):
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        m = self._m
+        with m._lock:
+            snapshot = {
+                name: dict(getattr(m, name))
+                for name in ("decisions", "predicted_cached", "actual_cached",
+                             "answered_requests", "resyncs", "failovers", "lost", "refused")
+            }  # fmt: skip
+        decisions = CounterMetricFamily(
+            "wavepp_router_decisions",
+            "Routing decisions by policy and reason",
+            labels=["policy", "reason"],
+        )
+        for reason, n in snapshot["decisions"].items():
+            decisions.add_metric([m.policy, reason], n)
+        yield decisions
+        cached = CounterMetricFamily(
+            "wavepp_router_cached_tokens",
+            "Cached prompt tokens of answered requests: predicted at routing vs reported",
+            labels=["pipeline", "kind"],
+        )
+        for pid, n in snapshot["predicted_cached"].items():
+            cached.add_metric([pid, "predicted"], n)
+            cached.add_metric([pid, "actual"], snapshot["actual_cached"].get(pid, 0))
+        yield cached
+        per_pipeline = (
+            ("answered_requests", "wavepp_router_answered", "Requests answered per pipeline"),
+            ("resyncs", "wavepp_router_resyncs", "KV-event snapshots (re)applied per pipeline"),
+            ("failovers", "wavepp_router_failovers",
+             "Requests retried elsewhere after this pipeline refused them before admission"),
+            ("lost", "wavepp_router_pipeline_lost", "Times a pipeline left the candidate set"),
+            ("refused", "wavepp_router_pipeline_refused",
+             "Times a pipeline was refused (another model or block size)"),
+        )  # fmt: skip
+        for attr, name, doc in per_pipeline:
+            family = CounterMetricFamily(name, doc, labels=["pipeline"])
+            for pid, n in snapshot[attr].items():
+                family.add_metric([pid], n)
+            yield family

@@ -1,0 +1,250 @@
+"""Routing policies: choose a pipeline for a prompt from the index's matches and their loads."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from prefill_node.core.cost_model import ChunkCostModel
+from prefill_node.core.request import blocks_needed, max_reusable_blocks
+from prefill_node.errors import InvalidRequestError
+from prefill_router.index import PipelineId
+
+
+class InvalidRoutingInputError(InvalidRequestError):
+    """A routing input is malformed: a non-positive length, a negative load, a bad match."""
+
+
+class RoutingPolicy(Enum):
+    """How ``Scorer`` picks among eligible pipelines."""
+
+    PREFIX = "prefix"  # least queued + uncached-suffix seconds (default)
+    ROUND_ROBIN = "round_robin"  # rotate over eligible pipelines
+    LEAST_LOADED = "least_loaded"  # least queued seconds
+    PREFIX_ONLY = "prefix_only"  # longest cached prefix, ties by load
+
+
+class RouteReason(Enum):
+    """Why a ``RoutingDecision`` chose its pipeline, or chose none."""
+
+    PREFIX_HIT = "prefix_hit"  # chosen holds the longest prefix, and some candidate holds less
+    LOAD = "load"  # no prefix difference among candidates, or load outweighed it
+    ONLY_CANDIDATE = "only_candidate"  # a single eligible pipeline
+    ROUND_ROBIN = "round_robin"  # its turn in the rotation
+    NO_CANDIDATE = "no_candidate"  # None: no candidate that could take the prompt is ready
+    NEVER_FITS = "never_fits"  # None: the prompt is too big for every candidate, ready or not
+
+
+class Exclusion(Enum):
+    """Why a candidate could not be chosen."""
+
+    NOT_READY = "not_ready"
+    TOO_LONG = "too_long"  # prompt_tokens > max_model_len
+    TOO_MANY_BLOCKS = "too_many_blocks"  # needs more blocks than the smallest stage holds
+
+
+@dataclass(frozen=True)
+class PipelineView:
+    """A candidate pipeline as the router last saw it (validated on construction).
+
+    ``queued_cost_s``: estimated seconds of work queued or in flight there;
+    ``capacity_blocks``: total blocks of its smallest stage (a prompt needing more never
+    fits); ``snapshot_interval_blocks``: set for models with recurrent-state layers, whose
+    cached prefix is reusable only up to a multiple of it (``StageConfig``'s field).
+    """
+
+    pid: PipelineId
+    ready: bool
+    queued_cost_s: float
+    max_model_len: int
+    capacity_blocks: int
+    inflight_requests: int = 0
+    snapshot_interval_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        snap = self.snapshot_interval_blocks
+        if not (
+            self.pid
+            and math.isfinite(self.queued_cost_s)
+            and self.queued_cost_s >= 0
+            and self.max_model_len >= 1
+            and self.capacity_blocks >= 1
+            and self.inflight_requests >= 0
+            and (snap is None or snap >= 1)
+        ):
+            raise InvalidRoutingInputError(f"invalid pipeline view: {self}")
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """One candidate's numbers. ``score`` (seconds until this prompt's prefill would finish
+    there: queued work plus the uncached suffix) is what PREFIX minimises; every policy
+    reports it. ``excluded`` says why the candidate could not be chosen (None: eligible)."""
+
+    pid: PipelineId
+    cached_tokens: int
+    queued_cost_s: float
+    prefill_cost_s: float
+    inflight_requests: int
+    excluded: Exclusion | None
+
+    @property
+    def score(self) -> float:
+        return self.queued_cost_s + self.prefill_cost_s
+
+    @property
+    def eligible(self) -> bool:
+        return self.excluded is None
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """The chosen pipeline (None: see ``reason``), the cached tokens predicted there (what
+    the node will report: 0 when none), and every candidate's numbers in pid order."""
+
+    pipeline: PipelineId | None
+    reason: RouteReason
+    policy: RoutingPolicy
+    prompt_tokens: int
+    cached_tokens: int
+    candidates: tuple[CandidateScore, ...]
+
+    @property
+    def routed(self) -> bool:
+        return self.pipeline is not None
+
+
+def predicted_cached_tokens(
+    prompt_tokens: int,
+    block_size: int,
+    matched_blocks: int,
+    snapshot_interval_blocks: int | None = None,
+) -> int:
+    """Tokens the node will take from its cache, given ``matched_blocks`` leading blocks
+    resident on every stage. The node's rule: at most ``(prompt_tokens - 1) // block_size``
+    blocks (the last token is always computed), cut down to a snapshot boundary if needed."""
+    blocks = min(matched_blocks, max_reusable_blocks(prompt_tokens, block_size))
+    if snapshot_interval_blocks is not None:
+        blocks -= blocks % snapshot_interval_blocks
+    return blocks * block_size
+
+
+class Scorer:
+    """Chooses a pipeline per prompt under one ``RoutingPolicy`` (sans-IO).
+
+    Eligible candidates are ready and fit (``prompt_tokens <= max_model_len`` and the
+    prompt's blocks, partial last one included, within ``capacity_blocks``). Ties always
+    go to lower load (queued seconds, then in-flight requests), then to the smaller pid.
+    ROUND_ROBIN's rotation (by pid order, resuming after the last pipeline it chose) is
+    the only state. One cost model and block size serve every pipeline (homogeneous
+    pipelines; the block size must be the one the prompt was hashed with).
+
+    PREFIX prefers cache affinity within ``affinity_slack`` of the best score: the queue
+    estimate is coarse (queued work is charged as if serial, while a pipeline overlaps its
+    requests), so among candidates scoring at most ``(1 + affinity_slack) * best`` the one
+    with the longest cached prefix wins. A burst sharing a new prefix (pending entries) thus
+    stays on one pipeline until its queue is clearly longer than another's, instead of
+    computing the prefix on every pipeline. 0 = pure score (ties to lower load).
+    """
+
+    def __init__(
+        self,
+        cost_model: ChunkCostModel,
+        block_size: int,
+        policy: RoutingPolicy = RoutingPolicy.PREFIX,
+        affinity_slack: float = 0.1,
+    ) -> None:
+        if block_size < 1:
+            raise InvalidRoutingInputError(f"block_size must be >= 1, got {block_size}")
+        if not (math.isfinite(affinity_slack) and affinity_slack >= 0):
+            raise InvalidRoutingInputError(f"affinity_slack must be >= 0, got {affinity_slack}")
+        self.affinity_slack = affinity_slack
+        self.cost_model = cost_model
+        self.block_size = block_size
+        self.policy = policy
+        self._last_round_robin: PipelineId | None = None
+
+    def choose(
+        self,
+        prompt_tokens: int,
+        matched_blocks: Mapping[PipelineId, int],
+        candidates: Sequence[PipelineView],
+    ) -> RoutingDecision:
+        """Pick a pipeline for a prompt of ``prompt_tokens`` tokens, given each pipeline's
+        leading blocks held (``GlobalPrefixIndex.match``; a missing pid counts 0)."""
+        if prompt_tokens < 1:
+            raise InvalidRoutingInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        full_blocks = prompt_tokens // self.block_size
+        for pid, blocks in matched_blocks.items():
+            if not 0 <= blocks <= full_blocks:
+                raise InvalidRoutingInputError(
+                    f"{pid!r}: {blocks} matched blocks, a {prompt_tokens}-token prompt has "
+                    f"{full_blocks} full blocks"
+                )
+        views = sorted(candidates, key=lambda v: v.pid)
+        if len({v.pid for v in views}) != len(views):
+            raise InvalidRoutingInputError("candidate pipelines must have distinct pids")
+        scores = tuple(self._score(prompt_tokens, matched_blocks.get(v.pid, 0), v) for v in views)
+        eligible = [s for s in scores if s.eligible]
+        if not eligible:
+            fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
+            reason = RouteReason.NO_CANDIDATE if fits or not scores else RouteReason.NEVER_FITS
+            return RoutingDecision(None, reason, self.policy, prompt_tokens, 0, scores)
+        chosen, reason = self._pick(eligible)
+        return RoutingDecision(
+            chosen.pid, reason, self.policy, prompt_tokens, chosen.cached_tokens, scores
+        )
+
+    def _score(self, prompt_tokens: int, matched: int, view: PipelineView) -> CandidateScore:
+        cached = predicted_cached_tokens(
+            prompt_tokens, self.block_size, matched, view.snapshot_interval_blocks
+        )
+        excluded = None  # a misfit first: it never goes away, readiness may
+        if prompt_tokens > view.max_model_len:
+            excluded = Exclusion.TOO_LONG
+        elif blocks_needed(prompt_tokens, self.block_size) > view.capacity_blocks:
+            excluded = Exclusion.TOO_MANY_BLOCKS
+        elif not view.ready:
+            excluded = Exclusion.NOT_READY
+        return CandidateScore(
+            view.pid,
+            cached,
+            view.queued_cost_s,
+            self.cost_model.chunk_cost(cached, prompt_tokens - cached),
+            view.inflight_requests,
+            excluded,
+        )
+
+    def _pick(self, eligible: list[CandidateScore]) -> tuple[CandidateScore, RouteReason]:
+        """``eligible`` is non-empty and in pid order."""
+        policy = self.policy
+        if policy is RoutingPolicy.ROUND_ROBIN:
+            last = self._last_round_robin
+            after = [s for s in eligible if last is None or s.pid > last]
+            chosen = (after or eligible)[0]
+            self._last_round_robin = chosen.pid
+            reason = RouteReason.ONLY_CANDIDATE if len(eligible) == 1 else RouteReason.ROUND_ROBIN
+            return chosen, reason
+        if policy is RoutingPolicy.PREFIX and self.affinity_slack > 0:
+            limit = min(s.score for s in eligible) * (1 + self.affinity_slack)
+            near = [s for s in eligible if s.score <= limit]
+            chosen = min(near, key=lambda s: (-s.cached_tokens, s.score, *_load(s)))
+        elif policy is RoutingPolicy.PREFIX:
+            chosen = min(eligible, key=lambda s: (s.score, *_load(s)))
+        elif policy is RoutingPolicy.PREFIX_ONLY:
+            chosen = min(eligible, key=lambda s: (-s.cached_tokens, *_load(s)))
+        else:
+            chosen = min(eligible, key=_load)
+        if len(eligible) == 1:
+            return chosen, RouteReason.ONLY_CANDIDATE
+        most = max(s.cached_tokens for s in eligible)
+        least = min(s.cached_tokens for s in eligible)
+        if policy is not RoutingPolicy.LEAST_LOADED and chosen.cached_tokens == most > least:
+            return chosen, RouteReason.PREFIX_HIT
+        return chosen, RouteReason.LOAD
+
+
+def _load(s: CandidateScore) -> tuple[float, int, str]:
+    return (s.queued_cost_s, s.inflight_requests, s.pid)

@@ -1,0 +1,49 @@
+"""Real `wavepp serve` / `wavepp router` processes on loopback for the router tests."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+from tests.tiny_models import tiny_llama
+
+CLI = [sys.executable, "-m", "prefill_node.cli.main"]
+MODEL = tiny_llama("tiny-router", max_position_embeddings=512)  # vocab 64
+BS = 4
+SYSTEM = [(5 * i + 1) % 64 for i in range(64)]  # a shared 64-token "system prompt"
+
+
+def spawn(args: list[str], pattern: str) -> tuple[subprocess.Popen, int, int | None]:
+    proc = subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    line = proc.stdout.readline()
+    match = re.search(pattern + r" listening on 127\.0\.0\.1:(\d+)(.*metrics on :(\d+))?", line)
+    if not match:
+        proc.kill()
+        raise AssertionError(f"unexpected first line {line!r}")
+    metrics = int(match.group(3)) if match.group(3) else None
+    return proc, int(match.group(1)), metrics
+
+
+def serve(model_dir, port: int = 0) -> tuple[subprocess.Popen, int]:
+    proc, port, _ = spawn(
+        ["serve", "--model", str(model_dir), "--stages", "2", "--num-blocks", "128",
+         "--block-size", str(BS), "--max-chunk-tokens", "16", "--host", "127.0.0.1", "--port",
+         str(port), "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING",
+         "--no-kv-shipping", "--debug-wave-delay", "0.01"],
+        "wavepp serve:",
+    )  # fmt: skip
+    return proc, port
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,152 @@
+"""The router in front of two real `wavepp serve` pipelines (2 stage processes each), all real
+processes on loopback: prefix-aware placement with exact cached-token predictions, tenant
+isolation by cache_salt, a pending burst sticking to one pipeline, results equal to the
+pipeline's own, client cancel freeing blocks on the pipeline, and SIGKILL failover."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from prefill_node.model.loader_hf import save_hf_checkpoint
+from prefill_node.model.weights import random_weights
+from prefill_node.server.client import PrefillClient, build_request
+from tests.grpc_harness import wait_until
+from tests.router_harness import MODEL, SYSTEM, serve, spawn, stop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tiny-router")
+    save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=3))
+    pipelines = [serve(model_dir) for _ in range(2)]
+    addresses = [f"127.0.0.1:{port}" for _, port in pipelines]
+    router, port, metrics = spawn(
+        ["router", "--model", str(model_dir), *sum((["--pipeline", a] for a in addresses), []),
+         "--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port",
+         "0", "--poll-interval", "0.2", "--log-level", "WARNING"],
+        "wavepp router:",
+    )  # fmt: skip
+    client = PrefillClient(f"127.0.0.1:{port}")
+    try:
+        wait_until(lambda: _ready(client) == {a: True for a in addresses}, 60, "both ready")
+        wait_until(client.is_ready, 10, "the router SERVING")
+        yield {"client": client, "addresses": addresses, "pipelines": pipelines,
+               "router": router, "metrics": metrics}  # fmt: skip
+    finally:
+        client.close()
+        for proc in (router, *(p for p, _ in pipelines)):
+            stop(proc)
+
+
+def _ready(client: PrefillClient) -> dict[str, bool]:
+    return {p.address: p.ready for p in client.load().pipelines}
+
+
+def _indexed(client: PrefillClient) -> dict[str, int]:
+    return {p.address: p.indexed_blocks for p in client.load().pipelines}
+
+
+def _holders(addresses, prompt, salt="") -> list[int]:
+    """Cached tokens each pipeline reports for ``prompt`` asked DIRECTLY (then it holds it)."""
+    out = []
+    for address in addresses:
+        with PrefillClient(address) as direct:
+            out.append(direct.prefill(prompt, cache_salt=salt).result.cached_tokens)
+    return out
+
+
+def _metric(port: int, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name)}  # fmt: skip
+
+
+def test_shared_prefix_lands_where_it_is_cached_and_the_prediction_is_exact(cluster):
+    client = cluster["client"]
+    first = client.prefill([*SYSTEM, 1, 2, 3], cache_salt="t-prefix").result
+    assert first.cached_tokens == 0
+    # the pipeline's KV events reach the router's index: 16 blocks of the 67-token prompt
+    wait_until(lambda: max(_indexed(client).values()) >= 16, 10, "the prefix indexed")
+    for suffix in ([4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]):
+        again = client.prefill([*SYSTEM, *suffix], cache_salt="t-prefix").result
+        assert again.cached_tokens == len(SYSTEM)  # all 16 shared blocks reused
+    counts = _metric(cluster["metrics"], "wavepp_router_cached_tokens_total")
+    predicted = sum(v for k, v in counts.items() if 'kind="predicted"' in k)
+    actual = sum(v for k, v in counts.items() if 'kind="actual"' in k)
+    assert predicted == actual > 0
+
+
+def test_salts_never_share_and_a_burst_sticks_to_one_pipeline(cluster):
+    client, addresses = cluster["client"], cluster["addresses"]
+    prompt = [*SYSTEM[::-1], 3, 1]
+    assert client.prefill(prompt, cache_salt="tenant-a").result.cached_tokens == 0
+    assert client.prefill(prompt, cache_salt="tenant-b").result.cached_tokens == 0
+    # a burst sharing a NEW prefix, all at once: pending entries keep it on one pipeline
+    # (within the scorer's affinity slack: a few followers, each costing one more block)
+    burst_prefix = [(3 * i + 2) % 64 for i in range(48)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda i: client.prefill([*burst_prefix, i], cache_salt="burst").result, range(4)
+        ))  # fmt: skip
+    assert len(results) == 4
+    held = _holders(addresses, [*burst_prefix, 63], salt="burst")
+    assert sorted(held) == [0, 48]  # exactly one pipeline computed and holds the prefix
+
+
+def test_results_through_the_router_equal_the_pipelines_own(cluster):
+    client, addresses = cluster["client"], cluster["addresses"]
+    prompt = [(11 * i + 7) % 64 for i in range(37)]
+    via_router = client.prefill(prompt, cache_salt="eq-router", top_logprobs=5).result
+    with PrefillClient(addresses[0]) as direct:
+        own = direct.prefill(prompt, cache_salt="eq-direct", top_logprobs=5).result
+    assert via_router.first_token_id == own.first_token_id
+    assert [t for t, _ in via_router.top_logprobs] == [t for t, _ in own.top_logprobs]
+    for (_, a), (_, b) in zip(via_router.top_logprobs, own.top_logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert (via_router.prompt_tokens, via_router.cached_tokens) == (37, 0)
+    # bad input gets the pipeline's typed status through the router
+    with pytest.raises(grpc.RpcError) as err:
+        client.prefill([64])  # vocab is 64
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_client_cancel_through_the_router_frees_the_blocks_on_the_pipeline(cluster):
+    client, addresses = cluster["client"], cluster["addresses"]
+    long = [(13 * i + 5) % 64 for i in range(400)]  # 25 waves of 16 tokens, >= 0.5 s
+    call = client._stub.Prefill.future(build_request(long, cache_salt="cancel"), timeout=60)
+
+    def mid_flight() -> bool:
+        loads = [PrefillClient(a).load() for a in addresses]
+        return any(0 < load.inflight_tokens < len(long) for load in loads)
+
+    wait_until(mid_flight, 10, "the request part-way through its pipeline")
+    call.cancel()
+
+    def freed() -> bool:
+        loads = [PrefillClient(a).load() for a in addresses]
+        idle = all(load.inflight_requests == 0 for load in loads)
+        return idle and all(s.used_blocks == 0 for load in loads for s in load.stages)
+
+    wait_until(freed, 10, "the cancelled request's blocks freed on every stage")
+
+
+def test_sigkill_of_a_pipeline_fails_over_and_the_router_stays_serving(cluster):
+    client, addresses, pipelines = cluster["client"], cluster["addresses"], cluster["pipelines"]
+    victim, _ = pipelines[0]
+    victim.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: not _ready(client)[addresses[0]], 5, "the dead pipeline dropped")
+    assert time.monotonic() - killed < 2.0
+    assert _indexed(client)[addresses[0]] == 0
+    assert client.is_ready()
+    for i in range(4):
+        result = client.prefill([*SYSTEM, 40 + i], cache_salt="after-kill").result
+        assert result.prompt_tokens == len(SYSTEM) + 1
