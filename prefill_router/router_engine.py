@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -290,13 +290,15 @@ class RouterEngine:
         load, info = link.load, link.info
         others = max(0, load.inflight_tokens - own_tokens) if load is not None else 0
         capacity = min((s.total_blocks for s in load.stages), default=1 << 40) if load else 1 << 40
+        indexed = link.pid in self._index.pipelines
         return PipelineView(
             pid=link.pid,
-            ready=link.ready and link.pid in self._index.pipelines,
+            ready=link.ready and indexed,
             queued_cost_s=own_cost + others * self.config.cost_model.per_token_s,
             max_model_len=info.max_model_len if info is not None else 0,
             capacity_blocks=capacity,
             inflight_requests=len(mine),
+            resident_blocks=self._index.num_blocks(link.pid) if indexed else 0,
         )
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:
@@ -331,7 +333,7 @@ class RouterEngine:
             result.set_exception(error_from_rpc(exc))
             return
         self.metrics.answered(routed.pid, routed.predicted_cached, remote.result.cached_tokens)
-        result.set_result(remote.result)
+        result.set_result(replace(remote.result, served_by=routed.pid))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:

@@ -62,6 +62,7 @@ class PipelineView:
     capacity_blocks: int
     inflight_requests: int = 0
     snapshot_interval_blocks: int | None = None
+    resident_blocks: int = 0  # prefix blocks it holds (the index's count): a tie-breaker
 
     def __post_init__(self) -> None:
         snap = self.snapshot_interval_blocks
@@ -72,6 +73,7 @@ class PipelineView:
             and self.max_model_len >= 1
             and self.capacity_blocks >= 1
             and self.inflight_requests >= 0
+            and self.resident_blocks >= 0
             and (snap is None or snap >= 1)
         ):
             raise InvalidRoutingInputError(f"invalid pipeline view: {self}")
@@ -89,6 +91,7 @@ class CandidateScore:
     prefill_cost_s: float
     inflight_requests: int
     excluded: Exclusion | None
+    resident_blocks: int = 0
 
     @property
     def score(self) -> float:
@@ -136,7 +139,8 @@ class Scorer:
 
     Eligible candidates are ready and fit (``prompt_tokens <= max_model_len`` and the
     prompt's blocks, partial last one included, within ``capacity_blocks``). Ties always
-    go to lower load (queued seconds, then in-flight requests), then to the smaller pid.
+    go to lower load (queued seconds, then in-flight requests, then resident prefix blocks),
+    then to the smaller pid.
     ROUND_ROBIN's rotation (by pid order, resuming after the last pipeline it chose) is
     the only state. One cost model and block size serve every pipeline (homogeneous
     pipelines; the block size must be the one the prompt was hashed with).
@@ -215,6 +219,7 @@ class Scorer:
             self.cost_model.chunk_cost(cached, prompt_tokens - cached),
             view.inflight_requests,
             excluded,
+            view.resident_blocks,
         )
 
     def _pick(self, eligible: list[CandidateScore]) -> tuple[CandidateScore, RouteReason]:
@@ -246,5 +251,7 @@ class Scorer:
         return chosen, RouteReason.LOAD
 
 
-def _load(s: CandidateScore) -> tuple[float, int, str]:
-    return (s.queued_cost_s, s.inflight_requests, s.pid)
+def _load(s: CandidateScore) -> tuple[float, int, int, str]:
+    """Tie order: less queued work, fewer requests in flight, fewer resident prefix blocks
+    (more room: idle pipelines share new prefixes out instead of one filling up), pid."""
+    return (s.queued_cost_s, s.inflight_requests, s.resident_blocks, s.pid)

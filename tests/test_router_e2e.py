@@ -72,12 +72,13 @@ def _metric(port: int, name: str) -> dict[str, float]:
 def test_shared_prefix_lands_where_it_is_cached_and_the_prediction_is_exact(cluster):
     client = cluster["client"]
     first = client.prefill([*SYSTEM, 1, 2, 3], cache_salt="t-prefix").result
-    assert first.cached_tokens == 0
+    assert first.cached_tokens == 0 and first.served_by in cluster["addresses"]
     # the pipeline's KV events reach the router's index: 16 blocks of the 67-token prompt
     wait_until(lambda: max(_indexed(client).values()) >= 16, 10, "the prefix indexed")
     for suffix in ([4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]):
         again = client.prefill([*SYSTEM, *suffix], cache_salt="t-prefix").result
         assert again.cached_tokens == len(SYSTEM)  # all 16 shared blocks reused
+        assert again.served_by == first.served_by
     counts = _metric(cluster["metrics"], "wavepp_router_cached_tokens_total")
     predicted = sum(v for k, v in counts.items() if 'kind="predicted"' in k)
     actual = sum(v for k, v in counts.items() if 'kind="actual"' in k)

@@ -257,3 +257,16 @@ def test_predicted_cached_tokens_exact_values():
 def test_views_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         view("a").queued_cost_s = 1.0  # type: ignore[misc]
+
+
+def test_idle_pipelines_share_new_prefixes_out_by_resident_blocks():
+    """Equal load, nothing cached for this prompt: the pipeline holding fewer prefix blocks
+    takes it (two tenants' cold prompts land on two pipelines, not both on the first)."""
+    views = [
+        PipelineView("a", True, 0.0, 4096, 256, 0, None, resident_blocks=30),
+        PipelineView("b", True, 0.0, 4096, 256, 0, None, resident_blocks=0),
+    ]
+    d = Scorer(LINEAR, BS).choose(160, {}, views)
+    assert (d.pipeline, d.reason) == ("b", RouteReason.LOAD)
+    with pytest.raises(InvalidRoutingInputError):
+        PipelineView("c", True, 0.0, 4096, 256, 0, None, resident_blocks=-1)

@@ -194,9 +194,10 @@ def _run_local(args: argparse.Namespace) -> int:
 def _summary(args, ids, prefill, started, prefilled, kv_wait_s, answer) -> None:
     total = time.monotonic() - started
     stages = len(prefill.stage_manifests)
+    where = f" (pipeline {prefill.served_by})" if prefill.served_by else ""
     print(
         f"[{args.mode}] prompt {len(ids)} tokens ({prefill.cached_tokens} cached), "
-        f"prefill {prefilled - started:.3f}s on {stages} stages, KV ready on decode after "
+        f"prefill {prefilled - started:.3f}s on {stages} stages{where}, KV ready on decode after "
         f"{kv_wait_s * 1000:.1f} ms more, {len(answer)} tokens in {total:.2f}s",
         file=sys.stderr,
     )

@@ -113,6 +113,7 @@ class PrefillResult:
     computed_tokens: int
     timings: PrefillTimings
     stage_manifests: tuple[StageKVManifest, ...] = field(default_factory=tuple)
+    served_by: str = ""  # set by a router: the pipeline that served the request
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ def response_to_proto(
         cached_tokens=result.cached_tokens,
         computed_tokens=result.computed_tokens,
         prompt_token_ids=prompt_token_ids,
+        served_by=result.served_by,
     )
     add_logprob = resp.top_logprobs.add
     for tok, lp in result.top_logprobs:
@@ -185,6 +186,7 @@ def result_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
             total_s=t.engine_seconds,
         ),
         stage_manifests=tuple(manifest_from_proto(m) for m in msg.stage_manifests),
+        served_by=msg.served_by,
     )
 
 

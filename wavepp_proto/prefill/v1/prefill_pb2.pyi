@@ -68,7 +68,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., admission_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., engine_seconds: _Optional[float] = ..., server_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "top_logprobs", "prompt_tokens", "cached_tokens", "computed_tokens", "stage_manifests", "timings", "prompt_token_ids")
+    __slots__ = ("request_id", "first_token_id", "top_logprobs", "prompt_tokens", "cached_tokens", "computed_tokens", "stage_manifests", "timings", "prompt_token_ids", "served_by")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class PrefillResponse(_message.Message):
     STAGE_MANIFESTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -87,7 +88,8 @@ class PrefillResponse(_message.Message):
     stage_manifests: _containers.RepeatedCompositeFieldContainer[_kv_layout_pb2.StageKvManifest]
     timings: PrefillTimings
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    served_by: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., served_by: _Optional[str] = ...) -> None: ...
 
 class PrefillError(_message.Message):
     __slots__ = ("code", "message")
