@@ -17,7 +17,7 @@ from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.server.client import PrefillClient, build_request
 from tests.grpc_harness import wait_until
-from tests.router_harness import MODEL, SYSTEM, serve, spawn, stop
+from tests.router_harness import BS, MODEL, SYSTEM, serve, spawn, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -124,19 +124,49 @@ def test_client_cancel_through_the_router_frees_the_blocks_on_the_pipeline(clust
     long = [(13 * i + 5) % 64 for i in range(400)]  # 25 waves of 16 tokens, >= 0.5 s
     call = client._stub.Prefill.future(build_request(long, cache_salt="cancel"), timeout=60)
 
-    def mid_flight() -> bool:
-        loads = [PrefillClient(a).load() for a in addresses]
-        return any(0 < load.inflight_tokens < len(long) for load in loads)
-
-    wait_until(mid_flight, 10, "the request part-way through its pipeline")
+    wait_until(lambda: _mid_flight(addresses, len(long)), 10, "part-way through its pipeline")
     call.cancel()
+    wait_until(lambda: _idle(addresses), 10, "the cancelled request's blocks freed on every stage")
 
-    def freed() -> bool:
-        loads = [PrefillClient(a).load() for a in addresses]
-        idle = all(load.inflight_requests == 0 for load in loads)
-        return idle and all(s.used_blocks == 0 for load in loads for s in load.stages)
 
-    wait_until(freed, 10, "the cancelled request's blocks freed on every stage")
+def test_stream_info_abort_and_deadline_through_the_router(cluster):
+    client, addresses = cluster["client"], cluster["addresses"]
+    info = client.server_info()
+    assert info.router and not info.kv_events and info.block_size == BS
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(client.subscribe_kv_events(timeout_s=5)))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "subscribe to its pipelines" in err.value.details()
+    requests = [build_request([*SYSTEM, i], request_id=f"s{i}", cache_salt="stream")
+                for i in range(3)]  # fmt: skip
+    answers = list(client.prefill_stream(requests))
+    assert sorted(a.request_id for a in answers) == ["s0", "s1", "s2"]
+    assert all(a.WhichOneof("outcome") == "response" for a in answers)
+
+    long = [(17 * i + 3) % 64 for i in range(400)]
+    call = client._stub.Prefill.future(build_request(long, request_id="abort-me"), timeout=60)
+    wait_until(lambda: _mid_flight(addresses, len(long)), 10, "part-way through")
+    assert client.abort("abort-me")
+    with pytest.raises(grpc.RpcError) as err:
+        call.result()
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: _idle(addresses), 10, "the aborted request's blocks freed")
+
+    with pytest.raises(grpc.RpcError) as err:
+        client.prefill([(19 * i + 1) % 64 for i in range(400)], timeout_s=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: _idle(addresses), 10, "the late request's blocks freed")
+
+
+def _mid_flight(addresses, prompt_tokens: int) -> bool:
+    loads = [PrefillClient(a).load() for a in addresses]
+    return any(0 < load.inflight_tokens < prompt_tokens for load in loads)
+
+
+def _idle(addresses) -> bool:
+    loads = [PrefillClient(a).load() for a in addresses]
+    idle = all(load.inflight_requests == 0 for load in loads)
+    return idle and all(s.used_blocks == 0 for load in loads for s in load.stages)
 
 
 def test_sigkill_of_a_pipeline_fails_over_and_the_router_stays_serving(cluster):
