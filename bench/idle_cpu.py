@@ -23,7 +23,6 @@ import argparse
 import json
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -68,19 +67,10 @@ def start_serve(model_dir: Path, stages: int, progress: str) -> tuple[subprocess
     return server, match.group(1)
 
 
-def stop(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-
-
 def one_run(args: argparse.Namespace, model_dir: Path, progress: str, run: int) -> dict:
     from kv_transfer.progress import KVProgress
     from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-    from prefill_node.process_tree import ProcessTree
+    from prefill_node.process_tree import ProcessTree, terminate
     from prefill_node.server.client import PrefillClient
 
     spec = DecodeWorkerSpec(
@@ -117,7 +107,7 @@ def one_run(args: argparse.Namespace, model_dir: Path, progress: str, run: int) 
             decode_s = time.monotonic() - g0
             decode.release(request_id)
     finally:
-        stop(server)
+        terminate(server)
     return {
         "progress": progress,
         "run": run,

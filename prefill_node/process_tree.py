@@ -1,4 +1,5 @@
-"""ProcessTree: CPU time and resident memory of a process and its descendants (Linux /proc).
+"""ProcessTree: CPU time and resident memory of a process and its descendants (Linux /proc);
+``terminate``: stop a child process the polite way, then the hard way.
 
 Used by benchmarks and tests that hold a whole local system to a budget (an idle tier must
 idle). A process that exits between two reads simply stops counting; its CPU time up to
@@ -8,6 +9,8 @@ then is lost, so measure windows in which the tree is stable.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -66,3 +69,14 @@ class ProcessTree:
     def cpu_s(self) -> float:
         """User + system CPU seconds of every live process of the tree so far."""
         return sum(s.cpu_s for s in self.sample())
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM ``proc`` (a server drains and exits), SIGKILL it after ``timeout_s``; its code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()

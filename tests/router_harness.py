@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 
+from prefill_node.process_tree import terminate
 from tests.tiny_models import tiny_llama
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
@@ -40,10 +40,4 @@ def serve(model_dir, port: int = 0) -> tuple[subprocess.Popen, int]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    terminate(proc)

@@ -102,6 +102,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from prefill_node.process_tree import terminate
+
     if min(args.pipelines, args.stages, args.max_new_tokens) < 1:
         print("wavepp demo: error: --pipelines, --stages and --max-new-tokens must be >= 1",
               file=sys.stderr)  # fmt: skip
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         _show(router, metrics_url, names)
     finally:
         for child in reversed(children):
-            _stop(child)
+            terminate(child)
     print(f"\ndemo done in {time.monotonic() - started:.0f}s", flush=True)
     return 0
 
@@ -245,13 +247,3 @@ def _show(router: str, metrics_url: str | None, names: dict[str, str]) -> None:
         text = response.read().decode()
     lines = [ln for ln in text.splitlines() if ln.startswith(SHOWN_METRICS)]
     print("  metrics:\n    " + "\n    ".join(lines), flush=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

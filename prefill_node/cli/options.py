@@ -1,8 +1,11 @@
-"""Command-line options shared by several wavepp subcommands."""
+"""Command-line pieces shared by several wavepp subcommands: options, server run loop."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +104,45 @@ def server_config(args: argparse.Namespace, model_name: str, router: bool = Fals
         model_name=model_name,
         router=router,
     )
+
+
+def run_logged(
+    name: str, args: argparse.Namespace, body: Callable[[argparse.Namespace], int]
+) -> int:
+    """Configure logging from ``--log-level`` and run ``body``; bad input exits 2 with
+    ``wavepp NAME: error: ...``, any other WaveppError exits 1 naming its type."""
+    from prefill_node.errors import InvalidRequestError, WaveppError
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return body(args)
+    except (InvalidRequestError, FileNotFoundError, ValueError) as exc:
+        print(f"wavepp {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except WaveppError as exc:
+        print(f"wavepp {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+async def start_server(server: Any, name: str, host: str) -> None:
+    """Start ``server`` (a PrefillServer) and print ``wavepp NAME: listening on HOST:PORT``
+    (the line scripts and tests wait for)."""
+    await server.start()
+    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(f"wavepp {name}: listening on {host}:{server.port}{metrics}", flush=True)
+
+
+async def serve_until_signal(server: Any, name: str) -> None:
+    """Serve until SIGINT / SIGTERM, then drain in-flight calls and stop."""
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print(f"wavepp {name}: draining in-flight calls, then stopping", flush=True)
+    await server.stop()

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-from prefill_node.cli.options import add_network_arguments, add_tls_arguments, server_config
+from prefill_node.cli.options import (
+    add_network_arguments,
+    add_tls_arguments,
+    run_logged,
+    serve_until_signal,
+    server_config,
+    start_server,
+)
 
 DESCRIPTION = """\
 Route prefill requests to the pipeline that holds the longest prefix of each prompt on ALL of
@@ -97,19 +102,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefill_node.errors import InvalidRequestError, WaveppError
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return _run(args)
-    except (InvalidRequestError, FileNotFoundError, ValueError) as exc:
-        print(f"wavepp router: error: {exc}", file=sys.stderr)
-        return 2
-    except WaveppError as exc:
-        print(f"wavepp router: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    return run_logged("router", args, _run)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -176,20 +169,9 @@ def _pipeline_tls(args: argparse.Namespace) -> Any:
 
 
 async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:
-    import asyncio
-    import signal
-
     from prefill_node.server.server import PrefillServer
 
     server = PrefillServer(engine, config, tokenizer=tokenizer)
     server.metrics.registry.register(engine.metrics.collector())
-    await server.start()
-    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"wavepp router: listening on {config.host}:{server.port}{metrics}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("wavepp router: draining in-flight calls, then stopping", flush=True)
-    await server.stop()
+    await start_server(server, "router", config.host)
+    await serve_until_signal(server, "router")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +10,10 @@ from prefill_node.cli.options import (
     add_kv_progress,
     add_network_arguments,
     add_tls_arguments,
+    run_logged,
+    serve_until_signal,
     server_config,
+    start_server,
 )
 
 DESCRIPTION = """\
@@ -133,19 +134,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefill_node.errors import InvalidRequestError, WaveppError
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return _run(args)
-    except (InvalidRequestError, FileNotFoundError, ValueError) as exc:
-        print(f"wavepp serve: error: {exc}", file=sys.stderr)
-        return 2
-    except WaveppError as exc:
-        print(f"wavepp serve: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    return run_logged("serve", args, _run)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -229,27 +218,18 @@ async def _serve(
     engine: Any, config: Any, tokenizer: Any, smoke_prompts: list[str], kv_events: Any = None
 ) -> None:
     import asyncio
-    import signal
 
     from prefill_node.server.server import PrefillServer
 
     server = PrefillServer(engine, config, tokenizer=tokenizer, kv_events=kv_events)
-    await server.start()
-    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"wavepp serve: listening on {config.host}:{server.port}{metrics}", flush=True)
-    if smoke_prompts:
-        try:
-            await asyncio.to_thread(_smoke_test, server.port, smoke_prompts, tokenizer)
-        finally:
-            await server.stop()
+    await start_server(server, "serve", config.host)
+    if not smoke_prompts:
+        await serve_until_signal(server, "serve")
         return
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("wavepp serve: draining in-flight calls, then stopping", flush=True)
-    await server.stop()
+    try:
+        await asyncio.to_thread(_smoke_test, server.port, smoke_prompts, tokenizer)
+    finally:
+        await server.stop()
 
 
 def _smoke_test(port: int, prompts: list[str], tokenizer: Any) -> None:
