@@ -1,0 +1,200 @@
+{{/*
+What runs in each container: the command lines of the three roles (they drive the real CLI:
+`wavepp serve` on the leader, stage 0; `wavepp stage` on stages 1..P-1; `wavepp router`), the
+flags every gRPC server shares, the probes, the rendezvous environment, and the environment
+and mounts every container has. tests/test_helm_chart.py parses the commands with wavepp's own
+parsers. Each command helper takes (dict "root" $ ["index" i]).
+*/}}
+
+{{/* Integer flags go through `int`: Helm reads numbers from values files as float64, and
+1048576 would print as 1.048576e+06. */}}
+{{- define "wavepp.command.leader" -}}
+{{- $v := .root.Values }}
+{{- $p := $v.pipelines -}}
+command: [wavepp]
+args:
+  - serve
+  - --stages={{ int $p.stages }}
+  - --policy={{ $p.policy }}
+  - --num-blocks={{ $p.numBlocks }}
+  - --block-size={{ int $p.blockSize }}
+  - --max-chunk-tokens={{ int $p.maxChunkTokens }}
+  {{- with $p.maxModelLen }}
+  - --max-model-len={{ int . }}
+  {{- end }}
+  - --dtype={{ $p.dtype }}
+  - --device={{ $p.device }}
+  {{- with $p.threads }}
+  - --threads={{ int . }}
+  {{- end }}
+  - --port={{ int $p.port }}
+  - --metrics-port={{ int $p.metricsPort }}
+  {{- if $p.kvShipping.enabled }}
+  {{- range $p.kvShipping.allow }}
+  - --kv-allow={{ . }}
+  {{- end }}
+  - --kv-metadata-host={{ $p.kvShipping.metadataHost }}
+  - --kv-progress={{ $p.kvShipping.progress }}
+  - --kv-transfer-timeout={{ $p.kvShipping.transferTimeoutSeconds }}
+  - --kv-lease-ttl={{ $p.kvShipping.leaseTtlSeconds }}
+  {{- else }}
+  - --no-kv-shipping
+  {{- end }}
+  {{- include "wavepp.serverArgs" .root | nindent 2 }}
+  {{- with include "wavepp.serverTlsArgs" (dict "tls" $v.tls.pipelines "name" "pipelines") }}
+  {{- . | trim | nindent 2 }}
+  {{- end }}
+  {{- with $p.extraArgs }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
+{{/* A LeaderWorkerSet stage gets RANK from LWS_WORKER_INDEX; a StatefulSet stage is pod
+`<pipeline>-<i>-stages-<k>` and runs stage k+1 ($$ is kubelet's escape for a literal $). */}}
+{{- define "wavepp.command.stage" -}}
+{{- $connect := printf "--connect-timeout=%v" .root.Values.pipelines.connectTimeoutSeconds -}}
+{{- if eq (include "wavepp.pipelineKind" .root) "LeaderWorkerSet" }}
+command: [wavepp]
+args: [stage, {{ $connect }}]
+{{- else }}
+command: [/bin/sh, -c]
+args:
+  - export RANK=$$((${HOSTNAME##*-} + 1)) && exec wavepp stage {{ $connect }}
+{{- end }}
+{{- end }}
+
+{{- define "wavepp.command.router" -}}
+{{- $v := .root.Values -}}
+command: [wavepp]
+args:
+  - router
+  - --k8s-service={{ include "wavepp.pipelinesServiceName" .root }}
+  - --namespace={{ .root.Release.Namespace }}
+  - --k8s-port-name=grpc
+  - --policy={{ $v.router.policy }}
+  - --port={{ int $v.router.port }}
+  - --metrics-port={{ int $v.router.metricsPort }}
+  - --pending-ttl={{ $v.router.pendingTtlSeconds }}
+  - --poll-interval={{ $v.router.pollIntervalSeconds }}
+  {{- include "wavepp.serverArgs" .root | nindent 2 }}
+  {{- with include "wavepp.serverTlsArgs" (dict "tls" $v.tls.router "name" "router") }}
+  {{- . | trim | nindent 2 }}
+  {{- end }}
+  {{- if $v.tls.pipelines.secretName }}
+  - --pipeline-ca=/etc/wavepp/tls/pipelines/ca.crt
+  {{- if $v.tls.pipelines.clientAuth }}
+  - --pipeline-cert=/etc/wavepp/tls/pipelines/tls.crt
+  - --pipeline-key=/etc/wavepp/tls/pipelines/tls.key
+  {{- end }}
+  {{- end }}
+  {{- with $v.router.extraArgs }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
+{{/* Server TLS flags from a Secret mounted at /etc/wavepp/tls/<name>: (dict "tls" ... "name" ...). */}}
+{{- define "wavepp.serverTlsArgs" -}}
+{{- if .tls.secretName }}
+- --tls-cert=/etc/wavepp/tls/{{ .name }}/tls.crt
+- --tls-key=/etc/wavepp/tls/{{ .name }}/tls.key
+{{- if .tls.clientAuth }}
+- --tls-client-ca=/etc/wavepp/tls/{{ .name }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Flags every gRPC server (leader, router) shares. */}}
+{{- define "wavepp.serverArgs" -}}
+- --max-message-mb={{ int .Values.grpc.maxMessageMb }}
+- --grace={{ .Values.grpc.graceSeconds }}
+- --log-level={{ .Values.grpc.logLevel }}
+{{- if ne .Values.model.source "bundled" }}
+- --model={{ .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/*
+Startup, liveness and readiness probes of a gRPC server: (dict "port" N "tls" bool "startup"
+{periodSeconds, failureThreshold}). Native gRPC probes (liveness: service "", readiness: the
+PrefillService); kubelet's gRPC probe speaks no TLS, so a TLS server gets TCP probes.
+*/}}
+{{- define "wavepp.probes" -}}
+{{- $ctx := . -}}
+{{- range $probe, $service := dict "startupProbe" "" "livenessProbe" "" "readinessProbe" "wavepp.prefill.v1.PrefillService" }}
+{{ $probe }}:
+  {{- if $ctx.tls }}
+  tcpSocket:
+    port: grpc
+  {{- else }}
+  grpc:
+    port: {{ $ctx.port }}
+    service: {{ $service | quote }}
+  {{- end }}
+  {{- if eq $probe "startupProbe" }}
+  periodSeconds: {{ $ctx.startup.periodSeconds }}
+  failureThreshold: {{ $ctx.startup.failureThreshold }}
+  {{- else if eq $probe "livenessProbe" }}
+  periodSeconds: 10
+  failureThreshold: 3
+  {{- else }}
+  periodSeconds: 5
+  failureThreshold: 2
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+torchrun-style rendezvous of a pipeline pod: (dict "root" $ "role" "leader|stage" ["index" i]).
+The leader is RANK 0 and hosts the store on its own IP; a stage finds it through the
+LeaderWorkerSet's variables, or (StatefulSet) through the leaders' headless Service, which
+publishes not-ready pods: a leader turns ready only after its stages joined. A StatefulSet
+stage's RANK comes from its ordinal, in its command.
+*/}}
+{{- define "wavepp.rendezvousEnv" -}}
+{{- $root := .root }}
+{{- $lws := eq (include "wavepp.pipelineKind" $root) "LeaderWorkerSet" -}}
+{{- if eq .role "leader" }}
+- name: RANK
+  value: "0"
+{{- else if $lws }}
+- name: RANK
+  value: $(LWS_WORKER_INDEX)
+{{- end }}
+- name: WORLD_SIZE
+  value: {{ $root.Values.pipelines.stages | quote }}
+- name: MASTER_ADDR
+{{- if eq .role "leader" }}
+  value: $(POD_IP)
+{{- else if $lws }}
+  value: $(LWS_LEADER_ADDRESS)
+{{- else }}
+  {{- $leaders := include "wavepp.pipelineName" $root }}
+  value: {{ printf "%s-%d.%s.%s.svc" $leaders (int .index) $leaders $root.Release.Namespace }}
+{{- end }}
+- name: MASTER_PORT
+  value: {{ $root.Values.pipelines.rendezvousPort | quote }}
+{{- end }}
+
+{{/* Environment of every wavepp container (init containers included). */}}
+{{- define "wavepp.commonEnv" -}}
+- name: WAVEPP_CACHE_DIR
+  value: {{ .Values.cache.path }}
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* Mounts of every wavepp container: the cache, a writable /tmp, the model. */}}
+{{- define "wavepp.commonMounts" -}}
+- name: cache
+  mountPath: {{ .Values.cache.path }}
+- name: tmp
+  mountPath: /tmp
+{{- if ne .Values.model.source "bundled" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+  {{- with (and (eq .Values.model.source "pvc") .Values.model.subPath) }}
+  subPath: {{ . }}
+  {{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,242 @@
+{{/*
+Names. The prefix is cut at 32 characters so that the longest derived name, a stage
+StatefulSet `<prefix>-pipeline-<i>-stages`, stays within the 52 characters a StatefulSet name
+may have (its pods' controller-revision-hash label appends 11).
+*/}}
+{{- define "wavepp.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 32 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "wavepp.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 32 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 32 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 32 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The router's Deployment, Service and Role. */}}
+{{- define "wavepp.routerName" -}}
+{{ include "wavepp.fullname" . }}-router
+{{- end }}
+
+{{/* The LeaderWorkerSet, or the leaders' StatefulSet, and its headless Service: leader i is
+pod `<pipelineName>-<i>`, reachable as `<pipelineName>-<i>.<pipelineName>.<namespace>.svc`. */}}
+{{- define "wavepp.pipelineName" -}}
+{{ include "wavepp.fullname" . }}-pipeline
+{{- end }}
+
+{{/* The headless Service of READY leaders whose EndpointSlices the router watches. */}}
+{{- define "wavepp.pipelinesServiceName" -}}
+{{ include "wavepp.fullname" . }}-pipelines
+{{- end }}
+
+{{- define "wavepp.routerServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "wavepp.routerName" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` what the cluster serves. */}}
+{{- define "wavepp.pipelineKind" -}}
+{{- if ne .Values.pipelines.kind "auto" }}
+{{- .Values.pipelines.kind }}
+{{- else if .Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet" }}
+{{- "LeaderWorkerSet" }}
+{{- else }}
+{{- "StatefulSet" }}
+{{- end }}
+{{- end }}
+
+{{- define "wavepp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "wavepp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "wavepp.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 }}
+{{ include "wavepp.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector of one component's pods: (dict "root" $ "component" "router|leader|stage"). */}}
+{{- define "wavepp.componentSelector" -}}
+{{ include "wavepp.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Labels of one component's objects: (dict "root" $ "component" ...). */}}
+{{- define "wavepp.componentLabels" -}}
+{{ include "wavepp.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "wavepp.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/*
+The pod template of one role: (dict "root" $ "role" "router|leader|stage"), plus "index" i
+for the stages of StatefulSet pipeline i.
+One helper for all three, so volumes, security, the model and the cache are set up the same
+way everywhere; what differs is the command (_container.tpl), ports, probes and rendezvous.
+*/}}
+{{- define "wavepp.pod" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $router := eq .role "router" }}
+{{- $serves := ne .role "stage" }}
+{{- $cfg := ternary $v.router $v.pipelines $router }}
+{{- $port := ternary $v.router.port $v.pipelines.port $router }}
+{{- $metricsPort := ternary $v.router.metricsPort $v.pipelines.metricsPort $router }}
+{{- $tls := list }}
+{{- if and $router $v.tls.router.secretName }}{{ $tls = append $tls (dict "name" "router" "secret" $v.tls.router.secretName) }}{{ end }}
+{{- if and $serves $v.tls.pipelines.secretName }}{{ $tls = append $tls (dict "name" "pipelines" "secret" $v.tls.pipelines.secretName) }}{{ end }}
+{{- $serverTls := ternary $v.tls.router.secretName $v.tls.pipelines.secretName $router -}}
+metadata:
+  labels:
+    {{- include "wavepp.componentSelector" (dict "root" $root "component" .role) | nindent 4 }}
+    {{- if hasKey . "index" }}
+    wavepp.io/pipeline: {{ .index | quote }}
+    {{- end }}
+    {{- with $cfg.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- if or $cfg.podAnnotations (and $serves $v.metrics.podAnnotations) }}
+  annotations:
+    {{- if and $serves $v.metrics.podAnnotations }}
+    prometheus.io/scrape: "true"
+    prometheus.io/port: {{ $metricsPort | quote }}
+    prometheus.io/path: /metrics
+    {{- end }}
+    {{- with $cfg.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- end }}
+spec:
+  {{- if $router }}
+  serviceAccountName: {{ include "wavepp.routerServiceAccountName" $root }}
+  {{- else }}
+  automountServiceAccountToken: false
+  {{- end }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $v.podSecurityContext | nindent 4 }}
+  terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds }}
+  {{- if eq $v.model.source "bundled" }}
+  initContainers:
+    - name: prepare-model
+      image: {{ include "wavepp.image" $root }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      command: [python, -c]
+      args:
+        - from prefill_node.model.default_model import ensure_default_model; print(ensure_default_model())
+      env:
+        {{- include "wavepp.commonEnv" $root | nindent 8 }}
+      securityContext:
+        {{- toYaml $v.securityContext | nindent 8 }}
+      volumeMounts:
+        {{- include "wavepp.commonMounts" $root | nindent 8 }}
+  {{- end }}
+  containers:
+    - name: {{ .role }}
+      image: {{ include "wavepp.image" $root }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      {{- include (printf "wavepp.command.%s" .role) . | trim | nindent 6 }}
+      env:
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        {{- include "wavepp.commonEnv" $root | nindent 8 }}
+        {{- if not $router }}
+        {{- include "wavepp.rendezvousEnv" . | trim | nindent 8 }}
+        {{- end }}
+        {{- with $cfg.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- if $serves }}
+      ports:
+        - name: grpc
+          containerPort: {{ $port }}
+        - name: metrics
+          containerPort: {{ $metricsPort }}
+        {{- if not $router }}
+        - name: rendezvous
+          containerPort: {{ $v.pipelines.rendezvousPort }}
+        {{- end }}
+      {{- include "wavepp.probes" (dict "port" $port "tls" (ne $serverTls "") "startup" $cfg.startupProbe) | trim | nindent 6 }}
+      {{- end }}
+      {{- with $cfg.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $v.securityContext | nindent 8 }}
+      volumeMounts:
+        {{- include "wavepp.commonMounts" $root | nindent 8 }}
+        {{- if not $router }}
+        - name: shm
+          mountPath: /dev/shm
+        {{- end }}
+        {{- range $tls }}
+        - name: tls-{{ .name }}
+          mountPath: /etc/wavepp/tls/{{ .name }}
+          readOnly: true
+        {{- end }}
+  volumes:
+    - name: cache
+      emptyDir:
+        sizeLimit: {{ $v.cache.sizeLimit }}
+    - name: tmp
+      emptyDir: {}
+    {{- if not $router }}
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $v.pipelines.shmSizeLimit }}
+    {{- end }}
+    {{- if eq $v.model.source "pvc" }}
+    - name: model
+      persistentVolumeClaim:
+        claimName: {{ required "model.claimName is required with model.source=pvc" $v.model.claimName }}
+        readOnly: true
+    {{- else if eq $v.model.source "hostPath" }}
+    - name: model
+      hostPath:
+        path: {{ required "model.hostPath is required with model.source=hostPath" $v.model.hostPath }}
+        type: Directory
+    {{- end }}
+    {{- range $tls }}
+    - name: tls-{{ .name }}
+      secret:
+        secretName: {{ .secret }}
+    {{- end }}
+  {{- with $cfg.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $cfg.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $cfg.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,301 @@
+"""Render -> run: the chart's StatefulSet variant (1 pipeline x 2 stages + router) started here
+as local processes with exactly the rendered commands, args, env and ports, this test playing
+kubelet (fieldRefs, $(VAR) expansion, volumes as local directories, cluster DNS names as
+127.0.0.1, gRPC probes) and the EndpointSlice controller: the router discovers the leader from
+kmock's API with the real kubernetes client, as in a cluster. A Prefill through the router must
+give the first token of an in-process engine on the same checkpoint.
+
+What this cannot run: the init container of the bundled model (the checkpoint here is a tiny
+random one on a hostPath; test_bundled_model_init_container runs that command on its own),
+RBAC (kmock authorises everything) and the image itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubernetes import client
+
+from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.engine.types import PrefillOptions
+from prefill_node.model.default_model import DEFAULT_MODEL_DIRNAME, is_complete
+from prefill_node.model.loader_hf import save_hf_checkpoint
+from prefill_node.model.weights import random_weights
+from prefill_node.runtime.dist_env import free_local_port
+from prefill_node.server.client import PrefillClient
+from tests.helm_harness import (
+    CLUSTER_DNS,
+    NAMESPACE,
+    Manifest,
+    Pod,
+    command_line,
+    container_env,
+    port_number,
+    render,
+)
+from tests.tiny_models import tiny_llama
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = tiny_llama("tiny-helm", max_position_embeddings=256)  # vocab 64
+HOST_MODEL = "/srv/models/tiny-helm"  # the hostPath in the rendered chart
+VENV_BIN = Path(sys.executable).parent
+
+
+class Kubelet:
+    """Runs rendered containers as local processes: volumes become directories under ``root``
+    (a hostPath the one the test maps it to; /dev/shm stays the real one), the pod IP is
+    127.0.0.1 and a cluster DNS name resolves to it."""
+
+    def __init__(self, root: Path, host_paths: dict[str, Path]) -> None:
+        self.root, self.host_paths = root, host_paths
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def mounts(self, pod: Pod, container: dict) -> dict[str, Path]:
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+        found = {}
+        for mount in container.get("volumeMounts", []):
+            volume = volumes[mount["name"]]
+            if "hostPath" in volume:
+                found[mount["mountPath"]] = self.host_paths[volume["hostPath"]["path"]]
+            elif "emptyDir" in volume and mount["mountPath"] != "/dev/shm":
+                local = self.root / pod.name / mount["name"]
+                local.mkdir(parents=True, exist_ok=True)
+                found[mount["mountPath"]] = local
+            else:
+                assert mount["mountPath"] == "/dev/shm", f"no local stand-in for {volume}"
+        return found
+
+    def command(self, pod: Pod, container: dict, extra_env: dict[str, str] | None = None):
+        mounts = self.mounts(pod, container)
+
+        paths = "|".join(re.escape(p) for p in sorted(mounts, key=len, reverse=True))
+        under_mount = re.compile(rf"(?<![\w./-])({paths})(?=/|$)")
+
+        def local(text: str) -> str:  # one pass: a replacement is never rewritten again
+            text = CLUSTER_DNS.sub("127.0.0.1", text)
+            return under_mount.sub(lambda m: str(mounts[m.group(1)]), text) if mounts else text
+
+        env = {k: local(v) for k, v in container_env(container, pod.name).items()}
+        base = {
+            "PATH": f"{VENV_BIN}:/usr/bin:/bin",
+            "HOSTNAME": pod.name,
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        env = {**base, **env, **(extra_env or {})}
+        return [local(arg) for arg in command_line(container, env)], env
+
+    def start(self, pod: Pod, extra_env: dict[str, str] | None = None) -> None:
+        for init in pod.spec.get("initContainers", []):
+            argv, env = self.command(pod, init, extra_env)
+            subprocess.run(argv, env=env, cwd=self.root, check=True, timeout=120)
+        argv, env = self.command(pod, pod.container(), extra_env)
+        with open(self.root / f"{pod.name}.log", "w") as log:  # the child keeps its own copy
+            self.procs[pod.name] = subprocess.Popen(
+                argv, env=env, cwd=self.root, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {name} (rc {p.poll()}):\n{(self.root / f'{name}.log').read_text()[-3000:]}"
+            for name, p in self.procs.items()
+        )
+
+    def stop(self, name: str, timeout_s: float = 30) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+
+def probe(pod: Pod, kind: str) -> bool:
+    """One gRPC health probe as kubelet sends it (the pod IP is 127.0.0.1)."""
+    spec = pod.container()[kind]["grpc"]
+    with grpc.insecure_channel(f"127.0.0.1:{spec['port']}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=spec["service"]), timeout=2
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def eventually(kubelet: Kubelet, predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        dead = [n for n, p in kubelet.procs.items() if p.poll() is not None]
+        assert not dead, f"{dead} exited while waiting for {what}\n{kubelet.logs()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{kubelet.logs()}"
+        time.sleep(0.2)
+
+
+def endpoint_slice(service: dict, pods: list[Pod]) -> dict:
+    """What the EndpointSlice controller publishes for ``service`` with ``pods`` ready."""
+    name = service["metadata"]["name"]
+    ports = [
+        {
+            "name": p["name"],
+            "port": port_number(pods[0].container(), p["targetPort"]),
+            "protocol": "TCP",
+        }
+        for p in service["spec"]["ports"]
+    ]
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{name}-local",
+            "namespace": NAMESPACE,
+            "labels": {"kubernetes.io/service-name": name},
+        },
+        "addressType": "IPv4",
+        "ports": ports,
+        "endpoints": [
+            {
+                "addresses": ["127.0.0.1"],
+                "conditions": {"ready": True},
+                "targetRef": {"kind": "Pod", "name": p.name, "namespace": NAMESPACE},
+            }
+            for p in pods
+        ],
+    }
+
+
+def kubeconfig(path: Path, server: str) -> Path:
+    """What the router's in-cluster credentials would give it: the API server's address."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "local",
+                "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+                "users": [{"name": "router", "user": {"token": "local"}}],
+                "contexts": [{"name": "local", "context": {"cluster": "kmock", "user": "router"}}],
+            }
+        )
+    )
+    return path
+
+
+def rendered_chart() -> Manifest:
+    return render(
+        {
+            "model": {"source": "hostPath", "hostPath": HOST_MODEL},
+            "pipelines": {
+                "kind": "StatefulSet",
+                "replicas": 1,
+                "stages": 2,
+                "numBlocks": "128",
+                "blockSize": 4,
+                "maxChunkTokens": 16,
+                "threads": 1,
+                "port": free_local_port(),
+                "metricsPort": free_local_port(),
+                "rendezvousPort": free_local_port(),
+            },
+            "router": {
+                "port": free_local_port(),
+                "metricsPort": free_local_port(),
+                "pollIntervalSeconds": 0.2,
+            },
+            "grpc": {"logLevel": "WARNING"},
+        }
+    )
+
+
+def scrape(pod: Pod) -> str:
+    notes = pod.template["metadata"]["annotations"]
+    url = f"http://127.0.0.1:{notes['prometheus.io/port']}{notes['prometheus.io/path']}"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read().decode()
+
+
+@pytest.mark.asyncio
+async def test_rendered_statefulset_pipeline_serves_a_prefill_through_the_router(
+    kmock, tmp_path
+) -> None:
+    model_dir = tmp_path / "tiny-helm"
+    save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=14))
+    prompt = [(7 * i + 3) % 64 for i in range(41)]
+    direct = LocalEngine.from_model_dir(model_dir, LocalEngineConfig(2, 128, 4, 16))
+    want = direct.submit(prompt, PrefillOptions(top_logprobs=5)).result()
+
+    manifest = rendered_chart()
+    (leader,), (stage,), (router,) = (manifest.pods_of(c) for c in ("leader", "stage", "router"))
+    kmock.resources["discovery.k8s.io/v1/endpointslices"] = {}
+    api_server = str(kmock.url).rstrip("/")
+    api = client.DiscoveryV1Api(client.ApiClient(client.Configuration(host=api_server)))
+    kubelet = Kubelet(tmp_path, {HOST_MODEL: model_dir})
+    try:
+        kubelet.start(leader)
+        kubelet.start(stage)
+        await asyncio.to_thread(
+            eventually,
+            kubelet,
+            lambda: probe(leader, "readinessProbe"),
+            180,
+            "the leader's readiness probe",
+        )
+        for service in manifest.all("Service"):  # the EndpointSlice controller's part
+            if leader in manifest.selected_by(service):  # the one pod ready by now
+                body = endpoint_slice(service, [leader])
+                await asyncio.to_thread(api.create_namespaced_endpoint_slice, NAMESPACE, body)
+        config = kubeconfig(tmp_path / "kubeconfig", api_server)
+        kubelet.start(router, {"KUBECONFIG": str(config)})
+        await asyncio.to_thread(
+            eventually,
+            kubelet,
+            lambda: probe(router, "readinessProbe"),
+            120,
+            "the router's readiness probe",
+        )
+        router_port = port_number(router.container(), "grpc")
+        with PrefillClient(f"127.0.0.1:{router_port}") as via_router:
+            remote = await asyncio.to_thread(via_router.prefill, prompt, top_logprobs=5)
+        got = remote.result
+        assert got.first_token_id == want.first_token_id
+        assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+        assert got.served_by == leader.name  # the pipeline id discovery took from the slice
+        for pod in (leader, router):
+            assert "# HELP wavepp_" in await asyncio.to_thread(scrape, pod)
+        assert kubelet.stop(router.name) == 0
+        assert kubelet.stop(leader.name) == 0  # SIGTERM: drain, stop the stage, exit cleanly
+        assert kubelet.procs[stage.name].wait(timeout=30) == 0, kubelet.logs()
+    finally:
+        for name in kubelet.procs:
+            kubelet.stop(name, timeout_s=5)
+
+
+def test_bundled_model_init_container_prepares_the_model_in_the_pods_cache(
+    default_model_cache, tmp_path
+) -> None:
+    """The init container's rendered command, with the pod's cache volume standing at the
+    session's converted default model (so this costs nothing after the first conversion)."""
+    cache_dir, _ = default_model_cache
+    (leader,) = render().pods_of("leader")
+    (init,) = leader.spec["initContainers"]
+    kubelet = Kubelet(tmp_path, {})
+    argv, env = kubelet.command(leader, init)
+    env["WAVEPP_CACHE_DIR"] = str(cache_dir)  # the emptyDir, shared with the session's tests
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert is_complete(cache_dir / "models" / DEFAULT_MODEL_DIRNAME)
+    assert f"{cache_dir}/models/{DEFAULT_MODEL_DIRNAME}" in done.stdout

@@ -1,0 +1,140 @@
+"""The rendered chart against the Kubernetes API schemas of every version 1.25-1.37, offline and
+strict (kubernetes-validate: no unknown field anywhere). It has no schema for CRDs, so the
+LeaderWorkerSet and ServiceMonitor get a small schema of the fields the chart uses, with their
+pod templates checked as the same version's strict PodTemplateSpec."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib.resources import files
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import referencing
+
+from tests.helm_harness import LWS_API, render, render_result
+
+VERSIONS = [f"1.{minor}.0" for minor in range(25, 38)]
+VARIANTS = {
+    "statefulset-bundled": ({}, ()),
+    "statefulset-pvc-tls-monitor": (
+        {
+            "model": {"source": "pvc", "claimName": "weights"},
+            "pipelines": {
+                "replicas": 3,
+                "stages": 4,
+                "kvShipping": {"enabled": False},
+                "resources": {"limits": {"cpu": "4", "memory": "8Gi"}},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                "extraEnv": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+            },
+            "router": {
+                "replicas": 2,
+                "podDisruptionBudget": {"enabled": True},
+                "service": {"type": "LoadBalancer"},
+            },
+            "tls": {
+                "router": {"secretName": "r", "clientAuth": True},
+                "pipelines": {"secretName": "p", "clientAuth": True},
+            },
+            "metrics": {"serviceMonitor": {"enabled": True}},
+            "imagePullSecrets": [{"name": "regcred"}],
+        },
+        (),
+    ),  # fmt: skip
+    "lws-hostpath": (
+        {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen3"}},
+        (LWS_API, "monitoring.coreos.com/v1/ServiceMonitor"),
+    ),
+}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"https://kubernetes.io/api/_definitions.json#/$defs/{name}"}
+
+
+def _closed(properties: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "additionalProperties": False, "properties": properties,
+            "required": list(required)}  # fmt: skip
+
+
+def _resource(api_version: str, kind: str, spec: dict) -> dict:
+    return _closed(
+        {"apiVersion": {"const": api_version}, "kind": {"const": kind},
+         "metadata": _ref("io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"), "spec": spec},
+        ("apiVersion", "kind", "metadata", "spec"),
+    )  # fmt: skip
+
+
+POD_TEMPLATE = _ref("io.k8s.api.core.v1.PodTemplateSpec")
+COUNT = {"type": "integer", "minimum": 0}
+CRD_SCHEMAS = {  # the fields of sigs.k8s.io/lws api/leaderworkerset/v1 the chart sets
+    "LeaderWorkerSet": _resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", _closed({
+        "replicas": COUNT,
+        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "leaderWorkerTemplate": _closed({
+            "size": {"type": "integer", "minimum": 1},
+            "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart",
+                                       "None", "Default"]},
+            "leaderTemplate": POD_TEMPLATE,
+            "workerTemplate": POD_TEMPLATE,
+        }, ("workerTemplate",)),
+    }, ("leaderWorkerTemplate",))),
+    "ServiceMonitor": _resource("monitoring.coreos.com/v1", "ServiceMonitor", _closed({
+        "selector": _ref("io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"),
+        "endpoints": {"type": "array", "minItems": 1, "items": _closed({
+            "port": {"type": "string"}, "path": {"type": "string"},
+            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}, ("port",))},
+    }, ("selector", "endpoints"))),
+}  # fmt: skip
+
+
+@cache
+def _definitions(version: str) -> referencing.Resource:
+    folder = f"kubernetes-json-schema/v{version}-local-strict"
+    path = files("kubernetes_validate").joinpath(folder, "_definitions.json")
+    return referencing.Resource.from_contents(json.loads(path.read_text()))
+
+
+def _validate_crd(obj: dict, version: str) -> None:
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **CRD_SCHEMAS[obj["kind"]]}
+    registry = _definitions(version) @ referencing.Registry()
+    jsonschema.Draft202012Validator(schema, registry=registry).validate(obj)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rendered_objects_are_valid_for_the_kubernetes_version(variant: str, version: str) -> None:
+    values, apis = VARIANTS[variant]
+    manifest = render(values, kube_version=version, api_versions=apis)
+    kinds = set()
+    for obj in manifest.objects:
+        kinds.add(obj["kind"])
+        if obj["kind"] in CRD_SCHEMAS:
+            _validate_crd(obj, version)
+        else:
+            kubernetes_validate.validate(obj, version, strict=True)
+    assert {"Deployment", "Service", "Role", "RoleBinding", "ServiceAccount"} <= kinds
+    assert ("LeaderWorkerSet" in kinds) == variant.startswith("lws")
+
+
+def test_the_crd_schemas_catch_what_they_check() -> None:
+    """The small CRD schemas are not a pass-through: a misspelt field or a bad pod fails."""
+    values, apis = VARIANTS["lws-hostpath"]
+    lws = render(values, api_versions=apis).one("LeaderWorkerSet")
+    broken = json.loads(json.dumps(lws))
+    broken["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="sise"):
+        _validate_crd(broken, "1.33.0")
+    broken = json.loads(json.dumps(lws))
+    worker = broken["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    worker["volumeMount"] = worker.pop("volumeMounts")
+    with pytest.raises(jsonschema.ValidationError, match="volumeMount"):
+        _validate_crd(broken, "1.33.0")
+
+
+def test_kubernetes_older_than_1_25_is_refused() -> None:
+    code, _, err = render_result(kube_version="1.24.0")
+    assert code != 0 and "kubeVersion" in err, err
