@@ -76,8 +76,9 @@ class GlobalPrefixIndex:
 
     Pending entries (``record_pending``) stand for prompts just routed to a pipeline: they
     count in ``match`` for ``pending_ttl_s`` seconds, until the pipeline's own BlockStored
-    of that hash arrives (the confirmed entry takes over), or until a GAP, a resubscribe or
-    ``drop_pipeline`` clears them. A mid-stream AllBlocksCleared keeps them: the routed
+    of that hash arrives (the confirmed entry takes over), its BlockRemoved arrives (newer
+    than the guess), or a GAP, a resubscribe or ``drop_pipeline`` clears them. Blocks the
+    pipeline already holds get no pending entry. A mid-stream AllBlocksCleared keeps them: the routed
     prompts still store their blocks after it. Time is passed in: every call taking ``now``
     first expires pending entries; a ``now`` earlier than one seen before counts as that
     latest time (time never goes back here).
@@ -166,19 +167,23 @@ class GlobalPrefixIndex:
                 gone = blocks.intersection(event.block_hashes)
                 blocks.difference_update(gone)
                 _withdraw(holders, gone, bit)
+                if p.pending:  # newer than the routing guess that recorded it
+                    self._unpend(p, event.block_hashes)
             else:
                 _withdraw(holders, blocks, bit)
                 blocks.clear()
 
     def record_pending(self, pid: PipelineId, hashes: Sequence[BlockHash], now: float) -> None:
         """Mark ``hashes`` as soon held by ``pid`` until ``now + pending_ttl_s`` (refreshes
-        an existing pending entry's expiry)."""
+        an existing pending entry's expiry). Hashes ``pid`` already holds get no entry: no
+        BlockStored would ever confirm it, and its BlockRemoved must withdraw it at once."""
         now = self.expire(now)
         p = self._get(pid)
         if not hashes:
             return
         expiry = now + self.pending_ttl_s
-        pending, holders, bit = p.pending, self._pending_holders, p.bit
+        pending, holders, bit, confirmed = p.pending, self._pending_holders, p.bit, p.blocks
+        hashes = [h for h in hashes if h not in confirmed]
         for h in hashes:
             if h not in pending:
                 holders[h] = holders.get(h, 0) | bit

@@ -154,9 +154,22 @@ def test_a_real_store_supersedes_the_pending_entry():
     index.check_integrity()
 
 
+def test_pending_entries_skip_held_blocks_and_a_removal_withdraws_them():
+    """The router bench's repro: a routed prompt whose blocks the pipeline held, then
+    evicted, must not count as cached until the pending TTL runs out."""
+    index = GlobalPrefixIndex(pending_ttl_s=2.0)
+    subscribed(index, "p0", 1, 2)
+    index.record_pending("p0", [1, 2, 3], now=0.0)
+    assert index.num_pending("p0") == 1  # only block 3 waits for its BlockStored
+    assert index.apply("p0", 2, [BlockRemoved((1, 2, 3))]) is ApplyResult.APPLIED
+    assert index.match([1, 2, 3], now=0.5) == {"p0": 0}
+    assert index.num_blocks("p0") == index.num_pending("p0") == 0
+    index.check_integrity()
+
+
 def test_refreshing_a_pending_entry_extends_it_and_a_mid_stream_clear_keeps_it():
     index = GlobalPrefixIndex(pending_ttl_s=2.0)
-    subscribed(index, "a", 0)
+    subscribed(index, "a")
     index.record_pending("a", [0, 1], now=0.0)
     index.record_pending("a", [0, 1], now=1.5)
     assert index.apply("a", 2, [CLEARED]) is ApplyResult.APPLIED
@@ -285,8 +298,8 @@ class IndexMachine(RuleBasedStateMachine):
             return
         assert result is ApplyResult.APPLIED
         self.replay(self.known[pid], events)
-        for e in events:
-            if isinstance(e, BlockStored):
+        for e in events:  # a store confirms a pending entry, a removal withdraws it
+            if isinstance(e, BlockStored | BlockRemoved):
                 for h in e.block_hashes:
                     self.pending[pid].pop(h, None)
 
@@ -316,7 +329,8 @@ class IndexMachine(RuleBasedStateMachine):
             return
         self.index.record_pending(pid, [BlockHash(h) for h in hashes], self.now)
         for h in hashes:
-            self.pending[pid][h] = self.now + TTL
+            if h not in self.known[pid]:  # held already: nothing to wait for
+                self.pending[pid][h] = self.now + TTL
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0]))
     def advance(self, dt: float) -> None:
