@@ -78,8 +78,8 @@ class GlobalPrefixIndex:
     count in ``match`` for ``pending_ttl_s`` seconds, until the pipeline's own BlockStored
     of that hash arrives (the confirmed entry takes over), its BlockRemoved arrives (newer
     than the guess), or a GAP, a resubscribe or ``drop_pipeline`` clears them. Blocks the
-    pipeline already holds get no pending entry. A mid-stream AllBlocksCleared keeps them: the routed
-    prompts still store their blocks after it. Time is passed in: every call taking ``now``
+    pipeline already holds get no pending entry. A mid-stream AllBlocksCleared keeps them:
+    the routed prompts still store their blocks after it. Time is passed in: every call taking ``now``
     first expires pending entries; a ``now`` earlier than one seen before counts as that
     latest time (time never goes back here).
 
