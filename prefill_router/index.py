@@ -79,9 +79,9 @@ class GlobalPrefixIndex:
     of that hash arrives (the confirmed entry takes over), its BlockRemoved arrives (newer
     than the guess), or a GAP, a resubscribe or ``drop_pipeline`` clears them. Blocks the
     pipeline already holds get no pending entry. A mid-stream AllBlocksCleared keeps them:
-    the routed prompts still store their blocks after it. Time is passed in: every call taking ``now``
-    first expires pending entries; a ``now`` earlier than one seen before counts as that
-    latest time (time never goes back here).
+    the routed prompts still store their blocks after it. Time is passed in: every call
+    taking ``now`` first expires pending entries; a ``now`` earlier than one seen before
+    counts as that latest time (time never goes back here).
 
     Batches for an unknown pipeline raise ``UnknownPipelineError`` rather than adding it:
     a late batch of a dropped pipeline must not bring it back. Sans-IO, not thread-safe.
