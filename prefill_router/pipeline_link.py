@@ -13,11 +13,13 @@ Two threads per link, both owned here and stopped by ``stop``:
 
 Contract: the listener's methods run on these threads and must not block for long; the
 link's public attributes (``ready``, ``info``, ``load``) are plain reads of immutable
-values, safe from any thread. Forwarded Prefill calls use ``client`` (thread-safe).
+values, safe from any thread. Forwarded Prefill calls go over a grpc.aio channel of the
+calling event loop (``aio_stub``: one channel per loop, since aio channels are loop-bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from dataclasses import dataclass
@@ -27,9 +29,16 @@ import grpc
 
 from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import EngineLoad
-from prefill_node.server.client import ClientTLS, PrefillClient, RemoteServerInfo
+from prefill_node.server.client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ClientTLS,
+    PrefillClient,
+    RemoteServerInfo,
+    channel_options,
+)
 from prefill_node.server.kv_convert import event_from_proto
 from prefill_router.discovery import PipelineEndpoint
+from wavepp_proto.prefill.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,7 @@ class PipelineLink:
         self._wake_events = threading.Event()  # the monitor saw the link become ready
         self._stream = None  # the live SubscribeKvEvents call (cancel() ends it)
         self._lock = threading.Lock()
+        self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, object]] = {}
         name = endpoint.id
         self._monitor = threading.Thread(target=self._run_monitor, name=f"link-{name}", daemon=True)
         self._events = threading.Thread(target=self._run_events, name=f"events-{name}", daemon=True)
@@ -92,7 +102,8 @@ class PipelineLink:
         self._events.start()
 
     def stop(self) -> None:
-        """End both threads and close the channel (bounded: a blocked RPC times out)."""
+        """End both threads and close the channels (bounded: a blocked RPC times out); aio
+        channels close on their own loops, calls in flight on them are cancelled."""
         self._stop.set()
         self._wake_events.set()
         self._cancel_stream()
@@ -100,6 +111,25 @@ class PipelineLink:
             if thread.is_alive():
                 thread.join(timeout=self.config.rpc_timeout_s + 2.0)
         self.client.close()
+        for loop, (channel, _) in list(self._aio.items()):
+            if not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(channel.close(), loop)
+        self._aio.clear()
+
+    def aio_stub(self) -> prefill_pb2_grpc.PrefillServiceStub:
+        """The PrefillService stub of this pipeline on the running event loop."""
+        loop = asyncio.get_running_loop()
+        entry = self._aio.get(loop)
+        if entry is None:
+            options = channel_options(DEFAULT_MAX_MESSAGE_BYTES)
+            address, tls = self.endpoint.address, self.config.tls
+            channel = (
+                grpc.aio.insecure_channel(address, options=options)
+                if tls is None
+                else grpc.aio.secure_channel(address, tls.credentials(), options=options)
+            )
+            entry = self._aio[loop] = (channel, prefill_pb2_grpc.PrefillServiceStub(channel))
+        return entry[1]  # type: ignore[return-value]
 
     # -- monitor ------------------------------------------------------------------------------
     def _run_monitor(self) -> None:

@@ -1,7 +1,8 @@
 """RouterEngine: the Engine protocol over a cluster of pipelines, so the node's gRPC server
 (PrefillServer: the same PrefillService, health, reflection, TLS, metrics) fronts a router.
 
-Per request (``submit``, called inline on the server's event loop): hash the prompt with the
+Per request (``prefill_async``, awaited on the server's event loop; ``submit`` runs it on a
+loop of the router's own for callers without one): hash the prompt with the
 node's own code and the cluster's cache identity + the request's ``cache_salt``, look up
 every pipeline's leading cached blocks in the global index, score the ready candidates
 (``Scorer``), record the prompt's blocks as pending on the chosen pipeline, and forward the
@@ -16,11 +17,13 @@ free its blocks. Pipelines come and go through the discovery; a link that is not
 whose KV-event stream broke, has no entries in the index until its next snapshot.
 
 Threading: one lock guards the index, the scorer and the routed-request table; links call
-in from their threads, gRPC completions from gRPC's.
+in from their threads. Forwarded calls are grpc.aio calls on the requesting loop (the
+server's), so a request never changes threads on its way through the router.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -42,7 +45,8 @@ from prefill_node.engine.types import (
     PrefillResult,
 )
 from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
-from prefill_node.server.client import RemoteServerInfo, build_request, to_remote_result
+from prefill_node.server.client import RemoteServerInfo, build_request
+from prefill_node.server.convert import result_from_proto
 from prefill_node.server.remote_engine import error_from_rpc
 from prefill_node.server.servicer import NOT_READY
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
@@ -79,8 +83,10 @@ class _Routed:
     cost_s: float
     computed_tokens: int
     predicted_cached: int
-    call: grpc.Future | None = None
+    call: grpc.aio.UnaryUnaryCall | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     tried: tuple[str, ...] = ()
+    aborted: bool = False
 
 
 def refused_before_admission(exc: grpc.RpcError) -> bool:
@@ -105,6 +111,7 @@ class RouterEngine:
         self._links: dict[str, PipelineLink] = {}
         self._routed: dict[str, _Routed] = {}
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # for ``submit`` callers only
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,6 +124,16 @@ class RouterEngine:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.stop()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _own_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="router-loop",
+                                 daemon=True).start()  # fmt: skip
+            return self._loop
 
     def _on_endpoints(self, endpoints: frozenset[PipelineEndpoint]) -> None:
         """Discovery's full set: start links for new endpoints, stop links for gone ones."""
@@ -218,30 +235,65 @@ class RouterEngine:
         return self._identity or CacheIdentity("", 0)
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
+        """``prefill_async`` on the router's own event-loop thread (for callers without a
+        loop); unlike a pipeline's, every failure, validation included, comes through the
+        future."""
+        return asyncio.run_coroutine_threadsafe(
+            self.prefill_async(token_ids, options), self._own_loop()
+        )
+
+    async def prefill_async(
+        self, token_ids: Sequence[int], options: PrefillOptions
+    ) -> PrefillResult:
+        """Route and forward one request on the running loop (the server's: no thread hop);
+        cancelling the coroutine cancels the forwarded call, so the pipeline aborts it."""
         tokens = list(token_ids)
-        result: Future[PrefillResult] = Future()
-        result.set_running_or_notify_cancel()
         with self._lock:
             identity = self._identity
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
-        extra = ExtraKeys(identity.model_id, options.cache_salt)
-        hashes = hash_block_tokens(tokens, identity.block_size, extra)
-        self._route(tokens, hashes, options, result, ())
-        return result
+        hashes = hash_block_tokens(tokens, identity.block_size,
+                                   ExtraKeys(identity.model_id, options.cache_salt))  # fmt: skip
+        request_id = options.request_id or ""
+        tried: tuple[str, ...] = ()
+        while True:
+            link, routed = self._route(tokens, hashes, request_id, tried)
+            request = build_request(tokens, request_id=request_id,
+                                    cache_salt=options.cache_salt or "",
+                                    top_logprobs=options.top_logprobs,
+                                    kv_destination=options.kv_destination)  # fmt: skip
+            timeout = None
+            if options.deadline_s is not None:
+                timeout = max(0.0, options.deadline_s - time.monotonic())
+            call = link.aio_stub().Prefill(request, timeout=timeout)
+            routed.call, routed.loop = call, asyncio.get_running_loop()
+            try:
+                response = await call
+            except asyncio.CancelledError:
+                call.cancel()
+                if routed.aborted:  # Abort(request_id), not the caller going away
+                    raise RequestAbortedError(f"request {request_id} was aborted") from None
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if refused_before_admission(exc) and not tried:
+                    self.metrics.failover(routed.pid)
+                    log.info("pipeline %s refused %s before admission (%s); retrying elsewhere",
+                             routed.pid, request_id, exc.details())  # fmt: skip
+                    tried = routed.tried
+                    continue
+                raise error_from_rpc(exc) from None
+            finally:
+                self._forget(request_id, routed)
+            result = result_from_proto(response)
+            self.metrics.answered(routed.pid, routed.predicted_cached, result.cached_tokens)
+            return replace(result, served_by=routed.pid)
 
     def _route(
-        self,
-        tokens: list[int],
-        hashes: Sequence[int],
-        options: PrefillOptions,
-        result: Future[PrefillResult],
-        tried: tuple[str, ...],
-    ) -> None:
-        """Choose a pipeline (not one of ``tried``) and forward; raises when none can take it
-        and nothing was tried yet, else fails ``result``."""
+        self, tokens: list[int], hashes: Sequence[int], request_id: str, tried: tuple[str, ...]
+    ) -> tuple[PipelineLink, _Routed]:
+        """Choose a pipeline (not one of ``tried``), record the prompt as pending there and
+        the request as routed; raises the typed error when none can take it."""
         now = time.monotonic()
-        request_id = options.request_id or ""
         with self._lock:
             decision = self._decide(len(tokens), hashes, now, tried)
             if decision.pipeline is not None:
@@ -254,21 +306,13 @@ class RouterEngine:
                 self._routed[request_id] = routed
         self.metrics.decision(decision.reason.value)
         if decision.pipeline is None:
-            error = self._no_pipeline(decision)
-            if not tried:
-                raise error
-            result.set_exception(error)
-            return
-        timeout = None if options.deadline_s is None else max(0.0, options.deadline_s - now)
-        request = build_request(tokens, request_id=request_id, cache_salt=options.cache_salt or "",
-                                top_logprobs=options.top_logprobs,
-                                kv_destination=options.kv_destination)  # fmt: skip
-        call = link.client.prefill_future(request, deadline_s=timeout)
+            raise self._no_pipeline(decision)
+        return link, routed
+
+    def _forget(self, request_id: str, routed: _Routed) -> None:
         with self._lock:
-            routed.call = call
-        call.add_done_callback(
-            lambda done: self._settle(done, tokens, hashes, options, result, routed)
-        )
+            if self._routed.get(request_id) is routed:
+                del self._routed[request_id]
 
     def _decide(self, prompt_tokens: int, hashes, now: float, tried) -> RoutingDecision:
         """Caller holds the lock."""
@@ -309,37 +353,15 @@ class RouterEngine:
             )
         return UnavailableError("no pipeline is ready to take this prompt; retry later")
 
-    def _settle(self, done, tokens, hashes, options, result, routed: _Routed) -> None:
-        """A forwarded call ended (a gRPC thread): answer, or retry once elsewhere."""
-        request_id = options.request_id or ""
-        with self._lock:
-            if self._routed.get(request_id) is routed:
-                del self._routed[request_id]
-        try:
-            remote = to_remote_result(done.result())
-        except grpc.FutureCancelledError:
-            result.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
-            return
-        except grpc.RpcError as exc:
-            if refused_before_admission(exc) and len(routed.tried) == 1:
-                self.metrics.failover(routed.pid)
-                log.info("pipeline %s refused %s before admission (%s); retrying elsewhere",
-                         routed.pid, request_id, exc.details())  # fmt: skip
-                try:
-                    self._route(tokens, hashes, options, result, routed.tried)
-                except Exception as again:  # noqa: BLE001 - the request's own answer
-                    result.set_exception(again)
-                return
-            result.set_exception(error_from_rpc(exc))
-            return
-        self.metrics.answered(routed.pid, routed.predicted_cached, remote.result.cached_tokens)
-        result.set_result(replace(remote.result, served_by=routed.pid))
-
     def abort(self, request_id: str) -> bool:
+        """Cancel the forwarded call (from any thread); the caller gets RequestAbortedError."""
         with self._lock:
             routed = self._routed.get(request_id)
-            call = routed.call if routed is not None else None
-        return call is not None and call.cancel()
+            if routed is None or routed.call is None or routed.loop is None:
+                return False
+            routed.aborted = True
+        routed.loop.call_soon_threadsafe(routed.call.cancel)
+        return True
 
     def load(self) -> EngineLoad:
         with self._lock:

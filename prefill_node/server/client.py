@@ -127,7 +127,7 @@ def to_remote_result(resp: prefill_pb2.PrefillResponse) -> RemoteResult:
     )
 
 
-def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -144,7 +144,7 @@ class PrefillClient:
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        options = _channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes)
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -219,7 +219,7 @@ class AsyncPrefillClient:
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        options = _channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes)
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:

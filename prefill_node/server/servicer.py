@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from prefill_node import __version__
-from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult
+from prefill_node.engine.types import AsyncEngine, Engine, PrefillOptions, PrefillResult
 from prefill_node.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -97,6 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         is_router: bool = False,
     ) -> None:
         self._engine = engine
+        self._prefill_async = engine.prefill_async if isinstance(engine, AsyncEngine) else None
         self._model_name = model_name
         self._is_router = is_router
         self.instance_id = uuid.uuid4().hex
@@ -236,6 +237,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         engine whose submit only enqueues (the pipeline) is called inline, saving a thread hop.
         Completions reach the loop through the LoopBridge (one wakeup per burst).
         """
+        if self._prefill_async is not None:  # runs on this loop (a router's grpc.aio calls)
+            return await self._prefill_async(token_ids, options)
         loop = asyncio.get_running_loop()
         if self._bridge is None or self._bridge.loop is not loop:
             self._bridge = LoopBridge(loop)
