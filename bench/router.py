@@ -1,0 +1,758 @@
+"""Benchmark: the cluster router on a real local cluster - the routing policies side by side,
+the router's added latency against a bare gRPC proxy, and its sans-IO core.
+
+CLUSTER: two pipelines (`wavepp serve --stages 2`, one torch thread per stage process) of a
+tiny random Llama (hidden 384, 4 layers, vocab 512; saved to a temp dir) behind one
+`wavepp router --policy P`. Each pipeline runs on its own half of the machine's cores (taskset;
+one core each on 2 cores), as if on its own host: a busy pipeline cannot borrow the other's
+core, so balance matters as in a real cluster; the router and the client use every core.
+Every policy gets a FRESH cluster (pipelines and router started anew, the same warm-up under a
+salt no request uses): each starts cold and meets no block another policy left, which four
+routers side by side on shared pipelines could not give; so the policies run one after
+another, the order reversing run by run. Stages hold --num-blocks blocks each: by default half
+of all tenants' system-prompt blocks plus the suffixes of c/2 requests in flight, so the two
+caches together hold the system prompts about once - no room for every tenant on both
+pipelines (what round-robin needs): placement decides what stays cached.
+
+WORKLOAD (bench/router_workload.py; the same seeded sequence for every policy of a run, a new
+one each run): T tenants, each with its own system prompt (512-1024 tokens) and cache_salt; a
+request picks a tenant by Zipf popularity (s = 1.1 over the tenants' ranks) and appends a
+unique 32-128-token suffix; a closed loop at concurrency c from one asyncio gRPC client.
+Reported per policy and run: input tok/s over the wall time, computed and cached tokens,
+p50 / p95 latency, the busiest pipeline's share of requests, tenant affinity (the share of
+requests served on their tenant's most used pipeline) and spread (pipelines per tenant), the
+router's predicted vs reported cached tokens and decisions by reason (from its /metrics) and
+its CPU time per request. Ratios, paired by run (median over runs): prefix_over_<policy>
+(input tok/s) and prefix_cached_over_<policy> (cached tokens).
+
+ORACLE: the same requests at the same concurrency on ONE pipeline (same stages, every core)
+whose stages hold the cluster's total blocks (2 x --num-blocks), driven directly: one LRU
+cache of the cluster's size that never duplicates a prefix. Only its token counts are
+reported (one pipeline: its throughput is not comparable). Goal: prefix_cached_over_oracle
+>= 0.9.
+
+OVERHEAD: one pipeline (every core), a router in front of it alone (prefix) and a bare
+grpc.aio pass-through proxy (a generic handler forwarding PrefillService/Prefill as bytes, in
+a child process); the same cached 128-token prompt (112 tokens cached, 16 computed) direct,
+through the router and through the proxy, at c = 1 and 32, the paths' order rotating run by
+run. added = p50 - direct p50 (medians over runs); goal router_added / proxy_added <= 1.2.
+
+CORE: bench/router_core.py's functions (CPU time; before any cluster starts): a routing
+decision for a 32K-token prompt over 4 pipelines (goal <= 2 ms) and KV-event ingestion (goal
+>= 500K blocks/s).
+
+    .venv/bin/python bench/router.py --json out/router.json      # full run: ~15 min on 2 cores
+    .venv/bin/python bench/router.py --json /tmp/router.json --runs 1 --requests 40 --tenants 4
+
+Writes every row (per run, then medians, ratios, overhead, core) to PATH - rewritten after
+each measurement, so an interrupted run keeps what it measured - and a plot beside it (.png).
+Every process it starts runs in its own session and is stopped on the way out (SIGTERM, then
+SIGKILL to the session), on errors, SIGTERM and Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+from router_workload import (  # bench/ is on sys.path: this file runs as a script
+    Request,
+    WorkloadSpec,
+    closed_loop,
+    default_num_blocks,
+    latency_stats,
+    placement_stats,
+    run_closed_loop,
+    token_stats,
+)
+from tqdm import tqdm
+
+MODEL_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+}
+"""On a 2-core VM with a core per stage, an 800-token prompt takes ~115 ms cold and ~30 ms
+after a cached 768-token prefix; a gRPC round trip ~9 ms: compute dominates."""
+VOCAB = MODEL_HF["vocab_size"]
+BLOCK = 16
+POLICIES = ("prefix", "round-robin", "least-loaded", "prefix-only")
+ORACLE = "oracle"
+PATHS = ("direct", "router", "proxy")
+OVERHEAD_PROMPT = 128  # tokens: 7 blocks cached, the last block's 16 tokens computed
+OVERHEAD_SLICES = 4  # per path and (run, c): interleaved with the other paths' slices
+WARMUP_SALT = "warmup"  # no measured request uses it: its blocks never match
+PREFILL_METHOD = "/wavepp.prefill.v1.PrefillService/Prefill"
+CLI = [sys.executable, "-m", "prefill_node.cli.main"]
+START_TIMEOUT_S = 120.0
+CORE_BLOCKS, CORE_RESIDENT, CORE_REPEATS = 500_000, 200_000, 20  # bench/router_core.py's
+
+
+# -- processes ------------------------------------------------------------------------------------
+class Server:
+    """A `wavepp serve` / `wavepp router` child in its own session, so that ``stop`` takes
+    its stage processes with it; stderr goes to ``log`` (shown when something fails).
+    ``cpus``: run it (and so its stages) on these cores only (taskset)."""
+
+    def __init__(
+        self, argv: list[str], banner: str, log: Path, cpus: list[int] | None = None
+    ) -> None:
+        self.banner, self.log = banner, log
+        pin = ["taskset", "--cpu-list", ",".join(map(str, cpus))] if cpus else []
+        with open(log, "w") as err:
+            self.popen = subprocess.Popen(
+                [*pin, *CLI, *argv],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
+        self.pid = self.popen.pid
+        self.address = ""
+        self.metrics_port: int | None = None
+
+    def wait_listening(self) -> Server:
+        """Block until its first stdout line says where it listens."""
+        ready, _, _ = select.select([self.popen.stdout], [], [], START_TIMEOUT_S)
+        line = self.popen.stdout.readline() if ready else ""
+        pattern = self.banner + r" listening on (127\.0\.0\.1:\d+)(?:.*metrics on :(\d+))?"
+        match = re.search(pattern, line)
+        if match is None:
+            raise RuntimeError(f"{self.banner} did not start ({line!r}):\n{self.log_tail()}")
+        self.address = match.group(1)
+        self.metrics_port = int(match.group(2)) if match.group(2) else None
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # anything left of its session
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+        self.popen.stdout.close()
+
+
+def _proxy_main(upstream: str, conn) -> None:
+    """The proxy child: forwards Prefill as opaque bytes (no parsing, validation, metrics,
+    health or deadlines beyond the caller's); sends its port, stops on any message."""
+    import grpc
+
+    async def main() -> None:
+        channel = grpc.aio.insecure_channel(upstream)
+        forward = channel.unary_unary(PREFILL_METHOD)  # no (de)serializers: bytes both ways
+
+        async def prefill(request: bytes, context) -> bytes:
+            return await forward(request, timeout=context.time_remaining())
+
+        service, method = PREFILL_METHOD.strip("/").split("/")
+        handler = grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_unary_rpc_method_handler(prefill)}
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await asyncio.to_thread(conn.recv)
+        await server.stop(0)
+        await channel.close()
+
+    asyncio.run(main())
+
+
+class Proxy:
+    """The bare grpc.aio pass-through in front of ``upstream`` (a spawned child process)."""
+
+    def __init__(self, upstream: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_proxy_main, args=(upstream, child), daemon=True)
+        self._proc.start()
+        self.pid = self._proc.pid
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError("the proxy did not start")
+        self.address = f"127.0.0.1:{self._conn.recv()}"
+
+    def stop(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send("stop")
+            self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+class Cluster:
+    """The processes of one measurement; leaving the block stops them all (newest first),
+    printing their logs' tails when it is left by an error."""
+
+    def __init__(self, model_dir: Path, logs: Path, args: argparse.Namespace) -> None:
+        self._model, self._logs, self._args = model_dir, logs, args
+        self._procs: list[Server | Proxy] = []
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
+            for proc in self._procs:
+                if isinstance(proc, Server):
+                    print(f"--- {proc.log.name}:\n{proc.log_tail()}", file=sys.stderr)
+        for proc in reversed(self._procs):
+            try:
+                proc.stop()
+            except Exception as error:  # noqa: BLE001 - stop the others all the same
+                print(f"could not stop pid {proc.pid}: {error!r}", file=sys.stderr)
+
+    def serve(self, name: str, num_blocks: int, cpus: list[int] | None = None) -> Server:
+        """Start a pipeline (returns at once: ``wait_listening`` before use)."""
+        argv = ["serve", "--model", str(self._model), "--stages", "2", "--num-blocks",
+                str(num_blocks), "--block-size", str(BLOCK), "--max-chunk-tokens",
+                str(self._args.max_chunk_tokens), "--threads", "1", "--host", "127.0.0.1",
+                "--port", "0", "--metrics-port", "-1", "--no-kv-shipping", "--pipeline-id", name,
+                "--log-level", "WARNING"]  # fmt: skip
+        return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
+
+    def router(self, policy: str, pipelines: list[Server]) -> Server:
+        argv = ["router", "--model", str(self._model), "--policy", policy, "--host",
+                "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+                "--log-level", "WARNING"]  # fmt: skip
+        for p in pipelines:
+            argv += ["--pipeline", p.address]
+        server = Server(argv, "wavepp router:", self._logs / f"router-{policy}.log")
+        return self._add(server).wait_listening()
+
+    def proxy(self, upstream: str) -> Proxy:
+        return self._add(Proxy(upstream))
+
+    def _add(self, proc):
+        self._procs.append(proc)
+        return proc
+
+
+def pipeline_cpus(i: int, pipelines: int) -> list[int] | None:
+    """Pipeline ``i``'s share of this process's cores, as if each pipeline had its own host
+    (its launcher then pins its stages inside that share); None with fewer cores than
+    pipelines."""
+    allowed = sorted(os.sched_getaffinity(0))
+    k = len(allowed) // pipelines
+    return allowed[i * k : (i + 1) * k] if k else None
+
+
+def _wait(predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    import grpc
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(grpc.RpcError):
+            if predicate():
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def warm_pipeline(address: str, tokens: int) -> None:
+    """Ready, and torch warm: a cold ``tokens + 16``-token prompt, then one sharing its
+    first ``tokens``."""
+    from prefill_node.server.client import PrefillClient
+
+    rng = random.Random(-1)
+    base = [rng.randrange(VOCAB) for _ in range(tokens)]
+    with PrefillClient(address) as client:
+        _wait(client.is_ready, f"pipeline {address} ready")
+        for tail in (16, 8):
+            prompt = base + [rng.randrange(VOCAB) for _ in range(tail)]
+            client.prefill(prompt, cache_salt=WARMUP_SALT)
+
+
+def warm_router(address: str, pipelines: int) -> None:
+    """Every pipeline ready and indexed (its warm-up blocks), then a few short requests."""
+    from prefill_node.server.client import PrefillClient
+
+    rng = random.Random(-2)
+    with PrefillClient(address) as client:
+
+        def indexed() -> bool:
+            loads = client.load().pipelines
+            return len(loads) == pipelines and all(p.ready and p.indexed_blocks for p in loads)
+
+        _wait(indexed, "the router to index every pipeline")
+        _wait(client.is_ready, "the router SERVING")
+        for _ in range(4):
+            client.prefill([rng.randrange(VOCAB) for _ in range(40)], cache_salt=WARMUP_SALT)
+
+
+def router_counters(metrics_port: int) -> Counter[str]:
+    """The router's cached-token prediction and decision counters from its /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("wavepp_router_cached_tokens_total"):
+            kind = re.search(r'kind="(\w+)"', name).group(1)
+            out[f"router_{kind}_cached_tokens"] += int(float(value))
+        elif name.startswith("wavepp_router_decisions_total"):
+            reason = re.search(r'reason="(\w+)"', name).group(1)
+            out[f"decided_{reason}"] += int(float(value))
+    return out
+
+
+# -- measurements ---------------------------------------------------------------------------------
+def measure_policy(policy, requests, args, model_dir, logs, tag, inner: tqdm) -> dict:
+    """One closed loop of ``requests`` on a fresh cluster behind a ``policy`` router, or on
+    the oracle's lone pipeline."""
+    from prefill_node.process_tree import ProcessTree
+
+    with Cluster(model_dir, logs, args) as cluster:
+        if policy == ORACLE:
+            pipeline = cluster.serve(ORACLE, 2 * args.num_blocks).wait_listening()
+            warm_pipeline(pipeline.address, args.warm_tokens)
+            outcomes, _ = run_closed_loop(pipeline.address, requests, args.concurrency, tag, inner)
+            return {"requests": len(outcomes), **token_stats(outcomes)}
+        pipelines = [
+            cluster.serve(
+                f"p{i}", args.num_blocks, None if args.shared_cores else pipeline_cpus(i, 2)
+            )
+            for i in range(2)
+        ]
+        for p in pipelines:
+            warm_pipeline(p.wait_listening().address, args.warm_tokens)
+        router = cluster.router(policy, pipelines)
+        warm_router(router.address, len(pipelines))
+        before, cpu0 = router_counters(router.metrics_port), ProcessTree(router.pid).cpu_s()
+        outcomes, wall = run_closed_loop(router.address, requests, args.concurrency, tag, inner)
+        router_cpu = ProcessTree(router.pid).cpu_s() - cpu0
+        counters = router_counters(router.metrics_port) - before  # the warm-up's left out
+    predicted, actual = (
+        counters["router_predicted_cached_tokens"],
+        counters["router_actual_cached_tokens"],
+    )
+    return {
+        **latency_stats(outcomes, wall),
+        **token_stats(outcomes, wall),
+        **placement_stats(outcomes),
+        "router_cpu_ms_per_request": router_cpu / len(outcomes) * 1e3,
+        "router_cached_prediction": predicted / actual if actual else None,
+        **{key: counters[key] for key in sorted(counters)},
+    }
+
+
+def measure_overhead(args, model_dir, logs, bar: tqdm, inner: tqdm) -> list[dict]:
+    """p50 of a cached prompt direct / through the router / through the bare proxy, and the
+    CPU time per request of the hop (the router's or the proxy's process)."""
+    if not args.overhead_concurrency:
+        return []
+    from prefill_node.process_tree import ProcessTree
+
+    rng = random.Random(f"{args.seed}-overhead")
+    prompt = Request(-1, "overhead", tuple(rng.randrange(VOCAB) for _ in range(OVERHEAD_PROMPT)))
+    with Cluster(model_dir, logs, args) as cluster:
+        pipeline = cluster.serve("p0", args.num_blocks).wait_listening()
+        warm_pipeline(pipeline.address, args.warm_tokens)
+        router = cluster.router("prefix", [pipeline])
+        warm_router(router.address, 1)
+        proxy = cluster.proxy(pipeline.address)
+        targets = {"direct": pipeline.address, "router": router.address, "proxy": proxy.address}
+        hops = {"direct": None, "router": ProcessTree(router.pid), "proxy": ProcessTree(proxy.pid)}
+        return asyncio.run(_overhead_runs(args, prompt, targets, hops, bar, inner))
+
+
+async def _overhead_runs(args, prompt, targets, hops, bar, inner) -> list[dict]:
+    """Every (run, c) cell runs each path's requests in OVERHEAD_SLICES slices, the three
+    paths back to back in a rotating order per slice, so drift hits every path alike."""
+    from prefill_node.server.client import AsyncPrefillClient
+
+    clients = {path: AsyncPrefillClient(target) for path, target in targets.items()}
+    rows = []
+    try:
+        for path, client in clients.items():  # channels up, the prompt's blocks cached
+            inner.reset(64)
+            await closed_loop(client, [prompt] * 64, 8, f"warm-{path}", inner)
+        for run in range(args.runs):
+            for c in args.overhead_concurrency:
+                bar.set_postfix_str(f"overhead run {run} c={c}")
+                per_slice = max(-(-args.overhead_requests // OVERHEAD_SLICES), 8 * c)
+                inner.reset(per_slice * OVERHEAD_SLICES * len(PATHS))
+                done = {path: [] for path in PATHS}
+                wall = dict.fromkeys(PATHS, 0.0)
+                cpu = dict.fromkeys(PATHS, 0.0)
+                for k in range(OVERHEAD_SLICES):
+                    shift = (run + k) % len(PATHS)
+                    for path in PATHS[shift:] + PATHS[:shift]:
+                        hop = hops[path]
+                        cpu0 = hop.cpu_s() if hop else 0.0
+                        tag = f"o{run}-{c}-{k}-{path}"
+                        outcomes, dt = await closed_loop(
+                            clients[path], [prompt] * per_slice, c, tag, inner
+                        )
+                        cpu[path] += hop.cpu_s() - cpu0 if hop else 0.0
+                        done[path] += outcomes
+                        wall[path] += dt
+                for path in PATHS:
+                    row = {"policy": "overhead", "path": path, "run": run, "concurrency": c}
+                    row |= latency_stats(done[path], wall[path])
+                    if hops[path] is not None:
+                        row["hop_cpu_ms_per_request"] = cpu[path] / len(done[path]) * 1e3
+                    rows.append(row)
+                bar.update()
+    finally:
+        for client in clients.values():
+            await client.close()
+    return rows
+
+
+def core_rows(runs: int) -> list[dict]:
+    """bench/router_core.py's measurements, through its own functions."""
+    import router_core as core  # bench/ is on sys.path: this file runs as a script
+
+    rng = random.Random(0)
+    chains = core.random_chains(rng, CORE_BLOCKS)
+    index, tokens, extra, views = core.routing_setup(CORE_RESIDENT, rng)
+    stores, removes, steps = [], [], []
+    for run in range(runs):
+        store_s, remove_s = core.ingest_once(chains)
+        stores.append(CORE_BLOCKS / store_s)
+        removes.append(CORE_BLOCKS / remove_s)
+        steps.append(core.route_once(index, tokens, extra, views, CORE_REPEATS, 1e4 * (run + 1)))
+    step = {k: statistics.median(s[k] for s in steps) * 1e3 for k in steps[0]}
+    total = statistics.median(s["hash"] + s["match"] + s["choose"] for s in steps) * 1e3
+    figures = [
+        ("ingest_block_stored", statistics.median(stores), "blocks/s", 500_000, False),
+        ("ingest_block_removed", statistics.median(removes), "blocks/s", 500_000, False),
+        ("route_32k_total", total, "ms", 2.0, True),
+        ("route_32k_hash", step["hash"], "ms", None, True),
+        ("route_32k_match", step["match"], "ms", None, True),
+        ("route_32k_choose_4_pipelines", step["choose"], "ms", None, True),
+        ("record_pending_32k", step["record_pending"], "ms", None, True),
+    ]
+    return [
+        {"policy": "core", "metric": metric, "value": value, "unit": unit, "runs": runs}
+        | (
+            {}
+            if goal is None
+            else {
+                "goal": f"{'<=' if most else '>='} {goal:g}",
+                "met": value <= goal if most else value >= goal,
+            }
+        )
+        for metric, value, unit, goal, most in figures
+    ]
+
+
+# -- summary and output ---------------------------------------------------------------------------
+def summarise(rows: list[dict]) -> list[dict]:
+    """Medians per policy and per overhead (path, c); the goal ratios, paired by run."""
+    out = []
+    for policy in (*POLICIES, ORACLE):
+        runs = [r for r in rows if r["policy"] == policy]
+        if not runs:
+            continue
+        med = {"policy": policy, "run": "median", "runs": len(runs)}
+        for key, value in runs[0].items():
+            if key not in med and key != "order" and isinstance(value, int | float):
+                values = [r.get(key, 0) for r in runs]  # a counter missing from a run is 0
+                med[key] = statistics.median(v for v in values if v is not None)
+        out.append(med)
+
+    def per_run(policy: str, key: str) -> dict[int, float]:
+        return {r["run"]: r[key] for r in rows if r["policy"] == policy}
+
+    def ratio(name: str, num: dict, den: dict, goal: float | None = None) -> None:
+        paired = [num[run] / den[run] for run in num if run in den and den[run]]
+        if paired:
+            value = statistics.median(paired)
+            row = {"policy": "ratio", "metric": name, "value": value, "runs": len(paired),
+                   "min": min(paired), "max": max(paired)}  # fmt: skip
+            out.append(row | ({} if goal is None else {"goal": f">= {goal}", "met": value >= goal}))
+
+    prefix_tok_s = per_run("prefix", "input_tok_s")
+    for other in POLICIES[1:]:
+        ratio(f"prefix_over_{other.replace('-', '_')}", prefix_tok_s, per_run(other, "input_tok_s"))
+    cached = per_run("prefix", "cached_tokens")
+    ratio("prefix_cached_over_oracle", cached, per_run(ORACLE, "cached_tokens"), 0.9)
+    for other in POLICIES[1:]:
+        name = f"prefix_cached_over_{other.replace('-', '_')}"
+        ratio(name, cached, per_run(other, "cached_tokens"))
+
+    overhead = [r for r in rows if r["policy"] == "overhead"]
+    for c in dict.fromkeys(r["concurrency"] for r in overhead):
+        cell = {path: [r for r in overhead if (r["path"], r["concurrency"]) == (path, c)]
+                for path in PATHS}  # fmt: skip
+        p50 = {path: statistics.median(r["p50_s"] for r in cell[path]) for path in PATHS}
+        cpu = {path: statistics.median(r["hop_cpu_ms_per_request"] for r in cell[path])
+               for path in ("router", "proxy")}  # fmt: skip
+        router_added, proxy_added = p50["router"] - p50["direct"], p50["proxy"] - p50["direct"]
+        row = {"policy": "overhead", "path": "summary", "run": "median", "concurrency": c,
+               **{f"{path}_p50_s": p50[path] for path in PATHS},
+               "router_added_s": router_added, "proxy_added_s": proxy_added,
+               "router_cpu_ms_per_request": cpu["router"],
+               "proxy_cpu_ms_per_request": cpu["proxy"],
+               "router_over_proxy_cpu": cpu["router"] / cpu["proxy"]}  # fmt: skip
+        if proxy_added > 0:  # else the proxy's hop hid in the noise: no ratio to judge
+            value = router_added / proxy_added
+            row |= {"router_over_proxy_added": value, "goal": "<= 1.2", "met": value <= 1.2}
+        out.append(row)
+    return out
+
+
+_ms = lambda v: f"{v * 1e3:.2f}"
+POLICY_COLUMNS = (
+    ("policy", "policy", str),
+    ("input tok/s", "input_tok_s", "{:.0f}".format),
+    ("computed tok", "computed_tokens", "{:.0f}".format),
+    ("cached tok", "cached_tokens", "{:.0f}".format),
+    ("cached", "cached_share", "{:.1%}".format),
+    ("p50 s", "p50_s", "{:.3f}".format),
+    ("p95 s", "p95_s", "{:.3f}".format),
+    ("busiest", "busiest_share", "{:.2f}".format),
+    ("affinity", "tenant_affinity", "{:.2f}".format),
+    ("spread", "tenant_spread", "{:.2f}".format),
+    ("predicted / actual cached", "router_cached_prediction", "{:.3f}".format),
+    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}".format),
+)
+OVERHEAD_COLUMNS = (
+    ("c", "concurrency", str),
+    ("direct p50 ms", "direct_p50_s", _ms),
+    ("router p50 ms", "router_p50_s", _ms),
+    ("proxy p50 ms", "proxy_p50_s", _ms),
+    ("router added ms", "router_added_s", _ms),
+    ("proxy added ms", "proxy_added_s", _ms),
+    ("router / proxy added", "router_over_proxy_added", "{:.2f}".format),
+    ("goal", "goal", str),
+    ("met", "met", lambda met: "yes" if met else "MISSED"),
+    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}".format),
+    ("proxy CPU ms/req", "proxy_cpu_ms_per_request", "{:.2f}".format),
+)
+
+
+def table(columns, rows: list[dict]) -> str:
+    """A markdown table; "-" where a row lacks a column (the oracle's throughput)."""
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(f(r[k]) if k in r else "-" for _, k, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def print_tables(summary: list[dict], core: list[dict], args) -> None:
+    print(f"\n{args.tenants} tenants, {args.requests} requests, c = {args.concurrency}, "
+          f"{args.num_blocks} blocks per stage (oracle: one pipeline, {2 * args.num_blocks}), "
+          f"median of {args.runs} run(s)")  # fmt: skip
+    print(table(POLICY_COLUMNS, [r for r in summary if r["policy"] in (*POLICIES, ORACLE)]))
+    for r in summary:
+        if r["policy"] == "ratio":
+            goal = f"  (goal {r['goal']}: {'met' if r['met'] else 'MISSED'})" if "goal" in r else ""
+            spread = f"{r['min']:.2f}-{r['max']:.2f} over {r['runs']} run(s)"
+            print(f"{r['metric']}: {r['value']:.3f} ({spread}){goal}")
+    overhead = [r for r in summary if r["policy"] == "overhead"]
+    if overhead:
+        print(f"\nrouter overhead, a cached {OVERHEAD_PROMPT}-token prompt on one pipeline")
+        print(table(OVERHEAD_COLUMNS, overhead))
+    print("\nrouter core (bench/router_core.py, CPU time)")
+    for r in core:
+        goal = f"  (goal {r['goal']}: {'met' if r['met'] else 'MISSED'})" if "goal" in r else ""
+        print(f"{r['metric']}: {r['value']:,.3f} {r['unit']}{goal}")
+
+
+def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = {r["policy"]: r for r in summary if r.get("run") == "median" and "path" not in r}
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.2))
+    panels = (
+        ("input_tok_s", "input tok/s", POLICIES),
+        ("p95_s", "p95 latency (s)", POLICIES),
+        ("cached_share", "cached share of input tokens", (*POLICIES, ORACLE)),
+    )
+    for ax, (key, label, policies) in zip(axes, panels, strict=False):
+        shown = [p for p in policies if p in med]
+        ax.bar(shown, [med[p][key] for p in shown], color="#9ab")
+        for i, p in enumerate(shown):  # every run's own value
+            runs = [r[key] for r in rows if r["policy"] == p]
+            ax.plot([i] * len(runs), runs, "k.", alpha=0.6)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", rotation=20)
+    axes[0].set_title("throughput (bars: median; dots: runs)")
+    axes[1].set_title("p95 latency")
+    axes[2].set_title("cache hits (oracle: one pipeline, 2x blocks)")
+    overhead = [r for r in summary if r["policy"] == "overhead"]
+    if not overhead:
+        axes[3].set_visible(False)
+    width = 0.8 / len(PATHS)
+    for j, p in enumerate(PATHS):
+        xs = [i + (j - 1) * width for i in range(len(overhead))]
+        axes[3].bar(xs, [r[f"{p}_p50_s"] * 1e3 for r in overhead], width, label=p)
+    axes[3].set_xticks(range(len(overhead)), [f"c = {r['concurrency']}" for r in overhead])
+    axes[3].set_ylabel("p50 latency (ms)")
+    axes[3].set_title("router vs bare gRPC proxy, cached prompt")
+    if overhead:
+        axes[3].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# -- main -----------------------------------------------------------------------------------------
+def span(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"want LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True, help="write the rows here (plot: .png)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of every policy (median; default 3)")
+    ap.add_argument("--requests", type=int, default=600, help="requests per policy and run")
+    ap.add_argument(
+        "--policies",
+        type=lambda s: [p for p in s.split(",") if p],
+        default=[*POLICIES, ORACLE],
+        help=f"comma list of {', '.join((*POLICIES, ORACLE))} (default all)",
+    )
+    ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    ap.add_argument("--tenants", type=int, default=8, help="tenants (default 8)")
+    ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent over tenants' ranks")
+    ap.add_argument(
+        "--system-tokens",
+        type=span,
+        default=(512, 1024),
+        metavar="LO,HI",
+        help="a tenant's system prompt length, uniform (default 512,1024)",
+    )
+    ap.add_argument(
+        "--suffix-tokens",
+        type=span,
+        default=(32, 128),
+        metavar="LO,HI",
+        help="a request's unique suffix length, uniform (default 32,128)",
+    )
+    ap.add_argument(
+        "--cache-share",
+        type=float,
+        default=0.5,
+        help="default --num-blocks: this share of all system-prompt blocks + the\n"
+        "suffixes of c/2 requests in flight (default 0.5)",
+    )
+    ap.add_argument("--num-blocks", type=int, help="KV blocks per stage of a cluster pipeline")
+    ap.add_argument("--max-chunk-tokens", type=int, default=512, help="pipeline chunk tokens")
+    ap.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="let both cluster pipelines use every core (default: each its own half)",
+    )
+    ap.add_argument(
+        "--overhead-concurrency",
+        default="1,32",
+        type=lambda s: [int(c) for c in s.split(",") if c],
+        help='concurrency levels of the overhead section (default 1,32; "": skip it)',
+    )
+    ap.add_argument(
+        "--overhead-requests",
+        type=int,
+        default=400,
+        help="requests per path, level and run, in 4 slices of at least 8c each (default 400)",
+    )
+    ap.add_argument("--core-runs", type=int, default=5, help="router_core runs (default 5)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if min(args.runs, args.requests, args.concurrency, args.tenants) < 1:
+        ap.error("--runs, --requests, --concurrency and --tenants must be >= 1")
+    if unknown := set(args.policies) - {*POLICIES, ORACLE}:
+        ap.error(f"unknown policies: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run the finallys
+    spec = WorkloadSpec(args.tenants, args.requests, args.zipf, args.system_tokens,
+                        args.suffix_tokens, VOCAB, args.seed)  # fmt: skip
+    if args.num_blocks is None:
+        args.num_blocks = default_num_blocks(spec, BLOCK, args.cache_share, args.concurrency)
+    args.warm_tokens = min(512, args.system_tokens[0])  # warm-up prompts: shorter than any
+    longest = -(-spec.longest_prompt() // BLOCK)
+    if args.num_blocks <= longest:
+        raise SystemExit(f"--num-blocks {args.num_blocks}: the longest prompt needs {longest}")
+    print(f"system prompts: {spec.prefix_blocks(BLOCK)} blocks over {args.tenants} tenants; "
+          f"{args.num_blocks} blocks per stage of a cluster pipeline")  # fmt: skip
+    levels = args.overhead_concurrency
+    total = 1 + args.runs * (len(args.policies) + len(levels))
+    rows: list[dict] = []
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda extra=(): args.json.write_text(json.dumps([*rows, *extra], indent=1) + "\n")
+    bar = tqdm(total=total, desc="router bench", position=0)
+    inner = tqdm(total=args.requests, desc="requests", position=1, leave=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="wavepp-bench-router-") as tmp:
+            from prefill_node.model.config import ModelConfig
+            from prefill_node.model.loader_hf import save_hf_checkpoint
+            from prefill_node.model.weights import random_weights
+
+            model_dir, logs = Path(tmp) / "bench-router", Path(tmp)
+            config = ModelConfig.from_hf_config(MODEL_HF, name="bench-router")
+            save_hf_checkpoint(model_dir, config, random_weights(config, seed=0))
+            bar.set_postfix_str("router core")
+            core = core_rows(args.core_runs)
+            rows += core
+            bar.update()
+            for run in range(args.runs):
+                requests = spec.requests_of_run(run)
+                order = args.policies[:: -1 if run % 2 else 1]
+                for position, policy in enumerate(order):
+                    bar.set_postfix_str(f"run {run} {policy}")
+                    inner.reset(len(requests))
+                    tag = f"{policy}-{run}"
+                    row = measure_policy(policy, requests, args, model_dir, logs, tag, inner)
+                    head = {"policy": policy, "run": run, "order": position}
+                    rows.append(head | {"concurrency": args.concurrency, **row})
+                    save()
+                    bar.update()
+            rows += measure_overhead(args, model_dir, logs, bar, inner)
+    finally:
+        inner.close()
+        bar.close()
+    summary = summarise(rows)
+    save(summary)
+    print_tables(summary, core, args)
+    plot(rows, summary, args.json.with_suffix(".png"))
+    print(f"\nrows: {args.json}, plot: {args.json.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

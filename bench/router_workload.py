@@ -1,0 +1,159 @@
+"""bench/router.py's multi-tenant workload and its closed-loop gRPC client.
+
+T tenants, each with its own system prompt and cache_salt (tenants never share blocks); a
+request picks a tenant by Zipf popularity over their ranks (tenant 0 the most popular) and
+appends a unique suffix. A sequence is a pure function of (seed, run), so every policy of a
+run sees the same requests in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Sizes in tokens; ``system_tokens`` / ``suffix_tokens`` are uniform (lo, hi) ranges."""
+
+    tenants: int
+    requests: int
+    zipf: float
+    system_tokens: tuple[int, int]
+    suffix_tokens: tuple[int, int]
+    vocab: int
+    seed: int = 0
+
+    def system_prompts(self) -> list[tuple[int, ...]]:
+        """Tenant k's system prompt, the same for every run."""
+        rng = random.Random(self.seed)
+        lo, hi = self.system_tokens
+        return [
+            tuple(rng.randrange(self.vocab) for _ in range(rng.randint(lo, hi)))
+            for _ in range(self.tenants)
+        ]
+
+    def prefix_blocks(self, block_size: int) -> int:
+        """Full blocks of all the tenants' system prompts (the shareable working set)."""
+        return sum(len(s) // block_size for s in self.system_prompts())
+
+    def longest_prompt(self) -> int:
+        return self.system_tokens[1] + self.suffix_tokens[1]
+
+    def requests_of_run(self, run: int) -> list[Request]:
+        systems = self.system_prompts()
+        rng = random.Random(f"{self.seed}-run-{run}")
+        weights = [1 / (rank + 1) ** self.zipf for rank in range(self.tenants)]
+        lo, hi = self.suffix_tokens
+        out = []
+        for tenant in rng.choices(range(self.tenants), weights, k=self.requests):
+            suffix = tuple(rng.randrange(self.vocab) for _ in range(rng.randint(lo, hi)))
+            out.append(Request(tenant, f"tenant-{tenant}", systems[tenant] + suffix))
+        return out
+
+
+@dataclass(frozen=True)
+class Request:
+    tenant: int
+    salt: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One answered request as the client saw it (``served_by``: set behind a router)."""
+
+    tenant: int
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    served_by: str
+
+
+async def closed_loop(
+    client, requests: list[Request], concurrency: int, tag: str, bar: tqdm
+) -> tuple[list[Outcome], float]:
+    """Keep ``concurrency`` requests in flight on ``client`` (an AsyncPrefillClient) until
+    all are answered (any failure raises); the outcomes in completion order, wall seconds."""
+    outcomes: list[Outcome] = []
+    todo = iter(enumerate(requests))
+
+    async def worker() -> None:
+        for i, req in todo:
+            t0 = time.perf_counter()
+            remote = await client.prefill(
+                list(req.tokens), request_id=f"{tag}-{i}", cache_salt=req.salt
+            )
+            r = remote.result
+            outcomes.append(
+                Outcome(req.tenant, time.perf_counter() - t0, r.prompt_tokens, r.cached_tokens,
+                        r.computed_tokens, r.served_by)
+            )  # fmt: skip
+            bar.update()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+    return outcomes, time.perf_counter() - t0
+
+
+def run_closed_loop(
+    target: str, requests: list[Request], concurrency: int, tag: str, bar: tqdm
+) -> tuple[list[Outcome], float]:
+    """``closed_loop`` on a fresh channel to ``target``, in its own event loop."""
+    from prefill_node.server.client import AsyncPrefillClient
+
+    async def main() -> tuple[list[Outcome], float]:
+        async with AsyncPrefillClient(target) as client:
+            return await closed_loop(client, requests, concurrency, tag, bar)
+
+    return asyncio.run(main())
+
+
+def latency_stats(outcomes: list[Outcome], wall_s: float) -> dict:
+    q = statistics.quantiles([o.latency_s for o in outcomes], n=100, method="inclusive")
+    return {"requests": len(outcomes), "p50_s": q[49], "p95_s": q[94],
+            "req_s": len(outcomes) / wall_s, "wall_s": wall_s}  # fmt: skip
+
+
+def token_stats(outcomes: list[Outcome], wall_s: float | None = None) -> dict:
+    """Token totals; with ``wall_s`` also input and computed tokens per second."""
+    prompt = sum(o.prompt_tokens for o in outcomes)
+    cached = sum(o.cached_tokens for o in outcomes)
+    computed = sum(o.computed_tokens for o in outcomes)
+    rates = {} if wall_s is None else {"input_tok_s": prompt / wall_s,
+                                       "computed_tok_s": computed / wall_s}  # fmt: skip
+    return rates | {"input_tokens": prompt, "computed_tokens": computed,
+                    "cached_tokens": cached, "cached_share": cached / prompt}  # fmt: skip
+
+
+def placement_stats(outcomes: list[Outcome]) -> dict:
+    """``busiest_share``: the busiest pipeline's share of the requests; ``tenant_affinity``:
+    the share of requests served by their tenant's most used pipeline (1: every tenant on
+    one pipeline; 1/P: spread evenly over P); ``tenant_spread``: the mean number of
+    pipelines that served a tenant at least once."""
+    per_pipeline = Counter(o.served_by for o in outcomes)
+    per_tenant: dict[int, Counter[str]] = defaultdict(Counter)
+    for o in outcomes:
+        per_tenant[o.tenant][o.served_by] += 1
+    home = sum(max(c.values()) for c in per_tenant.values())
+    return {
+        "busiest_share": max(per_pipeline.values()) / len(outcomes),
+        "tenant_affinity": home / len(outcomes),
+        "tenant_spread": statistics.fmean(len(c) for c in per_tenant.values()),
+    }
+
+
+def default_num_blocks(spec: WorkloadSpec, block_size: int, share: float, concurrency: int) -> int:
+    """Blocks per stage of a cluster pipeline: ``share`` of all system-prompt blocks + the
+    longest suffixes of concurrency/2 requests in flight."""
+    suffix_blocks = math.ceil(spec.suffix_tokens[1] / block_size)
+    in_flight = math.ceil(concurrency / 2) * suffix_blocks
+    return math.ceil(share * spec.prefix_blocks(block_size)) + in_flight
