@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
@@ -12,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from prefill_node.core.policy import PolicyKind
 from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
 from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
 from prefill_node.runtime.planes import PlaneClosedError, Planes
@@ -19,17 +19,9 @@ from prefill_node.runtime.planes import PlaneClosedError, Planes
 log = logging.getLogger(__name__)
 
 
-class Policy(enum.Enum):
-    """``wave``: admission runs ahead on its own thread (WavePP). ``lockstep``: the leader's
-    executor loop runs one admission round before each wave (the TensorRT-LLM PP baseline)."""
-
-    WAVE = "wave"
-    LOCKSTEP = "lockstep"
-
-
 @dataclass(frozen=True)
 class LeaderConfig:
-    policy: Policy
+    policy: PolicyKind  # wave: rounds on their own thread; lockstep: on stage 0's loop
     world_size: int
     ring: int  # waves in flight at most (R = 2P)
     tick_s: float = 2.0  # idle rounds-plane keep-alive (the plane never times out: 1 h)
@@ -78,7 +70,7 @@ class Leader:
         self._collector = threading.Thread(target=self._collect, name="leader-collect", daemon=True)
 
     def start(self) -> None:
-        if self.config.policy is Policy.WAVE:
+        if self.config.policy is PolicyKind.WAVE:
             self._wave_thread.start()
         if self.config.world_size > 1:
             self._collector.start()
@@ -170,7 +162,7 @@ class Leader:
         """Stage 0's wave source: the next wave (at most ``ring`` in flight), or the STOP
         sentinel once stopping and drained. Under ``lockstep`` it first runs one admission
         round itself, so admission and execution alternate on this thread."""
-        lockstep = self.config.policy is Policy.LOCKSTEP
+        lockstep = self.config.policy is PolicyKind.LOCKSTEP
         last_round = time.monotonic()
         while True:
             if lockstep:

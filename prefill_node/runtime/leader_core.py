@@ -13,7 +13,7 @@ from prefill_node.core.coordinator import (
     DuplicateRequestError,
 )
 from prefill_node.core.hashing import ExtraKeys, model_cache_id
-from prefill_node.core.planner import PlannerConfig, PlannerMode, WavePlanner
+from prefill_node.core.planner import WavePlanner
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.wave import UnscheduledWork
 from prefill_node.engine.types import KVPullDestination, KVPushDestination
@@ -71,20 +71,17 @@ class LeaderCore:
     """
 
     def __init__(self, spec: PipelineSpec, model_config: Any):
-        lockstep = spec.policy == "lockstep"
-        self._lockstep = lockstep
+        policy = spec.scheduling_policy
+        self._lockstep = not policy.pipelined_chunks
         self._coordinator = AdmissionCoordinator(
-            CoordinatorConfig(spec.block_size, spec.stage_blocks, spec.max_requests_per_round)
+            CoordinatorConfig(spec.block_size, spec.stage_blocks, policy.max_round_requests)
         )
         self._planner = WavePlanner(
-            PlannerConfig(
-                num_stages=spec.num_stages,
+            policy.planner_config(
                 max_wave_tokens=spec.max_wave_tokens,
-                min_wave_tokens=spec.max_wave_tokens if lockstep else spec.min_wave_tokens,
+                min_wave_tokens=spec.min_wave_tokens,
                 block_size=spec.block_size,
                 max_wave_requests=spec.max_batch,
-                mode=PlannerMode.FIXED if lockstep else PlannerMode.MPU,
-                fragment_rule=not lockstep,
             )
         )
         self.model_id = model_cache_id(model_config.name, spec.dtype)

@@ -33,13 +33,14 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from prefill_node.core.admission_messages import Admitted, Rejected, Wait
-from prefill_node.core.planner import PlannerConfig, WavePlanner
+from prefill_node.core.planner import WavePlanner
+from prefill_node.core.policy import Policy
 from prefill_node.core.wave import UnscheduledWork, Wave
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
 from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts
 from prefill_node.sim.leader_rounds import LeaderRounds
-from prefill_node.sim.policies import LockstepModel, Policy
+from prefill_node.sim.policies import LockstepModel
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
@@ -84,19 +85,18 @@ class Simulator(TrtllmLockstepIssue):
             capacities,
             [s.num_layers for s in self.roof.stages],
             model_id=p.model.name,
-            lease_headroom_tokens=2 * p.num_stages * p.max_wave_tokens,
+            stage_headroom_blocks=[
+                policy.headroom_blocks(n, p.block_size, p.max_wave_tokens) for n in capacities
+            ],
             max_round_requests=policy.max_round_requests,
         )
         self.workload = Workload(spec, cache_tokens=min(capacities) * p.block_size)
-        cfg = PlannerConfig(
-            num_stages=p.num_stages,
+        cfg = policy.planner_config(
             max_wave_tokens=p.max_wave_tokens,
             min_wave_tokens=p.min_wave_tokens,
             block_size=p.block_size,
-            fill_factor=p.fill_factor,
             max_wave_requests=p.max_batch,
-            mode=policy.planner_mode,
-            fragment_rule=policy.fragment_rule,
+            fill_factor=p.fill_factor,
         )
         self.planner = WavePlanner(cfg, self.roof.chunk_cost_model())
         self._check = check_integrity
