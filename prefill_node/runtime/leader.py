@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 class LeaderConfig:
     policy: PolicyKind  # wave: rounds on their own thread; lockstep: on stage 0's loop
     world_size: int
-    ring: int  # waves in flight at most (R = 2P)
     tick_s: float = 2.0  # idle rounds-plane keep-alive (the plane never times out: 1 h)
 
 
@@ -31,8 +30,8 @@ class Leader:
     """Drives the pipeline from stage 0; the only user of ``LeaderCore``'s mutating calls.
 
     Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
-    round work; stage 0's LOOP pulls waves through ``next_wave`` (bounded by the ring of
-    ``ring`` in-flight waves) and, under ``lockstep``, runs the rounds itself first; the
+    round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
+    the policy's ring) and, under ``lockstep``, runs the rounds itself first; the
     collector receives each wave's result from the last stage. All core calls happen under
     ``self.lock``; no collective is ever made while holding it.
 
@@ -63,7 +62,6 @@ class Leader:
         )
         self._stopping = False
         self._dead = False
-        self._inflight_waves = 0
         self._wave_thread = threading.Thread(
             target=self._wave_loop, name="leader-wave", daemon=True
         )
@@ -173,12 +171,11 @@ class Leader:
                     self._round(RoundMessage(RoundKind.TICK))
                     last_round = time.monotonic()
             with self.lock:
-                if self._stopping and (self._inflight_waves == 0 or self._dead):
+                if self._stopping and (self.core.waves_in_flight == 0 or self._dead):
                     break
-                if not self._stopping and self._inflight_waves < self.config.ring:
+                if not self._stopping:  # the core keeps the ring (policy.ring_size)
                     header = self.core.next_wave()
                     if header is not None:
-                        self._inflight_waves += 1
                         return header
                 if lockstep and self.core.has_round_work():
                     continue
@@ -200,7 +197,6 @@ class Leader:
         if result.stop:
             return
         with self.lock:
-            self._inflight_waves -= 1
             self.core.wave_done(result)
             self.lock.notify_all()
         self._on_result(result)

@@ -157,9 +157,7 @@ class PipelineEngine:
         lockstep = self.spec.policy == "lockstep"
         core = LeaderCore(self.spec, self.config)
         self._leader = Leader(
-            LeaderConfig(
-                self.spec.scheduling_policy.kind, env.world_size, self.spec.ring, self.spec.tick_s
-            ),
+            LeaderConfig(self.spec.scheduling_policy.kind, env.world_size, self.spec.tick_s),
             planes,
             core,
             answer_local=lambda m: self._worker.answer(m),  # type: ignore[union-attr]
