@@ -187,6 +187,8 @@ class PipelineStageCompute:
                         failed.append((chunk.request_id, str(table.to_error())))
                         self.admission.abort(chunk.request_id)
                     else:
+                        if table.copy_block is not None:  # a wholly cached prompt
+                            self.kv.copy_block(*table.copy_block)
                         tables.append((rows, chunk, table))
                 rows += chunk.length
         out = None
