@@ -28,7 +28,7 @@ def measure(block_size: int, length: int, runs: int) -> dict[str, float]:
         [4 * length // block_size + 16],
         [1],
         model_id="calib",
-        lease_headroom_tokens=0,
+        stage_headroom_blocks=[0],
         max_round_requests=16,
     )
     rng = np.random.default_rng(0)

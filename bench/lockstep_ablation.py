@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from prefill_node.sim.policies import lockstep_policy, wave_policy
+from prefill_node.core.policy import lockstep_policy, wave_policy
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.simulator import Simulator
 from prefill_node.sim.sweep import default_requests

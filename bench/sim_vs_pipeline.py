@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.sim.policies import lockstep_policy, wave_policy
+from prefill_node.core.policy import lockstep_policy, wave_policy
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.simulator import Simulator

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from prefill_node.core.cost_model import ChunkCostModel
-from prefill_node.core.request import blocks_needed, max_reusable_blocks
+from prefill_node.core.request import blocks_needed, max_reusable_blocks, reused_tokens
 from prefill_node.errors import InvalidRequestError
 from prefill_router.index import PipelineId
 
@@ -126,12 +126,15 @@ def predicted_cached_tokens(
     snapshot_interval_blocks: int | None = None,
 ) -> int:
     """Tokens the node will take from its cache, given ``matched_blocks`` leading blocks
-    resident on every stage. The node's rule: at most ``(prompt_tokens - 1) // block_size``
-    blocks (the last token is always computed), cut down to a snapshot boundary if needed."""
-    blocks = min(matched_blocks, max_reusable_blocks(prompt_tokens, block_size))
+    resident on every stage. The node's rule (``prefill_node.core.request``): every full
+    block (at most the prompt minus its last token on stages with recurrent state, cut down
+    to a snapshot boundary), and the last token always recomputed."""
+    recurrent = snapshot_interval_blocks is not None
+    limit = max_reusable_blocks(prompt_tokens, block_size, needs_snapshot=recurrent)
+    blocks = min(matched_blocks, limit)
     if snapshot_interval_blocks is not None:
         blocks -= blocks % snapshot_interval_blocks
-    return blocks * block_size
+    return reused_tokens(prompt_tokens, block_size, blocks)
 
 
 class Scorer:

@@ -101,13 +101,31 @@ def test_reuse_is_the_minimum_over_stages_and_pins_only_that_prefix():
     check_all(stages)
 
 
-def test_whole_prompt_cached_still_computes_the_last_token():
+def test_whole_prompt_cached_reuses_every_block_and_copies_the_last_to_recompute_a_token():
     coord, stages = make([8])
     run_round(coord, stages, [spec("a", PREFIX)])
     run_to_completion(stages, "a", 16)
     (out,) = run_round(coord, stages, [spec("b", PREFIX)])
-    assert out.cached_len == 12  # 3 of 4 blocks: the last block is recomputed
-    assert stages[0].materialise("b", 12, 4).block_ids[:3] == (0, 1, 2)
+    # all 4 blocks leased; one more escrowed for the private copy of the last one
+    assert out == Admitted("b", 16, 15, (StageReservation(0, 4, 1),))
+    check_all(stages)
+    table = stages[0].materialise("b", 15, 1)
+    assert table == BlockTable("b", (0, 1, 2, 4), 15, 15, 16, copy_block=(3, 4))
+    check_all(stages)
+    done = stages[0].complete("b")
+    assert done == Completion("b", (0, 1, 2, 4), 0, kept_pinned=False)  # nothing new cached
+    assert stages[0].load().in_use == 0
+    check_all(stages)
+
+
+def test_whole_prompt_cached_recomputes_its_last_block_when_a_copy_cannot_fit():
+    coord, stages = make([4])  # the prompt fills the stage: no room for a copy
+    run_round(coord, stages, [spec("a", PREFIX)])
+    run_to_completion(stages, "a", 16)
+    (out,) = run_round(coord, stages, [spec("b", PREFIX)])
+    assert out == Admitted("b", 16, 12, (StageReservation(0, 3, 1),))
+    assert stages[0].materialise("b", 12, 4).copy_block is None
+    check_all(stages)
 
 
 def test_wait_when_a_stage_is_full_then_admitted_after_completion():

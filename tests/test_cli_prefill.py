@@ -117,8 +117,9 @@ def test_token_ids_file_with_three_stages_shows_reuse(tiny_model_dir: Path, tmp_
 
 
 def test_multi_process_pipeline_engine_matches_local_engine(tiny_model_dir: Path, capsys):
-    """`--engine pipeline` (one process per stage) gives the local engine's first token and
-    top logprobs; its reuse keeps whole blocks only (the last token is always computed)."""
+    """`--engine pipeline` (one process per stage) gives the local engine's first token, top
+    logprobs and cached tokens: both reuse every cached block of a wholly cached prompt
+    and recompute only its last token (the last block by copy)."""
     common = ["--model", str(tiny_model_dir), "--ids", ",".join(map(str, range(1, 21))),
               "--stages", "3", "--repeat", "2", "--block-size", "4", "--json"]  # fmt: skip
     code, out, err = in_process(capsys, *common, "--max-chunk-tokens", "8", "--engine", "pipeline")
@@ -127,8 +128,8 @@ def test_multi_process_pipeline_engine_matches_local_engine(tiny_model_dir: Path
     code, out, err = in_process(capsys, *common, "--engine", "local")
     assert code == 0, err
     local = [json.loads(line) for line in out.splitlines()]
-    assert [r["cached_tokens"] for r in piped] == [0, 16]
-    assert [r["computed_tokens"] for r in piped] == [20, 4]
+    assert [r["cached_tokens"] for r in piped] == [r["cached_tokens"] for r in local] == [0, 19]
+    assert [r["computed_tokens"] for r in piped] == [20, 1]
     for p, q in zip(piped, local, strict=True):
         assert p["first_token_id"] == q["first_token_id"]
         assert [i for i, _ in p["top_logprobs"]] == [i for i, _ in q["top_logprobs"]]

@@ -135,8 +135,8 @@ def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
         assert {r["first_token_id"] for r in rows} == {want.first_token_id}
         assert [t for t, _ in rows[0]["top_logprobs"]] == [t for t, _ in want.top_logprobs]
         assert rows[0]["prompt_tokens"] == len(ids) and rows[0]["cached_tokens"] == 0
-    # the repeat reuses the server's KV: all full blocks but the one holding the last token
-    assert [r["cached_tokens"] for r in chat] == [0, 8]
+    # the repeat reuses the server's KV: all 3 full blocks, the last token recomputed
+    assert [r["cached_tokens"] for r in chat] == [0, 11]
     assert chat[0]["first_token_text"] is None  # no --model: the client has no tokenizer
 
 

@@ -111,7 +111,7 @@ def test_a_burst_after_record_pending_sticks_to_one_pipeline():
             if with_pending:
                 index.record_pending(d.pipeline, hashes, now=0.1 * i)
         if with_pending:
-            hit = ("a", RouteReason.PREFIX_HIT, 1008)
+            hit = ("a", RouteReason.PREFIX_HIT, 1023)  # all 64 blocks, last token recomputed
             assert chosen == [("a", RouteReason.LOAD, 0), hit, hit]
         else:
             assert [c[0] for c in chosen] == ["a", "b", "c"]
@@ -247,7 +247,10 @@ def test_predicted_cached_tokens_equal_what_the_node_admits(probe, snap):
 
 
 def test_predicted_cached_tokens_exact_values():
-    assert predicted_cached_tokens(32, 16, 2) == 16  # never the block holding the last token
+    assert predicted_cached_tokens(32, 16, 2) == 31  # every block; the last token recomputed
+    assert predicted_cached_tokens(32, 16, 1) == 16
+    # with recurrent state (snapshots) never the block holding the last token
+    assert predicted_cached_tokens(32, 16, 2, snapshot_interval_blocks=1) == 16
     assert predicted_cached_tokens(33, 16, 2) == 32
     assert predicted_cached_tokens(33, 16, 1) == 16
     assert predicted_cached_tokens(1, 16, 0) == 0

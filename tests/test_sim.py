@@ -9,8 +9,9 @@ import pytest
 
 from prefill_node.cli.main import main
 from prefill_node.core.planner import PlannerMode
+from prefill_node.core.policy import lockstep_policy, wave_policy
 from prefill_node.core.wave import ScheduledChunk
-from prefill_node.sim.policies import LockstepModel, lockstep_policy, wave_policy
+from prefill_node.sim.policies import LockstepModel
 from prefill_node.sim.presets import PRESETS, Preset, UnknownPresetError, get_preset
 from prefill_node.sim.report import compare, regressions
 from prefill_node.sim.roofline import PipelineRoofline

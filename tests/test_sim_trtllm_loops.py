@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from prefill_node.core.policy import lockstep_policy, wave_policy
 from prefill_node.core.wave import ScheduledChunk
 from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, WaveHostWork
-from prefill_node.sim.policies import lockstep_policy, wave_policy
 from prefill_node.sim.simulator import Simulator
 from prefill_node.sim.trtllm_costs import (
     TRTLLM_PP_MEASURED,

@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefill_node.core.planner import PlannerMode
+    from prefill_node.core.policy import parse_planner_mode
     from prefill_node.errors import InvalidRequestError
-    from prefill_node.sim.policies import parse_planner_mode
     from prefill_node.sim.report import compare, format_table, plot, regressions
     from prefill_node.sim.sweep import grid, paper_grid, policies_for, run_setting
     from prefill_node.sim.workloads import WorkloadKind

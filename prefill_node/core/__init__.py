@@ -10,4 +10,7 @@ same objects. Entry points of the cache and admission side:
   (every stage) exchange ``admission_messages``; ``round_driver.run_round`` runs one round
   in-process. At execution time a stage calls ``StageAdmission.materialise`` /
   ``complete`` / ``abort``.
+- ``policy.Policy``: the scheduling knobs; ``wave_scheduler.WaveScheduler``: the leader's
+  per-request progress, waves from ``planner.WavePlanner``, completion and abort.
+- ``request``: the one prefix-reuse rule every engine and the router apply.
 """

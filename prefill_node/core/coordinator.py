@@ -21,7 +21,7 @@ from prefill_node.core.admission_messages import (
     StageReservation,
     Wait,
 )
-from prefill_node.core.request import RequestSpec, blocks_needed
+from prefill_node.core.request import RequestSpec, blocks_needed, reused_tokens
 from prefill_node.errors import InvalidRequestError, InvariantError
 
 
@@ -232,7 +232,8 @@ class AdmissionCoordinator:
                 continue
             reservations = tuple(StageReservation(s, boundary, c.escrow_blocks) for s, c in items)
             spec = self._queue[rid]
-            rnd.outcomes[rid] = Admitted(rid, spec.num_tokens, boundary * bs, reservations)
+            cached = reused_tokens(spec.num_tokens, bs, boundary)
+            rnd.outcomes[rid] = Admitted(rid, spec.num_tokens, cached, reservations)
         if releases:
             return self._message(Phase.RELEASE, releases=tuple(releases))
         return self._finish(rnd)

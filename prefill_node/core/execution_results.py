@@ -16,6 +16,10 @@ class BlockTable:
     covers ``[0, end)``. The first ``num_cached_tokens`` tokens were reused (their blocks
     are shared: never write into them); the chunk's KV goes into the blocks covering
     ``[start, end)``, which this request owns alone.
+
+    ``copy_block`` (source, destination): the prompt was cached whole and its last block
+    is reused by copy; before computing this chunk the executor copies the shared cached
+    block's KV into the request's private block (the table holds the private one).
     """
 
     request_id: str
@@ -23,6 +27,7 @@ class BlockTable:
     num_cached_tokens: int
     start: int
     end: int
+    copy_block: tuple[int, int] | None = None
 
 
 class MismatchReason(Enum):

@@ -37,10 +37,28 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def max_reusable_blocks(num_tokens: int, block_size: int) -> int:
-    """Full blocks a prompt may take from the cache: at least its last token is computed,
-    because the last stage must produce that token's logits."""
-    return (num_tokens - 1) // block_size
+def max_reusable_blocks(num_tokens: int, block_size: int, *, needs_snapshot: bool = False) -> int:
+    """Leading blocks a prompt may take from the cache: every FULL block. The last prompt
+    token is still computed (the last stage needs its logits): when every block is reused,
+    the last one is taken by copy (``copies_last_block``) and only its last token is
+    recomputed. A stage with recurrent-state layers cannot resume mid-block (its state is
+    stored only at block boundaries), so there the last token stays outside the reused
+    blocks: ``(num_tokens - 1) // block_size``. Every engine and the router use this rule."""
+    if needs_snapshot:
+        return (num_tokens - 1) // block_size
+    return num_tokens // block_size
+
+
+def reused_tokens(num_tokens: int, block_size: int, reused_blocks: int) -> int:
+    """Tokens taken from the cache when ``reused_blocks`` leading blocks are reused: all of
+    them, except the prompt's last token, which is always recomputed."""
+    return min(reused_blocks * block_size, num_tokens - 1)
+
+
+def copies_last_block(num_tokens: int, block_size: int, reused_blocks: int) -> bool:
+    """True when the reused blocks cover the whole prompt: the last one is then copied into
+    a private block (a cached block is never written) to recompute the last token."""
+    return reused_blocks * block_size >= num_tokens
 
 
 @dataclass(frozen=True)
@@ -79,9 +97,10 @@ class PromptBlocks:
     def num_blocks(self) -> int:
         return blocks_needed(self.spec.num_tokens, self.block_size)
 
-    @property
-    def max_reusable_blocks(self) -> int:
-        return max_reusable_blocks(self.spec.num_tokens, self.block_size)
+    def max_reusable_blocks(self, *, needs_snapshot: bool = False) -> int:
+        return max_reusable_blocks(
+            self.spec.num_tokens, self.block_size, needs_snapshot=needs_snapshot
+        )
 
     def parent_of(self, block_index: int) -> BlockHash | None:
         """Hash of the block before ``block_index`` (None for the first block)."""

@@ -12,7 +12,12 @@ from prefill_node.core.execution_results import (
     StageStateMismatch,
 )
 from prefill_node.core.lease import Lease
-from prefill_node.core.request import PromptBlocks, blocks_needed
+from prefill_node.core.request import (
+    PromptBlocks,
+    blocks_needed,
+    copies_last_block,
+    reused_tokens,
+)
 from prefill_node.errors import InvariantError
 
 
@@ -24,8 +29,11 @@ class Reservation:
     blocks) -> completed (new full blocks cached, pins dropped or kept for a KV pull).
     ``release`` undoes any stage of that: escrow first, then the blocks and the lease.
 
-    Invariant: ``len(lease) + escrow.target + len(new_blocks) == prompt.num_blocks`` from
-    the moment the reservation holds capacity until completion.
+    Invariant: ``len(lease) + escrow.target + len(new_blocks) == prompt.num_blocks + c``
+    from the moment the reservation holds capacity until completion, where ``c`` is 1 when
+    the lease covers the whole prompt (``copies_last``): its last block stays pinned in the
+    lease and a private copy of it (the first new block) takes its place in the table, so
+    the last token is recomputed without writing into a cached block.
     """
 
     def __init__(self, prompt: PromptBlocks) -> None:
@@ -47,17 +55,29 @@ class Reservation:
 
     @property
     def cached_len(self) -> int:
-        return len(self.lease) * self.prompt.block_size
+        p = self.prompt
+        return reused_tokens(p.num_tokens, p.block_size, len(self.lease))
+
+    @property
+    def copies_last(self) -> bool:
+        p = self.prompt
+        return copies_last_block(p.num_tokens, p.block_size, len(self.lease))
 
     @property
     def held_blocks(self) -> int:
         """Blocks this reservation accounts for (shared prefix blocks counted per request)."""
         return len(self.lease) + self.escrow.target + len(self.new_blocks)
 
+    @property
+    def needed_blocks(self) -> int:
+        """``held_blocks`` once reserved: the prompt's blocks, plus the copy of a wholly
+        cached prompt's last block."""
+        return self.prompt.num_blocks + self.copies_last
+
     def reserve_suffix(self, pool: BlockPool) -> bool:
-        """Escrow victims for everything after the lease; False (holding a partial escrow)
-        when the pool is short."""
-        return self.escrow.settle(pool, self.prompt.num_blocks - len(self.lease))
+        """Escrow victims for everything after the lease (and the copy of its last block if
+        it covers the prompt); False (holding a partial escrow) when the pool is short."""
+        return self.escrow.settle(pool, self.needed_blocks - len(self.lease))
 
     def commit(self, pool: BlockPool, boundary_blocks: int) -> bool:
         """Shrink the lease to the negotiated boundary, re-check the escrow (substituting
@@ -90,11 +110,15 @@ class Reservation:
                 f"chunk starts at {start}, this stage expects {self.next_token} "
                 f"(cached prefix {self.cached_len} tokens)",
             )
-        need = blocks_needed(end, self.prompt.block_size) - len(self.lease) - len(self.new_blocks)
+        shared = len(self.lease) - self.copies_last
+        need = blocks_needed(end, self.prompt.block_size) - shared - len(self.new_blocks)
+        copy = None
         if need > 0:
             self.new_blocks.extend(self.escrow.take(pool, need))
+            if self.copies_last and start == self.cached_len:
+                copy = (self.lease.blocks[-1].block_id, self.new_blocks[0].block_id)
         self.next_token = end
-        return BlockTable(self.request_id, self.block_ids(), self.cached_len, start, end)
+        return BlockTable(self.request_id, self.block_ids(), self.cached_len, start, end, copy)
 
     def complete(self, pool: BlockPool, stage: int, snapshot_interval: int | None, keep: bool):
         """Cache the new full blocks and unpin (unless ``keep``): Completion or mismatch."""
@@ -134,9 +158,10 @@ class Reservation:
         pool.free(chain)
 
     def block_ids(self) -> tuple[int, ...]:
-        return tuple(b.block_id for b in self.lease.blocks) + tuple(
-            b.block_id for b in self.new_blocks
-        )
+        """The request's block table: the shared prefix (less a copied last block), then its
+        own blocks."""
+        shared = self.lease.blocks[: len(self.lease) - self.copies_last]
+        return tuple(b.block_id for b in shared) + tuple(b.block_id for b in self.new_blocks)
 
     def _mismatch(self, stage: int, reason: MismatchReason, detail: str) -> StageStateMismatch:
         return StageStateMismatch(self.request_id, stage, reason, detail)

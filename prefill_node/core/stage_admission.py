@@ -139,9 +139,19 @@ class StageAdmission:
     def _hint(self, request_id: str) -> Hint:
         prompt = self._prompt(request_id)
         blocks = self.pool.index.reusable_blocks(
-            prompt.hashes, prompt.max_reusable_blocks, needs_snapshot=self._needs_snapshot
+            prompt.hashes, self._reuse_limit(prompt), needs_snapshot=self._needs_snapshot
         )
         return Hint(request_id, blocks)
+
+    def _reuse_limit(self, prompt: PromptBlocks) -> int:
+        """``max_reusable_blocks`` (the one reuse rule), one block less when copying a wholly
+        cached prompt's last block would need more blocks than this stage has (then its last
+        block is recomputed instead: the only case the router's prediction misses)."""
+        limit = prompt.max_reusable_blocks(needs_snapshot=self._needs_snapshot)
+        copies = limit * prompt.block_size >= prompt.num_tokens
+        if copies and prompt.num_blocks + 1 > self.config.num_blocks:
+            limit -= 1
+        return limit
 
     def _reserve(self, order: ReserveOrder, blocked: bool) -> Reserved:
         rid = order.request_id
@@ -151,7 +161,7 @@ class StageAdmission:
         if blocked:
             return Reserved(rid, ReserveStatus.FCFS_BLOCKED, 0, None, 0)
         rsv = Reservation(prompt)
-        upto = min(order.candidate_blocks, prompt.max_reusable_blocks)
+        upto = min(order.candidate_blocks, self._reuse_limit(prompt))
         confirmed = rsv.lease.acquire(self.pool, prompt, upto, self._may_take_over)
         boundaries = None
         if self._needs_snapshot:
@@ -294,7 +304,7 @@ class StageAdmission:
                     raise InvariantError(f"lease of {rid!r} holds a wrong block at {i}")
             for block in rsv.lease.blocks + rsv.new_blocks:
                 pins[block.block_id] = pins.get(block.block_id, 0) + 1
-            if not rsv.completed and rsv.held_blocks != p.num_blocks:
+            if not rsv.completed and rsv.held_blocks != rsv.needed_blocks:
                 raise InvariantError(f"reservation of {rid!r} does not cover its prompt")
         if self.pool.stats().claimed != len(claims):
             raise InvariantError("claimed blocks held by no reservation")

@@ -17,7 +17,9 @@ stops a request queued behind the lock before it starts, and a running one at it
 chunk boundary, freeing its blocks (abort_registry.py). Exhaustion cannot happen with
 one request in flight once ``NeverFitsError`` has been ruled out, except for the one extra
 block a fully cached prompt needs for its copy-on-write last block; then the reused prefix
-shrinks by one block. The stage manifests describe where the KV sat at completion; no lease
+shrinks by one block. That is the reuse rule of the pipeline's stages too
+(``core/request.py``, ``StageAdmission._reuse_limit``), so both report the same
+``cached_tokens``. The stage manifests describe where the KV sat at completion; no lease
 holds it afterwards (KV hand-off to decode is a later component's job).
 """
 
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_id
+from prefill_node.core.request import max_reusable_blocks
 from prefill_node.engine.abort_registry import AbortFlag, AbortRegistry
 from prefill_node.engine.kv_event_feed import KVEventFeed
 from prefill_node.engine.stage_executor import ChunkWork, StageExecutor, StageSequence
@@ -359,7 +362,8 @@ class LocalEngine:
         """Negotiate the common prefix, pin it and allocate the suffix on every stage."""
         extra = ExtraKeys(model_id=self.model_id, cache_salt=options.cache_salt)
         hashes = hash_block_tokens(ids, self.config.block_size, extra)
-        candidate = min(stage.local_hit_blocks(hashes) for stage in self.stages)
+        limit = max_reusable_blocks(len(ids), self.config.block_size)
+        candidate = min(stage.local_hit_blocks(hashes, limit) for stage in self.stages)
         while True:
             pins = [stage.pin_prefix(hashes, ids, extra, candidate) for stage in self.stages]
             confirmed = min(len(p) for p in pins)

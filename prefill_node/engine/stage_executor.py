@@ -30,6 +30,7 @@ import torch
 from prefill_node.core.block import KVBlock
 from prefill_node.core.block_pool import BlockPool
 from prefill_node.core.hashing import BlockHash, ExtraKeys
+from prefill_node.core.request import copies_last_block, reused_tokens
 from prefill_node.engine.types import StageKVManifest, StageLoad
 from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
@@ -130,7 +131,7 @@ class StageExecutor:
     def suffix_blocks(self, num_tokens: int, prefix_blocks: int) -> int:
         """Fresh blocks ``materialise`` needs after a pinned prefix of ``prefix_blocks``
         (one more when the prefix covers the whole prompt: the copy-on-write last block)."""
-        covers_all = prefix_blocks * self.block_size >= num_tokens
+        covers_all = copies_last_block(num_tokens, self.block_size, prefix_blocks)
         return self.blocks_for(num_tokens) - prefix_blocks + covers_all
 
     def can_ever_fit(self, num_tokens: int) -> bool:
@@ -180,15 +181,16 @@ class StageExecutor:
     ) -> StageSequence | None:
         """Allocate the blocks after the pinned ``prefix`` and build the sequence.
 
-        Reuses ``min(len(prefix) * block_size, num_tokens - 1)`` tokens. ``reserved``: blocks
+        Reuses ``reused_tokens(num_tokens, block_size, len(prefix))`` tokens (the core's one
+        reuse rule, ``core/request.py``). ``reserved``: blocks
         the caller already owns for the suffix (e.g. an escrow's ``take_claimed``), exactly
         ``suffix_blocks(...)`` of them; without it they are allocated here. On None (pool
         short) nothing changed and the caller still owns ``prefix``; otherwise the sequence
         owns ``prefix`` and the suffix blocks.
         """
         n = len(token_ids)
-        cached = min(len(prefix) * self.block_size, n - 1)
-        copy_last = len(prefix) * self.block_size > cached
+        cached = reused_tokens(n, self.block_size, len(prefix))
+        copy_last = copies_last_block(n, self.block_size, len(prefix))
         need = self.suffix_blocks(n, len(prefix))
         if reserved is not None and len(reserved) != need:
             raise InvariantError(f"{len(reserved)} reserved blocks for a suffix of {need}")

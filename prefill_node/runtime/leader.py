@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
@@ -12,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from prefill_node.core.policy import PolicyKind
 from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
 from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
 from prefill_node.runtime.planes import PlaneClosedError, Planes
@@ -19,19 +19,10 @@ from prefill_node.runtime.planes import PlaneClosedError, Planes
 log = logging.getLogger(__name__)
 
 
-class Policy(enum.Enum):
-    """``wave``: admission runs ahead on its own thread (WavePP). ``lockstep``: the leader's
-    executor loop runs one admission round before each wave (the TensorRT-LLM PP baseline)."""
-
-    WAVE = "wave"
-    LOCKSTEP = "lockstep"
-
-
 @dataclass(frozen=True)
 class LeaderConfig:
-    policy: Policy
+    policy: PolicyKind  # wave: rounds on their own thread; lockstep: on stage 0's loop
     world_size: int
-    ring: int  # waves in flight at most (R = 2P)
     tick_s: float = 2.0  # idle rounds-plane keep-alive (the plane never times out: 1 h)
 
 
@@ -39,8 +30,8 @@ class Leader:
     """Drives the pipeline from stage 0; the only user of ``LeaderCore``'s mutating calls.
 
     Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
-    round work; stage 0's LOOP pulls waves through ``next_wave`` (bounded by the ring of
-    ``ring`` in-flight waves) and, under ``lockstep``, runs the rounds itself first; the
+    round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
+    the policy's ring) and, under ``lockstep``, runs the rounds itself first; the
     collector receives each wave's result from the last stage. All core calls happen under
     ``self.lock``; no collective is ever made while holding it.
 
@@ -71,14 +62,13 @@ class Leader:
         )
         self._stopping = False
         self._dead = False
-        self._inflight_waves = 0
         self._wave_thread = threading.Thread(
             target=self._wave_loop, name="leader-wave", daemon=True
         )
         self._collector = threading.Thread(target=self._collect, name="leader-collect", daemon=True)
 
     def start(self) -> None:
-        if self.config.policy is Policy.WAVE:
+        if self.config.policy is PolicyKind.WAVE:
             self._wave_thread.start()
         if self.config.world_size > 1:
             self._collector.start()
@@ -170,7 +160,7 @@ class Leader:
         """Stage 0's wave source: the next wave (at most ``ring`` in flight), or the STOP
         sentinel once stopping and drained. Under ``lockstep`` it first runs one admission
         round itself, so admission and execution alternate on this thread."""
-        lockstep = self.config.policy is Policy.LOCKSTEP
+        lockstep = self.config.policy is PolicyKind.LOCKSTEP
         last_round = time.monotonic()
         while True:
             if lockstep:
@@ -181,12 +171,11 @@ class Leader:
                     self._round(RoundMessage(RoundKind.TICK))
                     last_round = time.monotonic()
             with self.lock:
-                if self._stopping and (self._inflight_waves == 0 or self._dead):
+                if self._stopping and (self.core.waves_in_flight == 0 or self._dead):
                     break
-                if not self._stopping and self._inflight_waves < self.config.ring:
+                if not self._stopping:  # the core keeps the ring (policy.ring_size)
                     header = self.core.next_wave()
                     if header is not None:
-                        self._inflight_waves += 1
                         return header
                 if lockstep and self.core.has_round_work():
                     continue
@@ -208,7 +197,6 @@ class Leader:
         if result.stop:
             return
         with self.lock:
-            self._inflight_waves -= 1
             self.core.wave_done(result)
             self.lock.notify_all()
         self._on_result(result)

@@ -1,8 +1,7 @@
-"""The leader's sans-IO state: admission coordinator + wave planner + per-request progress."""
+"""The leader's sans-IO state: admission coordinator + the core's wave scheduler, in wire types."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +12,9 @@ from prefill_node.core.coordinator import (
     DuplicateRequestError,
 )
 from prefill_node.core.hashing import ExtraKeys, model_cache_id
-from prefill_node.core.planner import PlannerConfig, PlannerMode, WavePlanner
+from prefill_node.core.planner import WavePlanner
 from prefill_node.core.request import RequestSpec
-from prefill_node.core.wave import UnscheduledWork
+from prefill_node.core.wave_scheduler import WaveScheduler
 from prefill_node.engine.types import KVPullDestination, KVPushDestination
 from prefill_node.errors import NeverFitsError, WaveppError
 from prefill_node.runtime.messages import WaveChunk, WaveHeader, WaveResult
@@ -39,20 +38,13 @@ class CoreCounts:
     inflight_tokens: int  # tokens of admitted requests still to compute
 
 
-@dataclass
-class _Progress:
-    """An admitted request: tokens [next_start, end) are still unscheduled."""
-
-    next_start: int
-    end: int
-    top_k: int
-    destination: KVPushDestination | KVPullDestination | None = None
-    inflight_chunks: int = 0
-    aborted: bool = False
-
-
 class LeaderCore:
-    """Admission coordinator + wave planner + per-request progress, for the leader's threads.
+    """Admission coordinator + ``core.wave_scheduler.WaveScheduler``, for the leader's threads.
+
+    The scheduling itself (progress, waves, completion, deferred abort) is the core's, the
+    same object the simulator drives; this class adds the coordinator's rounds and turns the
+    core's waves into the data plane's ``WaveHeader`` (per-request ``top_k`` and KV
+    destination ride on the last chunk).
 
     Sans-IO and not thread-safe: the ``Leader`` calls it under its lock. Contracts:
 
@@ -71,28 +63,23 @@ class LeaderCore:
     """
 
     def __init__(self, spec: PipelineSpec, model_config: Any):
-        lockstep = spec.policy == "lockstep"
-        self._lockstep = lockstep
+        policy = spec.scheduling_policy
         self._coordinator = AdmissionCoordinator(
-            CoordinatorConfig(spec.block_size, spec.stage_blocks, spec.max_requests_per_round)
+            CoordinatorConfig(spec.block_size, spec.stage_blocks, policy.max_round_requests)
         )
-        self._planner = WavePlanner(
-            PlannerConfig(
-                num_stages=spec.num_stages,
+        planner = WavePlanner(
+            policy.planner_config(
                 max_wave_tokens=spec.max_wave_tokens,
-                min_wave_tokens=spec.max_wave_tokens if lockstep else spec.min_wave_tokens,
+                min_wave_tokens=spec.min_wave_tokens,
                 block_size=spec.block_size,
                 max_wave_requests=spec.max_batch,
-                mode=PlannerMode.FIXED if lockstep else PlannerMode.MPU,
-                fragment_rule=not lockstep,
             )
         )
+        self._scheduler = WaveScheduler(policy, planner)
         self.model_id = model_cache_id(model_config.name, spec.dtype)
+        # per request, from submit until it leaves the scheduler
         self._top_k: dict[str, int] = {}
         self._destinations: dict[str, KVPushDestination | KVPullDestination] = {}
-        self._progress: OrderedDict[str, _Progress] = OrderedDict()
-        self._waves: dict[int, tuple[WaveChunk, ...]] = {}
-        self._next_wave_id = 0
         self._dirty = False
 
     # -- admission -----------------------------------------------------------------------------
@@ -113,7 +100,7 @@ class LeaderCore:
         """Queue a request. DuplicateRequestError while the id is still known (queued, or an
         aborted request whose stage-side cleanup waits for its in-flight chunks).
         ``kv_destination`` travels with the request's last chunk to every stage."""
-        if request_id in self._progress:
+        if request_id in self._scheduler:
             raise DuplicateRequestError(
                 f"request id {request_id!r} is still in the pipeline; use a fresh id"
             )
@@ -145,11 +132,7 @@ class LeaderCore:
         outcomes: list[AdmissionOutcome] = []
         for out in step.outcomes:
             if isinstance(out, Admitted):
-                top_k = self._top_k.pop(out.request_id, 1)
-                dest = self._destinations.pop(out.request_id, None)
-                self._progress[out.request_id] = _Progress(
-                    out.cached_len, out.num_tokens, top_k, dest
-                )
+                self._scheduler.admit(out.request_id, out.cached_len, out.num_tokens)
                 outcomes.append(AdmissionOutcome(out.request_id, out.cached_len))
                 self._dirty = True  # progress: try the next queued requests
             elif isinstance(out, Rejected):
@@ -162,66 +145,52 @@ class LeaderCore:
         return None, outcomes
 
     def abort(self, request_id: str) -> None:
+        self._dirty = True
+        if self._scheduler.abort(request_id):
+            self._forget(request_id)
+            self._coordinator.abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
         self._top_k.pop(request_id, None)
         self._destinations.pop(request_id, None)
-        self._dirty = True
-        p = self._progress.get(request_id)
-        if p is None:
-            self._coordinator.abort(request_id)
-            return
-        p.aborted = True
-        if p.inflight_chunks == 0:
-            del self._progress[request_id]
-            self._coordinator.abort(request_id)
 
     # -- waves ---------------------------------------------------------------------------------
     def next_wave(self) -> WaveHeader | None:
-        work = [
-            UnscheduledWork(rid, p.next_start, p.end)
-            for rid, p in self._progress.items()
-            if not p.aborted and p.next_start < p.end and not (self._lockstep and p.inflight_chunks)
-        ]
-        wave = self._planner.plan(work)
-        if wave is None or not wave.chunks:
+        """The next wave in wire form, or None (ring full, or nothing to run)."""
+        wave = self._scheduler.next_wave()
+        if wave is None:
             return None
         chunks = []
         for c in wave.chunks:
-            p = self._progress[c.request_id]
-            p.next_start = c.end
-            p.inflight_chunks += 1
-            last = c.end == p.end
-            dest = p.destination if last else None
-            chunks.append(WaveChunk(c.request_id, c.start, c.length, last, p.top_k, dest))
-        self._next_wave_id += 1
-        self._waves[self._next_wave_id] = tuple(chunks)
-        return WaveHeader(self._next_wave_id, tuple(chunks))
+            last = self._scheduler.is_last(c)
+            top_k = self._top_k.get(c.request_id, 1)
+            dest = self._destinations.get(c.request_id) if last else None
+            chunks.append(WaveChunk(c.request_id, c.start, c.length, last, top_k, dest))
+        return WaveHeader(wave.wave_id, tuple(chunks))
 
     def wave_done(self, result: WaveResult) -> None:
         """Account a returned wave: finished, failed and aborted requests leave the core."""
-        chunks = self._waves.pop(result.wave_id, ())
-        failed = {rid for rid, _ in result.failed}
-        for c in chunks:
-            p = self._progress.get(c.request_id)
-            if p is None:
-                continue
-            p.inflight_chunks -= 1
-            if c.request_id in failed:
-                p.aborted = True
-            if p.inflight_chunks > 0:
-                continue
-            if p.aborted:  # aborted or failed: every stage drops what it still holds
-                del self._progress[c.request_id]
-                self._coordinator.abort(c.request_id)
-                self._dirty = True
-            elif c.is_last:
-                del self._progress[c.request_id]
-                self._dirty = True  # capacity freed: waiting requests may fit now
+        done = self._scheduler.wave_done(result.wave_id, {rid for rid, _ in result.failed})
+        for rid in done.dropped:  # aborted or failed: every stage drops what it still holds
+            self._forget(rid)
+            self._coordinator.abort(rid)
+        for rid in done.finished:
+            self._forget(rid)
+        if done.dropped or done.finished:
+            self._dirty = True  # capacity freed: waiting requests may fit now
 
     def counts(self) -> CoreCounts:
-        remaining = sum(p.end - p.next_start for p in self._progress.values())
-        return CoreCounts(self._coordinator.num_queued, len(self._progress), remaining)
+        return CoreCounts(
+            self._coordinator.num_queued,
+            self._scheduler.num_running,
+            self._scheduler.remaining_tokens,
+        )
+
+    @property
+    def waves_in_flight(self) -> int:
+        return self._scheduler.waves_in_flight
 
     @property
     def idle(self) -> bool:
         """No admitted work and no wave in flight."""
-        return not self._progress and not self._waves
+        return self._scheduler.idle

@@ -44,7 +44,7 @@ from prefill_node.errors import (
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.runtime.heartbeat import Heartbeat
 from prefill_node.runtime.launcher import LocalLauncher
-from prefill_node.runtime.leader import Leader, LeaderConfig, Policy
+from prefill_node.runtime.leader import Leader, LeaderConfig
 from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
 from prefill_node.runtime.leader_request import LeaderRequest, settle_future
@@ -157,9 +157,7 @@ class PipelineEngine:
         lockstep = self.spec.policy == "lockstep"
         core = LeaderCore(self.spec, self.config)
         self._leader = Leader(
-            LeaderConfig(
-                Policy(self.spec.policy), env.world_size, self.spec.ring, self.spec.tick_s
-            ),
+            LeaderConfig(self.spec.scheduling_policy.kind, env.world_size, self.spec.tick_s),
             planes,
             core,
             answer_local=lambda m: self._worker.answer(m),  # type: ignore[union-attr]

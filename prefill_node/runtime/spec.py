@@ -6,9 +6,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prefill_node.core.planner import PlannerMode
+from prefill_node.core.policy import Policy, PolicyKind, lockstep_policy, wave_policy
 from prefill_node.errors import InvalidRequestError
 
-POLICIES = ("wave", "lockstep")
+POLICIES = tuple(k.value for k in PolicyKind)
 
 
 class InvalidPipelineSpecError(InvalidRequestError):
@@ -116,11 +118,23 @@ class PipelineSpec:
         return self.layer_ranges[-1][1]
 
     @property
+    def scheduling_policy(self) -> Policy:
+        """The core policy this pipeline runs. The runtime has no chunk cost model, so its
+        wave policy plans with plain MPU."""
+        if self.policy == PolicyKind.LOCKSTEP.value:
+            return lockstep_policy(self.num_stages, self.max_requests_per_round)
+        return wave_policy(self.num_stages, PlannerMode.MPU, self.max_requests_per_round)
+
+    @property
     def ring(self) -> int:
-        """Waves in flight: R = 2P under ``wave`` (WAVEPP.md section 4); P under ``lockstep``,
-        as TensorRT-LLM's PP executor keeps ``num_micro_batches = pp_size`` micro-batches
-        (``PyExecutor._executor_loop_pp``)."""
-        return self.num_stages if self.policy == "lockstep" else 2 * self.num_stages
+        """Waves in flight: the policy's ring (R = 2P under ``wave``, P under ``lockstep``)."""
+        return self.scheduling_policy.ring_size
+
+    def headroom_blocks(self, stage: int) -> int:
+        """Stage ``stage``'s lease/escrow headroom, by the policy's one rule."""
+        return self.scheduling_policy.headroom_blocks(
+            self.stage_blocks[stage], self.block_size, self.max_wave_tokens
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

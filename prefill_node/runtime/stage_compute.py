@@ -72,12 +72,6 @@ def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
     return StageModel.random_init(config, layer_range, spec.model.seed, dtype, device)
 
 
-def headroom_blocks(spec: PipelineSpec, stage: int) -> int:
-    """About 2*P*M tokens of lease headroom (WAVEPP.md 2), at most a quarter of the cache."""
-    want = -(-2 * spec.num_stages * spec.max_wave_tokens // spec.block_size)
-    return min(want, spec.stage_blocks[stage] // 4)
-
-
 class PipelineStageCompute:
     """Stage ``stage``: ``StageModel`` + ``PagedKVCache`` + ``StageAdmission`` (its cache core).
 
@@ -114,7 +108,7 @@ class PipelineStageCompute:
                 num_blocks=spec.stage_blocks[stage],
                 block_size=spec.block_size,
                 num_layers=len(model.layer_range),
-                headroom_blocks=headroom_blocks(spec, stage),
+                headroom_blocks=spec.headroom_blocks(stage),
                 enable_kv_events=spec.kv_events,
             )
         )
@@ -193,6 +187,8 @@ class PipelineStageCompute:
                         failed.append((chunk.request_id, str(table.to_error())))
                         self.admission.abort(chunk.request_id)
                     else:
+                        if table.copy_block is not None:  # a wholly cached prompt
+                            self.kv.copy_block(*table.copy_block)
                         tables.append((rows, chunk, table))
                 rows += chunk.length
         out = None

@@ -31,8 +31,8 @@ from prefill_node.errors import InvariantError
 class CorePort:
     """P stages' admission state plus the leader's coordinator, for one simulated pipeline.
 
-    ``headroom_blocks`` per stage: ``lease_headroom_tokens / block_size`` (WAVEPP.md 2:
-    about ``2 * P * M`` tokens), capped at half the stage so tiny test caches still admit.
+    ``stage_headroom_blocks``: each stage's lease/escrow headroom, in blocks; the simulator
+    takes it from ``Policy.headroom_blocks``, the rule the runtime's stages use.
     """
 
     def __init__(
@@ -43,7 +43,7 @@ class CorePort:
         stage_num_layers: Sequence[int],
         *,
         model_id: str,
-        lease_headroom_tokens: int,
+        stage_headroom_blocks: Sequence[int],
         max_round_requests: int,
     ) -> None:
         if token_scale < 1 or block_size % token_scale:
@@ -58,10 +58,12 @@ class CorePort:
                     num_blocks=n,
                     block_size=core_block,
                     num_layers=layers,
-                    headroom_blocks=min(lease_headroom_tokens // block_size, n // 2),
+                    headroom_blocks=headroom,
                 )
             )
-            for s, (n, layers) in enumerate(zip(stage_num_blocks, stage_num_layers, strict=True))
+            for s, (n, layers, headroom) in enumerate(
+                zip(stage_num_blocks, stage_num_layers, stage_headroom_blocks, strict=True)
+            )
         ]
         self.coordinator = AdmissionCoordinator(
             CoordinatorConfig(

@@ -1,4 +1,8 @@
-"""The two policies the simulator compares: ``wave`` (WavePP) and ``lockstep`` (TRT-LLM PP).
+"""How the simulator times the two policies, ``wave`` (WavePP) and ``lockstep`` (TRT-LLM PP).
+
+The policy itself (its knobs: ring, chunks in flight, planner, fragment rule, headroom) is
+``prefill_node.core.policy.Policy``, shared with the runtime; this module keeps only the
+choice of lockstep timing model.
 
 - WAVE: admission rounds run on their own timeline, concurrently with execution: a round
   starts as soon as requests are pending and the previous round is over, and packs up to
@@ -49,14 +53,6 @@ waves are formed differ.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-
-from prefill_node.core.planner import DEFAULT_PLANNER_MODE, PlannerMode
-from prefill_node.errors import InvalidRequestError
-
-
-class UnknownPolicyError(InvalidRequestError):
-    """A policy or planner name is not one of the known ones; the message lists them."""
 
 
 class LockstepModel(enum.Enum):
@@ -64,62 +60,3 @@ class LockstepModel(enum.Enum):
 
     TRTLLM_EXECUTOR = "trtllm-executor"
     LEADER_ROUNDS = "leader-rounds"
-
-
-class PolicyKind(enum.Enum):
-    WAVE = "wave"
-    LOCKSTEP = "lockstep"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How admission is scheduled against execution and how waves are formed."""
-
-    kind: PolicyKind
-    planner_mode: PlannerMode
-    ring_size: int  # waves in flight at most
-    pipelined_chunks: bool  # may a request have chunks in several in-flight waves
-    fragment_rule: bool
-    max_round_requests: int = 32
-
-    @property
-    def name(self) -> str:
-        if self.kind is PolicyKind.LOCKSTEP:
-            return "lockstep"
-        return f"wave[{self.planner_mode.value}]"
-
-    @property
-    def admission_on_loop(self) -> bool:
-        """True when rounds stall the executor loop (lockstep)."""
-        return self.kind is PolicyKind.LOCKSTEP
-
-
-def wave_policy(num_stages: int, planner_mode: PlannerMode = DEFAULT_PLANNER_MODE) -> Policy:
-    """WavePP: admission ahead of execution, ``R = 2P`` waves in flight, pipelined chunks."""
-    return Policy(
-        kind=PolicyKind.WAVE,
-        planner_mode=planner_mode,
-        ring_size=2 * num_stages,
-        pipelined_chunks=True,
-        fragment_rule=True,
-    )
-
-
-def lockstep_policy(num_stages: int) -> Policy:
-    """The TensorRT-LLM PP baseline: rounds on the loop, fixed M, P micro-batches."""
-    return Policy(
-        kind=PolicyKind.LOCKSTEP,
-        planner_mode=PlannerMode.FIXED,
-        ring_size=num_stages,
-        pipelined_chunks=False,
-        fragment_rule=False,
-    )
-
-
-def parse_planner_mode(name: str) -> PlannerMode:
-    """``fixed`` / ``mpu`` / ``mpu-nohyst`` / ``cost`` -> PlannerMode (typed error otherwise)."""
-    for mode in PlannerMode:
-        if mode.value == name:
-            return mode
-    valid = ", ".join(m.value for m in PlannerMode)
-    raise UnknownPolicyError(f"unknown planner {name!r}; choose one of {valid}")

@@ -33,13 +33,15 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from prefill_node.core.admission_messages import Admitted, Rejected, Wait
-from prefill_node.core.planner import PlannerConfig, WavePlanner
-from prefill_node.core.wave import UnscheduledWork, Wave
+from prefill_node.core.planner import WavePlanner
+from prefill_node.core.policy import Policy
+from prefill_node.core.wave import Wave
+from prefill_node.core.wave_scheduler import WaveScheduler
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
 from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts
 from prefill_node.sim.leader_rounds import LeaderRounds
-from prefill_node.sim.policies import LockstepModel, Policy
+from prefill_node.sim.policies import LockstepModel
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
@@ -50,20 +52,14 @@ _ARRIVE, _ROUND_DONE, _STAGE_DONE, _WAVE_AT_STAGE, _HOST_LAUNCH, _LEADER_FREE = 
 _PHASE_SEND, _PHASE_AT_STAGE, _PHASE_REPLY = range(6, 9)  # LEADER_ROUNDS lockstep only
 
 
-@dataclass
-class _Running:
-    """An admitted request: what the planner still has to schedule and what is in flight."""
+@dataclass(frozen=True)
+class _Admitted:
+    """When an admitted request arrived and was admitted (its progress is the scheduler's)."""
 
     request: SimRequest
     arrival: float
     admitted_at: float
     cached_len: int
-    next_start: int
-    in_flight: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.request.num_tokens
 
 
 class Simulator(TrtllmLockstepIssue):
@@ -84,21 +80,21 @@ class Simulator(TrtllmLockstepIssue):
             capacities,
             [s.num_layers for s in self.roof.stages],
             model_id=p.model.name,
-            lease_headroom_tokens=2 * p.num_stages * p.max_wave_tokens,
+            stage_headroom_blocks=[
+                policy.headroom_blocks(n, p.block_size, p.max_wave_tokens) for n in capacities
+            ],
             max_round_requests=policy.max_round_requests,
         )
         self.workload = Workload(spec, cache_tokens=min(capacities) * p.block_size)
-        cfg = PlannerConfig(
-            num_stages=p.num_stages,
+        cfg = policy.planner_config(
             max_wave_tokens=p.max_wave_tokens,
             min_wave_tokens=p.min_wave_tokens,
             block_size=p.block_size,
-            fill_factor=p.fill_factor,
             max_wave_requests=p.max_batch,
-            mode=policy.planner_mode,
-            fragment_rule=policy.fragment_rule,
+            fill_factor=p.fill_factor,
         )
-        self.planner = WavePlanner(cfg, self.roof.chunk_cost_model())
+        # the leader's scheduling: the same core object the runtime's LeaderCore drives
+        self.scheduler = WaveScheduler(policy, WavePlanner(cfg, self.roof.chunk_cost_model()))
         self._check = check_integrity
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -107,7 +103,7 @@ class Simulator(TrtllmLockstepIssue):
         self._pending: deque[tuple[SimRequest, float]] = deque()  # not yet submitted
         self._submitted: dict[str, tuple[SimRequest, float]] = {}  # in the coordinator
         self._charged: set[str] = set()  # requests whose host work a round already paid
-        self._running: dict[str, _Running] = {}  # admitted, not finished, FCFS order
+        self._admitted: dict[str, _Admitted] = {}  # admitted, not finished
         self._records: list[RequestRecord] = []
         self._rejected = 0
         self._round_busy = False  # WAVE: a round is in progress on the rounds timeline
@@ -135,7 +131,6 @@ class Simulator(TrtllmLockstepIssue):
         self._leader_wakeup: float | None = None
         self._loop_round_done = False  # LEADER_ROUNDS: a round ran since the last wave
         self._round_started = 0.0
-        self._in_flight = 0
         self._stage_busy = [False] * p.num_stages
         self._stage_queue: list[deque[Wave]] = [deque() for _ in range(p.num_stages)]
         self._busy_s = [0.0] * p.num_stages
@@ -178,7 +173,7 @@ class Simulator(TrtllmLockstepIssue):
         if len(self._records) + self._rejected != self.spec.num_requests:
             raise InvariantError(
                 f"simulation stalled: {len(self._records)} done, {self._rejected} rejected, "
-                f"{len(self._pending)} pending, {len(self._running)} running of "
+                f"{len(self._pending)} pending, {self.scheduler.num_running} running of "
                 f"{self.spec.num_requests}"
             )
         self.core.check_integrity()
@@ -221,7 +216,9 @@ class Simulator(TrtllmLockstepIssue):
     def _submit_pending(self) -> None:
         """Hand arrivals to the coordinator while the batch limit allows (FCFS); under the
         executor-loops lockstep only those rank 0's last fetch has broadcast."""
-        while self._pending and (len(self._running) + len(self._submitted) < self.preset.max_batch):
+        while self._pending and (
+            self.scheduler.num_running + len(self._submitted) < self.preset.max_batch
+        ):
             if self.loops is not None and self._pending[0][1] > self._fetched_until:
                 break
             request, arrival = self._pending.popleft()
@@ -303,8 +300,8 @@ class Simulator(TrtllmLockstepIssue):
             if isinstance(outcome, Admitted):
                 request, arrival = self._submitted.pop(rid)
                 self._charged.discard(rid)
-                run = _Running(request, arrival, self.now, outcome.cached_len, outcome.cached_len)
-                self._running[rid] = run
+                self._admitted[rid] = _Admitted(request, arrival, self.now, outcome.cached_len)
+                self.scheduler.admit(rid, outcome.cached_len, request.num_tokens)
                 admitted += 1
             elif isinstance(outcome, Rejected):
                 del self._submitted[rid]
@@ -318,14 +315,6 @@ class Simulator(TrtllmLockstepIssue):
 
     # ---- execution ----------------------------------------------------------------
 
-    def _schedulable(self) -> list[UnscheduledWork]:
-        pipelined = self.policy.pipelined_chunks
-        return [
-            UnscheduledWork(rid, r.next_start, r.end, r.cached_len)
-            for rid, r in self._running.items()
-            if r.next_start < r.end and (pipelined or r.in_flight == 0)
-        ]
-
     def _try_issue(self) -> None:
         """Plan and start the next wave on stage 0 if the leader and the ring allow it."""
         if self.loops is not None:
@@ -336,12 +325,9 @@ class Simulator(TrtllmLockstepIssue):
             return
         if self._stage_busy[0] or self._stage_queue[0]:
             return
-        if self._in_flight >= self.policy.ring_size:
-            return
-        work = self._schedulable()
-        wave = self.planner.plan(work) if work else None
+        wave = self.scheduler.next_wave()
         if wave is not None:
-            self._take(wave)
+            self._count(wave)
             self._start_on_stage(0, wave)
 
     def _try_issue_leader_rounds(self) -> None:
@@ -354,13 +340,12 @@ class Simulator(TrtllmLockstepIssue):
         round_work = self._round_wanted and self._admission_waiting()
         if not after_round and round_work and self._start_round():
             return
-        work = self._schedulable() if self._in_flight < self.policy.ring_size else []
-        wave = self.planner.plan(work) if work else None
+        wave = self.scheduler.next_wave()
         if wave is None:
             if after_round and self._round_wanted and self._admission_waiting():
                 self._start_round()
             return
-        self._take(wave)
+        self._count(wave)
         self._start_on_stage(0, wave)
 
     def _wake_leader(self, at: float) -> None:
@@ -368,15 +353,7 @@ class Simulator(TrtllmLockstepIssue):
             self._leader_wakeup = at
             self._push(at, _LEADER_FREE, None)
 
-    def _take(self, wave: Wave) -> None:
-        """Move the planned wave's chunks from unscheduled to in flight."""
-        for chunk in wave.chunks:
-            run = self._running[chunk.request_id]
-            if chunk.start != run.next_start or chunk.end > run.end:
-                raise InvariantError(f"planner scheduled {chunk} out of order")
-            run.next_start = chunk.end
-            run.in_flight += 1
-        self._in_flight += 1
+    def _count(self, wave: Wave) -> None:
         self._num_waves += 1
         self._wave_tokens += wave.num_tokens
 
@@ -418,16 +395,12 @@ class Simulator(TrtllmLockstepIssue):
             self.loops.gpu_done(stage, self._loop_index[wave.wave_id], self.now)
             self._retry_parked()
         for chunk in wave.chunks:
-            run = self._running[chunk.request_id]
-            if chunk.end == run.end:
+            if self.scheduler.is_last(chunk):
                 self.core.finish(stage, chunk.request_id)
                 self._round_wanted = True  # capacity came back on this stage
-            if last_stage:
-                run.in_flight -= 1
-                if chunk.end == run.end:
-                    self._complete(run)
         if last_stage:
-            self._in_flight -= 1
+            for rid in self.scheduler.wave_done(wave.wave_id).finished:
+                self._complete(rid)
             self._loop_index.pop(wave.wave_id, None)
         else:
             arrive = self.now + self.roof.transfer_time(wave.num_tokens)
@@ -440,14 +413,14 @@ class Simulator(TrtllmLockstepIssue):
         self._maybe_start_round()
         self._try_issue()
 
-    def _complete(self, run: _Running) -> None:
-        del self._running[run.request.request_id]
+    def _complete(self, request_id: str) -> None:
+        run = self._admitted.pop(request_id)
         self._records.append(
             RequestRecord(
                 arrival=run.arrival,
                 admitted=run.admitted_at,
                 finished=self.now,
-                prompt_tokens=run.end,
+                prompt_tokens=run.request.num_tokens,
                 cached_tokens=run.cached_len,
             )
         )

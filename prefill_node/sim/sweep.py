@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.sim.policies import Policy, lockstep_policy, wave_policy
+from prefill_node.core.policy import Policy, lockstep_policy, wave_policy
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import SimResult
 from prefill_node.sim.simulator import Simulator

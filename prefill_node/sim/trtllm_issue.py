@@ -30,7 +30,7 @@ class TrtllmLockstepIssue:
         gates each stage's GPU in ``_start_on_stage``.
         """
         free_at = loops.leader_free_at()
-        if free_at is None or self._in_flight >= self.policy.ring_size:
+        if free_at is None or self.scheduler.ring_full:
             return  # GPU 0 / the ring will call again when a wave finishes
         if free_at > self.now:
             self._wake_leader(free_at)
@@ -58,28 +58,27 @@ class TrtllmLockstepIssue:
             self._num_rounds += 1
             self._round_requests += len(ids)
             self._apply_outcomes(self.core.run_round())
-        work = self._schedulable()
-        wave = self.planner.plan(work) if work else None
+        wave = self.scheduler.next_wave()
         self._leader_idle, self._fetch_cut = wave is None, None
         if wave is None:
             return  # nothing to run: the loop spins, fetching whatever arrives next
         k, launch = loops.begin(self.now, self._host_work(wave, new_tokens), cutoff)
         self._loop_index[wave.wave_id] = k
-        self._take(wave)
+        self._count(wave)
         self._wake_leader(launch)
         self._on_wave_at_stage(0, wave)
         self._retry_parked()
 
     def _host_work(self, wave: Wave, new_tokens: int) -> WaveHostWork:
-        """What ``wave`` costs every rank's loop (before ``_take``). The scheduler pass walks
+        """What ``wave`` costs every rank's loop. The scheduler pass walks
         every admitted request not yet finished (in flight ones included: they stay
         ``CONTEXT_INIT`` on rank 0 until retired) and the queue's head (walked, refused)."""
-        live = [(r.cached_len, r.end) for r in self._running.values()]
+        live = [(r.cached_len, r.end) for r in self.scheduler.running()]
         waiting = self.core.next_round_ids()
         if waiting:
             head = self._submitted[waiting[0]][0]
             live.append((head.seeded_len, head.num_tokens))
-        runs = ((c, self._running[c.request_id]) for c in wave.chunks)
+        runs = ((c, self.scheduler.request(c.request_id)) for c in wave.chunks)
         return wave_host_work(
             live, [(c.start, c.end, r.cached_len, r.end) for c, r in runs], new_tokens
         )

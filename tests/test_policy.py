@@ -1,0 +1,90 @@
+"""The one scheduling Policy: its knobs, its headroom rule, shared by runtime and simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_node.core.planner import PlannerMode
+from prefill_node.core.policy import (
+    Policy,
+    PolicyKind,
+    UnknownPolicyError,
+    lockstep_policy,
+    parse_planner_mode,
+    parse_policy_kind,
+    wave_policy,
+)
+from prefill_node.runtime.spec import ModelSource, PipelineSpec
+from prefill_node.sim.simulator import Simulator
+from prefill_node.sim.workloads import WorkloadKind, WorkloadSpec
+from tests.test_sim import TOY
+
+
+def test_wave_and_lockstep_knobs() -> None:
+    wave, lock = wave_policy(4, PlannerMode.MPU), lockstep_policy(4)
+    assert (wave.kind, wave.ring_size, wave.max_chunks_in_flight, wave.fragment_rule) == (
+        PolicyKind.WAVE,
+        8,
+        None,
+        True,
+    )
+    assert (lock.kind, lock.ring_size, lock.max_chunks_in_flight, lock.fragment_rule) == (
+        PolicyKind.LOCKSTEP,
+        4,
+        1,
+        False,
+    )
+    assert lock.planner_mode is PlannerMode.FIXED and lock.admission_on_loop
+    assert (wave.name, lock.name) == ("wave[mpu]", "lockstep")
+
+
+def test_headroom_is_2PM_tokens_capped_at_a_quarter_of_the_stage() -> None:
+    pol = wave_policy(2)
+    # 2 * 2 * 64 tokens = 256 tokens = 16 blocks of 16
+    assert pol.headroom_blocks(1000, 16, 64) == 16
+    assert pol.headroom_blocks(40, 16, 64) == 10  # a quarter of 40
+    assert pol.headroom_blocks(3, 16, 64) == 0
+
+
+def test_planner_config_takes_mode_and_fragment_rule_from_the_policy() -> None:
+    cfg = lockstep_policy(2).planner_config(
+        max_wave_tokens=64, min_wave_tokens=32, block_size=16, max_wave_requests=8
+    )
+    assert (cfg.mode, cfg.fragment_rule, cfg.num_stages) == (PlannerMode.FIXED, False, 2)
+
+
+def test_runtime_spec_runs_the_core_policy_with_its_headroom() -> None:
+    spec = PipelineSpec(
+        model=ModelSource(config={"x": 1}),
+        layer_ranges=((0, 1), (1, 3)),
+        stage_blocks=(40, 1000),
+        block_size=16,
+        max_wave_tokens=64,
+        min_wave_tokens=32,
+        max_requests_per_round=5,
+    )
+    assert spec.scheduling_policy == wave_policy(2, PlannerMode.MPU, 5)
+    assert [spec.headroom_blocks(s) for s in (0, 1)] == [10, 16]
+    lock = PipelineSpec(**{**spec.__dict__, "policy": "lockstep"})
+    assert lock.scheduling_policy == lockstep_policy(2, 5) and lock.ring == 2
+
+
+def test_simulator_stages_get_the_policy_headroom() -> None:
+    spec = WorkloadSpec(WorkloadKind.COLD, 4096, 1, 1, TOY.block_size)
+    pol = wave_policy(2)
+    sim = Simulator(TOY, spec, pol)
+    got = [s.config.headroom_blocks for s in sim.core.stages]
+    want = [
+        pol.headroom_blocks(s.config.num_blocks, TOY.block_size, TOY.max_wave_tokens)
+        for s in sim.core.stages
+    ]
+    assert got == want and all(h > 0 for h in got)
+
+
+def test_names_parse_or_raise_a_typed_error() -> None:
+    assert parse_policy_kind("lockstep") is PolicyKind.LOCKSTEP
+    assert parse_planner_mode("cost") is PlannerMode.COST_AWARE
+    with pytest.raises(UnknownPolicyError, match="choose one of wave, lockstep"):
+        parse_policy_kind("eager")
+    with pytest.raises(UnknownPolicyError):
+        Policy(PolicyKind.WAVE, 0, PlannerMode.MPU, 0, True, True)
