@@ -1,0 +1,47 @@
+"""RouterEngine's cluster identity: the first pipeline defines it, others must match it;
+routers, pipelines without KV events and other models are refused, counted in a metric."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prefill_node.server.client import RemoteServerInfo
+from prefill_router.discovery import StaticDiscovery
+from prefill_router.router_engine import RouterConfig, RouterEngine
+
+
+def info(model_id="tiny|float32", block_size=16, *, kv_events=True, router=False):
+    return RemoteServerInfo(
+        "tiny", 64, 512, 2, False, "0.1.0", False, "inst", block_size, model_id, "p",
+        kv_events, router,
+    )  # fmt: skip
+
+
+def link(pid: str):
+    return SimpleNamespace(pid=pid)
+
+
+def test_the_first_pipeline_defines_the_identity_and_others_must_match():
+    engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig(model_name="tiny"))
+    assert engine.link_identified(link("a"), info()) is None
+    assert engine.cache_identity.model_id == "tiny|float32"
+    assert engine.cache_identity.block_size == 16
+    assert engine.link_identified(link("b"), info()) is None
+    refusals = {
+        "c": (info(block_size=32), "with 32-token blocks; the cluster serves"),
+        "d": (info(model_id="tiny|bfloat16"), "'tiny|bfloat16'"),
+        "e": (info(model_id="other|float32"), "this router routes 'tiny'"),
+        "f": (info(router=True), "not a pipeline publishing KV events"),
+        "g": (info(kv_events=False), "not a pipeline publishing KV events"),
+    }
+    for pid, (remote, why) in refusals.items():
+        refused = engine.link_identified(link(pid), remote)
+        assert refused is not None and why in refused, (pid, refused)
+    assert dict(engine.metrics.refused) == dict.fromkeys(refusals, 1)
+    assert engine.cache_identity.block_size == 16  # refusals never change the identity
+
+
+def test_without_a_model_name_any_first_model_is_accepted():
+    engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
+    assert engine.link_identified(link("a"), info(model_id="other|float32")) is None
+    assert engine.cache_identity.model_id == "other|float32"
