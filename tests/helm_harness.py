@@ -149,6 +149,28 @@ class Manifest:
         selector = service["spec"]["selector"]
         return [p for p in self.pods() if selector.items() <= p.labels.items()]
 
+    def matching(self, selector: dict) -> list[Pod]:
+        """The pods a LabelSelector (matchLabels + matchExpressions) selects."""
+        return [p for p in self.pods() if selects(selector, p.labels)]
+
+
+def selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """A metav1.LabelSelector against a pod's labels, as the API server evaluates it."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not ok:
+            return False
+    return True
+
 
 def expand(text: str, env: Mapping[str, str]) -> str:
     """Kubelet's ``$(VAR)`` expansion of env values, command and args: ``$$`` is a literal

@@ -29,6 +29,26 @@ VARIANTS = {
                 "resources": {"limits": {"cpu": "4", "memory": "8Gi"}},
                 "tolerations": [{"key": "gpu", "operator": "Exists"}],
                 "extraEnv": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "ucx": {
+                    "transports": "tcp",
+                    "devices": "eth0",
+                    "extraEnv": {"UCX_TCP_CM_REUSEADDR": "y"},
+                },
+            },
+            "networkPolicy": {
+                "enabled": True,
+                "decodeCidrs": ["10.8.0.0/16", "fd00:8::/64"],
+                "decodePorts": [{"port": 20000, "endPort": 20999}],
+                "metrics": {
+                    "namespaceSelector": {"matchLabels": {"team": "monitoring"}},
+                    "podSelector": {
+                        "matchExpressions": [
+                            {"key": "app", "operator": "In", "values": ["prometheus"]}
+                        ]
+                    },
+                    "cidrs": ["192.168.7.0/24"],
+                },
+                "extraIngress": [{"from": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}],
             },
             "router": {
                 "replicas": 2,
@@ -44,8 +64,17 @@ VARIANTS = {
         },
         (),
     ),  # fmt: skip
-    "lws-hostpath": (
-        {"model": {"source": "hostPath", "hostPath": "/srv/models/qwen3"}},
+    "lws-hostpath-gpus": (
+        {
+            "model": {"source": "hostPath", "hostPath": "/srv/models/qwen3"},
+            "pipelines": {
+                "gpus": {"enabled": True},
+                "stages": 4,
+                "resources": {"limits": {"memory": "64Gi"}},
+                "ucx": {"transports": "rc,cuda_copy", "devices": "mlx5_0:1"},
+            },
+            "networkPolicy": {"enabled": True, "decodeCidrs": ["10.8.0.0/16"]},
+        },
         (LWS_API, "monitoring.coreos.com/v1/ServiceMonitor"),
     ),
 }
@@ -118,11 +147,12 @@ def test_rendered_objects_are_valid_for_the_kubernetes_version(variant: str, ver
             kubernetes_validate.validate(obj, version, strict=True)
     assert {"Deployment", "Service", "Role", "RoleBinding", "ServiceAccount"} <= kinds
     assert ("LeaderWorkerSet" in kinds) == variant.startswith("lws")
+    assert ("NetworkPolicy" in kinds) == (variant != "statefulset-bundled")
 
 
 def test_the_crd_schemas_catch_what_they_check() -> None:
     """The small CRD schemas are not a pass-through: a misspelt field or a bad pod fails."""
-    values, apis = VARIANTS["lws-hostpath"]
+    values, apis = VARIANTS["lws-hostpath-gpus"]
     lws = render(values, api_versions=apis).one("LeaderWorkerSet")
     broken = json.loads(json.dumps(lws))
     broken["spec"]["leaderWorkerTemplate"]["sise"] = 2

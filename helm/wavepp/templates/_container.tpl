@@ -23,7 +23,7 @@ args:
   - --max-model-len={{ int . }}
   {{- end }}
   - --dtype={{ $p.dtype }}
-  - --device={{ $p.device }}
+  - --device={{ ternary "cuda" $p.device $p.gpus.enabled }}
   {{- with $p.threads }}
   - --threads={{ int . }}
   {{- end }}
@@ -173,6 +173,23 @@ stage's RANK comes from its ordinal, in its command.
 {{- end }}
 - name: MASTER_PORT
   value: {{ $root.Values.pipelines.rendezvousPort | quote }}
+{{- end }}
+
+{{/* UCX / NIXL environment of every pipeline container, from pipelines.ucx: only what is set
+(UCX_TLS, UCX_NET_DEVICES, then extraEnv in name order). */}}
+{{- define "wavepp.ucxEnv" -}}
+{{- with .transports }}
+- name: UCX_TLS
+  value: {{ . | quote }}
+{{- end }}
+{{- with .devices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- range $name, $value := .extraEnv }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
 {{- end }}
 
 {{/* Environment of every wavepp container (init containers included). */}}

@@ -166,6 +166,9 @@ spec:
         {{- include "wavepp.commonEnv" $root | nindent 8 }}
         {{- if not $router }}
         {{- include "wavepp.rendezvousEnv" . | trim | nindent 8 }}
+        {{- with include "wavepp.ucxEnv" $v.pipelines.ucx }}
+        {{- . | trim | nindent 8 }}
+        {{- end }}
         {{- end }}
         {{- with $cfg.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -182,9 +185,9 @@ spec:
         {{- end }}
       {{- include "wavepp.probes" (dict "port" $port "tls" (ne $serverTls "") "startup" $cfg.startupProbe) | trim | nindent 6 }}
       {{- end }}
-      {{- with $cfg.resources }}
+      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" (and (not $router) $v.pipelines.gpus.enabled) "gpu" $v.pipelines.gpus.resourceName) }}
       resources:
-        {{- toYaml . | nindent 8 }}
+        {{- . | trim | nindent 8 }}
       {{- end }}
       securityContext:
         {{- toYaml $v.securityContext | nindent 8 }}
@@ -239,4 +242,33 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
+
+{{/*
+A container's resources: (dict "resources" {...} "gpus" bool "gpu" "nvidia.com/gpu"). With gpus,
+one GPU in the limits (the request follows the limit for an extended resource); a limit the
+values set for that resource explicitly wins.
+*/}}
+{{- define "wavepp.resources" -}}
+{{- $resources := deepCopy (.resources | default dict) }}
+{{- if .gpus }}
+{{- $limits := deepCopy (get $resources "limits" | default dict) }}
+{{- if not (hasKey $limits .gpu) }}
+{{- $_ := set $limits .gpu 1 }}
+{{- end }}
+{{- $_ := set $resources "limits" $limits }}
+{{- end }}
+{{- with $resources }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* A label selector of every pipeline pod of the release: leaders and stages. */}}
+{{- define "wavepp.pipelinePodSelector" -}}
+matchLabels:
+  {{- include "wavepp.selectorLabels" . | nindent 2 }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [leader, stage]
 {{- end }}
