@@ -247,7 +247,7 @@ class Cluster:
     def router(self, policy: str, pipelines: list[Server]) -> Server:
         argv = ["router", "--model", str(self._model), "--policy", policy, "--host",
                 "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
-                "--log-level", "WARNING"]  # fmt: skip
+                "--log-level", "WARNING", *self._args.router_arg]  # fmt: skip
         for p in pipelines:
             argv += ["--pipeline", p.address]
         server = Server(argv, "wavepp router:", self._logs / f"router-{policy}.log")
@@ -690,6 +690,13 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--core-runs", type=int, default=5, help="router_core runs (default 5)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `wavepp router` argument, repeatable (e.g. --router-arg=--affinity-slack=0.3)",
+    )
     args = ap.parse_args()
     if min(args.runs, args.requests, args.concurrency, args.tenants) < 1:
         ap.error("--runs, --requests, --concurrency and --tenants must be >= 1")

@@ -71,6 +71,7 @@ class RouterConfig:
     policy: RoutingPolicy = RoutingPolicy.PREFIX
     cost_model: ChunkCostModel = DEFAULT_COST
     pending_ttl_s: float = 2.0
+    affinity_slack: float = 0.1  # Scorer: prefer the cache hit within this share of the best
     link: LinkConfig = field(default_factory=LinkConfig)
     model_name: str | None = None
 
@@ -173,7 +174,7 @@ class RouterEngine:
                 if self._identity is None:
                     self._identity = identity
                     self._scorer = Scorer(self.config.cost_model, identity.block_size,
-                                          self.config.policy)  # fmt: skip
+                                          self.config.policy, self.config.affinity_slack)  # fmt: skip
                     log.info("cluster cache identity: %s, %d-token blocks", *(
                         identity.model_id, identity.block_size))  # fmt: skip
         if why is not None:

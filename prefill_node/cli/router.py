@@ -86,6 +86,15 @@ def register(subparsers: Any) -> None:
         "pipeline's own KV events confirm them (default 2)",
     )
     r.add_argument(
+        "--affinity-slack",
+        type=float,
+        default=0.1,
+        help="prefix policy: among pipelines whose estimated finish time is within this share "
+        "of the best, the one holding the longest prefix wins (keeps tenants together, so "
+        "their prefixes are not computed and cached on every pipeline; 0 = pure estimate; "
+        "default 0.1)",
+    )
+    r.add_argument(
         "--poll-interval",
         type=float,
         default=0.5,
@@ -116,8 +125,10 @@ def _run(args: argparse.Namespace) -> int:
     from prefill_router.router_engine import RouterConfig, RouterEngine
     from prefill_router.scoring import RoutingPolicy
 
-    if args.pending_ttl <= 0 or args.poll_interval <= 0:
-        raise ValueError("--pending-ttl and --poll-interval must be positive")
+    if args.pending_ttl <= 0 or args.poll_interval <= 0 or args.affinity_slack < 0:
+        raise ValueError(
+            "--pending-ttl and --poll-interval must be positive, --affinity-slack >= 0"
+        )
     model_dir = args.model
     if model_dir is None:
         from prefill_node.model.default_model import default_model_dir
@@ -129,6 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         policy=RoutingPolicy[POLICIES[args.policy]],
         cost_model=cost_model_for(model),
         pending_ttl_s=args.pending_ttl,
+        affinity_slack=args.affinity_slack,
         link=LinkConfig(poll_s=args.poll_interval, tls=_pipeline_tls(args)),
         model_name=model.name,
     )
