@@ -173,8 +173,9 @@ class RouterEngine:
                 why = None
                 if self._identity is None:
                     self._identity = identity
-                    self._scorer = Scorer(self.config.cost_model, identity.block_size,
-                                          self.config.policy, self.config.affinity_slack)  # fmt: skip
+                    cfg = self.config
+                    self._scorer = Scorer(cfg.cost_model, identity.block_size, cfg.policy,
+                                          cfg.affinity_slack)  # fmt: skip
                     log.info("cluster cache identity: %s, %d-token blocks", *(
                         identity.model_id, identity.block_size))  # fmt: skip
         if why is not None:
