@@ -53,7 +53,14 @@ from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
 from prefill_router.pipeline_link import LinkConfig, PipelineLink
 from prefill_router.router_metrics import RouterMetrics
-from prefill_router.scoring import PipelineView, RouteReason, RoutingDecision, RoutingPolicy, Scorer
+from prefill_router.scoring import (
+    DEFAULT_AFFINITY_SLACK,
+    PipelineView,
+    RouteReason,
+    RoutingDecision,
+    RoutingPolicy,
+    Scorer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ class RouterConfig:
     policy: RoutingPolicy = RoutingPolicy.PREFIX
     cost_model: ChunkCostModel = DEFAULT_COST
     pending_ttl_s: float = 2.0
-    affinity_slack: float = 0.1  # Scorer: prefer the cache hit within this share of the best
+    affinity_slack: float = DEFAULT_AFFINITY_SLACK  # prefer the cache hit within this share
     link: LinkConfig = field(default_factory=LinkConfig)
     model_name: str | None = None
 

@@ -66,13 +66,16 @@ def test_score_ties_go_to_lower_load_then_to_the_smaller_pid():
 
 
 def test_within_the_affinity_slack_the_longer_prefix_wins_beyond_it_the_score():
-    # a: 129 queued + 32 = 161; b: 160. Pure score picks b; 10% slack keeps the cache hit.
+    # a: 129 queued + 32 = 161; b: 160. Pure score picks b; the slack keeps the cache hit.
     views = [view("a", queued=129.0), view("b")]
     assert Scorer(LINEAR, BS).choose(160, {"a": 8}, views).pipeline == "a"
     assert Scorer(LINEAR, BS, affinity_slack=0.0).choose(160, {"a": 8}, views).pipeline == "b"
-    # 177 > 1.1 * 160: the queue is clearly longer, load wins even with the slack
-    far = [view("a", queued=145.0), view("b")]
+    # 209 > 1.3 * 160 (the default slack): the queue is clearly longer, load wins
+    far = [view("a", queued=177.0), view("b")]
     assert Scorer(LINEAR, BS).choose(160, {"a": 8}, far).pipeline == "b"
+    assert Scorer(LINEAR, BS, affinity_slack=0.1).choose(160, {"a": 8}, views).pipeline == "a"
+    near = [view("a", queued=145.0), view("b")]  # 177: within 0.3, beyond 0.1
+    assert Scorer(LINEAR, BS, affinity_slack=0.1).choose(160, {"a": 8}, near).pipeline == "b"
     with pytest.raises(InvalidRoutingInputError):
         Scorer(LINEAR, BS, affinity_slack=-0.1)
 

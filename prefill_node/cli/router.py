@@ -14,6 +14,7 @@ from prefill_node.cli.options import (
     server_config,
     start_server,
 )
+from prefill_router.scoring import DEFAULT_AFFINITY_SLACK
 
 DESCRIPTION = """\
 Route prefill requests to the pipeline that holds the longest prefix of each prompt on ALL of
@@ -88,11 +89,11 @@ def register(subparsers: Any) -> None:
     r.add_argument(
         "--affinity-slack",
         type=float,
-        default=0.1,
+        default=DEFAULT_AFFINITY_SLACK,
         help="prefix policy: among pipelines whose estimated finish time is within this share "
         "of the best, the one holding the longest prefix wins (keeps tenants together, so "
         "their prefixes are not computed and cached on every pipeline; 0 = pure estimate; "
-        "default 0.1)",
+        f"default {DEFAULT_AFFINITY_SLACK})",
     )
     r.add_argument(
         "--poll-interval",
