@@ -121,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.server.remote_args import client_tls
     from prefill_router.cost import cost_model_for
     from prefill_router.pipeline_link import LinkConfig
     from prefill_router.router_engine import RouterConfig, RouterEngine
@@ -142,7 +143,10 @@ def _run(args: argparse.Namespace) -> int:
         cost_model=cost_model_for(model),
         pending_ttl_s=args.pending_ttl,
         affinity_slack=args.affinity_slack,
-        link=LinkConfig(poll_s=args.poll_interval, tls=_pipeline_tls(args)),
+        link=LinkConfig(
+            poll_s=args.poll_interval,
+            tls=client_tls(args.pipeline_ca, args.pipeline_cert, args.pipeline_key, "pipeline"),
+        ),
         model_name=model.name,
     )
     engine = RouterEngine(_discovery(args), config)
@@ -170,15 +174,6 @@ def _own_namespace() -> str:
     """The pod's namespace (the service account mount), else "default"."""
     path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
     return path.read_text().strip() if path.is_file() else "default"
-
-
-def _pipeline_tls(args: argparse.Namespace) -> Any:
-    from prefill_node.server.client import ClientTLS
-
-    if (args.pipeline_cert or args.pipeline_key) and not args.pipeline_ca:
-        raise ValueError("--pipeline-cert / --pipeline-key need --pipeline-ca")
-    return ClientTLS(args.pipeline_ca, args.pipeline_cert, args.pipeline_key) if (
-        args.pipeline_ca) else None  # fmt: skip
 
 
 async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:

@@ -21,12 +21,20 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", type=Path, help="client private key (PEM) for mutual TLS")
 
 
+def client_tls(ca: Path | None, cert: Path | None, key: Path | None, flags: str) -> Any:
+    """ClientTLS from a ``--FLAGS-ca`` / ``-cert`` / ``-key`` triple (None without a CA:
+    plaintext); a certificate or key without the CA is an error naming the flags."""
+    from prefill_node.server.client import ClientTLS
+
+    if (cert or key) and not ca:
+        raise ValueError(f"--{flags}-cert / --{flags}-key need --{flags}-ca")
+    return ClientTLS(ca, cert, key) if ca else None
+
+
 def remote_engine_from_args(args: argparse.Namespace) -> Any:
     """A RemoteEngine for ``args.server`` (connects and fetches the server's info)."""
-    from prefill_node.server.client import ClientTLS
     from prefill_node.server.remote_engine import RemoteEngine
 
-    if (args.tls_cert or args.tls_key) and not args.tls_ca:
-        raise ValueError("--tls-cert / --tls-key need --tls-ca")
-    tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    return RemoteEngine(args.server, tls=tls)
+    return RemoteEngine(
+        args.server, tls=client_tls(args.tls_ca, args.tls_cert, args.tls_key, "tls")
+    )
