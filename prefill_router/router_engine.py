@@ -169,7 +169,7 @@ class RouterEngine:
         identity = CacheIdentity(info.cache_model_id, info.block_size)
         with self._lock:
             if info.router or not info.block_size or not info.kv_events:
-                why = "not a pipeline publishing KV events (a router, or --no-kv-events)"
+                why = "not a pipeline publishing KV events (a router, or a server without them)"
             elif self.config.model_name not in (None, model_cache_name(identity.model_id)):
                 why = f"serves {identity.model_id!r}, this router routes {self.config.model_name!r}"
             elif self._identity is not None and identity != self._identity:
