@@ -166,13 +166,13 @@ class PipelineLink:
             if ready == self.ready:
                 return
             self.ready = ready
-        if ready:
-            log.info("pipeline %s is ready", self.pid)
-            self._wake_events.set()
-        else:
+        if not ready:
             log.warning("pipeline %s is not ready: %s", self.pid, reason)
             self._cancel_stream()
         self._listener.link_ready(self, ready, reason)
+        if ready:  # after the owner made room for its entries: the snapshot goes there
+            log.info("pipeline %s is ready", self.pid)
+            self._wake_events.set()
 
     # -- events -------------------------------------------------------------------------------
     def _run_events(self) -> None:
