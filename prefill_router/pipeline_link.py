@@ -85,7 +85,8 @@ class PipelineLink:
         self.refused: str | None = None  # why the router refuses this pipeline (None: ok)
         self.load: EngineLoad | None = None
         self._stop = threading.Event()
-        self._wake_events = threading.Event()  # the monitor saw the link become ready
+        # set while the link is ready AND its owner knows (may subscribe); stop() sets it too
+        self._subscribable = threading.Event()
         self._stream = None  # the live SubscribeKvEvents call (cancel() ends it)
         self._lock = threading.Lock()
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, object]] = {}
@@ -105,7 +106,7 @@ class PipelineLink:
         """End both threads and close the channels (bounded: a blocked RPC times out); aio
         channels close on their own loops, calls in flight on them are cancelled."""
         self._stop.set()
-        self._wake_events.set()
+        self._subscribable.set()
         self._cancel_stream()
         for thread in (self._monitor, self._events):
             if thread.is_alive():
@@ -168,19 +169,18 @@ class PipelineLink:
             self.ready = ready
         if not ready:
             log.warning("pipeline %s is not ready: %s", self.pid, reason)
+            self._subscribable.clear()
             self._cancel_stream()
         self._listener.link_ready(self, ready, reason)
         if ready:  # after the owner made room for its entries: the snapshot goes there
             log.info("pipeline %s is ready", self.pid)
-            self._wake_events.set()
+            self._subscribable.set()
 
     # -- events -------------------------------------------------------------------------------
     def _run_events(self) -> None:
         backoff = 0.1
         while not self._stop.is_set():
-            if not self.ready:
-                self._wake_events.wait(self.config.poll_s)
-                self._wake_events.clear()
+            if not self._subscribable.wait(self.config.poll_s) or self._stop.is_set():
                 continue
             reason = self._follow()
             if self._stop.is_set():
