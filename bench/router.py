@@ -54,23 +54,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import multiprocessing as mp
-import os
 import random
-import re
-import select
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
-from collections import Counter
 from pathlib import Path
 
+from router_cluster import (  # bench/ is on sys.path: this file runs as a script
+    BLOCK,
+    MODEL_HF,
+    VOCAB,
+    Cluster,
+    pipeline_cpus,
+    router_counters,
+    warm_pipeline,
+    warm_router,
+)
+from router_report import (  # bench/ is on sys.path: this file runs as a script
+    ORACLE,
+    OVERHEAD_PROMPT,
+    PATHS,
+    POLICIES,
+    plot,
+    print_tables,
+)
 from router_workload import (  # bench/ is on sys.path: this file runs as a script
     Request,
     WorkloadSpec,
@@ -83,254 +92,10 @@ from router_workload import (  # bench/ is on sys.path: this file runs as a scri
 )
 from tqdm import tqdm
 
-MODEL_HF = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 384,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-}
-"""On a 2-core VM with a core per stage, an 800-token prompt takes ~115 ms cold and ~30 ms
-after a cached 768-token prefix; a gRPC round trip ~9 ms: compute dominates."""
-VOCAB = MODEL_HF["vocab_size"]
-BLOCK = 16
-POLICIES = ("prefix", "round-robin", "least-loaded", "prefix-only")
-ORACLE = "oracle"
-PATHS = ("direct", "router", "proxy")
-OVERHEAD_PROMPT = 128  # tokens: 7 blocks cached, the last block's 16 tokens computed
 OVERHEAD_SLICES = 4  # per path and (run, c): interleaved with the other paths' slices
-WARMUP_SALT = "warmup"  # no measured request uses it: its blocks never match
-PREFILL_METHOD = "/wavepp.prefill.v1.PrefillService/Prefill"
-CLI = [sys.executable, "-m", "prefill_node.cli.main"]
-START_TIMEOUT_S = 120.0
 CORE_BLOCKS, CORE_RESIDENT, CORE_REPEATS = 500_000, 200_000, 20  # bench/router_core.py's
 
 
-# -- processes ------------------------------------------------------------------------------------
-class Server:
-    """A `wavepp serve` / `wavepp router` child in its own session, so that ``stop`` takes
-    its stage processes with it; stderr goes to ``log`` (shown when something fails).
-    ``cpus``: run it (and so its stages) on these cores only (taskset)."""
-
-    def __init__(
-        self, argv: list[str], banner: str, log: Path, cpus: list[int] | None = None
-    ) -> None:
-        self.banner, self.log = banner, log
-        pin = ["taskset", "--cpu-list", ",".join(map(str, cpus))] if cpus else []
-        with open(log, "w") as err:
-            self.popen = subprocess.Popen(
-                [*pin, *CLI, *argv],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                start_new_session=True,
-            )
-        self.pid = self.popen.pid
-        self.address = ""
-        self.metrics_port: int | None = None
-
-    def wait_listening(self) -> Server:
-        """Block until its first stdout line says where it listens."""
-        ready, _, _ = select.select([self.popen.stdout], [], [], START_TIMEOUT_S)
-        line = self.popen.stdout.readline() if ready else ""
-        pattern = self.banner + r" listening on (127\.0\.0\.1:\d+)(?:.*metrics on :(\d+))?"
-        match = re.search(pattern, line)
-        if match is None:
-            raise RuntimeError(f"{self.banner} did not start ({line!r}):\n{self.log_tail()}")
-        self.address = match.group(1)
-        self.metrics_port = int(match.group(2)) if match.group(2) else None
-        return self
-
-    def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # anything left of its session
-            os.killpg(self.pid, signal.SIGKILL)
-        self.popen.wait()
-        self.popen.stdout.close()
-
-
-def _proxy_main(upstream: str, conn) -> None:
-    """The proxy child: forwards Prefill as opaque bytes (no parsing, validation, metrics,
-    health or deadlines beyond the caller's); sends its port, stops on any message."""
-    import grpc
-
-    async def main() -> None:
-        channel = grpc.aio.insecure_channel(upstream)
-        forward = channel.unary_unary(PREFILL_METHOD)  # no (de)serializers: bytes both ways
-
-        async def prefill(request: bytes, context) -> bytes:
-            return await forward(request, timeout=context.time_remaining())
-
-        service, method = PREFILL_METHOD.strip("/").split("/")
-        handler = grpc.method_handlers_generic_handler(
-            service, {method: grpc.unary_unary_rpc_method_handler(prefill)}
-        )
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        conn.send(port)
-        await asyncio.to_thread(conn.recv)
-        await server.stop(0)
-        await channel.close()
-
-    asyncio.run(main())
-
-
-class Proxy:
-    """The bare grpc.aio pass-through in front of ``upstream`` (a spawned child process)."""
-
-    def __init__(self, upstream: str) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_proxy_main, args=(upstream, child), daemon=True)
-        self._proc.start()
-        self.pid = self._proc.pid
-        if not self._conn.poll(START_TIMEOUT_S):
-            self.stop()
-            raise RuntimeError("the proxy did not start")
-        self.address = f"127.0.0.1:{self._conn.recv()}"
-
-    def stop(self) -> None:
-        if self._proc.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send("stop")
-            self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-
-
-class Cluster:
-    """The processes of one measurement; leaving the block stops them all (newest first),
-    printing their logs' tails when it is left by an error."""
-
-    def __init__(self, model_dir: Path, logs: Path, args: argparse.Namespace) -> None:
-        self._model, self._logs, self._args = model_dir, logs, args
-        self._procs: list[Server | Proxy] = []
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
-            for proc in self._procs:
-                if isinstance(proc, Server):
-                    print(f"--- {proc.log.name}:\n{proc.log_tail()}", file=sys.stderr)
-        for proc in reversed(self._procs):
-            try:
-                proc.stop()
-            except Exception as error:  # noqa: BLE001 - stop the others all the same
-                print(f"could not stop pid {proc.pid}: {error!r}", file=sys.stderr)
-
-    def serve(self, name: str, num_blocks: int, cpus: list[int] | None = None) -> Server:
-        """Start a pipeline (returns at once: ``wait_listening`` before use)."""
-        argv = ["serve", "--model", str(self._model), "--stages", "2", "--num-blocks",
-                str(num_blocks), "--block-size", str(BLOCK), "--max-chunk-tokens",
-                str(self._args.max_chunk_tokens), "--threads", "1", "--host", "127.0.0.1",
-                "--port", "0", "--metrics-port", "-1", "--no-kv-shipping", "--pipeline-id", name,
-                "--log-level", "WARNING"]  # fmt: skip
-        return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
-
-    def router(self, policy: str, pipelines: list[Server]) -> Server:
-        argv = ["router", "--model", str(self._model), "--policy", policy, "--host",
-                "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
-                "--log-level", "WARNING", *self._args.router_arg]  # fmt: skip
-        for p in pipelines:
-            argv += ["--pipeline", p.address]
-        server = Server(argv, "wavepp router:", self._logs / f"router-{policy}.log")
-        return self._add(server).wait_listening()
-
-    def proxy(self, upstream: str) -> Proxy:
-        return self._add(Proxy(upstream))
-
-    def _add(self, proc):
-        self._procs.append(proc)
-        return proc
-
-
-def pipeline_cpus(i: int, pipelines: int) -> list[int] | None:
-    """Pipeline ``i``'s share of this process's cores, as if each pipeline had its own host
-    (its launcher then pins its stages inside that share); None with fewer cores than
-    pipelines."""
-    allowed = sorted(os.sched_getaffinity(0))
-    k = len(allowed) // pipelines
-    return allowed[i * k : (i + 1) * k] if k else None
-
-
-def _wait(predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
-    import grpc
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(grpc.RpcError):
-            if predicate():
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def warm_pipeline(address: str, tokens: int) -> None:
-    """Ready, and torch warm: a cold ``tokens + 16``-token prompt, then one sharing its
-    first ``tokens``."""
-    from prefill_node.server.client import PrefillClient
-
-    rng = random.Random(-1)
-    base = [rng.randrange(VOCAB) for _ in range(tokens)]
-    with PrefillClient(address) as client:
-        _wait(client.is_ready, f"pipeline {address} ready")
-        for tail in (16, 8):
-            prompt = base + [rng.randrange(VOCAB) for _ in range(tail)]
-            client.prefill(prompt, cache_salt=WARMUP_SALT)
-
-
-def warm_router(address: str, pipelines: int) -> None:
-    """Every pipeline ready and indexed (its warm-up blocks), then a few short requests."""
-    from prefill_node.server.client import PrefillClient
-
-    rng = random.Random(-2)
-    with PrefillClient(address) as client:
-
-        def indexed() -> bool:
-            loads = client.load().pipelines
-            return len(loads) == pipelines and all(p.ready and p.indexed_blocks for p in loads)
-
-        _wait(indexed, "the router to index every pipeline")
-        _wait(client.is_ready, "the router SERVING")
-        for _ in range(4):
-            client.prefill([rng.randrange(VOCAB) for _ in range(40)], cache_salt=WARMUP_SALT)
-
-
-def router_counters(metrics_port: int) -> Counter[str]:
-    """The router's cached-token prediction and decision counters from its /metrics."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: Counter[str] = Counter()
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith("wavepp_router_cached_tokens_total"):
-            kind = re.search(r'kind="(\w+)"', name).group(1)
-            out[f"router_{kind}_cached_tokens"] += int(float(value))
-        elif name.startswith("wavepp_router_decisions_total"):
-            reason = re.search(r'reason="(\w+)"', name).group(1)
-            out[f"decided_{reason}"] += int(float(value))
-    return out
-
-
-# -- measurements ---------------------------------------------------------------------------------
 def measure_policy(policy, requests, args, model_dir, logs, tag, inner: tqdm) -> dict:
     """One closed loop of ``requests`` on a fresh cluster behind a ``policy`` router, or on
     the oracle's lone pipeline."""
@@ -528,105 +293,6 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-_ms = lambda v: f"{v * 1e3:.2f}"
-POLICY_COLUMNS = (
-    ("policy", "policy", str),
-    ("input tok/s", "input_tok_s", "{:.0f}".format),
-    ("computed tok", "computed_tokens", "{:.0f}".format),
-    ("cached tok", "cached_tokens", "{:.0f}".format),
-    ("cached", "cached_share", "{:.1%}".format),
-    ("p50 s", "p50_s", "{:.3f}".format),
-    ("p95 s", "p95_s", "{:.3f}".format),
-    ("busiest", "busiest_share", "{:.2f}".format),
-    ("affinity", "tenant_affinity", "{:.2f}".format),
-    ("spread", "tenant_spread", "{:.2f}".format),
-    ("predicted / actual cached", "router_cached_prediction", "{:.3f}".format),
-    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}".format),
-)
-OVERHEAD_COLUMNS = (
-    ("c", "concurrency", str),
-    ("direct p50 ms", "direct_p50_s", _ms),
-    ("router p50 ms", "router_p50_s", _ms),
-    ("proxy p50 ms", "proxy_p50_s", _ms),
-    ("router added ms", "router_added_s", _ms),
-    ("proxy added ms", "proxy_added_s", _ms),
-    ("router / proxy added", "router_over_proxy_added", "{:.2f}".format),
-    ("goal", "goal", str),
-    ("met", "met", lambda met: "yes" if met else "MISSED"),
-    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}".format),
-    ("proxy CPU ms/req", "proxy_cpu_ms_per_request", "{:.2f}".format),
-)
-
-
-def table(columns, rows: list[dict]) -> str:
-    """A markdown table; "-" where a row lacks a column (the oracle's throughput)."""
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(f(r[k]) if k in r else "-" for _, k, f in columns) + " |")
-    return "\n".join(lines)
-
-
-def print_tables(summary: list[dict], core: list[dict], args) -> None:
-    print(f"\n{args.tenants} tenants, {args.requests} requests, c = {args.concurrency}, "
-          f"{args.num_blocks} blocks per stage (oracle: one pipeline, {2 * args.num_blocks}), "
-          f"median of {args.runs} run(s)")  # fmt: skip
-    print(table(POLICY_COLUMNS, [r for r in summary if r["policy"] in (*POLICIES, ORACLE)]))
-    for r in summary:
-        if r["policy"] == "ratio":
-            goal = f"  (goal {r['goal']}: {'met' if r['met'] else 'MISSED'})" if "goal" in r else ""
-            spread = f"{r['min']:.2f}-{r['max']:.2f} over {r['runs']} run(s)"
-            print(f"{r['metric']}: {r['value']:.3f} ({spread}){goal}")
-    overhead = [r for r in summary if r["policy"] == "overhead"]
-    if overhead:
-        print(f"\nrouter overhead, a cached {OVERHEAD_PROMPT}-token prompt on one pipeline")
-        print(table(OVERHEAD_COLUMNS, overhead))
-    print("\nrouter core (bench/router_core.py, CPU time)")
-    for r in core:
-        goal = f"  (goal {r['goal']}: {'met' if r['met'] else 'MISSED'})" if "goal" in r else ""
-        print(f"{r['metric']}: {r['value']:,.3f} {r['unit']}{goal}")
-
-
-def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    med = {r["policy"]: r for r in summary if r.get("run") == "median" and "path" not in r}
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.2))
-    panels = (
-        ("input_tok_s", "input tok/s", POLICIES),
-        ("p95_s", "p95 latency (s)", POLICIES),
-        ("cached_share", "cached share of input tokens", (*POLICIES, ORACLE)),
-    )
-    for ax, (key, label, policies) in zip(axes, panels, strict=False):
-        shown = [p for p in policies if p in med]
-        ax.bar(shown, [med[p][key] for p in shown], color="#9ab")
-        for i, p in enumerate(shown):  # every run's own value
-            runs = [r[key] for r in rows if r["policy"] == p]
-            ax.plot([i] * len(runs), runs, "k.", alpha=0.6)
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", rotation=20)
-    axes[0].set_title("throughput (bars: median; dots: runs)")
-    axes[1].set_title("p95 latency")
-    axes[2].set_title("cache hits (oracle: one pipeline, 2x blocks)")
-    overhead = [r for r in summary if r["policy"] == "overhead"]
-    if not overhead:
-        axes[3].set_visible(False)
-    width = 0.8 / len(PATHS)
-    for j, p in enumerate(PATHS):
-        xs = [i + (j - 1) * width for i in range(len(overhead))]
-        axes[3].bar(xs, [r[f"{p}_p50_s"] * 1e3 for r in overhead], width, label=p)
-    axes[3].set_xticks(range(len(overhead)), [f"c = {r['concurrency']}" for r in overhead])
-    axes[3].set_ylabel("p50 latency (ms)")
-    axes[3].set_title("router vs bare gRPC proxy, cached prompt")
-    if overhead:
-        axes[3].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-# -- main -----------------------------------------------------------------------------------------
 def span(text: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in text.split(","))
     if not 1 <= lo <= hi:

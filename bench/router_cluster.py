@@ -1,0 +1,264 @@
+"""The local cluster bench/router.py measures: `wavepp serve` / `wavepp router` processes, a bare
+grpc.aio pass-through proxy, warm-ups and the router's counters (processes in their own
+sessions, stopped SIGTERM-then-SIGKILL)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+MODEL_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+}
+"""On a 2-core VM with a core per stage, an 800-token prompt takes ~115 ms cold and ~30 ms
+after a cached 768-token prefix; a gRPC round trip ~9 ms: compute dominates."""
+VOCAB = MODEL_HF["vocab_size"]
+BLOCK = 16
+WARMUP_SALT = "warmup"  # no measured request uses it: its blocks never match
+PREFILL_METHOD = "/wavepp.prefill.v1.PrefillService/Prefill"
+CLI = [sys.executable, "-m", "prefill_node.cli.main"]
+START_TIMEOUT_S = 120.0
+
+
+# -- processes ------------------------------------------------------------------------------------
+class Server:
+    """A `wavepp serve` / `wavepp router` child in its own session, so that ``stop`` takes
+    its stage processes with it; stderr goes to ``log`` (shown when something fails).
+    ``cpus``: run it (and so its stages) on these cores only (taskset)."""
+
+    def __init__(
+        self, argv: list[str], banner: str, log: Path, cpus: list[int] | None = None
+    ) -> None:
+        self.banner, self.log = banner, log
+        pin = ["taskset", "--cpu-list", ",".join(map(str, cpus))] if cpus else []
+        with open(log, "w") as err:
+            self.popen = subprocess.Popen(
+                [*pin, *CLI, *argv],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
+        self.pid = self.popen.pid
+        self.address = ""
+        self.metrics_port: int | None = None
+
+    def wait_listening(self) -> Server:
+        """Block until its first stdout line says where it listens."""
+        ready, _, _ = select.select([self.popen.stdout], [], [], START_TIMEOUT_S)
+        line = self.popen.stdout.readline() if ready else ""
+        pattern = self.banner + r" listening on (127\.0\.0\.1:\d+)(?:.*metrics on :(\d+))?"
+        match = re.search(pattern, line)
+        if match is None:
+            raise RuntimeError(f"{self.banner} did not start ({line!r}):\n{self.log_tail()}")
+        self.address = match.group(1)
+        self.metrics_port = int(match.group(2)) if match.group(2) else None
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # anything left of its session
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+        self.popen.stdout.close()
+
+
+def _proxy_main(upstream: str, conn) -> None:
+    """The proxy child: forwards Prefill as opaque bytes (no parsing, validation, metrics,
+    health or deadlines beyond the caller's); sends its port, stops on any message."""
+    import grpc
+
+    async def main() -> None:
+        channel = grpc.aio.insecure_channel(upstream)
+        forward = channel.unary_unary(PREFILL_METHOD)  # no (de)serializers: bytes both ways
+
+        async def prefill(request: bytes, context) -> bytes:
+            return await forward(request, timeout=context.time_remaining())
+
+        service, method = PREFILL_METHOD.strip("/").split("/")
+        handler = grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_unary_rpc_method_handler(prefill)}
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await asyncio.to_thread(conn.recv)
+        await server.stop(0)
+        await channel.close()
+
+    asyncio.run(main())
+
+
+class Proxy:
+    """The bare grpc.aio pass-through in front of ``upstream`` (a spawned child process)."""
+
+    def __init__(self, upstream: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_proxy_main, args=(upstream, child), daemon=True)
+        self._proc.start()
+        self.pid = self._proc.pid
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError("the proxy did not start")
+        self.address = f"127.0.0.1:{self._conn.recv()}"
+
+    def stop(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send("stop")
+            self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+class Cluster:
+    """The processes of one measurement; leaving the block stops them all (newest first),
+    printing their logs' tails when it is left by an error."""
+
+    def __init__(self, model_dir: Path, logs: Path, args: argparse.Namespace) -> None:
+        self._model, self._logs, self._args = model_dir, logs, args
+        self._procs: list[Server | Proxy] = []
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
+            for proc in self._procs:
+                if isinstance(proc, Server):
+                    print(f"--- {proc.log.name}:\n{proc.log_tail()}", file=sys.stderr)
+        for proc in reversed(self._procs):
+            try:
+                proc.stop()
+            except Exception as error:  # noqa: BLE001 - stop the others all the same
+                print(f"could not stop pid {proc.pid}: {error!r}", file=sys.stderr)
+
+    def serve(self, name: str, num_blocks: int, cpus: list[int] | None = None) -> Server:
+        """Start a pipeline (returns at once: ``wait_listening`` before use)."""
+        argv = ["serve", "--model", str(self._model), "--stages", "2", "--num-blocks",
+                str(num_blocks), "--block-size", str(BLOCK), "--max-chunk-tokens",
+                str(self._args.max_chunk_tokens), "--threads", "1", "--host", "127.0.0.1",
+                "--port", "0", "--metrics-port", "-1", "--no-kv-shipping", "--pipeline-id", name,
+                "--log-level", "WARNING"]  # fmt: skip
+        return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
+
+    def router(self, policy: str, pipelines: list[Server]) -> Server:
+        argv = ["router", "--model", str(self._model), "--policy", policy, "--host",
+                "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+                "--log-level", "WARNING", *self._args.router_arg]  # fmt: skip
+        for p in pipelines:
+            argv += ["--pipeline", p.address]
+        server = Server(argv, "wavepp router:", self._logs / f"router-{policy}.log")
+        return self._add(server).wait_listening()
+
+    def proxy(self, upstream: str) -> Proxy:
+        return self._add(Proxy(upstream))
+
+    def _add(self, proc):
+        self._procs.append(proc)
+        return proc
+
+
+def pipeline_cpus(i: int, pipelines: int) -> list[int] | None:
+    """Pipeline ``i``'s share of this process's cores, as if each pipeline had its own host
+    (its launcher then pins its stages inside that share); None with fewer cores than
+    pipelines."""
+    allowed = sorted(os.sched_getaffinity(0))
+    k = len(allowed) // pipelines
+    return allowed[i * k : (i + 1) * k] if k else None
+
+
+def _wait(predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    import grpc
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(grpc.RpcError):
+            if predicate():
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def warm_pipeline(address: str, tokens: int) -> None:
+    """Ready, and torch warm: a cold ``tokens + 16``-token prompt, then one sharing its
+    first ``tokens``."""
+    from prefill_node.server.client import PrefillClient
+
+    rng = random.Random(-1)
+    base = [rng.randrange(VOCAB) for _ in range(tokens)]
+    with PrefillClient(address) as client:
+        _wait(client.is_ready, f"pipeline {address} ready")
+        for tail in (16, 8):
+            prompt = base + [rng.randrange(VOCAB) for _ in range(tail)]
+            client.prefill(prompt, cache_salt=WARMUP_SALT)
+
+
+def warm_router(address: str, pipelines: int) -> None:
+    """Every pipeline ready and indexed (its warm-up blocks), then a few short requests."""
+    from prefill_node.server.client import PrefillClient
+
+    rng = random.Random(-2)
+    with PrefillClient(address) as client:
+
+        def indexed() -> bool:
+            loads = client.load().pipelines
+            return len(loads) == pipelines and all(p.ready and p.indexed_blocks for p in loads)
+
+        _wait(indexed, "the router to index every pipeline")
+        _wait(client.is_ready, "the router SERVING")
+        for _ in range(4):
+            client.prefill([rng.randrange(VOCAB) for _ in range(40)], cache_salt=WARMUP_SALT)
+
+
+def router_counters(metrics_port: int) -> Counter[str]:
+    """The router's cached-token prediction and decision counters from its /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("wavepp_router_cached_tokens_total"):
+            kind = re.search(r'kind="(\w+)"', name).group(1)
+            out[f"router_{kind}_cached_tokens"] += int(float(value))
+        elif name.startswith("wavepp_router_decisions_total"):
+            reason = re.search(r'reason="(\w+)"', name).group(1)
+            out[f"decided_{reason}"] += int(float(value))
+    return out
+
+
+# -- measurements ---------------------------------------------------------------------------------
