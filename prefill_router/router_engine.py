@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -46,7 +46,7 @@ from prefill_node.engine.types import (
 )
 from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
 from prefill_node.server.client import RemoteServerInfo, build_request
-from prefill_node.server.convert import result_from_proto
+from prefill_node.server.convert import ParsedRequest, result_from_proto
 from prefill_node.server.remote_engine import error_from_rpc
 from prefill_node.server.servicer import NOT_READY
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
@@ -61,6 +61,7 @@ from prefill_router.scoring import (
     RoutingPolicy,
     Scorer,
 )
+from wavepp_proto.prefill.v1 import prefill_pb2
 
 log = logging.getLogger(__name__)
 
@@ -254,23 +255,40 @@ class RouterEngine:
     async def prefill_async(
         self, token_ids: Sequence[int], options: PrefillOptions
     ) -> PrefillResult:
-        """Route and forward one request on the running loop (the server's: no thread hop);
-        cancelling the coroutine cancels the forwarded call, so the pipeline aborts it."""
+        """Route and forward one request on the running loop; cancelling the coroutine
+        cancels the forwarded call, so the pipeline aborts it."""
         tokens = list(token_ids)
+        request = build_request(tokens, request_id=options.request_id or "",
+                                cache_salt=options.cache_salt or "",
+                                top_logprobs=options.top_logprobs,
+                                kv_destination=options.kv_destination)  # fmt: skip
+        return result_from_proto(await self._forward(request, tokens, options))
+
+    async def forward(
+        self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest
+    ) -> prefill_pb2.PrefillResponse:
+        """The server's path (``ResponseForwarder``): the request as received goes on to the
+        chosen pipeline (its text replaced by the ids tokenised here) and the pipeline's
+        response comes back as is, with ``served_by`` set: no re-encoding either way."""
+        options = parsed.options
+        request.request_id = options.request_id or request.request_id
+        if parsed.from_text:
+            request.token_ids.ids[:] = parsed.token_ids  # the oneof drops the text
+        return await self._forward(request, list(parsed.token_ids), options)
+
+    async def _forward(
+        self, request: prefill_pb2.PrefillRequest, tokens: list[int], options: PrefillOptions
+    ) -> prefill_pb2.PrefillResponse:
         with self._lock:
             identity = self._identity
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
         hashes = hash_block_tokens(tokens, identity.block_size,
                                    ExtraKeys(identity.model_id, options.cache_salt))  # fmt: skip
-        request_id = options.request_id or ""
+        request_id = request.request_id
         tried: tuple[str, ...] = ()
         while True:
             link, routed = self._route(tokens, hashes, request_id, tried)
-            request = build_request(tokens, request_id=request_id,
-                                    cache_salt=options.cache_salt or "",
-                                    top_logprobs=options.top_logprobs,
-                                    kv_destination=options.kv_destination)  # fmt: skip
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
@@ -293,9 +311,9 @@ class RouterEngine:
                 raise error_from_rpc(exc) from None
             finally:
                 self._forget(request_id, routed)
-            result = result_from_proto(response)
-            self.metrics.answered(routed.pid, routed.predicted_cached, result.cached_tokens)
-            return replace(result, served_by=routed.pid)
+            self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
+            response.served_by = routed.pid
+            return response
 
     def _route(
         self, tokens: list[int], hashes: Sequence[int], request_id: str, tried: tuple[str, ...]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -203,14 +203,3 @@ class Engine(Protocol):
     def health(self) -> EngineHealth: ...
 
     def shutdown(self) -> None: ...
-
-
-@runtime_checkable
-class AsyncEngine(Protocol):
-    """An Engine that can also run a request as a coroutine on the caller's event loop (a
-    router forwarding over grpc.aio): the server awaits ``prefill_async`` instead of bridging
-    ``submit``'s future back to its loop. Cancelling the coroutine aborts the request."""
-
-    async def prefill_async(
-        self, token_ids: Sequence[int], options: PrefillOptions
-    ) -> PrefillResult: ...

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from prefill_node.engine.types import EngineLoad, PrefillResult
+from wavepp_proto.prefill.v1 import prefill_pb2
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +181,23 @@ class ServerMetrics:
         self._http_server = None
 
     def observe_success(self, result: PrefillResult, server_s: float) -> None:
+        t = result.timings
+        self._ok(result.cached_tokens, result.computed_tokens, server_s, t.admission_s, t.queue_s)
+
+    def observe_response(self, resp: prefill_pb2.PrefillResponse, server_s: float) -> None:
+        """``observe_success`` for a response passed on as received (a router)."""
+        t = resp.timings
+        self._ok(resp.cached_tokens, resp.computed_tokens, server_s, t.admission_seconds,
+                 t.queue_seconds)  # fmt: skip
+
+    def _ok(self, cached: int, computed: int, server_s: float, admission_s: float,
+            queue_s: float) -> None:  # fmt: skip
         self.outcomes["ok"] += 1
-        self.cached_tokens += result.cached_tokens
-        self.computed_tokens += result.computed_tokens
+        self.cached_tokens += cached
+        self.computed_tokens += computed
         self.ttft.observe(server_s)
-        self.admission.observe(result.timings.admission_s)
-        self.queue.observe(result.timings.queue_s)
+        self.admission.observe(admission_s)
+        self.queue.observe(queue_s)
 
     def observe_failure(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

@@ -17,13 +17,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar, runtime_checkable
 
 import grpc
 
 from prefill_node import __version__
-from prefill_node.engine.types import AsyncEngine, Engine, PrefillOptions, PrefillResult
+from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult
 from prefill_node.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -49,6 +50,21 @@ log = logging.getLogger(__name__)
 
 # UNAVAILABLE before anything was admitted starts with this: a router may retry elsewhere.
 NOT_READY = "the pipeline is not ready"
+
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class ResponseForwarder(Protocol):
+    """An engine that answers with a ready PrefillResponse (a router passing on its
+    pipeline's), awaited on the server's loop: no PrefillResult round trip. ``forward`` gets
+    the request as received and as parsed (token ids: text is already tokenised here);
+    cancelling it cancels the request. Errors are the engine's typed errors."""
+
+    async def forward(
+        self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest
+    ) -> prefill_pb2.PrefillResponse: ...
 
 
 class RequestFailure(Exception):
@@ -97,7 +113,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         is_router: bool = False,
     ) -> None:
         self._engine = engine
-        self._prefill_async = engine.prefill_async if isinstance(engine, AsyncEngine) else None
+        self._forward = engine.forward if isinstance(engine, ResponseForwarder) else None
         self._model_name = model_name
         self._is_router = is_router
         self.instance_id = uuid.uuid4().hex
@@ -237,8 +253,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         engine whose submit only enqueues (the pipeline) is called inline, saving a thread hop.
         Completions reach the loop through the LoopBridge (one wakeup per burst).
         """
-        if self._prefill_async is not None:  # runs on this loop (a router's grpc.aio calls)
-            return await self._prefill_async(token_ids, options)
         loop = asyncio.get_running_loop()
         if self._bridge is None or self._bridge.loop is not loop:
             self._bridge = LoopBridge(loop)
@@ -278,7 +292,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 )
             except Exception as exc:
                 raise _failure(request_id, exc) from exc
-            result = await self._await_engine(parsed)
+            if self._forward is not None:  # a router: the pipeline's response, passed on
+                resp = await self._await_engine(parsed, self._forward(req, parsed))
+            else:
+                result = await self._await_engine(
+                    parsed, self._run_engine(parsed.token_ids, parsed.options)
+                )
         except RequestFailure as f:
             self._metrics.observe_failure(f.code.name.lower())
             raise
@@ -286,19 +305,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self._metrics.observe_failure("cancelled")
             raise
         server_s = time.perf_counter() - started
-        self._metrics.observe_success(result, server_s)
         echo = parsed.token_ids if parsed.from_text else ()
+        if self._forward is not None:
+            self._metrics.observe_response(resp, server_s)
+            resp.prompt_token_ids[:] = echo
+            resp.timings.server_seconds = server_s
+            return resp
+        self._metrics.observe_success(result, server_s)
         return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
 
-    async def _await_engine(self, parsed: ParsedRequest) -> PrefillResult:
-        """The engine's result; aborts the request in the engine (its blocks freed on every
+    async def _await_engine(self, parsed: ParsedRequest, run: Awaitable[T]) -> T:
+        """``run``'s outcome; aborts the request in the engine (its blocks freed on every
         stage) when the call is cancelled or the deadline passes, and maps errors."""
         request_id = parsed.options.request_id or ""
         deadline = parsed.options.deadline_s
         try:
             if parsed.timeout_s is None:  # no timer task on the common path
-                return await self._run_engine(parsed.token_ids, parsed.options)
-            run = self._run_engine(parsed.token_ids, parsed.options)
+                return await run
             return await asyncio.wait_for(run, parsed.timeout_s)
         except asyncio.CancelledError:
             self._engine.abort(request_id)
