@@ -121,6 +121,7 @@ class RouterEngine:
         self._routed: dict[str, _Routed] = {}
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # for ``submit`` callers only
+        self._vocab_size = self._max_model_len = 0  # over the pipelines accepted so far
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -179,6 +180,8 @@ class RouterEngine:
                        f"{self._identity.block_size}-token blocks")  # fmt: skip
             else:
                 why = None
+                self._vocab_size = max(self._vocab_size, info.vocab_size)
+                self._max_model_len = max(self._max_model_len, info.max_model_len)
                 if self._identity is None:
                     self._identity = identity
                     cfg = self.config
@@ -232,13 +235,14 @@ class RouterEngine:
     # -- Engine protocol -----------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        infos = [link.info for link in self._accepted() if link.info is not None]
-        return max((i.vocab_size for i in infos), default=0)
+        """The largest of the accepted pipelines' (0 before the first): read per request."""
+        return self._vocab_size
 
     @property
     def max_model_len(self) -> int:
-        infos = [link.info for link in self._accepted() if link.info is not None]
-        return max((i.max_model_len for i in infos), default=0)
+        """The longest prompt any accepted pipeline took; scoring excludes the ones it
+        does not fit."""
+        return self._max_model_len
 
     @property
     def cache_identity(self) -> CacheIdentity:
