@@ -87,6 +87,7 @@ class PipelineLink:
         self._stop = threading.Event()
         # set while the link is ready AND its owner knows (may subscribe); stop() sets it too
         self._subscribable = threading.Event()
+        self._recheck_identity = threading.Event()  # GetServerInfo on the next poll
         self._stream = None  # the live SubscribeKvEvents call (cancel() ends it)
         self._lock = threading.Lock()
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, object]] = {}
@@ -139,16 +140,23 @@ class PipelineLink:
             self._stop.wait(self.config.poll_s)
 
     def _check(self) -> None:
+        """GetServerInfo only when the pipeline may have changed (first contact, after a
+        failed call or a broken event stream: a restarted server breaks both); readiness
+        and load on every poll."""
         timeout = self.config.rpc_timeout_s
         try:
-            info = self.client.server_info(timeout_s=timeout)
-            if self.info is None or info.instance_id != self.info.instance_id:
-                self._identify(info)
+            if self._recheck_identity.is_set() or self.info is None:
+                self._recheck_identity.clear()
+                info = self.client.server_info(timeout_s=timeout)
+                if self.info is None or info.instance_id != self.info.instance_id:
+                    self._identify(info)
             if self.refused is not None:
+                self._recheck_identity.set()  # a refused server may be replaced: ask again
                 return
             ready = self.client.is_ready(timeout_s=timeout)
             self.load = self.client.load(timeout_s=timeout) if ready else self.load
         except grpc.RpcError as exc:
+            self._recheck_identity.set()
             self._set_ready(False, f"unreachable: {exc.code().name}")
             return
         self._set_ready(ready, "" if ready else "NOT_SERVING")
@@ -185,6 +193,7 @@ class PipelineLink:
             reason = self._follow()
             if self._stop.is_set():
                 return
+            self._recheck_identity.set()
             self._listener.link_stream_lost(self, reason)
             self._stop.wait(backoff)
             backoff = min(self.config.retry_s, backoff * 2)
