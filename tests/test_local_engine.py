@@ -120,8 +120,8 @@ def test_reusable_prefix_is_the_minimum_over_stages(make_engine) -> None:
     engine.prefill(a, OPTS)
     # c needs 5 blocks on stage 1 (6 blocks): the spare one, then a's chain tail-first.
     engine.prefill(c, OPTS)
-    assert engine.stages[0].local_hit_blocks(engine_hashes(engine, a)) == 5
-    assert engine.stages[1].local_hit_blocks(engine_hashes(engine, a)) == 1
+    assert engine.stages[0].pool.index.longest_prefix(engine_hashes(engine, a)) == 5
+    assert engine.stages[1].pool.index.longest_prefix(engine_hashes(engine, a)) == 1
     out = engine.prefill(a, OPTS)
     assert (out.result.cached_tokens, out.result.computed_tokens) == (4, 16)
     assert_matches_reference(engine, a, out.logits)
@@ -193,18 +193,34 @@ def test_passed_deadline_fails_the_request_and_frees_its_blocks(make_engine) -> 
     assert engine.prefill(prompt(9, seed=9), OPTS).result.cached_tokens == 0
 
 
+def admit_alone(engine: LocalEngine, request_id: str, ids: list[int]) -> int:
+    """Reserve ``request_id`` on every stage of ``engine`` through one admission round (the
+    engine's own path, without computing); its cached tokens."""
+    from prefill_node.core.admission_messages import Admitted
+    from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+    from prefill_node.core.hashing import ExtraKeys
+    from prefill_node.core.request import RequestSpec
+    from prefill_node.core.round_driver import run_round
+
+    coordinator = AdmissionCoordinator(
+        CoordinatorConfig(engine.config.block_size, engine.config.stage_num_blocks)
+    )
+    spec = RequestSpec(request_id, tuple(ids), ExtraKeys(engine.model_id))
+    (outcome,) = run_round(coordinator, engine.stages, [spec])
+    assert isinstance(outcome, Admitted)
+    return outcome.cached_len
+
+
 def test_stage_refuses_a_chunk_that_does_not_continue_its_kv(make_engine) -> None:
     engine = make_engine(1)
     stage = engine.stages[0]
     ids = prompt(8, seed=10)
-    from prefill_node.core.hashing import ExtraKeys
-
-    seq = stage.materialise("r", ids, (), ExtraKeys("m"), [])
+    assert admit_alone(engine, "r", ids) == 0
     try:
         with pytest.raises(InvariantError, match="does not continue"):
-            stage.execute([ChunkWork(seq, 4, 4)], torch.tensor(ids[4:]))
+            stage.execute([ChunkWork("r", 4, 4)], torch.tensor(ids[4:]))
     finally:
-        stage.release(seq)
+        assert stage.abort("r")
 
 
 @settings(
@@ -231,23 +247,16 @@ def test_random_request_streams_match_reference(make_engine, stages, blocks, req
 
 
 def test_stage_materialises_on_escrowed_blocks(make_engine) -> None:
-    """The multi-process path: victims claimed by an escrow become the suffix blocks."""
-    from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
-
+    """Admission escrows victims for the suffix; executing the chunk makes them its blocks."""
     engine = make_engine(1, num_blocks=8)
     stage = engine.stages[0]
     ids = prompt(10, seed=11)
-    extra = ExtraKeys(engine.model_id)
-    hashes = hash_block_tokens(ids, stage.block_size, extra)
-    need = stage.suffix_blocks(len(ids), 0)
-    victims = stage.pool.claim(need, "req")
-    assert victims is not None and need == 3
-    stage.pool.take_claimed(victims, "req")
-    seq = stage.materialise("req", ids, hashes, extra, [], reserved=victims)
-    assert seq is not None and seq.block_table == tuple(b.block_id for b in victims)
-    step = stage.execute([ChunkWork(seq, 0, len(ids))], torch.tensor(ids))
+    assert admit_alone(engine, "req", ids) == 0
+    victims = stage.admission.reservation("req").escrow.victims()
+    assert len(victims) == 3 and stage.pool.stats().in_use == 0
+    step = stage.execute([ChunkWork("req", 0, len(ids))], torch.tensor(ids))
     assert step.completed == (0,) and step.logits is not None
     assert_matches_reference(engine, ids, step.logits[0])
-    manifest = stage.finish(seq)
+    manifest = stage.complete("req")
     assert manifest.block_ids == tuple(b.block_id for b in victims)
     assert engine.prefill(ids, OPTS).result.cached_tokens == 8  # its 2 full blocks were cached

@@ -25,7 +25,7 @@ from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.command_loop import CommandLoop
 from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
-from prefill_node.engine.stage_executor import StageExecutor, StageSequence
+from prefill_node.engine.stage_executor import StageExecutor
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError, KVHandoffError
 
@@ -85,20 +85,18 @@ class LocalKVShipping:
     # ---- engine thread, engine lock held ---------------------------------------------
 
     def stage_finished(
-        self, stage: StageExecutor, seq: StageSequence, destination: Destination
+        self, stage: StageExecutor, request_id: str, destination: Destination
     ) -> None:
         """The request's last chunk left ``stage``: pin its blocks for the shipper and start
         the WRITE (push) or lease them (pull). Returns at once; the next stages keep going."""
-        blocks = list(seq.blocks)
+        manifest = stage.manifest(request_id)
+        blocks = [stage.pool.block(block_id) for block_id in manifest.block_ids]
         stage.pool.touch(blocks)
-        manifest = stage.manifest(seq)
         shipper = self._shippers[stage.stage]
         if isinstance(destination, KVPullDestination):
-            work = partial(
-                shipper.publish, seq.request_id, blocks, manifest, destination.lease_ttl_s
-            )
+            work = partial(shipper.publish, request_id, blocks, manifest, destination.lease_ttl_s)
         else:
-            work = partial(shipper.push, seq.request_id, blocks, manifest, destination)
+            work = partial(shipper.push, request_id, blocks, manifest, destination)
         self._loop.call(work)
 
     def complete(
@@ -139,7 +137,7 @@ class LocalKVShipping:
         """Give queued block references back to the pools (caller holds the engine lock)."""
         while self._unpins:
             s, blocks = self._unpins.popleft()
-            self._stages[s].unpin(blocks)
+            self._stages[s].pool.free(blocks)
 
     def close(self) -> None:
         """Stop shipping: abort WRITEs, revoke leases, free the agents (engine lock held)."""

@@ -1,26 +1,26 @@
 """LocalEngine: the Engine protocol in ONE process, P pipeline stages simulated in-process.
 
-Each stage is a StageExecutor with its own layers, KV memory, block pool and prefix index
+Each stage is a StageExecutor: its layers, KV memory and the core's ``StageAdmission``
 (stages may differ in capacity). A request runs to completion inside ``submit``:
 
-1. admission: chained block hashes (extra keys = model identity + cache salt); candidate
-   prefix = MINIMUM over stages of the local hint; every stage pins it under the collision
-   guard; if any stage confirms less, all shrink to the common confirmed length (it only
-   shrinks, so this converges); then every stage allocates the suffix.
-2. compute: chunks of at most ``max_chunk_tokens`` pass stage 0 -> P-1 in order.
+1. admission: one round of the core's ``AdmissionCoordinator`` over the stages
+   (``core/round_driver.py``), the same messages the multi-process leader sends over its
+   rounds plane: LOOKUP (the minimum of the stages' hints), RESERVE (lease under the
+   collision guard + escrow for the suffix), COMMIT at the common boundary.
+2. compute: chunks of at most ``max_chunk_tokens`` pass stage 0 -> P-1 in order; each
+   stage materialises a chunk's blocks from its escrow just before the forward.
 3. completion: each stage caches the request's new full blocks, then unpins; the last
    stage's logits give the greedy first token and the top logprobs.
 
 Decisions: requests are serialised by a lock (one in flight), so ``submit`` returns an
 already completed future. ``abort`` (from another thread: the server on a client cancel)
 stops a request queued behind the lock before it starts, and a running one at its next
-chunk boundary, freeing its blocks (abort_registry.py). Exhaustion cannot happen with
-one request in flight once ``NeverFitsError`` has been ruled out, except for the one extra
-block a fully cached prompt needs for its copy-on-write last block; then the reused prefix
-shrinks by one block. That is the reuse rule of the pipeline's stages too
-(``core/request.py``, ``StageAdmission._reuse_limit``), so both report the same
-``cached_tokens``. The stage manifests describe where the KV sat at completion; no lease
-holds it afterwards (KV hand-off to decode is a later component's job).
+chunk boundary, dropping it on every stage (abort_registry.py). With one request in flight
+admission never waits once ``NeverFitsError`` has been ruled out (a stage too small for a
+wholly cached prompt plus the copy of its last block reuses one block less:
+``StageAdmission._reuse_limit``), so it reports the same ``cached_tokens`` as a pipeline.
+The stage manifests describe where the KV sat at completion; no lease holds it afterwards
+unless ``kv_shipper`` ships it (kv_shipping_local.py).
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_id
-from prefill_node.core.request import max_reusable_blocks
+from prefill_node.core.admission_messages import Admitted
+from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.hashing import ExtraKeys, model_cache_id
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.round_driver import run_round
 from prefill_node.engine.abort_registry import AbortFlag, AbortRegistry
 from prefill_node.engine.kv_event_feed import KVEventFeed
-from prefill_node.engine.stage_executor import ChunkWork, StageExecutor, StageSequence
+from prefill_node.engine.stage_executor import ChunkWork, StageExecutor
 from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
@@ -144,6 +147,9 @@ class LocalEngine:
         self.stages = tuple(stages)
         self.config = config
         self.model_id = model_cache_id(model_config.name, str(config.dtype))
+        self._coordinator = AdmissionCoordinator(
+            CoordinatorConfig(config.block_size, config.stage_num_blocks, max_requests_per_round=1)
+        )
         self._lock = threading.Lock()
         self._inflight_tokens = 0
         self._aborts = AbortRegistry()
@@ -315,18 +321,18 @@ class LocalEngine:
             aborted.check("before it started")
             t_start = time.monotonic()
             self._inflight_tokens = len(ids)
-            seqs: list[StageSequence] = []
+            admitted = False
             shipping = self._kv_shipper is not None and options.kv_destination is not None
             if self._kv_shipper is not None:
                 self._kv_shipper.drain()
             try:
-                seqs = self._admit(request_id, ids, options)
-                cached = seqs[0].num_cached_tokens
+                cached = self._admit(request_id, ids, options)
+                admitted = True
                 t_admitted = time.monotonic()
-                logits = self._compute(seqs, options, aborted)
+                logits = self._compute(request_id, ids, cached, options, aborted)
                 t_computed = time.monotonic()
-                manifests = tuple(s.finish(q) for s, q in zip(self.stages, seqs, strict=True))
-                seqs = []
+                manifests = tuple(stage.complete(request_id) for stage in self.stages)
+                admitted = False
                 if shipping:  # waits for every stage's WRITE (push) or lease (pull)
                     manifests = self._kv_shipper.complete(request_id, manifests)
             except BaseException:
@@ -334,8 +340,9 @@ class LocalEngine:
                     self._kv_shipper.abandon(request_id)
                 raise
             finally:
-                for stage, seq in zip(self.stages, seqs, strict=False):
-                    stage.release(seq)
+                if admitted:
+                    for stage in self.stages:
+                        stage.abort(request_id)
                 self._inflight_tokens = 0
                 if self._kv_feed is not None:  # evictions of a failed request count too
                     self._kv_feed.publish_from_stages(self.stages)
@@ -356,42 +363,29 @@ class LocalEngine:
         )
         return LocalPrefill(result, logits)
 
-    def _admit(
-        self, request_id: str, ids: tuple[int, ...], options: PrefillOptions
-    ) -> list[StageSequence]:
-        """Negotiate the common prefix, pin it and allocate the suffix on every stage."""
-        extra = ExtraKeys(model_id=self.model_id, cache_salt=options.cache_salt)
-        hashes = hash_block_tokens(ids, self.config.block_size, extra)
-        limit = max_reusable_blocks(len(ids), self.config.block_size)
-        candidate = min(stage.local_hit_blocks(hashes, limit) for stage in self.stages)
-        while True:
-            pins = [stage.pin_prefix(hashes, ids, extra, candidate) for stage in self.stages]
-            confirmed = min(len(p) for p in pins)
-            for stage, pinned in zip(self.stages, pins, strict=True):
-                stage.unpin(pinned[confirmed:])
-                del pinned[confirmed:]
-            seqs: list[StageSequence] = []
-            for stage, pinned in zip(self.stages, pins, strict=True):
-                seq = stage.materialise(request_id, ids, hashes, extra, pinned)
-                if seq is None:
-                    break
-                seqs.append(seq)
-            if len(seqs) == len(self.stages):
-                return seqs
-            for stage, seq in zip(self.stages, seqs, strict=False):
-                stage.release(seq)
-            for stage, pinned in list(zip(self.stages, pins, strict=True))[len(seqs) :]:
-                stage.unpin(pinned)
-            if confirmed == 0:
-                raise InvariantError(f"no room for {request_id!r} although it fits every stage")
-            candidate = confirmed - 1
+    def _admit(self, request_id: str, ids: tuple[int, ...], options: PrefillOptions) -> int:
+        """Reserve the request on every stage in one admission round (the core's coordinator
+        and stages' ``StageAdmission``); the tokens reused on every stage."""
+        spec = RequestSpec(request_id, ids, ExtraKeys(self.model_id, options.cache_salt))
+        outcomes = run_round(self._coordinator, self.stages, [spec])
+        outcome = next(o for o in outcomes if o.request_id == request_id)
+        if isinstance(outcome, Admitted):
+            return outcome.cached_len
+        self._coordinator.abort(request_id)
+        for stage in self.stages:
+            stage.abort(request_id)
+        raise InvariantError(f"no room for {request_id!r} although it fits every stage: {outcome}")
 
     def _compute(
-        self, seqs: list[StageSequence], options: PrefillOptions, aborted: AbortFlag | None = None
+        self,
+        request_id: str,
+        ids: tuple[int, ...],
+        start: int,
+        options: PrefillOptions,
+        aborted: AbortFlag | None = None,
     ) -> torch.Tensor:
-        """Run the uncached suffix chunk by chunk through every stage; the last logits."""
-        ids = seqs[0].token_ids
-        start = seqs[0].num_cached_tokens
+        """Run the uncached suffix from ``start`` chunk by chunk through every stage; the
+        last logits."""
         device = self.stages[0].model.device
         logits: torch.Tensor | None = None
         while start < len(ids):
@@ -401,11 +395,12 @@ class LocalEngine:
                 aborted.check(f"after {start}/{len(ids)} tokens")
             length = min(self.config.max_chunk_tokens, len(ids) - start)
             x = torch.tensor(ids[start : start + length], dtype=torch.long, device=device)
-            for stage, seq in zip(self.stages, seqs, strict=True):
-                step = stage.execute([ChunkWork(seq, start, length)], x)
+            last = start + length == len(ids)
+            for stage in self.stages:
+                step = stage.execute([ChunkWork(request_id, start, length)], x)
                 x = step.hidden
-                if seq.is_complete and self._kv_shipper and options.kv_destination:
-                    self._kv_shipper.stage_finished(stage, seq, options.kv_destination)
+                if last and self._kv_shipper and options.kv_destination:
+                    self._kv_shipper.stage_finished(stage, request_id, options.kv_destination)
             logits = step.logits
             start += length
         if logits is None:
