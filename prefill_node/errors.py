@@ -1,6 +1,6 @@
 """Typed errors of the prefill node; the gRPC layer maps each family to one status code.
 
-Three-way policy (../shared/STYLE.md): running out of resources is normal and is returned
+Three-way policy: running out of resources is normal and is returned
 as a value (wait), never raised; a broken invariant raises ``InvariantError`` (a bug);
 bad input raises a subclass of ``InvalidRequestError`` whose message says what to fix.
 """

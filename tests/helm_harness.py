@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from prefill_node.cli.main import build_parser
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "wavepp"
 RELEASE = "wpp"
@@ -226,3 +228,48 @@ def port_number(container: dict, name: str) -> int:
 
 
 CLUSTER_DNS = re.compile(r"\b[a-z0-9.-]+\.svc(\.cluster\.local)?\b")
+
+
+# -- value sets and helpers shared by the chart tests ---------------------------------------
+
+STS = {"pipelines": {"kind": "StatefulSet"}}
+LWS = {"pipelines": {"kind": "LeaderWorkerSet"}}
+PVC = {"model": {"source": "pvc", "claimName": "weights", "subPath": "qwen3"}}
+TLS = {
+    "tls": {
+        "router": {"secretName": "router-tls", "clientAuth": True},
+        "pipelines": {"secretName": "pipes-tls", "clientAuth": True},
+    }
+}
+
+NETPOL = {
+    "networkPolicy": {
+        "enabled": True,
+        "decodeCidrs": ["10.8.0.0/16", "fd00:8::/64"],
+        "metrics": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            "cidrs": ["192.168.7.0/24"],
+        },
+    }
+}
+
+
+def parse(container: dict, pod_name: str = "pod-0"):
+    """The container's command line through `wavepp`'s real argparse parser."""
+    argv = command_line(container, container_env(container, pod_name))
+    assert argv[0] == "wavepp", argv
+    return build_parser().parse_args(argv[1:])
+
+
+def merge(*parts: dict) -> dict:
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            both = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = merge(out[key], value) if both else value
+    return out
+
+
+def pod_volume(pod, name: str) -> dict:
+    return next(v for v in pod.spec["volumes"] if v["name"] == name)

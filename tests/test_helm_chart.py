@@ -1,7 +1,7 @@
 """Render tests of helm/wavepp: every command line parses with wavepp's own parsers, names and
 ports agree across Services, pods and flags, the rendezvous env gives each pod its rank, the
-model and TLS files are mounted where the flags point, the NetworkPolicy selects the pods and
-ports it means, GPUs and UCX reach every stage pod, and the values schema refuses bad input.
+model and TLS files are mounted where the flags point, and the values schema refuses bad input
+(the NetworkPolicy, UCX and GPU renderings: test_helm_network.py).
 """
 
 from __future__ import annotations
@@ -12,60 +12,28 @@ import subprocess
 import pytest
 import yaml
 
-from prefill_node.cli.main import build_parser
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.server.server import SERVICE_NAME
 from tests.helm_harness import (
     CHART,
+    LWS,
     LWS_API,
     NAMESPACE,
+    NETPOL,
+    PVC,
     RELEASE,
+    STS,
+    TLS,
     command_line,
     container_env,
     helm,
+    merge,
+    parse,
+    pod_volume,
     port_number,
     render,
     render_result,
-    selects,
 )
-
-STS = {"pipelines": {"kind": "StatefulSet"}}
-LWS = {"pipelines": {"kind": "LeaderWorkerSet"}}
-PVC = {"model": {"source": "pvc", "claimName": "weights", "subPath": "qwen3"}}
-TLS = {
-    "tls": {
-        "router": {"secretName": "router-tls", "clientAuth": True},
-        "pipelines": {"secretName": "pipes-tls", "clientAuth": True},
-    }
-}
-
-NETPOL = {
-    "networkPolicy": {
-        "enabled": True,
-        "decodeCidrs": ["10.8.0.0/16", "fd00:8::/64"],
-        "metrics": {
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-            "cidrs": ["192.168.7.0/24"],
-        },
-    }
-}
-
-
-def parse(container: dict, pod_name: str = "pod-0"):
-    """The container's command line through `wavepp`'s real argparse parser."""
-    argv = command_line(container, container_env(container, pod_name))
-    assert argv[0] == "wavepp", argv
-    return build_parser().parse_args(argv[1:])
-
-
-def merge(*parts: dict) -> dict:
-    out: dict = {}
-    for part in parts:
-        for key, value in part.items():
-            both = isinstance(value, dict) and isinstance(out.get(key), dict)
-            out[key] = merge(out[key], value) if both else value
-    return out
 
 
 @pytest.mark.parametrize(
@@ -325,16 +293,12 @@ def test_kv_shipping_flags_build_the_stages_shipping_config() -> None:
     assert _kv_shipping(parse(off.pods_of("leader")[0].container())) is None
 
 
-def _volume(pod, name: str) -> dict:
-    return next(v for v in pod.spec["volumes"] if v["name"] == name)
-
-
 def test_a_pvc_model_is_mounted_read_only_at_one_path_in_every_pod() -> None:
     manifest = render(PVC)
     pods = manifest.pods()
     assert {p.labels["app.kubernetes.io/component"] for p in pods} == {"router", "leader", "stage"}
     for pod in pods:
-        assert _volume(pod, "model")["persistentVolumeClaim"] == {
+        assert pod_volume(pod, "model")["persistentVolumeClaim"] == {
             "claimName": "weights",
             "readOnly": True,
         }
@@ -359,163 +323,7 @@ def test_the_bundled_model_is_prepared_in_every_pod_under_its_cache() -> None:
         assert container_env(init, pod.name)["WAVEPP_CACHE_DIR"] == cache
         for container in (init, main):
             (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == cache]
-            assert "emptyDir" in _volume(pod, mount["name"])
-
-
-def _rule_from(policy: dict, predicate) -> dict:
-    (rule,) = [r for r in policy["spec"]["ingress"] if any(predicate(p) for p in r["from"])]
-    return rule
-
-
-@pytest.mark.parametrize("values", [STS, LWS], ids=["statefulset", "lws"])
-def test_network_policy_admits_the_router_the_pipelines_the_decode_fleet_and_prometheus(
-    values,
-) -> None:
-    manifest = render(merge(values, NETPOL, {"pipelines": {"replicas": 2, "stages": 3}}))
-    policy = manifest.one("NetworkPolicy")
-    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress: KV pushes to decode stay open
-    pipeline_pods = manifest.pods_of("leader") + manifest.pods_of("stage")
-    assert len(pipeline_pods) == 6
-    selected = manifest.matching(policy["spec"]["podSelector"])
-    assert {p.name for p in selected} == {p.name for p in pipeline_pods}
-    rules = policy["spec"]["ingress"]
-    assert len(rules) == 4
-
-    def pod_peer(selector_of):
-        return lambda peer: set(peer) == {"podSelector"} and selector_of(peer["podSelector"])
-
-    # stages talk to each other and to their leader on ephemeral ports: every port
-    own = _rule_from(policy, pod_peer(lambda s: len(manifest.matching(s)) == 6))
-    assert "ports" not in own
-    assert {p.name for p in manifest.matching(own["from"][0]["podSelector"])} == {
-        p.name for p in pipeline_pods
-    }
-    # the router reaches the leaders' gRPC port, and nothing else
-    router = _rule_from(
-        policy, pod_peer(lambda s: selects(s, manifest.pods_of("router")[0].labels))
-    )
-    assert [p.name for p in manifest.matching(router["from"][0]["podSelector"])] == [
-        manifest.pods_of("router")[0].name
-    ]
-    assert router["ports"] == [{"port": "grpc"}]
-    # the decode fleet's CIDRs: NIXL and UCX listen on ephemeral ports
-    decode = _rule_from(policy, lambda peer: "ipBlock" in peer and "10.8.0.0/16" in str(peer))
-    assert [peer["ipBlock"]["cidr"] for peer in decode["from"]] == ["10.8.0.0/16", "fd00:8::/64"]
-    assert "ports" not in decode
-    # Prometheus: the namespace AND pod selector in one peer, or the CIDR; the metrics port only
-    metrics = _rule_from(policy, lambda peer: "namespaceSelector" in peer)
-    assert metrics["from"] == [
-        {
-            "namespaceSelector": NETPOL["networkPolicy"]["metrics"]["namespaceSelector"],
-            "podSelector": NETPOL["networkPolicy"]["metrics"]["podSelector"],
-        },
-        {"ipBlock": {"cidr": "192.168.7.0/24"}},
-    ]
-    assert metrics["ports"] == [{"port": "metrics"}]
-    # every named port resolves on the leaders, to the port their flags serve on
-    for leader in manifest.pods_of("leader"):
-        args = parse(leader.container(), leader.name)
-        assert port_number(leader.container(), "grpc") == args.port
-        assert port_number(leader.container(), "metrics") == args.metrics_port
-    for rule in rules:
-        for port in rule.get("ports", []):
-            assert any(
-                p["name"] == port["port"]
-                for pod in selected
-                for p in pod.container().get("ports", [])
-            ), port
-
-
-def test_network_policy_is_off_by_default_and_follows_the_values() -> None:
-    assert not render().all("NetworkPolicy")
-    values = {
-        "router": {"enabled": False},
-        "networkPolicy": {  # no metrics peers: no metrics rule
-            "enabled": True,
-            "decodeCidrs": ["10.8.0.0/16"],
-            "decodePorts": [{"port": 20000, "endPort": 20999}],
-            "extraIngress": [{"from": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}],
-        },
-    }
-    rules = render(values).one("NetworkPolicy")["spec"]["ingress"]
-    assert len(rules) == 3  # own pods, decode, extra: no router rule, no metrics rule
-    assert rules[1]["ports"] == [{"port": 20000, "endPort": 20999}]
-    assert rules[2] == {"from": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}
-
-
-def _env_names(pod) -> list[str]:
-    return [e["name"] for e in pod.container().get("env", [])]
-
-
-def test_ucx_environment_reaches_every_pipeline_container_only_when_set() -> None:
-    for pod in render().pods():
-        assert not [n for n in _env_names(pod) if n.startswith(("UCX_", "NIXL_"))], pod.name
-    assert parse(render().pods_of("leader")[0].container()).kv_progress.value == "event"
-    values = {
-        "pipelines": {
-            "stages": 3,
-            "ucx": {
-                "transports": "rc,cuda_copy",
-                "devices": "mlx5_0:1,mlx5_1:1",
-                "extraEnv": {"UCX_IB_GID_INDEX": "3", "NIXL_LOG_LEVEL": "WARN"},
-            },
-        }
-    }
-    for manifest in (render(values), render(merge(values, LWS))):
-        for pod in manifest.pods_of("leader") + manifest.pods_of("stage"):
-            env = container_env(pod.container(), pod.name)
-            assert env["UCX_TLS"] == "rc,cuda_copy"
-            assert env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
-            assert (env["UCX_IB_GID_INDEX"], env["NIXL_LOG_LEVEL"]) == ("3", "WARN")
-        (router,) = manifest.pods_of("router")
-        assert not [n for n in _env_names(router) if n.startswith("UCX_")]
-    only_tls = render({"pipelines": {"ucx": {"transports": "tcp"}}})
-    names = _env_names(only_tls.pods_of("stage")[0])
-    assert "UCX_TLS" in names and "UCX_NET_DEVICES" not in names
-
-
-@pytest.mark.parametrize("values", [STS, LWS], ids=["statefulset", "lws"])
-def test_gpus_give_every_stage_pod_one_gpu_cuda_and_shared_memory(values) -> None:
-    gpus = {
-        "pipelines": {
-            "replicas": 2,
-            "stages": 3,
-            "gpus": {"enabled": True},
-            "resources": {"limits": {"cpu": "8"}, "requests": {"memory": "16Gi"}},
-        }
-    }
-    manifest = render(merge(values, gpus))
-    pipeline_pods = manifest.pods_of("leader") + manifest.pods_of("stage")
-    assert len(pipeline_pods) == 6
-    for pod in pipeline_pods:
-        resources = pod.container()["resources"]
-        assert resources == {
-            "limits": {"cpu": "8", "nvidia.com/gpu": 1},
-            "requests": {"memory": "16Gi"},
-        }
-        shm = _volume(pod, "shm")
-        assert shm["emptyDir"]["medium"] == "Memory"
-        assert {"name": "shm", "mountPath": "/dev/shm"} in pod.container()["volumeMounts"]
-    for leader in manifest.pods_of("leader"):
-        assert parse(leader.container()).device == "cuda"
-    (router,) = manifest.pods_of("router")
-    assert "resources" not in router.container()
-    cpu = render(values)
-    assert parse(cpu.pods_of("leader")[0].container()).device == "cpu"
-    assert all("resources" not in p.container() for p in cpu.pods())
-    amd = render(
-        merge(values, {"pipelines": {"gpus": {"enabled": True, "resourceName": "amd.com/gpu"}}})
-    )
-    assert all(
-        p.container()["resources"] == {"limits": {"amd.com/gpu": 1}}
-        for p in amd.pods_of("leader") + amd.pods_of("stage")
-    )
-    explicit = {
-        "pipelines": {"gpus": {"enabled": True}, "resources": {"limits": {"nvidia.com/gpu": 0}}}
-    }
-    assert render(explicit).pods_of("stage")[0].container()["resources"] == {
-        "limits": {"nvidia.com/gpu": 0}  # what the values say wins over the switch's 1
-    }
+            assert "emptyDir" in pod_volume(pod, mount["name"])
 
 
 @pytest.mark.parametrize(

@@ -386,19 +386,12 @@ class PipelineEngine:
         with contextlib.suppress(WaveppError, TimeoutError):
             self._last_stats = self.stage_stats(timeout_s=2.0)
         stages = tuple(
-            StageLoad(
-                s.stage,
-                s.free_blocks,
-                s.cached_blocks,
-                s.used_blocks,
-                s.total_blocks,
-                busy_fraction=s.busy_s / s.uptime_s if s.uptime_s > 0 else 0.0,
-            )
+            StageLoad(s.stage, s.free_blocks, s.cached_blocks, s.used_blocks, s.total_blocks,
+                      busy_fraction=s.busy_s / s.uptime_s if s.uptime_s > 0 else 0.0)
             for s in self._last_stats
-        )
-        return EngineLoad(
-            counts.queue_depth, counts.inflight_requests, counts.inflight_tokens, stages
-        )
+        )  # fmt: skip
+        c = counts
+        return EngineLoad(c.queue_depth, c.inflight_requests, c.inflight_tokens, stages)
 
     # -- debug / stats rounds --------------------------------------------------------------
     def _control(self, kind: RoundKind, payload: Any = None, timeout_s: float = 30.0) -> list[Any]:
