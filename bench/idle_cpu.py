@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import uuid
 from pathlib import Path
 
 from tqdm import tqdm
+
+from prefill_node.cli.options import parse_listening
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 
@@ -60,11 +61,11 @@ def start_serve(model_dir: Path, stages: int, progress: str) -> tuple[subprocess
         stderr=subprocess.DEVNULL,
         text=True,
     )  # fmt: skip
-    match = re.search(r"listening on (\S+?)(,|$)", server.stdout.readline())
-    if not match:
+    found = parse_listening(server.stdout.readline())
+    if found is None:
         server.kill()
         raise RuntimeError("wavepp serve did not start")
-    return server, match.group(1)
+    return server, found.target
 
 
 def one_run(args: argparse.Namespace, model_dir: Path, progress: str, run: int) -> dict:

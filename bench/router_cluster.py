@@ -20,6 +20,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from prefill_node.cli.options import parse_listening
+
 MODEL_HF = {
     "architectures": ["LlamaForCausalLM"],
     "vocab_size": 512,
@@ -70,12 +72,10 @@ class Server:
         """Block until its first stdout line says where it listens."""
         ready, _, _ = select.select([self.popen.stdout], [], [], START_TIMEOUT_S)
         line = self.popen.stdout.readline() if ready else ""
-        pattern = self.banner + r" listening on (127\.0\.0\.1:\d+)(?:.*metrics on :(\d+))?"
-        match = re.search(pattern, line)
-        if match is None:
+        found = parse_listening(line)
+        if found is None or f"wavepp {found.name}:" != self.banner:
             raise RuntimeError(f"{self.banner} did not start ({line!r}):\n{self.log_tail()}")
-        self.address = match.group(1)
-        self.metrics_port = int(match.group(2)) if match.group(2) else None
+        self.address, self.metrics_port = found.target, found.metrics_port
         return self
 
     def log_tail(self, lines: int = 20) -> str:

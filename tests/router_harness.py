@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
+from prefill_node.cli.options import parse_listening
 from prefill_node.process_tree import terminate
 from tests.tiny_models import tiny_llama
 
@@ -15,17 +15,20 @@ BS = 4
 SYSTEM = [(5 * i + 1) % 64 for i in range(64)]  # a shared 64-token "system prompt"
 
 
-def spawn(args: list[str], pattern: str) -> tuple[subprocess.Popen, int, int | None]:
+def spawn(args: list[str], banner: str) -> tuple[subprocess.Popen, int, int | None]:
+    """Start ``wavepp ARGS`` on loopback; (process, port, metrics port) from its first line,
+    which must be ``BANNER listening on 127.0.0.1:PORT``."""
     proc = subprocess.Popen(
         [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     line = proc.stdout.readline()
-    match = re.search(pattern + r" listening on 127\.0\.0\.1:(\d+)(.*metrics on :(\d+))?", line)
-    if not match:
+    found = parse_listening(line)
+    if found is None or f"wavepp {found.name}:" != banner or ":" not in found.target:
         proc.kill()
         raise AssertionError(f"unexpected first line {line!r}")
-    metrics = int(match.group(3)) if match.group(3) else None
-    return proc, int(match.group(1)), metrics
+    host, port = found.target.rsplit(":", 1)
+    assert host == "127.0.0.1", line
+    return proc, int(port), found.metrics_port
 
 
 def serve(model_dir, port: int = 0) -> tuple[subprocess.Popen, int]:

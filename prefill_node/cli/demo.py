@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prefill_node.cli.options import parse_listening
 
 DESCRIPTION = """\
 Run the local prefill tier on the default model (or --model): --pipelines pipelines of
@@ -42,7 +43,6 @@ examples:
   wavepp demo --mode pull --max-new-tokens 48
 """
 
-LISTENING = re.compile(r"listening on (?P<target>\S+?)(,|$)(.*metrics on :(?P<metrics_port>\d+))?")
 SHOWN_METRICS = ("wavepp_router_decisions_total", "wavepp_router_cached_tokens_total",
                  "wavepp_router_failovers_total", "wavepp_pipeline_ready")  # fmt: skip
 
@@ -157,10 +157,10 @@ def _wait_listening(proc: subprocess.Popen, what: str, timeout_s: float) -> tupl
         line = proc.stdout.readline()
         if not line:
             raise SystemExit(f"wavepp demo: {what} exited with code {proc.wait()} before ready")
-        found = LISTENING.search(line)
+        found = parse_listening(line)
         if found:
-            port = found.group("metrics_port")
-            return found.group("target"), port and f"http://127.0.0.1:{port}/metrics"
+            port = found.metrics_port
+            return found.target, port and f"http://127.0.0.1:{port}/metrics"
     raise SystemExit(f"wavepp demo: {what} not ready after {timeout_s:.0f}s")
 
 

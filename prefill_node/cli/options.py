@@ -4,10 +4,33 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+_LISTENING = re.compile(
+    r"wavepp (?P<name>\w+): listening on (?P<target>\S+?)(,|$)(.*metrics on :(?P<metrics>\d+))?"
+)
+
+
+class Listening(NamedTuple):
+    """What ``start_server``'s announcement says: ``wavepp NAME: listening on HOST:PORT``."""
+
+    name: str  # the subcommand: serve, router
+    target: str  # HOST:PORT
+    metrics_port: int | None
+
+
+def parse_listening(line: str) -> Listening | None:
+    """The announcement in ``line`` (a child's stdout), or None when it is not one."""
+    found = _LISTENING.search(line)
+    if found is None:
+        return None
+    metrics = found.group("metrics")
+    return Listening(found.group("name"), found.group("target"), metrics and int(metrics))
+
 
 KV_PROGRESS_HELP = (
     "how NIXL agents advance transfers: 'event' (default) sleeps until UCX signals traffic, "
