@@ -103,7 +103,7 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config(args: argparse.Namespace, model_name: str, router: bool = False) -> Any:
+def server_config(args: argparse.Namespace, model_name: str) -> Any:
     """The ServerConfig of ``add_network_arguments`` + ``add_tls_arguments`` flags."""
     from prefill_node.server.server import ServerConfig, TLSConfig
 
@@ -125,7 +125,6 @@ def server_config(args: argparse.Namespace, model_name: str, router: bool = Fals
         grace_s=args.grace,
         tls=tls,
         model_name=model_name,
-        router=router,
     )
 
 

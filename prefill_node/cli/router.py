@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     engine = RouterEngine(_discovery(args), config)
     # submit only hashes, scores and starts a call: the server calls it inline
-    server_cfg = replace(server_config(args, model.name, router=True), blocking_submit=False)
+    server_cfg = replace(server_config(args, model.name), blocking_submit=False)
     engine.start()
     try:
         asyncio.run(_serve(engine, server_cfg, tokenizer))

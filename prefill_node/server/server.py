@@ -72,7 +72,6 @@ class ServerConfig:
     # True: engine.submit may block (LocalEngine computes inside it), so it runs on a thread
     # pool; False: submit only enqueues (the multi-process pipeline) and is called inline.
     blocking_submit: bool = True
-    router: bool = False  # the engine is a router (GetServerInfo says so; no KV events)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -105,7 +104,6 @@ class PrefillServer:
             max_stream_inflight=config.max_stream_inflight,
             model_name=config.model_name,
             blocking_submit=config.blocking_submit,
-            is_router=config.router,
         )
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None

@@ -60,7 +60,8 @@ class ResponseForwarder(Protocol):
     """An engine that answers with a ready PrefillResponse (a router passing on its
     pipeline's), awaited on the server's loop: no PrefillResult round trip. ``forward`` gets
     the request as received and as parsed (token ids: text is already tokenised here);
-    cancelling it cancels the request. Errors are the engine's typed errors."""
+    cancelling it cancels the request. Errors are the engine's typed errors. Such an engine
+    is a router: GetServerInfo says ``router`` and SubscribeKvEvents points at its pipelines."""
 
     async def forward(
         self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest
@@ -110,12 +111,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         submit_threads: int = 8,
         blocking_submit: bool = True,
         model_name: str = "",
-        is_router: bool = False,
     ) -> None:
         self._engine = engine
         self._forward = engine.forward if isinstance(engine, ResponseForwarder) else None
         self._model_name = model_name
-        self._is_router = is_router
         self.instance_id = uuid.uuid4().hex
         self._submit_pool = None
         if blocking_submit:
@@ -220,7 +219,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             cache_model_id=identity.model_id,
             pipeline_id=self._kv_events.pipeline_id if self._kv_events is not None else "",
             kv_events=self._kv_events is not None,
-            router=self._is_router,
+            router=self._forward is not None,  # a forwarder sits in front of pipelines
         )
 
     async def SubscribeKvEvents(
@@ -228,7 +227,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> AsyncIterator[kv_events_pb2.KvEventBatch]:
         if self._kv_events is None:
             why = "this server publishes no KV events"
-            if self._is_router:  # its pipelines do; GetLoad lists them
+            if self._forward is not None:  # a router: its pipelines do; GetLoad lists them
                 why = "a router publishes no KV events; subscribe to its pipelines (see GetLoad)"
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, why)
         sub = self._kv_events.subscribe()
