@@ -1,10 +1,11 @@
 """KVReceiver: the decode-side library: registers the decode KV pool, serves its metadata,
 allocates destination blocks and tracks each request's KV arriving from every stage.
 
-Push: ``expect`` returns the PushDestination that travels with the prefill request; stages
-WRITE and notify; the request completes when every stage notified. Pull: ``pull`` READs each
-stage's blocks named by its manifest, heartbeats the leases, and releases each lease with
-the notification that rides on its READ. One thread drives it (``poll`` / ``wait``).
+Push (registered pools only): ``expect`` returns the PushDestination that travels with the
+prefill request; stages WRITE and notify; the request completes when every stage notified.
+Pull: ``pull`` READs each stage's blocks named by its manifest, heartbeats the leases, and
+releases each lease with the notification that rides on its READ. One thread drives it
+(``poll`` / ``wait``).
 Block ownership: blocks from ``allocate`` belong to the caller until it calls ``free``;
 the receiver never frees them, not even on failure.
 """
@@ -17,9 +18,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from kv_transfer.agent import KVAgent
+from kv_transfer.convert import KVLayer, layout_of_views
 from kv_transfer.errors import (
     InvalidTransferRequest,
     KVInvariantError,
@@ -67,14 +67,23 @@ class KVReceiver:
     def __init__(
         self,
         agent: KVAgent,
-        kv_caches: Sequence[torch.Tensor],
+        kv_caches: Sequence[KVLayer],
         config: ReceiverConfig = ReceiverConfig(),
         clock: Callable[[], float] = time.monotonic,
+        registered: bool = True,
     ) -> None:
+        """``kv_caches``: one tensor per model layer, ``[num_blocks, 2, block_size, kv_heads,
+        head_dim]``. ``registered=False``: views NIXL cannot address (any strides, or K and V
+        apart: convert.KVLayer; e.g. vLLM's CPU cache): pull only, each READ lands in a
+        registered staging buffer and is copied into the views when it completes."""
         self.agent = agent
         self.config = config
         self.kv_caches = list(kv_caches)
-        self.layout = agent.register_kv(0, self.kv_caches)
+        self.registered = registered
+        if registered:
+            self.layout = agent.register_kv(0, self.kv_caches)
+        else:
+            self.layout = layout_of_views(0, self.kv_caches)
         self._clock = clock
         self._free: deque[int] = deque(range(self.layout.num_blocks))
         self._used: set[int] = set()
@@ -126,6 +135,11 @@ class KVReceiver:
         ``skip_tokens`` must be a multiple of the decode block size (a cached prefix is
         whole blocks). With nothing to receive the request ends at once (next ``poll``).
         """
+        if not self.registered:
+            raise InvalidTransferRequest(
+                "this receiver's pool is not registered with NIXL (staged): stages cannot "
+                "WRITE into it; pull by the prefill response's manifests instead"
+            )
         PageMap(tuple(block_ids), self.layout.block_size, skip_tokens).check_range(
             skip_tokens, num_tokens, "destination"
         )

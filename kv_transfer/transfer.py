@@ -1,9 +1,10 @@
 """NixlTransfer: one posted NIXL WRITE or READ between a local and a remote paged pool.
 
-Equal dtypes move directly between the pools (token runs, any block sizes). Different dtypes
-go through a registered staging tensor in the remote dtype: packed before a WRITE, unpacked
-into the local pool after a READ (convert.py). The notification rides on the transfer, so
-NIXL delivers it to the remote agent only after the data.
+Equal dtypes move directly between the pools (token runs, any block sizes). Different dtypes,
+or a local pool NIXL cannot address (a geometry-only layout over strided views, e.g. vLLM's
+CPU cache), go through a registered staging tensor in the remote dtype: packed before a WRITE,
+unpacked into the local pool after a READ (convert.py). The notification rides on the
+transfer, so NIXL delivers it to the remote agent only after the data.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from kv_transfer.agent import KVAgent
-from kv_transfer.convert import pack_staging, torch_dtype, unpack_staging
+from kv_transfer.convert import KVLayer, layer_device, pack_staging, torch_dtype, unpack_staging
 from kv_transfer.errors import KVTransferError, LayoutMismatch, TransferFailed
 from kv_transfer.layout import KVLayout, layout_of_tensors
 from kv_transfer.plan import PageMap, build_descriptors, staging_page_map, token_runs
@@ -33,7 +32,7 @@ class NixlTransfer:
         num_bytes: int,
         handle: Any | None = None,
         staging: Staging | None = None,
-        unpack: tuple[Sequence[torch.Tensor], PageMap, int, int] | None = None,
+        unpack: tuple[Sequence[KVLayer], PageMap, int, int] | None = None,
     ) -> None:
         self.agent = agent
         self.num_bytes = num_bytes
@@ -91,7 +90,7 @@ def start_transfer(
     remote_agent: str,
     notif: bytes,
     *,
-    local_layers: Sequence[torch.Tensor],
+    local_layers: Sequence[KVLayer],
     local_layout: KVLayout,
     local_pages: PageMap,
     remote_layout: KVLayout,
@@ -124,11 +123,11 @@ def start_transfer(
             return NixlTransfer(agent, 0)
         unpack = None
         runs_local_pages, runs_local_layout = local_pages, local_layout
-        if local_layout.dtype != remote_layout.dtype:
+        if local_layout.dtype != remote_layout.dtype or not local_layout.regions:
             count = end - start
             shape = (len(layers), 1, 2, count, local_layout.num_kv_heads, local_layout.head_dim)
             dtype = torch_dtype(remote_layout.dtype)
-            staging = agent.staging.acquire(shape, dtype, mine[0].device)
+            staging = agent.staging.acquire(shape, dtype, layer_device(mine[0]))
             if op == "WRITE":
                 pack_staging(mine, local_pages, start, end, staging.tensor)
             else:

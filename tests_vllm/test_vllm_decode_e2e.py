@@ -1,0 +1,206 @@
+"""A stock vLLM decode instance continues from our prefill tier's KV (real processes, real NIXL).
+
+`wavepp serve` (2 stages, float32, the default SmolLM2 model) prefills chat prompts in pull
+mode; a vLLM CPU instance (the peer environment's python, tests_vllm/vllm_decode_driver.py)
+with WavePPConnector READs each stage's leased blocks into its paged cache and decodes
+greedily. Each continuation must equal vLLM's own greedy continuation of the same prompt
+computed locally, token for token; the connector's counters must show every prompt token
+came over NIXL (and vLLM's own count of cached prompt tokens must agree); a load from a
+stage that cannot be reached follows vLLM's failure policy ("fail": the request errors,
+nothing is decoded from partial KV) and the instance keeps serving.
+
+Not part of the default suite (it needs the vLLM peer environment): run it with
+``scripts/setup_vllm_peer.sh`` then ``.venv/bin/python -m pytest tests_vllm``. The peer
+environment is ``$VLLM_PEER_ENV`` (the setup script's default: ``.venv-vllm`` in the repo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kv_transfer.vllm_decode.params import LOADED_KEY, pull_params
+from prefill_node.engine.kv_wire import wire_manifest
+from prefill_node.engine.types import KVPullDestination
+from prefill_node.model.default_model import default_model_dir
+from prefill_node.model.tokenizer import Tokenizer
+from prefill_node.server.client import PrefillClient
+
+REPO = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 24
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours and one thing of each colour.",
+    # longer than one vLLM block (128 tokens): the READ spans several decode blocks
+    "Summarise this for a child: "
+    + " ".join(
+        f"Step {i}: the water cycle moves water from the sea to clouds, rain and rivers."
+        for i in range(1, 9)
+    ),
+]
+
+
+def _peer_python() -> Path:
+    env = Path(os.environ.get("VLLM_PEER_ENV") or REPO / ".venv-vllm")
+    python = env / "bin" / "python"
+    if not python.is_file():
+        pytest.fail(
+            f"the vLLM peer environment is missing ({python} not found): build it with "
+            "`bash scripts/setup_vllm_peer.sh` (or point VLLM_PEER_ENV at one)"
+        )
+    return python
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Driver:
+    """The vLLM process: one JSON line per request, every wait bounded."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
+        self.proc = subprocess.Popen(
+            [str(_peer_python()), str(REPO / "tests_vllm" / "vllm_decode_driver.py"),
+             str(model), "--failure-policy", "fail", "--timeout", "20"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
+            text=True, env=env,
+        )  # fmt: skip
+        self.log = log
+
+    def read(self, timeout_s: float) -> dict:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sel.select(timeout=1.0):
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("{"):
+                    return json.loads(line)
+            elif self.proc.poll() is not None:
+                break
+        tail = self.log.read_text()[-3000:]
+        raise AssertionError(f"vLLM driver gave no answer (rc {self.proc.poll()}); log:\n{tail}")
+
+    def generate(self, prompt_ids: list[int], params: dict | None = None) -> dict:
+        job = {"prompt_ids": prompt_ids, "max_tokens": NEW_TOKENS, "kv_transfer_params": params}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self.read(120)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _serve(model: Path, err: Path) -> tuple[subprocess.Popen, int]:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefill_node.cli.main", "serve", "--model", str(model),
+         "--stages", "2", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
+    )  # fmt: skip
+    line = server.stdout.readline()
+    match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    assert match, f"first line {line!r}; stderr: {err.read_text()[-2000:]}"
+    return server, int(match.group(1))
+
+
+def _kv_bytes_per_token(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * heads * head_dim * 4  # K and V, float32
+
+
+def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
+    model = default_model_dir()
+    tokenizer = Tokenizer.from_dir(model)
+    started = time.monotonic()
+    driver = Driver(model, tmp_path / "vllm.log")  # starts first: it takes the longest
+    server, port = _serve(model, tmp_path / "serve.err")
+    try:
+        assert driver.read(420) == {"ready": True}
+        with PrefillClient(f"127.0.0.1:{port}") as client:
+
+            def prefill(ids: list[int]) -> tuple[list, int]:
+                request_id = uuid.uuid4().hex[:12]
+                remote = client.prefill(
+                    ids, request_id=request_id, kv_destination=KVPullDestination(), deadline_s=60
+                )
+                manifests = remote.result.stage_manifests
+                return [wire_manifest(m, request_id, len(manifests)) for m in manifests], (
+                    remote.result.first_token_id
+                )
+
+            for text in PROMPTS:
+                ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+                manifests, first_token = prefill(ids)
+                assert len(manifests) == 2  # one per stage, each READ on its own
+                ours = driver.generate(ids, pull_params(manifests))
+                local = driver.generate(ids)  # no connector: vLLM computes the prompt
+                assert ours.get("finish_reason") in ("length", "stop"), ours
+                assert (ours["token_ids"], ours["finish_reason"]) == (
+                    local["token_ids"],
+                    local["finish_reason"],
+                ), text
+                assert ours["token_ids"][0] == first_token  # our tier's logits agree too
+                loaded = ours["kv_transfer_params"][LOADED_KEY]
+                assert loaded == {
+                    "tokens": len(ids),
+                    "bytes": len(ids) * _kv_bytes_per_token(model),
+                    "ok": True,
+                    "error": None,
+                }
+                # vLLM's own accounting: the prompt was cached (external), not computed
+                assert ours["num_cached_tokens"] >= len(ids) - 1, ours
+                assert local["num_cached_tokens"] == 0 and local["kv_transfer_params"] is None
+
+            # a stage that cannot be reached: vLLM's "fail" policy ends the request with an
+            # error instead of decoding from partial KV; stage 0's lease is released
+            ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+            manifests, _ = prefill(ids)
+            manifests[1] = dataclasses.replace(manifests[1], endpoint=f"127.0.0.1:{_closed_port()}")
+            failed = driver.generate(ids, pull_params(manifests))
+            assert failed.get("finish_reason") == "error" or "error" in failed, failed
+            assert not failed.get("token_ids"), failed
+            # ... and the instance keeps serving from our KV
+            manifests, _ = prefill(ids)
+            again = driver.generate(ids, pull_params(manifests))
+            assert again["token_ids"] == driver.generate(ids)["token_ids"]
+            assert again["kv_transfer_params"][LOADED_KEY]["tokens"] == len(ids)
+        driver.close()
+        assert driver.proc.returncode == 0, driver.log.read_text()[-3000:]
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+    finally:
+        for proc in (driver.proc, server):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    print(
+        f"vLLM e2e: {len(PROMPTS)} prompts token-exact, failed load -> {failed}, "
+        f"{time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
