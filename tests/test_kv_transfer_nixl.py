@@ -16,10 +16,11 @@ import torch
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.allowlist import AllowList
-from kv_transfer.convert import gather_tokens
+from kv_transfer.convert import gather_tokens, kv_parts
 from kv_transfer.errors import (
     DecodeUnreachable,
     DestinationNotAllowed,
+    InvalidTransferRequest,
     TransferFailed,
     TransferTimeout,
 )
@@ -35,21 +36,29 @@ LAYERS, HEADS, HEAD_DIM, PREFILL_BS, PREFILL_BLOCKS = 4, 2, 8, 4, 24
 SENTINEL = 7.0
 # decode pools: name -> (block size, dtype); "direct" moves bytes as-is, "convert" casts
 POOLS = {"direct": (8, "float32"), "convert": (2, "bfloat16")}
+# pools in vLLM's CPU cache layout (K and V strided views NIXL cannot address: staged READs)
+VLLM_POOLS = {"vllm": (32, "float32"), "vllm-bf16": (16, "bfloat16")}
+ALL_POOLS = POOLS | VLLM_POOLS
 
 
 # ------------------------------------------------------------------ decode worker process
 def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> None:
     """A decode loop: polls its receivers between commands (no NIXL progress thread)."""
     from kv_transfer.receiver import KVReceiver, ReceiverConfig
+    from kv_transfer.vllm_decode.cache import paged_kv
 
-    receivers = {}
+    receivers, raw = {}, {}
     for name, (block_size, dtype) in pools.items():
-        pool = [
-            torch.full((32, 2, block_size, HEADS, HEAD_DIM), SENTINEL, dtype=getattr(torch, dtype))
-            for _ in range(LAYERS)
+        vllm = name in VLLM_POOLS
+        shape = (
+            (32, HEADS, block_size, 2 * HEAD_DIM) if vllm else (32, 2, block_size, HEADS, HEAD_DIM)
+        )
+        raw[name] = [
+            torch.full(shape, SENTINEL, dtype=getattr(torch, dtype)) for _ in range(LAYERS)
         ]
+        pool = [paged_kv(t, HEADS, HEAD_DIM) for t in raw[name]] if vllm else raw[name]
         agent = KVAgent(f"decode-{name}-{mp.current_process().pid}", progress=KVProgress.OWNER)
-        rx = KVReceiver(agent, pool, ReceiverConfig(timeout_s=timeout_s))
+        rx = KVReceiver(agent, pool, ReceiverConfig(timeout_s=timeout_s), registered=not vllm)
         scrambled = rx.allocate(32)  # scramble the free list: destinations are not contiguous
         rx.free(scrambled[::-1][::2] + scrambled[::-1][1::2])
         receivers[name] = rx
@@ -80,7 +89,13 @@ def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> 
         if op == "expect":
             request_id, num_tokens, skip = args
             num_blocks = -(-(num_tokens - skip) // rx.layout.block_size)
-            conn.send(rx.expect(request_id, rx.allocate(num_blocks), num_tokens, skip).to_dict())
+            blocks = rx.allocate(num_blocks)
+            try:
+                conn.send(rx.expect(request_id, blocks, num_tokens, skip).to_dict())
+            except InvalidTransferRequest as exc:
+                rx.free(blocks)
+                rx.check_integrity()
+                conn.send(("error", str(exc)))
         elif op == "pull":
             manifests, num_blocks, skip = args
             blocks = rx.allocate(num_blocks)
@@ -95,8 +110,10 @@ def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> 
         elif op == "tokens":
             blocks, skip, num_tokens = args
             pages = PageMap(tuple(blocks), rx.layout.block_size, skip)
-            tail = rx.kv_caches[0][blocks[-1]].clone()
+            tail = torch.stack([part[blocks[-1]] for part in kv_parts(rx.kv_caches[0])])
             conn.send(([gather_tokens(t, pages, skip, num_tokens) for t in rx.kv_caches], tail))
+        elif op == "changed":  # elements of the raw pool no longer SENTINEL (all layers)
+            conn.send(sum(int((t != SENTINEL).sum()) for t in raw[name]))
         elif op == "sleep":  # a stalled decode: no NIXL progress at all
             time.sleep(args[0])
         elif op == "modules":  # what a decode worker importing only kv_transfer loaded
@@ -205,7 +222,7 @@ class Stages:
 
 @pytest.fixture(scope="module")
 def decode() -> Iterator[Decode]:
-    worker = Decode(POOLS)
+    worker = Decode(ALL_POOLS)
     yield worker
     worker.stop()
 
@@ -224,11 +241,11 @@ def prefill_blocks(num_tokens: int, seed: int) -> tuple[int, ...]:
 
 def assert_shipped(decode, stages, pool, dst_blocks, skip, num_tokens, src_blocks):
     got, tail = decode.call("tokens", pool, dst_blocks, skip, num_tokens)
-    dtype = getattr(torch, POOLS[pool][1])
+    dtype = getattr(torch, ALL_POOLS[pool][1])
     for layer in range(LAYERS):
         want = gather_tokens(stages.kv[layer], PageMap(src_blocks, PREFILL_BS), skip, num_tokens)
         assert torch.equal(got[layer].view(torch.uint8), want.to(dtype).view(torch.uint8)), layer
-    filled = (num_tokens - skip) % POOLS[pool][0]
+    filled = (num_tokens - skip) % ALL_POOLS[pool][0]
     if filled:  # the last destination block's unused slots are untouched
         assert bool((tail[:, filled:] == SENTINEL).all())
 
@@ -272,6 +289,31 @@ def test_pull_reads_exact_kv_then_releases_every_lease(decode, stages, pool):
         (request_id, ReleaseReason.RELEASED)
     ] * 2
     assert_shipped(decode, stages, pool, blocks, bs, num_tokens, src)
+
+
+@pytest.mark.parametrize("pool", VLLM_POOLS)
+def test_pull_into_vllm_cpu_cache_layout_is_staged_and_exact(decode, stages, pool):
+    """The receiver READs each stage into staging and copies into vLLM's K / V views: the
+    gathered tokens are exact and no other element of the raw cache changed."""
+    num_tokens, bs = 45, VLLM_POOLS[pool][0]  # spans several decode blocks
+    src = prefill_blocks(num_tokens, seed=8)
+    request_id = f"pull-{pool}"
+    manifests = [s.publish(request_id, src, num_tokens).to_dict() for s in stages.senders]
+    before = decode.call("changed", pool)
+    error, num_bytes, blocks = decode.call(
+        "pull", pool, manifests, -(-num_tokens // bs), 0, pump=stages.poll
+    )
+    assert error is None
+    assert num_bytes == num_tokens * LAYERS * 2 * HEADS * HEAD_DIM * 4  # read as float32
+    assert stages.poll_until(lambda: all(len(s.leases) == 0 for s in stages.senders))
+    assert_shipped(decode, stages, pool, blocks, 0, num_tokens, src)
+    written = num_tokens * LAYERS * 2 * HEADS * HEAD_DIM
+    assert decode.call("changed", pool) == before + written
+
+
+def test_push_into_an_unregistered_pool_is_refused(decode):
+    answer = decode.call("expect", "vllm", "push-vllm", 9, 0)
+    assert answer[0] == "error" and "pull" in answer[1]
 
 
 def test_duplicate_and_late_notifications_are_ignored(decode, stages):
