@@ -1,13 +1,15 @@
 """A stock vLLM decode instance continues from our prefill tier's KV (real processes, real NIXL).
 
 `wavepp serve` (2 stages, float32, the default SmolLM2 model) prefills chat prompts in pull
-mode; a vLLM CPU instance (the peer environment's python, tests_vllm/vllm_decode_driver.py)
-with WavePPConnector READs each stage's leased blocks into its paged cache and decodes
-greedily. Each continuation must equal vLLM's own greedy continuation of the same prompt
-computed locally, token for token; the connector's counters must show every prompt token
-came over NIXL (and vLLM's own count of cached prompt tokens must agree); a load from a
-stage that cannot be reached follows vLLM's failure policy ("fail": the request errors,
-nothing is decoded from partial KV) and the instance keeps serving.
+mode; a vLLM CPU instance (prefix caching on; the peer environment's python running
+tests_vllm/vllm_decode_driver.py) with WavePPConnector READs each stage's leased blocks
+into its paged cache and decodes greedily. Each continuation must equal vLLM's own greedy
+continuation of the same prompt computed locally (run first), token for token. The
+connector's counters must show that every prompt token vLLM did not already hold in whole
+blocks came over NIXL (the long prompt's first block is a local hit after the reference
+run), and vLLM's own count of cached prompt tokens must agree. A load from a stage that
+cannot be reached follows vLLM's failure policy ("fail": the request errors, nothing is
+decoded from partial KV) and the instance keeps serving.
 
 Not part of the default suite (it needs the vLLM peer environment): run it with
 ``scripts/setup_vllm_peer.sh`` then ``.venv/bin/python -m pytest tests_vllm``. The peer
@@ -16,10 +18,12 @@ environment is ``$VLLM_PEER_ENV`` (the setup script's default: ``.venv-vllm`` in
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import re
+import selectors
 import socket
 import subprocess
 import sys
@@ -79,10 +83,9 @@ class Driver:
             text=True, env=env,
         )  # fmt: skip
         self.log = log
+        self.stdout_tail: collections.deque[str] = collections.deque(maxlen=40)  # vLLM's log
 
     def read(self, timeout_s: float) -> dict:
-        import selectors
-
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
@@ -93,16 +96,25 @@ class Driver:
                     break
                 if line.startswith("{"):
                     return json.loads(line)
+                self.stdout_tail.append(line)
             elif self.proc.poll() is not None:
                 break
-        tail = self.log.read_text()[-3000:]
-        raise AssertionError(f"vLLM driver gave no answer (rc {self.proc.poll()}); log:\n{tail}")
+        raise AssertionError(
+            f"vLLM driver gave no answer in {timeout_s} s (rc {self.proc.poll()}); stdout:\n"
+            + "".join(self.stdout_tail)
+            + f"stderr:\n{self.log.read_text()[-3000:]}"
+        )
 
     def generate(self, prompt_ids: list[int], params: dict | None = None) -> dict:
         job = {"prompt_ids": prompt_ids, "max_tokens": NEW_TOKENS, "kv_transfer_params": params}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
-        return self.read(120)
+        started = time.monotonic()
+        result = self.read(180)
+        kind = "ours" if params else "local"
+        print(f"  vLLM {kind} {len(prompt_ids)} tokens: {time.monotonic() - started:.1f} s",
+              file=sys.stderr)  # fmt: skip
+        return result
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -141,7 +153,10 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
     driver = Driver(model, tmp_path / "vllm.log")  # starts first: it takes the longest
     server, port = _serve(model, tmp_path / "serve.err")
     try:
-        assert driver.read(420) == {"ready": True}
+        ready = driver.read(420)
+        print(f"  vLLM ready after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        assert ready["ready"], ready
+        block_size = ready["block_size"]
         with PrefillClient(f"127.0.0.1:{port}") as client:
 
             def prefill(ids: list[int]) -> tuple[list, int]:
@@ -154,12 +169,16 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
                     remote.result.first_token_id
                 )
 
+            reads = []  # (prompt tokens, of them cached locally in vLLM)
             for text in PROMPTS:
                 ids = tokenizer.encode_chat([{"role": "user", "content": text}])
                 manifests, first_token = prefill(ids)
                 assert len(manifests) == 2  # one per stage, each READ on its own
+                # vLLM's own run first (nothing cached: it computes the whole prompt); its
+                # whole blocks then stay in vLLM's prefix cache, so ours READs only the rest
+                local = driver.generate(ids)
                 ours = driver.generate(ids, pull_params(manifests))
-                local = driver.generate(ids)  # no connector: vLLM computes the prompt
+                local_hit = (len(ids) - 1) // block_size * block_size
                 assert ours.get("finish_reason") in ("length", "stop"), ours
                 assert (ours["token_ids"], ours["finish_reason"]) == (
                     local["token_ids"],
@@ -168,11 +187,14 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
                 assert ours["token_ids"][0] == first_token  # our tier's logits agree too
                 loaded = ours["kv_transfer_params"][LOADED_KEY]
                 assert loaded == {
-                    "tokens": len(ids),
-                    "bytes": len(ids) * _kv_bytes_per_token(model),
+                    "tokens": len(ids) - local_hit,
+                    "bytes": (len(ids) - local_hit) * _kv_bytes_per_token(model),
                     "ok": True,
                     "error": None,
                 }
+                reads.append((len(ids), local_hit))
+                if text == PROMPTS[0]:
+                    reference_first = local["token_ids"]
                 # vLLM's own accounting: the prompt was cached (external), not computed
                 assert ours["num_cached_tokens"] >= len(ids) - 1, ours
                 assert local["num_cached_tokens"] == 0 and local["kv_transfer_params"] is None
@@ -188,7 +210,7 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
             # ... and the instance keeps serving from our KV
             manifests, _ = prefill(ids)
             again = driver.generate(ids, pull_params(manifests))
-            assert again["token_ids"] == driver.generate(ids)["token_ids"]
+            assert again["token_ids"] == reference_first
             assert again["kv_transfer_params"][LOADED_KEY]["tokens"] == len(ids)
         driver.close()
         assert driver.proc.returncode == 0, driver.log.read_text()[-3000:]
@@ -199,8 +221,10 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    assert any(hit for _, hit in reads) and any(not hit for _, hit in reads), reads
     print(
-        f"vLLM e2e: {len(PROMPTS)} prompts token-exact, failed load -> {failed}, "
+        f"vLLM e2e: {len(PROMPTS)} prompts token-exact, (prompt, vLLM-cached) tokens {reads}, "
+        f"failed load -> {failed}, "
         f"{time.monotonic() - started:.0f} s",
         file=sys.stderr,
     )

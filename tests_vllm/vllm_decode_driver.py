@@ -4,9 +4,10 @@ Run with the vLLM peer environment's python and the checkout on PYTHONPATH::
 
     python tests_vllm/vllm_decode_driver.py MODEL_DIR [--failure-policy fail|recompute]
 
-Prints ``{"ready": true}`` once the engine is up; then, per stdin line ``{"prompt_ids": [...],
-"max_tokens": N, "kv_transfer_params": {...} | null}``, one stdout line ``{"token_ids",
-"finish_reason", "num_cached_tokens", "kv_transfer_params"}`` (vLLM's RequestOutput fields).
+Prints ``{"ready": true, "block_size": N}`` once the engine is up; then, per stdin line
+``{"prompt_ids": [...], "max_tokens": N, "kv_transfer_params": {...} | null}``, one stdout
+line ``{"token_ids", "finish_reason", "num_cached_tokens", "kv_transfer_params"}`` (vLLM's
+RequestOutput fields). vLLM's own log lines on stdout do not start with ``{``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main() -> int:
         args.model,
         dtype="float32",
         enforce_eager=True,
-        enable_prefix_caching=False,  # the local reference must compute its prompt itself
+        enable_prefix_caching=True,  # a local hit shortens the READ (the test orders runs)
         max_model_len=2048,
         kv_transfer_config=KVTransferConfig(
             kv_connector="WavePPConnector",
@@ -41,7 +42,8 @@ def main() -> int:
             kv_connector_extra_config={"timeout_s": args.timeout},
         ),
     )
-    print(json.dumps({"ready": True}), flush=True)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    print(json.dumps({"ready": True, "block_size": block_size}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         extra = {}
