@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from kv_transfer.layout import KVLayout, MemoryRegion
+from kv_transfer.messages import StageManifest
 from kv_transfer.vllm_decode.params import LOADED_KEY, pull_params
 from prefill_node.engine.kv_wire import wire_manifest
 from prefill_node.engine.types import KVPullDestination
@@ -74,11 +76,11 @@ def _closed_port() -> int:
 class Driver:
     """The vLLM process: one JSON line per request, every wait bounded."""
 
-    def __init__(self, model: Path, log: Path) -> None:
+    def __init__(self, model: Path, log: Path, failure_policy: str = "fail") -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
         self.proc = subprocess.Popen(
             [str(_peer_python()), str(REPO / "tests_vllm" / "vllm_decode_driver.py"),
-             str(model), "--failure-policy", "fail", "--timeout", "20"],
+             str(model), "--failure-policy", failure_policy, "--timeout", "20"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
             text=True, env=env,
         )  # fmt: skip
@@ -228,3 +230,39 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
         f"{time.monotonic() - started:.0f} s",
         file=sys.stderr,
     )
+
+
+def test_a_failed_load_under_the_recompute_policy_computes_the_prompt_itself(tmp_path):
+    """No prefill tier at all: both stages' endpoints refuse. vLLM ("recompute") computes the
+    prompt itself and answers exactly as without the connector; the counters say 0 loaded."""
+    model = default_model_dir()
+    tokenizer = Tokenizer.from_dir(model)
+    ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    cfg = json.loads((model / "config.json").read_text())
+    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    dead = f"127.0.0.1:{_closed_port()}"
+    manifests = []
+    for stage, (lo, hi) in enumerate([(0, layers // 2), (layers // 2, layers)]):
+        region = MemoryRegion(1 << 20, 4 * 2 * 16 * heads * head_dim * 4)
+        layout = KVLayout(lo, hi, 4, 16, heads, head_dim, "float32", (region,) * (hi - lo))
+        blocks = tuple(range(-(-len(ids) // 16)))
+        manifests.append(StageManifest("gone", stage, 2, dead, f"stage{stage}", layout,
+                                       blocks, len(ids), f"lease{stage}", 30.0))  # fmt: skip
+    driver = Driver(model, tmp_path / "vllm.log", failure_policy="recompute")
+    try:
+        assert driver.read(420)["ready"]
+        local = driver.generate(ids)
+        ours = driver.generate(ids, pull_params(manifests))
+        driver.close()
+    finally:
+        if driver.proc.poll() is None:
+            driver.proc.kill()
+            driver.proc.wait()
+    assert (ours["token_ids"], ours["finish_reason"]) == (
+        local["token_ids"],
+        local["finish_reason"],
+    )
+    loaded = ours["kv_transfer_params"][LOADED_KEY]
+    assert (loaded["ok"], loaded["tokens"], loaded["bytes"]) == (False, 0, 0)
+    assert loaded["error"].startswith("DecodeUnreachable"), loaded
