@@ -17,7 +17,12 @@ from kv_transfer.errors import InvalidTransferRequest, LayoutMismatch
 from kv_transfer.layout import KVLayout, MemoryRegion
 from kv_transfer.messages import StageManifest
 from kv_transfer.vllm_decode.cache import layer_order, paged_kv, pool_views
-from kv_transfer.vllm_decode.params import PULL_KEY, pull_manifests, pull_params
+from kv_transfer.vllm_decode.params import (
+    PULL_KEY,
+    prompt_mismatch,
+    pull_manifests,
+    pull_params,
+)
 
 BLOCKS, HEADS, BS, DIM = 3, 2, 4, 5
 
@@ -68,7 +73,13 @@ def _manifest(stage: int) -> StageManifest:
 
 
 def test_pull_params_round_trip_under_vllms_request_id():
-    params = pull_params([_manifest(0), _manifest(1)])
+    ids = list(range(100, 120))
+    params = pull_params([_manifest(0), _manifest(1)], ids)
+    assert prompt_mismatch(params, ids) is None
+    assert "not the ones" in prompt_mismatch(params, ids[:-1] + [7])  # same length, other ids
+    assert prompt_mismatch({PULL_KEY: params[PULL_KEY]}, ids) is not None  # no digest
+    with pytest.raises(InvalidTransferRequest, match="length"):
+        pull_params([_manifest(0), _manifest(1)], ids[:-1])
     got = pull_manifests(params, "cmpl-1-0")
     assert [m.request_id for m in got] == ["cmpl-1-0"] * 2
     assert [m.stage for m in got] == [0, 1] and got[1].layout == _manifest(1).layout
@@ -78,7 +89,7 @@ def test_pull_params_round_trip_under_vllms_request_id():
     with pytest.raises(InvalidTransferRequest, match="malformed"):
         pull_manifests({PULL_KEY: [{"stage": 0}]}, "x")
     with pytest.raises(InvalidTransferRequest):
-        pull_params([])
+        pull_params([], ids)
 
 
 def test_vllm_free_parts_import_neither_vllm_nor_prefill_node():

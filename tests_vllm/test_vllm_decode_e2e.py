@@ -8,8 +8,9 @@ continuation of the same prompt computed locally (run first), token for token. T
 connector's counters must show that every prompt token vLLM did not already hold in whole
 blocks came over NIXL (the long prompt's first block is a local hit after the reference
 run), and vLLM's own count of cached prompt tokens must agree. A load from a stage that
-cannot be reached follows vLLM's failure policy ("fail": the request errors, nothing is
-decoded from partial KV) and the instance keeps serving.
+cannot be reached, or for other token ids than the prefill's, follows vLLM's failure policy
+("fail": the request errors, nothing is decoded from partial or foreign KV) and the instance
+keeps serving.
 
 Not part of the default suite (it needs the vLLM peer environment): run it with
 ``scripts/setup_vllm_peer.sh`` then ``.venv/bin/python -m pytest tests_vllm``. The peer
@@ -179,7 +180,7 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
                 # vLLM's own run first (nothing cached: it computes the whole prompt); its
                 # whole blocks then stay in vLLM's prefix cache, so ours READs only the rest
                 local = driver.generate(ids)
-                ours = driver.generate(ids, pull_params(manifests))
+                ours = driver.generate(ids, pull_params(manifests, ids))
                 local_hit = (len(ids) - 1) // block_size * block_size
                 assert ours.get("finish_reason") in ("length", "stop"), ours
                 assert (ours["token_ids"], ours["finish_reason"]) == (
@@ -206,12 +207,16 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
             ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
             manifests, _ = prefill(ids)
             manifests[1] = dataclasses.replace(manifests[1], endpoint=f"127.0.0.1:{_closed_port()}")
-            failed = driver.generate(ids, pull_params(manifests))
+            failed = driver.generate(ids, pull_params(manifests, ids))
             assert failed.get("finish_reason") == "error" or "error" in failed, failed
             assert not failed.get("token_ids"), failed
+            # other token ids of the same length: the KV is not theirs, nothing is loaded
+            manifests, _ = prefill(ids)
+            other = driver.generate(ids[:-2] + ids[-1:] + ids[-2:-1], pull_params(manifests, ids))
+            assert other.get("finish_reason") == "error" and not other.get("token_ids"), other
             # ... and the instance keeps serving from our KV
             manifests, _ = prefill(ids)
-            again = driver.generate(ids, pull_params(manifests))
+            again = driver.generate(ids, pull_params(manifests, ids))
             assert again["token_ids"] == reference_first
             assert again["kv_transfer_params"][LOADED_KEY]["tokens"] == len(ids)
         driver.close()
@@ -253,7 +258,7 @@ def test_a_failed_load_under_the_recompute_policy_computes_the_prompt_itself(tmp
     try:
         assert driver.read(420)["ready"]
         local = driver.generate(ids)
-        ours = driver.generate(ids, pull_params(manifests))
+        ours = driver.generate(ids, pull_params(manifests, ids))
         driver.close()
     finally:
         if driver.proc.poll() is None:

@@ -41,7 +41,13 @@ from kv_transfer.agent import KVAgent
 from kv_transfer.errors import InvalidTransferRequest, KVTransferError, LayoutMismatch
 from kv_transfer.receiver import KVReceiver, ReceiverConfig
 from kv_transfer.vllm_decode.cache import SUPPORTED_ISAS, pool_views
-from kv_transfer.vllm_decode.params import LOADED_KEY, PULL_KEY, prompt_tokens, pull_manifests
+from kv_transfer.vllm_decode.params import (
+    LOADED_KEY,
+    PULL_KEY,
+    prompt_mismatch,
+    prompt_tokens,
+    pull_manifests,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +68,7 @@ class _Load:
     block_ids: tuple[int, ...]  # vLLM blocks of the whole request, from token 0
     skip_tokens: int  # locally cached prefix: not read
     num_tokens: int  # the prompt's length in vLLM
+    refused: str | None = None  # why this load must fail (found on the scheduler side)
 
 
 @dataclass
@@ -133,6 +140,7 @@ class WavePPConnector(KVConnectorBase_V1):
                 tuple(blocks.get_block_ids()[0]),
                 request.num_prompt_tokens - num_external_tokens,
                 request.num_prompt_tokens,
+                prompt_mismatch(params, request.prompt_token_ids or ()),
             )
         )
 
@@ -196,6 +204,8 @@ class WavePPConnector(KVConnectorBase_V1):
                 self._end(load.request_id, 0, 0, exc)
 
     def _start(self, load: _Load) -> None:
+        if load.refused is not None:
+            raise InvalidTransferRequest(load.refused)
         if self._receiver is None:
             raise InvalidTransferRequest("no KV cache registered with the connector")
         manifests = pull_manifests(load.raw, load.request_id) or []
