@@ -44,6 +44,7 @@ from kv_transfer.vllm_decode.cache import SUPPORTED_ISAS, pool_views
 from kv_transfer.vllm_decode.params import (
     LOADED_KEY,
     PULL_KEY,
+    LoadReport,
     prompt_mismatch,
     prompt_tokens,
     pull_manifests,
@@ -80,7 +81,7 @@ class _Meta(KVConnectorMetadata):
 class _Loaded(KVConnectorWorkerMetadata):
     """Worker -> scheduler: per finished load, tokens and bytes READ and the error if any."""
 
-    by_request: dict[str, dict[str, Any]] = field(default_factory=dict)
+    by_request: dict[str, LoadReport] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, _Loaded)
@@ -104,12 +105,12 @@ class WavePPConnector(KVConnectorBase_V1):
             )
         # scheduler side
         self._to_load: list[_Load] = []
-        self._loaded: dict[str, dict[str, Any]] = {}
+        self._loaded: dict[str, LoadReport] = {}
         # worker side
         self._receiver: KVReceiver | None = None
         self._live: dict[str, int] = {}  # request id -> tokens being read
-        self._ended: dict[str, dict[str, Any]] = {}  # finished since the last report
-        self._report: dict[str, dict[str, Any]] = {}  # for build_connector_worker_meta
+        self._ended: dict[str, LoadReport] = {}  # finished since the last report
+        self._report: dict[str, LoadReport] = {}  # for build_connector_worker_meta
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(
@@ -159,7 +160,9 @@ class WavePPConnector(KVConnectorBase_V1):
         loaded = self._loaded.pop(request.request_id, None)
         if loaded is None and not (request.kv_transfer_params or {}).get(PULL_KEY):
             return False, None
-        return False, {LOADED_KEY: loaded or {"tokens": 0, "bytes": 0, "ok": False}}
+        if loaded is None:
+            loaded = LoadReport(0, 0, "nothing loaded: no load was planned for this request")
+        return False, {LOADED_KEY: loaded.to_dict()}
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -230,12 +233,11 @@ class WavePPConnector(KVConnectorBase_V1):
             )
         else:
             log.warning("WavePPConnector: loading KV of %s failed: %s", request_id, error)
-        self._ended[request_id] = {
-            "tokens": tokens if ok else 0,
-            "bytes": num_bytes,
-            "ok": ok,
-            "error": None if ok else f"{type(error).__name__}: {error}",
-        }
+        self._ended[request_id] = (
+            LoadReport(tokens, num_bytes)
+            if ok
+            else LoadReport(0, num_bytes, f"{type(error).__name__}: {error}")
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete between steps (async): nothing is read mid-forward
@@ -254,7 +256,7 @@ class WavePPConnector(KVConnectorBase_V1):
                 self._end(outcome.request_id, tokens, outcome.num_bytes, outcome.error)
         done, self._ended = self._ended, {}
         self._report.update(done)
-        failed = {rid for rid, stats in done.items() if not stats["ok"]}
+        failed = {rid for rid, report in done.items() if not report.ok}
         return KVConnectorTransferResults(finished_recving=set(done), failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

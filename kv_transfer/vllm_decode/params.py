@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer.errors import InvalidTransferRequest
@@ -22,6 +23,22 @@ from kv_transfer.messages import StageManifest
 PULL_KEY = "wavepp_pull"
 PROMPT_KEY = "wavepp_prompt"
 LOADED_KEY = "wavepp_loaded"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the connector READ over NIXL for one request; ``error`` None when it succeeded."""
+
+    tokens: int
+    num_bytes: int
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "bytes": self.num_bytes, "ok": self.ok, "error": self.error}
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
