@@ -100,3 +100,17 @@ def test_vllm_free_parts_import_neither_vllm_nor_prefill_node():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "kv_transfer" in out.stdout
     assert "'vllm'" not in out.stdout and "prefill_node" not in out.stdout
+
+
+def test_the_connector_module_imports_nothing_of_prefill_node():
+    """The connector module itself needs vLLM to import; read its imports instead."""
+    import ast
+    from pathlib import Path
+
+    import kv_transfer.vllm_decode as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m.split(".")[0] == "prefill_node" for m in modules), path
