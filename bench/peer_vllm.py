@@ -28,7 +28,7 @@ served from the prefix cache, by each engine's own count. Medians over --runs ru
 ours / vLLM paired by run (bench/peer_vllm_report.py). Each run row also says how many greedy
 first tokens agree with vllm-eager's (a check that both ran the same model on the same ids).
 
-    .venv/bin/python bench/peer_vllm.py --json out/peer_vllm.json   # ~12 min on 2 quiet cores
+    .venv/bin/python bench/peer_vllm.py --json out/peer_vllm.json   # ~13 min on 2 quiet cores
     .venv/bin/python bench/peer_vllm.py --quick --json /tmp/peer.json      # smoke, tiny sizes
 
 Writes every row to PATH (rewritten after each cell: an interrupted run keeps what it
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--cores", type=int, help="use the first N allowed cores (default all)")
     ap.add_argument("--router-pipelines", type=int, default=2, help="pipelines behind the router")
-    ap.add_argument("--kv-gib", type=float, default=1.0, help="KV cache GiB per system")
+    ap.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB per system (whole GiB)")
     ap.add_argument(
         "--peer-python",
         type=Path,

@@ -73,36 +73,45 @@ def make_cases(
     )
 
 
-DEFAULT = dict(prompts=8, prompt_tokens=1024, shared_tokens=1280, cached_prompts=16,
+DEFAULT = dict(prompts=4, prompt_tokens=1024, shared_tokens=1280, cached_prompts=8,
                long_tokens=4096)  # fmt: skip
 QUICK = dict(prompts=2, prompt_tokens=256, shared_tokens=640, cached_prompts=2,
              long_tokens=1024)  # fmt: skip
 
-# Rough cost model for the printed estimate only (2026-12 figures on this machine's cores):
-# float32 ~400 computed tok/s per core for either engine, bfloat16 ~2x that; a token at
-# context c costs (1 + c / CONTEXT_COST_TOKENS) of a token at context 0; a start-up (model
-# load, warm-up; vLLM's torch.compile) in seconds per system kind.
-RATE_PER_CORE = {"float32": 400.0, "bfloat16": 800.0}
+# Rough cost model for the printed estimate only, from the per-core figures measured on this
+# machine's cores in 2026-11/12 (float32 / bfloat16 computed tok/s per core at 1K-token prompts);
+# a token at context c costs (1 + c / CONTEXT_COST_TOKENS) of a token at context 0; start-ups
+# (model load, warm-up, vLLM's torch.compile) in seconds.
+RATE_PER_CORE = {
+    "float32": {"wavepp": 380.0, "vllm-eager": 290.0, "vllm-compiled": 400.0},
+    "bfloat16": {"wavepp": 800.0, "vllm-eager": 870.0, "vllm-compiled": 1170.0},
+}
 CONTEXT_COST_TOKENS = 8192
-STARTUP_S = {"vllm-eager": 40.0, "vllm-compiled": 120.0, "wavepp": 15.0}
-SEED_OVERHEAD_S = 1.0  # gRPC round trips, the seed prompt, the client
+STARTUP_S = {"vllm-eager": 40.0, "vllm-compiled": 180.0, "wavepp": 15.0}
+SEED_OVERHEAD_S = 1.0  # per case: gRPC round trips, the seed prompt, the client
 
 
 def case_cost_tokens(case: Case) -> float:
-    """``computed_tokens`` weighted by their mean context (a new token's attention reads all
-    earlier ones)."""
+    """Computed tokens weighted by their mean context (a new token's attention reads all
+    earlier ones). A first sight counts halfway between ``computed_tokens`` and computing
+    the shared prefix once per prompt (engines differ there)."""
+    computed = case.computed_tokens
+    if case.prefix_tokens and not case.precached:
+        computed = (computed + case.input_tokens) / 2
     mean_context = (case.prompt_tokens + case.prefix_tokens) / 2
-    return case.computed_tokens * (1 + mean_context / CONTEXT_COST_TOKENS)
+    return computed * (1 + mean_context / CONTEXT_COST_TOKENS)
 
 
 def estimate_seconds(
     cases: tuple[Case, ...], systems: list[str], dtypes: list[str], runs: int, cores: int
 ) -> float:
-    """Expected wall time of the whole bench with every system at the model's rate (the
-    systems of a dtype start in parallel: the slowest start counts)."""
+    """Expected wall time of the whole bench at the cost model's rates (the systems of a dtype
+    start in parallel: the slowest start counts)."""
+    work = sum(case_cost_tokens(c) for c in cases)
     total = 0.0
     for dtype in dtypes:
         total += max(STARTUP_S.get(s, STARTUP_S["wavepp"]) for s in systems)
-        per_run = sum(case_cost_tokens(c) for c in cases) / (RATE_PER_CORE[dtype] * cores)
-        total += runs * len(systems) * (per_run + SEED_OVERHEAD_S * len(cases))
+        for s in systems:
+            rate = RATE_PER_CORE[dtype].get(s, RATE_PER_CORE[dtype]["wavepp"]) * cores
+            total += runs * (work / rate + SEED_OVERHEAD_S * len(cases))
     return total
