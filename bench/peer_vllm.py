@@ -116,6 +116,7 @@ class OursTier:
 
     def __init__(self, system: str, cluster: Cluster, args, dtype: str, blocks: int) -> None:
         self.system, self._cluster, self._router = system, cluster, None
+        self._calls = 0  # request ids: f"{tag}{call}-{i}", unique over the server's life
         extra = ("--dtype", dtype)
         k = 1 if system == "wavepp-pipeline" else args.router_pipelines
         n = len(args.cpus) // k  # stages per pipeline: one core each
@@ -140,11 +141,14 @@ class OursTier:
         return (self._router or self._pipelines[0]).address
 
     def measure(self, seed: list[list[int]], prompts: list[list[int]]) -> dict:
-        bar = tqdm(disable=True)
+        bar, self._calls = tqdm(disable=True), self._calls + 1
         if seed:
-            run_closed_loop(self.address, [Request(0, "", tuple(p)) for p in seed], 1, "s", bar)
+            seeds = [Request(0, "", tuple(p)) for p in seed]
+            run_closed_loop(self.address, seeds, 1, f"seed{self._calls}", bar)
         requests = [Request(0, "", tuple(p)) for p in prompts]
-        outcomes, wall_s = run_closed_loop(self.address, requests, len(requests), "m", bar)
+        outcomes, wall_s = run_closed_loop(
+            self.address, requests, len(requests), f"timed{self._calls}", bar
+        )
         firsts = [o.first_token for o in sorted(outcomes, key=lambda o: o.index)]
         return token_stats(outcomes, wall_s) | {"wall_s": wall_s, "first_tokens": firsts}
 
