@@ -33,7 +33,7 @@ first tokens agree with vllm-eager's (a check that both ran the same model on th
 
 Writes every row to PATH (rewritten after each cell: an interrupted run keeps what it
 measured), a markdown table (.md) and a plot (--plot, default PATH with .png); process logs
-under PATH with .logs. Every process it starts is stopped on the way out.
+under PATH with .logs/DTYPE. Every process it starts is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class VllmPeer:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
                    VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, args.cpus)))  # fmt: skip
         env.pop("PYTHONPATH", None)  # nothing of ours in there
-        self.log = logs / f"vllm-{mode}-{dtype}.log"
+        self.cpus = args.cpus
+        self.log = logs / f"vllm-{mode}.log"
         argv = [str(args.peer_python), str(DRIVER), "--model", str(model_dir), "--dtype",
                 dtype, "--mode", mode]  # fmt: skip
         with open(self.log, "w") as err:
@@ -116,6 +117,7 @@ class OursTier:
 
     def __init__(self, system: str, cluster: Cluster, args, dtype: str, blocks: int) -> None:
         self.system, self._cluster, self._router = system, cluster, None
+        self.cpus = args.cpus
         self._calls = 0  # request ids: f"{tag}{call}-{i}", unique over the server's life
         extra = ("--dtype", dtype)
         k = 1 if system == "wavepp-pipeline" else args.router_pipelines
@@ -200,22 +202,23 @@ def main() -> None:
 
 
 def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]) -> list[dict]:
+    """Per dtype: start every system, then every run's cases on all of them; the run rows."""
+    import torch
+
     from prefill_node.model.config import ModelConfig
     from prefill_node.model.default_model import default_model_dir
 
     model_dir = default_model_dir()
     config = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    logs = args.json.with_suffix(".logs")
-    logs.mkdir(parents=True, exist_ok=True)
     per_run: list[dict] = []
     bar = tqdm(total=len(dtypes) * args.runs * len(cases) * len(systems), desc="cells")
     for dtype in dtypes:
-        import torch
-
         per_token = config.kv_bytes_per_token(config.num_layers, getattr(torch, dtype))
-        blocks = int(args.kv_gib * 2**30 / per_token) // BLOCK
+        blocks = int(args.kv_gib * 2**30 / per_token) // BLOCK  # the same bytes as vLLM's
+        logs = args.json.with_suffix(".logs") / dtype
+        logs.mkdir(parents=True, exist_ok=True)
         with Cluster(model_dir, logs, args) as cluster:
-            live = {}
+            live: dict[str, VllmPeer | OursTier] = {}
             try:
                 for s in systems:  # all start at once; each loads its model in parallel
                     if s in PEERS:
@@ -229,17 +232,7 @@ def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]
                 print(f"\n{dtype} ready: {took}")
                 for run in range(args.runs):
                     for i, case in enumerate(cases):
-                        seed, prompts = case.draw(run, config.vocab_size)
-                        shift = (run + i) % len(systems)
-                        for s in systems[shift:] + systems[:shift]:
-                            bar.set_description(f"{dtype} run {run} {case.name}: {s}")
-                            row = {"kind": "run", "system": s, "dtype": dtype, "case": case.name,
-                                   "run": run, "prompts": case.prompts,
-                                   "prompt_tokens": case.prompt_tokens,
-                                   "prefix_tokens": case.prefix_tokens,
-                                   "cores": len(args.cpus)}  # fmt: skip
-                            per_run.append(row | live[s].measure(seed, prompts))
-                            bar.update()
+                        per_run += run_case(live, case, run, i, dtype, config.vocab_size, bar)
                         write(per_run, args, final=False)
             finally:
                 for t in live.values():
@@ -247,6 +240,23 @@ def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]
                         t.stop()
     bar.close()
     return per_run
+
+
+def run_case(live: dict, case: Case, run: int, i: int, dtype: str, vocab: int, bar) -> list:
+    """``case`` of ``run`` on every live system, back to back, in an order that rotates with
+    the run and the case's index ``i``: a row each."""
+    seed, prompts = case.draw(run, vocab)
+    systems = list(live)
+    shift = (run + i) % len(systems)
+    rows = []
+    for s in systems[shift:] + systems[:shift]:
+        bar.set_description(f"{dtype} run {run} {case.name}: {s}")
+        row = {"kind": "run", "system": s, "dtype": dtype, "case": case.name, "run": run,
+               "prompts": case.prompts, "prompt_tokens": case.prompt_tokens,
+               "prefix_tokens": case.prefix_tokens, "cores": len(live[s].cpus)}  # fmt: skip
+        rows.append(row | live[s].measure(seed, prompts))
+        bar.update()
+    return rows
 
 
 def write(per_run: list[dict], args, final: bool = True) -> list[dict]:
