@@ -21,7 +21,7 @@ once: vLLM gets one batch, our client keeps them all in flight.
 ORDER: per dtype, every system starts (in parallel) and stays up for all runs; in each run
 every case runs on every system back to back, in an order rotating case by case and run by
 run, so the machine's drift lands on all systems alike. Idle neighbours cost little (a live
-vLLM idles at ~0.05 cores, a pipeline at ~0.02).
+vLLM idled at 0.01-0.05 cores here, a pipeline at ~0.02).
 
 METRICS: input tok/s = prompt tokens / wall time of the batch; computed tok/s = tokens not
 served from the prefix cache, by each engine's own count. Medians over --runs runs; ratios
