@@ -212,13 +212,21 @@ class Cluster:
             except Exception as error:  # noqa: BLE001 - stop the others all the same
                 print(f"could not stop pid {proc.pid}: {error!r}", file=sys.stderr)
 
-    def serve(self, name: str, num_blocks: int, cpus: list[int] | None = None) -> Server:
-        """Start a pipeline (returns at once: ``wait_listening`` before use)."""
-        argv = ["serve", "--model", str(self._model), "--stages", "2", "--num-blocks",
+    def serve(
+        self,
+        name: str,
+        num_blocks: int,
+        cpus: list[int] | None = None,
+        stages: int = 2,
+        extra: tuple[str, ...] = (),
+    ) -> Server:
+        """Start a pipeline (returns at once: ``wait_listening`` before use); ``extra``: more
+        `wavepp serve` flags (e.g. ``--dtype bfloat16``)."""
+        argv = ["serve", "--model", str(self._model), "--stages", str(stages), "--num-blocks",
                 str(num_blocks), "--block-size", str(BLOCK), "--max-chunk-tokens",
                 str(self._args.max_chunk_tokens), "--threads", "1", "--host", "127.0.0.1",
                 "--port", "0", "--metrics-port", "-1", "--no-kv-shipping", "--pipeline-id", name,
-                "--log-level", "WARNING"]  # fmt: skip
+                "--log-level", "WARNING", *extra]  # fmt: skip
         return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
 
     def router(self, policy: str, pipelines: list[Server]) -> Server:
