@@ -16,13 +16,13 @@ import time
 import pytest
 
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-from prefill_node.engine.kv_shipping import KVShippingConfig
-from prefill_node.engine.kv_shipping_local import LocalKVShipping
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
+from prefill_node.kv_shipping.local_shipping import LocalKVShipping
+from prefill_node.kv_shipping.shipper import KVShippingConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -148,7 +148,7 @@ def test_unreachable_or_silent_decode_fails_cleanly_and_engine_keeps_serving(eng
 def test_push_through_the_grpc_api_reaches_the_decode_worker(engine, decode):
     """The destination, decode's transfer id included, crosses the proto; the request id is
     the client's own (not the transfer id)."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
     from tests.grpc_harness import ServerThread
 
     prompt = prompt_of(11, seed=7)

@@ -142,10 +142,10 @@ def _stream(tokenizer: Any, tokens: Any) -> list[int]:
 
 def _run_local(args: argparse.Namespace) -> int:
     from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-    from prefill_node.engine.kv_shipping import KVShippingConfig
-    from prefill_node.engine.kv_shipping_local import LocalKVShipping
-    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
     from prefill_node.engine.types import KVPullDestination, PrefillOptions
+    from prefill_node.kv_shipping.local_shipping import LocalKVShipping
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
@@ -205,9 +205,9 @@ def _summary(args, ids, prefill, started, prefilled, kv_wait_s, answer) -> None:
 
 def _run_server(args: argparse.Namespace) -> int:
     from kv_transfer.receiver import ReceiverConfig
+    from prefill_node.client.prefill_client import PrefillClient
     from prefill_node.decode.decode_worker import DecodeWorker
     from prefill_node.engine.types import KVPullDestination
-    from prefill_node.server.client import PrefillClient
 
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)

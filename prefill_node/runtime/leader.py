@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.core.policy import PolicyKind
-from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
+from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
 from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
 from prefill_node.runtime.planes import PlaneClosedError, Planes
 
@@ -35,7 +35,7 @@ class Leader:
     collector receives each wave's result from the last stage. All core calls happen under
     ``self.lock``; no collective is ever made while holding it.
 
-    ``on_result`` / ``on_outcome`` / ``on_dead`` are the engine's callbacks (called without the
+    ``on_result`` / ``on_verdicts`` / ``on_dead`` are the engine's callbacks (called without the
     lock held); ``answer_local`` is stage 0's own reply to a round.
     """
 
@@ -46,7 +46,7 @@ class Leader:
         core: LeaderCore,
         answer_local: Callable[[RoundMessage], Any],
         on_result: Callable[[WaveResult], None],
-        on_outcomes: Callable[[list[AdmissionOutcome], float], None],
+        on_verdicts: Callable[[list[AdmissionVerdict], float], None],
         on_dead: Callable[[str], None],
     ):
         self.config = config
@@ -55,7 +55,7 @@ class Leader:
         self._planes = planes
         self._answer_local = answer_local
         self._on_result = on_result
-        self._on_outcomes = on_outcomes
+        self._on_verdicts = on_verdicts
         self._on_dead = on_dead
         self._controls: queue.SimpleQueue[tuple[RoundMessage, Future[list[Any]]]] = (
             queue.SimpleQueue()
@@ -119,16 +119,16 @@ class Leader:
             message = self.core.begin_round()
         if message is None:
             return False
-        outcomes: list[AdmissionOutcome] = []
+        verdicts: list[AdmissionVerdict] = []
         t0 = time.monotonic()
         while message is not None:
             replies = self._round(RoundMessage(RoundKind.ADMIT, message))
             with self.lock:
-                message, outcomes = self.core.finish_phase(replies)
+                message, verdicts = self.core.finish_phase(replies)
         with self.lock:
             self.lock.notify_all()
-        if outcomes:
-            self._on_outcomes(outcomes, time.monotonic() - t0)
+        if verdicts:
+            self._on_verdicts(verdicts, time.monotonic() - t0)
         return True
 
     def _wait_for_round_work(self) -> bool:

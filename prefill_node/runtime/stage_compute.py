@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.core.admission_messages import RoundRequest, StageReply
+from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.kv_shipping import KVShippingConfig
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
+from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_shipping.stage_shipping import StageHandoff, StageShipping
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache
@@ -23,13 +25,11 @@ from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.messages import (
     RequestOutput,
     StageEventBatch,
-    StageHandoff,
     WaveChunk,
     WaveHeader,
 )
 from prefill_node.runtime.spec import PipelineSpec
-from prefill_node.runtime.stage_shipping import StageShipping
-from prefill_node.runtime.stage_worker import Occupancy, StepOutput
+from prefill_node.runtime.stage_worker import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,9 @@ class PipelineStageCompute:
     def dump_kv(self, request_id: str) -> CapturedKV | None:
         return self._captured.get(request_id)
 
-    def occupancy(self) -> Occupancy:
+    def occupancy(self) -> PoolStats:
         with self._lock:
-            s = self.admission.load()
-        return Occupancy(s.free, s.cached, s.in_use, s.total)
+            return self.admission.load()
 
     # -- LOOP thread ---------------------------------------------------------------------------
     def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:

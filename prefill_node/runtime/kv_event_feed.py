@@ -33,7 +33,7 @@ from prefill_node.core.kv_events import KVEvent
 from prefill_node.errors import InvariantError
 
 if TYPE_CHECKING:
-    from prefill_node.engine.stage_executor import StageExecutor
+    from prefill_node.runtime.stage_executor import StageExecutor
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ admission never waits once ``NeverFitsError`` has been ruled out (a stage too sm
 wholly cached prompt plus the copy of its last block reuses one block less:
 ``StageAdmission._reuse_limit``), so it reports the same ``cached_tokens`` as a pipeline.
 The stage manifests describe where the KV sat at completion; no lease holds it afterwards
-unless ``kv_shipper`` ships it (kv_shipping_local.py).
+unless ``kv_shipper`` ships it (kv_shipping/local_shipping.py).
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfi
 from prefill_node.core.hashing import ExtraKeys, model_cache_id
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.round_driver import run_round
-from prefill_node.engine.abort_registry import AbortFlag, AbortRegistry
-from prefill_node.engine.kv_event_feed import KVEventFeed
-from prefill_node.engine.stage_executor import ChunkWork, StageExecutor
 from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
@@ -65,10 +62,13 @@ from prefill_node.errors import (
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.abort_registry import AbortFlag, AbortRegistry
+from prefill_node.runtime.kv_event_feed import KVEventFeed
+from prefill_node.runtime.stage_executor import ChunkWork, StageExecutor
 
 if TYPE_CHECKING:
-    from prefill_node.engine.kv_event_feed import KVEventSink
-    from prefill_node.engine.kv_shipping_local import LocalKVShipping
+    from prefill_node.kv_shipping.local_shipping import LocalKVShipping
+    from prefill_node.runtime.kv_event_feed import KVEventSink
 
 MAX_TOP_LOGPROBS = 20
 
@@ -137,7 +137,7 @@ class LocalEngine:
         kv_events: KVEventSink | None = None,
     ) -> None:
         """``kv_shipper``: ships each request's KV to the decode worker named by
-        ``PrefillOptions.kv_destination`` (kv_shipping_local.py); None: KV stays here.
+        ``PrefillOptions.kv_destination`` (kv_shipping/local_shipping.py); None: KV stays here.
         ``kv_events``: receives the pipeline's KV events (blocks resident on ALL stages;
         kv_event_feed.py) after every request, e.g. ``KVEventHub.publish``; the stages'
         pools must buffer events (``from_*`` constructors arrange it)."""

@@ -20,14 +20,17 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
-from prefill_node.engine.command_loop import CommandLoop
-from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
-from prefill_node.engine.stage_executor import StageExecutor
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError, KVHandoffError
+from prefill_node.kv_shipping.command_loop import CommandLoop
+from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper, StageShipResult
+
+if TYPE_CHECKING:
+    from prefill_node.runtime.stage_executor import StageExecutor
 
 log = logging.getLogger(__name__)
 Destination = KVPushDestination | KVPullDestination

@@ -1,7 +1,7 @@
 """StageKVShipper: one prefill stage's half of the KV hand-off, push (WRITE) or pull (lease).
 
 The per-stage code both engines share: the in-process LocalEngine drives P of them from one
-thread (kv_shipping_local.py); the multi-process runtime builds one inside each stage process
+thread (local_shipping.py); the multi-process runtime builds one inside each stage process
 and calls ``poll`` from the stage loop. Each stage owns its NIXL agent and registers its KV
 tensors exactly once, at construction. Per request, a stage: right after the request's last
 chunk ran there, ``pool.touch(seq.blocks)`` then ``push`` (or ``publish``), then ``finish``
@@ -32,9 +32,9 @@ from kv_transfer.messages import TransferOutcome
 from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
-from prefill_node.engine.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidRequestError
+from prefill_node.kv_shipping.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.model.paged_kv import PagedKVCache
 
 

@@ -28,19 +28,40 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
-from prefill_node.engine.command_loop import CommandLoop
-from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
+from prefill_node.kv_shipping.command_loop import CommandLoop
+from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper, StageShipResult
 from prefill_node.model.paged_kv import PagedKVCache
-from prefill_node.runtime.messages import StageHandoff
 
 log = logging.getLogger(__name__)
 Destination = KVPushDestination | KVPullDestination
+
+
+@dataclass(frozen=True)
+class StageHandoff:
+    """One stage's outcome of one request's KV hand-off (reply to a KV_COLLECT round).
+
+    Success: ``manifest`` (push: ``pushed=True``, the WRITE landed and decode was notified;
+    pull: the lease manifest). Failure: ``manifest`` is None, ``error`` is the cause's type
+    and message, ``invalid_destination`` when the destination itself was rejected (caller's
+    fault, INVALID_ARGUMENT) rather than unreachable or slow (UNAVAILABLE).
+    """
+
+    request_id: str
+    stage: int
+    manifest: StageKVManifest | None
+    error: str = ""
+    invalid_destination: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None
 
 
 def handoff_of(result: StageShipResult) -> StageHandoff:
