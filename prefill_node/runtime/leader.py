@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.core.policy import PolicyKind
-from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
+from prefill_node.engine.types import KVPullDestination, KVPushDestination
+from prefill_node.runtime.leader_core import AdmissionVerdict, CoreCounts, LeaderCore
 from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
 from prefill_node.runtime.planes import PlaneClosedError, Planes
 
@@ -27,7 +28,7 @@ class LeaderConfig:
 
 
 class Leader:
-    """Drives the pipeline from stage 0; the only user of ``LeaderCore``'s mutating calls.
+    """Drives the pipeline from stage 0; the only owner of ``LeaderCore`` and its lock.
 
     Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
     round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
@@ -35,8 +36,10 @@ class Leader:
     collector receives each wave's result from the last stage. All core calls happen under
     ``self.lock``; no collective is ever made while holding it.
 
-    ``on_result`` / ``on_verdicts`` / ``on_dead`` are the engine's callbacks (called without the
-    lock held); ``answer_local`` is stage 0's own reply to a round.
+    The engine reaches the core only through ``submit`` / ``abort`` / ``check_fits`` /
+    ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
+    ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
+    is stage 0's own reply to a round.
     """
 
     def __init__(
@@ -77,6 +80,35 @@ class Leader:
         """Something changed (new request, abort, capacity): re-check round and wave work."""
         with self.lock:
             self.lock.notify_all()
+
+    # -- the engine's calls (any thread) -------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        salt: str | None,
+        top_k: int,
+        kv_destination: KVPushDestination | KVPullDestination | None = None,
+    ) -> None:
+        """Queue a request for admission (``LeaderCore.submit``: NeverFitsError or
+        DuplicateRequestError raise here)."""
+        with self.lock:
+            self.core.submit(request_id, token_ids, salt, top_k, kv_destination)
+            self.lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request from the schedule (deferred while a chunk of it is in flight)."""
+        with self.lock:
+            self.core.abort(request_id)
+            self.lock.notify_all()
+
+    def check_fits(self, num_tokens: int) -> None:
+        with self.lock:
+            self.core.check_fits(num_tokens)
+
+    def counts(self) -> CoreCounts:
+        with self.lock:
+            return self.core.counts()
 
     def control(self, message: RoundMessage) -> Future[list[Any]]:
         """Run a non-admission round (stats, integrity, KV dump) on every stage; all replies."""

@@ -314,11 +314,10 @@ class PipelineEngine:
                 handoffs.expect(rid)
             if options.deadline_s is not None:
                 handoffs.watch(rid, options.deadline_s)
-        leader = self._running_leader()
-        with leader.lock:
-            top_k = max(1, options.top_logprobs)
-            leader.core.submit(rid, tokens, options.cache_salt, top_k, options.kv_destination)
-            leader.lock.notify_all()
+        top_k = max(1, options.top_logprobs)
+        self._running_leader().submit(
+            rid, tokens, options.cache_salt, top_k, options.kv_destination
+        )
         return fut
 
     def _validate(self, tokens: tuple[int, ...], options: PrefillOptions) -> None:
@@ -340,7 +339,7 @@ class PipelineEngine:
                 "this pipeline has no KV shipping configured; omit kv_destination or start "
                 "it with a KVShippingConfig"
             )
-        self._running_leader().core.check_fits(len(tokens))
+        self._running_leader().check_fits(len(tokens))
 
     def _running_leader(self) -> Leader:
         if self._leader is None:
@@ -365,10 +364,7 @@ class PipelineEngine:
         settle_future(req.future, error=error)
         if self._handoffs is not None:
             self._handoffs.forget(request_id)
-        leader = self._running_leader()
-        with leader.lock:
-            leader.core.abort(request_id)
-            leader.lock.notify_all()
+        self._running_leader().abort(request_id)
         return True
 
     def health(self) -> EngineHealth:
@@ -379,9 +375,7 @@ class PipelineEngine:
         return EngineHealth(live=True, ready=True)
 
     def load(self) -> EngineLoad:
-        leader = self._running_leader()
-        with leader.lock:
-            counts = leader.core.counts()
+        counts = self._running_leader().counts()
         # stale stage figures are better than no answer
         with contextlib.suppress(WaveppError, TimeoutError):
             self._last_stats = self.stage_stats(timeout_s=2.0)
@@ -486,9 +480,7 @@ class PipelineEngine:
             )
             leader = self._leader
             if leader is not None:  # stop scheduling its remaining chunks
-                with leader.lock:
-                    leader.core.abort(request_id)
-                    leader.lock.notify_all()
+                leader.abort(request_id)
             return
         settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
 
