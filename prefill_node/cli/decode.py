@@ -143,7 +143,6 @@ def _stream(tokenizer: Any, tokens: Any) -> list[int]:
 def _run_local(args: argparse.Namespace) -> int:
     from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
     from prefill_node.engine.types import KVPullDestination, PrefillOptions
-    from prefill_node.kv_shipping.local_shipping import LocalKVShipping
     from prefill_node.kv_shipping.shipper import KVShippingConfig
     from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
@@ -156,9 +155,7 @@ def _run_local(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         kv_progress=args.kv_progress,
     )
-    shipping = LocalKVShipping(
-        KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
-    )
+    shipping = KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
     with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
         config = LocalEngineConfig(
             num_stages=args.local_stages, num_blocks=args.num_blocks, block_size=args.block_size

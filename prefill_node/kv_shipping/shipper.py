@@ -1,15 +1,16 @@
 """StageKVShipper: one prefill stage's half of the KV hand-off, push (WRITE) or pull (lease).
 
-The per-stage code both engines share: the in-process LocalEngine drives P of them from one
-thread (local_shipping.py); the multi-process runtime builds one inside each stage process
-and calls ``poll`` from the stage loop. Each stage owns its NIXL agent and registers its KV
+The per-stage code both engines share: every stage, in-process (LocalEngine) or in its own
+process (the runtime), owns one inside a ``StageShipping`` thread (stage_shipping.py), which
+calls ``poll``. Each stage owns its NIXL agent and registers its KV
 tensors exactly once, at construction. Per request, a stage: right after the request's last
-chunk ran there, ``pool.touch(seq.blocks)`` then ``push`` (or ``publish``), then ``finish``
-as usual; it forwards ``take_results()`` to the leader, which answers the request once all P
-stages reported success, or calls ``cancel`` on every stage when one failed.
+chunk ran there, completes it with its blocks kept pinned
+(``StageAdmission.complete(keep_pinned=True)``), then ``push`` (or ``publish``); its
+``take_results()`` reach the leader, which answers the request once all P stages reported
+success, or calls ``cancel`` on every stage when one failed.
 
 Block contract: ``push`` / ``publish`` take over ONE reference per block that the caller
-pinned for the shipper (``BlockPool.touch``) and give it back exactly once through the
+keeps pinned for the shipper and give it back exactly once through the
 ``unpin`` callback: when the WRITE ended (success or failure), when decode released the lease,
 when it expired, or on ``cancel`` / ``close``. The callback runs on the thread that called
 ``poll`` / ``cancel`` / ``close``; the caller decides when the pool sees it.

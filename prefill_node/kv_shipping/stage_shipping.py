@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -148,6 +148,14 @@ class StageShipping:
             self._absorb[key] = self._absorb.get(key, 0) + 1
         self.cancel(request_id)
         return True
+
+    def supersede(self, request_ids: Iterable[str], unpin: Callable[[str], object]) -> None:
+        """New requests reuse these ids: each one this stage still ships is disowned and its
+        pins dropped at once through ``unpin`` (the owner's locked ``unpin``), so admission
+        can reserve the id again. Any thread."""
+        for request_id in request_ids:
+            if self.disown(request_id):
+                unpin(request_id)
 
     def take_outcomes(self) -> tuple[StageHandoff, ...]:
         """Outcomes reported since the last call, each request's exactly once."""

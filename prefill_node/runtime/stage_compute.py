@@ -152,10 +152,8 @@ class PipelineStageCompute:
     # -- WAVE thread ---------------------------------------------------------------------------
     def admit(self, message: RoundRequest) -> StageReply:
         if self.shipping is not None:  # a reused id supersedes its predecessor's hand-off
-            for spec in message.new_requests:
-                if self.shipping.disown(spec.request_id):
-                    with self._lock:
-                        self.admission.unpin(spec.request_id)
+            new_ids = (spec.request_id for spec in message.new_requests)
+            self.shipping.supersede(new_ids, self._release_shipped)
         with self._lock:
             return self.admission.handle(message)
 

@@ -110,10 +110,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         dtype=getattr(torch, spec.dtype),
         device=spec.device,
     )
-    shipping = None
-    if spec.kv_shipping is not None:
-        from prefill_node.kv_shipping.local_shipping import LocalKVShipping
-
-        shipping = LocalKVShipping(spec.kv_shipping)
-    engine = LocalEngine.from_model_dir(spec.model_dir, config, shipping, kv_events=kv_events)
+    engine = LocalEngine.from_model_dir(
+        spec.model_dir, config, spec.kv_shipping, kv_events=kv_events
+    )
     return ServedEngine(engine, blocking_submit=True)
