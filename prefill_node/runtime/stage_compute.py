@@ -58,6 +58,23 @@ def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
     return device
 
 
+def kv_manifest(
+    stage: int, kv: PagedKVCache, block_ids: tuple[int, ...], num_tokens: int
+) -> StageKVManifest:
+    """Where stage ``stage`` holds a request's KV: its layers' ``block_ids`` in prompt order."""
+    return StageKVManifest(
+        stage=stage,
+        layer_start=kv.layer_range.start,
+        layer_end=kv.layer_range.end,
+        block_ids=block_ids,
+        block_size=kv.block_size,
+        num_tokens=num_tokens,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        dtype=str(kv.dtype).removeprefix("torch."),
+    )
+
+
 def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
     """This stage's slice of the model named by ``spec.model`` (only its own weights)."""
     a, b = spec.layer_ranges[stage]
@@ -287,26 +304,12 @@ class PipelineStageCompute:
             if isinstance(done, StageStateMismatch):
                 failed.append((chunk.request_id, str(done.to_error())))
                 continue
-            manifest = self._manifest(done.block_ids, table.end)
+            manifest = kv_manifest(self.stage, self.kv, done.block_ids, table.end)
             if dest is not None and self.shipping is not None:
                 blocks = [self.admission.pool.block(b) for b in done.block_ids]
                 self.shipping.ship(chunk.request_id, blocks, manifest, dest)
             manifests.append((chunk.request_id, manifest))
         return tuple(manifests)
-
-    def _manifest(self, block_ids: tuple[int, ...], num_tokens: int) -> StageKVManifest:
-        kv = self.kv
-        return StageKVManifest(
-            stage=self.stage,
-            layer_start=kv.layer_range.start,
-            layer_end=kv.layer_range.end,
-            block_ids=block_ids,
-            block_size=kv.block_size,
-            num_tokens=num_tokens,
-            num_kv_heads=kv.num_kv_heads,
-            head_dim=kv.head_dim,
-            dtype=str(kv.dtype).removeprefix("torch."),
-        )
 
     def _capture(self, request_id: str, table: BlockTable) -> None:
         ks, vs = [], []

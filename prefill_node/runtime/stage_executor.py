@@ -49,6 +49,7 @@ from prefill_node.kv_shipping.stage_shipping import StageShipping
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.stage_compute import kv_manifest
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class StageExecutor:
             done = self.admission.complete(request_id, keep_pinned=destination is not None)
             if not isinstance(done, Completion):
                 raise _mismatch_error(done)
-            manifest = self._manifest(done.block_ids, num_tokens)
+            manifest = kv_manifest(self.stage, self.kv, done.block_ids, num_tokens)
             blocks = [self.pool.block(b) for b in done.block_ids]
         if destination is not None and self.shipping is not None:
             self.shipping.ship(request_id, blocks, manifest, destination)
@@ -197,20 +198,6 @@ class StageExecutor:
         shipping, self.shipping = self.shipping, None
         if shipping is not None:
             shipping.close()
-
-    def _manifest(self, block_ids: tuple[int, ...], num_tokens: int) -> StageKVManifest:
-        kv = self.kv
-        return StageKVManifest(
-            stage=self.stage,
-            layer_start=kv.layer_range.start,
-            layer_end=kv.layer_range.end,
-            block_ids=block_ids,
-            block_size=self.block_size,
-            num_tokens=num_tokens,
-            num_kv_heads=kv.num_kv_heads,
-            head_dim=kv.head_dim,
-            dtype=str(kv.dtype).removeprefix("torch."),
-        )
 
     def _num_tokens(self, request_id: str) -> int:
         rsv = self.admission.reservation(request_id)
