@@ -163,7 +163,7 @@ def measure_overhead(args, model_dir, logs, bar: tqdm, inner: tqdm) -> list[dict
 async def _overhead_runs(args, prompt, targets, hops, bar, inner) -> list[dict]:
     """Every (run, c) cell runs each path's requests in OVERHEAD_SLICES slices, the three
     paths back to back in a rotating order per slice, so drift hits every path alike."""
-    from prefill_node.server.client import AsyncPrefillClient
+    from prefill_node.client.prefill_client import AsyncPrefillClient
 
     clients = {path: AsyncPrefillClient(target) for path, target in targets.items()}
     rows = []

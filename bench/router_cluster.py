@@ -271,7 +271,7 @@ def _wait(predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
 def warm_pipeline(address: str, tokens: int) -> None:
     """Ready, and torch warm: a cold ``tokens + 16``-token prompt, then one sharing its
     first ``tokens``."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     rng = random.Random(-1)
     base = [rng.randrange(VOCAB) for _ in range(tokens)]
@@ -284,7 +284,7 @@ def warm_pipeline(address: str, tokens: int) -> None:
 
 def warm_router(address: str, pipelines: int) -> None:
     """Every pipeline ready and indexed (its warm-up blocks), then a few short requests."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     rng = random.Random(-2)
     with PrefillClient(address) as client:

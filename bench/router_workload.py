@@ -111,7 +111,7 @@ def run_closed_loop(
     target: str, requests: list[Request], concurrency: int, tag: str, bar: tqdm
 ) -> tuple[list[Outcome], float]:
     """``closed_loop`` on a fresh channel to ``target``, in its own event loop."""
-    from prefill_node.server.client import AsyncPrefillClient
+    from prefill_node.client.prefill_client import AsyncPrefillClient
 
     async def main() -> tuple[list[Outcome], float]:
         async with AsyncPrefillClient(target) as client:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefill_node.client.prefill_client import RemoteServerInfo, build_request
+from prefill_node.client.remote_engine import error_from_rpc
 from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_name
 from prefill_node.core.kv_events import KVEvent
@@ -45,9 +47,7 @@ from prefill_node.engine.types import (
     PrefillResult,
 )
 from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
-from prefill_node.server.client import RemoteServerInfo, build_request
 from prefill_node.server.convert import ParsedRequest, result_from_proto
-from prefill_node.server.remote_engine import error_from_rpc
 from prefill_node.server.servicer import NOT_READY
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
