@@ -110,14 +110,14 @@ class FixedLatencyEngine:
             future.set_result(result)
 
 
-def build_engine(kind: str, service_s: float, jitter: float):
+def make_engine(kind: str, service_s: float, jitter: float):
     if kind == "fixed":
         return FixedLatencyEngine(service_s, jitter)
     import torch
 
-    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
     from prefill_node.model.config import ModelConfig, ModelFamily
     from prefill_node.model.weights import random_weights
+    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
     torch.set_num_threads(1)
     config = ModelConfig(
@@ -167,7 +167,7 @@ def _serve_child(kind: str, service_s: float, jitter: float, bare: bool, conn) -
     from prefill_node.server.server import PrefillServer, ServerConfig
 
     async def main() -> None:
-        engine = build_engine(kind, service_s, jitter)
+        engine = make_engine(kind, service_s, jitter)
         if bare:
             server, port = _bare_server(engine)
         else:
@@ -216,7 +216,7 @@ def run_inproc(engine, prompts: list[list[int]], concurrency: int) -> dict:
 
 
 async def run_grpc(target: str, prompts: list[list[int]], concurrency: int, tag: str) -> dict:
-    from prefill_node.server.client import AsyncPrefillClient
+    from prefill_node.client.prefill_client import AsyncPrefillClient
 
     lat: list[float] = []
     over: list[float] = []
@@ -240,7 +240,7 @@ async def run_grpc_stream(target: str, prompts: list[list[int]], concurrency: in
     """The same load on ONE PrefillStream call, ``concurrency`` requests in flight on it."""
     import grpc
 
-    from prefill_node.server.client import build_request
+    from prefill_node.client.prefill_client import build_request
     from wavepp_proto.prefill.v1 import prefill_pb2_grpc
 
     lat: list[float] = []
@@ -294,7 +294,7 @@ def bench_engine(kind: str, args, bar: tqdm) -> list[dict]:
         return [[rng.randrange(1000) for _ in range(args.prompt_tokens)] for _ in range(n)]
 
     ours, floor = _Child(kind, args, bare=False), _Child(kind, args, bare=True)
-    engine = build_engine(kind, args.service_ms / 1e3, args.jitter)
+    engine = make_engine(kind, args.service_ms / 1e3, args.jitter)
     clients = {
         "grpc": (ours, run_grpc),
         "grpc_stream": (ours, run_grpc_stream),

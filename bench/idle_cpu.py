@@ -70,9 +70,9 @@ def start_serve(model_dir: Path, stages: int, progress: str) -> tuple[subprocess
 
 def one_run(args: argparse.Namespace, model_dir: Path, progress: str, run: int) -> dict:
     from kv_transfer.progress import KVProgress
+    from prefill_node.client.prefill_client import PrefillClient
     from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
     from prefill_node.process_tree import ProcessTree, terminate
-    from prefill_node.server.client import PrefillClient
 
     spec = DecodeWorkerSpec(
         model_dir=str(model_dir),

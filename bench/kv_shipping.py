@@ -61,9 +61,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, model_dir: Path) -> None:
         from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-        from prefill_node.engine.kv_shipping import KVShippingConfig
-        from prefill_node.engine.kv_shipping_local import LocalKVShipping
-        from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+        from prefill_node.kv_shipping.shipper import KVShippingConfig
+        from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
         blocks_per_prompt = -(-args.tokens // args.block_size)
         self.decode = DecodeWorkerProcess(
@@ -91,9 +90,7 @@ class Bench:
                 block_size=args.block_size,
                 max_chunk_tokens=args.max_chunk_tokens,
             )
-            self.engine = LocalEngine.from_model_dir(
-                model_dir, config, LocalKVShipping(KVShippingConfig())
-            )
+            self.engine = LocalEngine.from_model_dir(model_dir, config, KVShippingConfig())
         rng = random.Random(0)
         vocab = self.engine.vocab_size
         self.prompts = [

@@ -31,11 +31,14 @@ cache of the cluster's size that never duplicates a prefix. Only its token count
 reported (one pipeline: its throughput is not comparable). Goal: prefix_cached_over_oracle
 >= 0.9.
 
-OVERHEAD: one pipeline (every core), a router in front of it alone (prefix) and a bare
+OVERHEAD: one pipeline (every core), a router in front of it alone (prefix), a bare
 grpc.aio pass-through proxy (a generic handler forwarding PrefillService/Prefill as bytes, in
-a child process); the same cached 128-token prompt (112 tokens cached, 16 computed) direct,
-through the router and through the proxy, at c = 1 and 32, the paths' order rotating run by
-run. added = p50 - direct p50 (medians over runs); goal router_added / proxy_added <= 1.2.
+a child process) and the FRONT: the router's own gRPC server (typed servicer, validation,
+health, metrics) forwarding every request unrouted (a child process) - so the router's hop
+splits into front (front - proxy) and routing (router - front); the same cached 128-token
+prompt (112 tokens cached, 16 computed) direct and through each hop, at c = 1 and 32, the
+paths' order rotating slice by slice. added = p50 - direct p50 (medians over runs), and each
+hop's CPU time per request; goal router_added / proxy_added <= 1.2.
 
 CORE: bench/router_core.py's functions (CPU time; before any cluster starts): a routing
 decision for a 32K-token prompt over 4 pipelines (goal <= 2 ms) and KV-event ingestion (goal
@@ -150,15 +153,17 @@ def measure_overhead(args, model_dir, logs, bar: tqdm, inner: tqdm) -> list[dict
         router = cluster.router("prefix", [pipeline])
         warm_router(router.address, 1)
         proxy = cluster.proxy(pipeline.address)
-        targets = {"direct": pipeline.address, "router": router.address, "proxy": proxy.address}
-        hops = {"direct": None, "router": ProcessTree(router.pid), "proxy": ProcessTree(proxy.pid)}
+        front = cluster.proxy(pipeline.address, front=True)
+        hops = {"router": router, "front": front, "proxy": proxy}
+        targets = {"direct": pipeline.address} | {path: h.address for path, h in hops.items()}
+        hops = {"direct": None} | {path: ProcessTree(h.pid) for path, h in hops.items()}
         return asyncio.run(_overhead_runs(args, prompt, targets, hops, bar, inner))
 
 
 async def _overhead_runs(args, prompt, targets, hops, bar, inner) -> list[dict]:
     """Every (run, c) cell runs each path's requests in OVERHEAD_SLICES slices, the three
     paths back to back in a rotating order per slice, so drift hits every path alike."""
-    from prefill_node.server.client import AsyncPrefillClient
+    from prefill_node.client.prefill_client import AsyncPrefillClient
 
     clients = {path: AsyncPrefillClient(target) for path, target in targets.items()}
     rows = []
@@ -277,15 +282,17 @@ def summarise(rows: list[dict]) -> list[dict]:
         cell = {path: [r for r in overhead if (r["path"], r["concurrency"]) == (path, c)]
                 for path in PATHS}  # fmt: skip
         p50 = {path: statistics.median(r["p50_s"] for r in cell[path]) for path in PATHS}
+        hops = PATHS[1:]
         cpu = {path: statistics.median(r["hop_cpu_ms_per_request"] for r in cell[path])
-               for path in ("router", "proxy")}  # fmt: skip
-        router_added, proxy_added = p50["router"] - p50["direct"], p50["proxy"] - p50["direct"]
+               for path in hops}  # fmt: skip
+        added = {path: p50[path] - p50["direct"] for path in hops}
+        router_added, proxy_added = added["router"], added["proxy"]
         row = {"policy": "overhead", "path": "summary", "run": "median", "concurrency": c,
                **{f"{path}_p50_s": p50[path] for path in PATHS},
-               "router_added_s": router_added, "proxy_added_s": proxy_added,
-               "router_cpu_ms_per_request": cpu["router"],
-               "proxy_cpu_ms_per_request": cpu["proxy"],
-               "router_over_proxy_cpu": cpu["router"] / cpu["proxy"]}  # fmt: skip
+               **{f"{path}_added_s": added[path] for path in hops},
+               **{f"{path}_cpu_ms_per_request": cpu[path] for path in hops},
+               "router_over_proxy_cpu": cpu["router"] / cpu["proxy"],
+               "front_over_proxy_cpu": cpu["front"] / cpu["proxy"]}  # fmt: skip
         if proxy_added > 0:  # else the proxy's hop hid in the noise: no ratio to judge
             value = router_added / proxy_added
             row |= {"router_over_proxy_added": value, "goal": "<= 1.2", "met": value <= 1.2}

@@ -120,13 +120,59 @@ def _proxy_main(upstream: str, conn) -> None:
     asyncio.run(main())
 
 
-class Proxy:
-    """The bare grpc.aio pass-through in front of ``upstream`` (a spawned child process)."""
+def _front_main(upstream: str, conn) -> None:
+    """The FRONT child: the router's own gRPC front (PrefillServer: typed servicer, request
+    validation, health, reflection, metrics) over an engine that forwards every request to
+    ``upstream`` unrouted - the router minus routing, to split its hop into front + routing."""
+    import grpc
 
-    def __init__(self, upstream: str) -> None:
+    from prefill_node.engine.types import CacheIdentity, EngineHealth, EngineLoad
+    from prefill_node.server.server import PrefillServer, ServerConfig
+    from wavepp_proto.prefill.v1 import prefill_pb2_grpc
+
+    class Forwarder:  # a ResponseForwarder: the pipeline's response, passed on
+        vocab_size, max_model_len = VOCAB, MODEL_HF["max_position_embeddings"]
+        cache_identity = CacheIdentity("", 0)
+
+        def __init__(self) -> None:
+            self.stub = None
+
+        async def forward(self, request, parsed):
+            if self.stub is None:  # aio channels bind to the serving loop
+                self.stub = prefill_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(upstream))
+            response = await self.stub.Prefill(request, timeout=parsed.timeout_s)
+            response.served_by = upstream
+            return response
+
+        def health(self) -> EngineHealth:
+            return EngineHealth(live=True, ready=True, detail="")
+
+        def load(self) -> EngineLoad:
+            return EngineLoad(0, 0, 0, ())
+
+        def abort(self, request_id: str) -> bool:
+            return False
+
+    async def main() -> None:
+        config = ServerConfig(host="127.0.0.1", port=0, blocking_submit=False)
+        server = PrefillServer(Forwarder(), config)
+        await server.start()
+        conn.send(server.port)
+        await asyncio.to_thread(conn.recv)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+class Proxy:
+    """A hop in front of ``upstream`` in a spawned child: the bare grpc.aio pass-through
+    (``front=False``) or the router's gRPC front without routing (``front=True``)."""
+
+    def __init__(self, upstream: str, front: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_proxy_main, args=(upstream, child), daemon=True)
+        target = _front_main if front else _proxy_main
+        self._proc = ctx.Process(target=target, args=(upstream, child), daemon=True)
         self._proc.start()
         self.pid = self._proc.pid
         if not self._conn.poll(START_TIMEOUT_S):
@@ -166,13 +212,21 @@ class Cluster:
             except Exception as error:  # noqa: BLE001 - stop the others all the same
                 print(f"could not stop pid {proc.pid}: {error!r}", file=sys.stderr)
 
-    def serve(self, name: str, num_blocks: int, cpus: list[int] | None = None) -> Server:
-        """Start a pipeline (returns at once: ``wait_listening`` before use)."""
-        argv = ["serve", "--model", str(self._model), "--stages", "2", "--num-blocks",
+    def serve(
+        self,
+        name: str,
+        num_blocks: int,
+        cpus: list[int] | None = None,
+        stages: int = 2,
+        extra: tuple[str, ...] = (),
+    ) -> Server:
+        """Start a pipeline (returns at once: ``wait_listening`` before use); ``extra``: more
+        `wavepp serve` flags (e.g. ``--dtype bfloat16``)."""
+        argv = ["serve", "--model", str(self._model), "--stages", str(stages), "--num-blocks",
                 str(num_blocks), "--block-size", str(BLOCK), "--max-chunk-tokens",
                 str(self._args.max_chunk_tokens), "--threads", "1", "--host", "127.0.0.1",
                 "--port", "0", "--metrics-port", "-1", "--no-kv-shipping", "--pipeline-id", name,
-                "--log-level", "WARNING"]  # fmt: skip
+                "--log-level", "WARNING", *extra]  # fmt: skip
         return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
 
     def router(self, policy: str, pipelines: list[Server]) -> Server:
@@ -184,8 +238,8 @@ class Cluster:
         server = Server(argv, "wavepp router:", self._logs / f"router-{policy}.log")
         return self._add(server).wait_listening()
 
-    def proxy(self, upstream: str) -> Proxy:
-        return self._add(Proxy(upstream))
+    def proxy(self, upstream: str, front: bool = False) -> Proxy:
+        return self._add(Proxy(upstream, front))
 
     def _add(self, proc):
         self._procs.append(proc)
@@ -217,7 +271,7 @@ def _wait(predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
 def warm_pipeline(address: str, tokens: int) -> None:
     """Ready, and torch warm: a cold ``tokens + 16``-token prompt, then one sharing its
     first ``tokens``."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     rng = random.Random(-1)
     base = [rng.randrange(VOCAB) for _ in range(tokens)]
@@ -230,7 +284,7 @@ def warm_pipeline(address: str, tokens: int) -> None:
 
 def warm_router(address: str, pipelines: int) -> None:
     """Every pipeline ready and indexed (its warm-up blocks), then a few short requests."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     rng = random.Random(-2)
     with PrefillClient(address) as client:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 POLICIES = ("prefix", "round-robin", "least-loaded", "prefix-only")
 ORACLE = "oracle"
-PATHS = ("direct", "router", "proxy")
+PATHS = ("direct", "router", "front", "proxy")
 OVERHEAD_PROMPT = 128  # tokens: 7 blocks cached, the last block's 16 tokens computed
 
 _ms = lambda v: f"{v * 1e3:.2f}"
@@ -29,14 +29,17 @@ OVERHEAD_COLUMNS = (
     ("c", "concurrency", str),
     ("direct p50 ms", "direct_p50_s", _ms),
     ("router p50 ms", "router_p50_s", _ms),
+    ("front p50 ms", "front_p50_s", _ms),
     ("proxy p50 ms", "proxy_p50_s", _ms),
     ("router added ms", "router_added_s", _ms),
+    ("front added ms", "front_added_s", _ms),
     ("proxy added ms", "proxy_added_s", _ms),
     ("router / proxy added", "router_over_proxy_added", "{:.2f}".format),
     ("goal", "goal", str),
     ("met", "met", lambda met: "yes" if met else "MISSED"),
-    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}".format),
-    ("proxy CPU ms/req", "proxy_cpu_ms_per_request", "{:.2f}".format),
+    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.3f}".format),
+    ("front CPU ms/req", "front_cpu_ms_per_request", "{:.3f}".format),
+    ("proxy CPU ms/req", "proxy_cpu_ms_per_request", "{:.3f}".format),
 )
 
 
@@ -97,11 +100,11 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
         axes[3].set_visible(False)
     width = 0.8 / len(PATHS)
     for j, p in enumerate(PATHS):
-        xs = [i + (j - 1) * width for i in range(len(overhead))]
+        xs = [i + (j - (len(PATHS) - 1) / 2) * width for i in range(len(overhead))]
         axes[3].bar(xs, [r[f"{p}_p50_s"] * 1e3 for r in overhead], width, label=p)
     axes[3].set_xticks(range(len(overhead)), [f"c = {r['concurrency']}" for r in overhead])
     axes[3].set_ylabel("p50 latency (ms)")
-    axes[3].set_title("router vs bare gRPC proxy, cached prompt")
+    axes[3].set_title("router vs its front alone vs bare gRPC proxy, cached prompt")
     if overhead:
         axes[3].legend()
     fig.tight_layout()

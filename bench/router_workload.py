@@ -68,14 +68,17 @@ class Request:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One answered request as the client saw it (``served_by``: set behind a router)."""
+    """One answered request as the client saw it (``served_by``: set behind a router;
+    ``index``: its position in the list the closed loop was given)."""
 
+    index: int
     tenant: int
     latency_s: float
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     served_by: str
+    first_token: int
 
 
 async def closed_loop(
@@ -94,8 +97,8 @@ async def closed_loop(
             )
             r = remote.result
             outcomes.append(
-                Outcome(req.tenant, time.perf_counter() - t0, r.prompt_tokens, r.cached_tokens,
-                        r.computed_tokens, r.served_by)
+                Outcome(i, req.tenant, time.perf_counter() - t0, r.prompt_tokens, r.cached_tokens,
+                        r.computed_tokens, r.served_by, r.first_token_id)
             )  # fmt: skip
             bar.update()
 
@@ -108,7 +111,7 @@ def run_closed_loop(
     target: str, requests: list[Request], concurrency: int, tag: str, bar: tqdm
 ) -> tuple[list[Outcome], float]:
     """``closed_loop`` on a fresh channel to ``target``, in its own event loop."""
-    from prefill_node.server.client import AsyncPrefillClient
+    from prefill_node.client.prefill_client import AsyncPrefillClient
 
     async def main() -> tuple[list[Outcome], float]:
         async with AsyncPrefillClient(target) as client:

@@ -27,15 +27,15 @@ from typing import Protocol
 
 import grpc
 
-from prefill_node.core.kv_events import KVEvent
-from prefill_node.engine.types import EngineLoad
-from prefill_node.server.client import (
+from prefill_node.client.prefill_client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ClientTLS,
     PrefillClient,
     RemoteServerInfo,
     channel_options,
 )
+from prefill_node.core.kv_events import KVEvent
+from prefill_node.engine.types import EngineLoad
 from prefill_node.server.kv_convert import event_from_proto
 from prefill_router.discovery import PipelineEndpoint
 from wavepp_proto.prefill.v1 import prefill_pb2_grpc

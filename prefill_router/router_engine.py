@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefill_node.client.prefill_client import RemoteServerInfo, build_request
+from prefill_node.client.remote_engine import error_from_rpc
 from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_name
 from prefill_node.core.kv_events import KVEvent
@@ -45,9 +47,7 @@ from prefill_node.engine.types import (
     PrefillResult,
 )
 from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
-from prefill_node.server.client import RemoteServerInfo, build_request
 from prefill_node.server.convert import ParsedRequest, result_from_proto
-from prefill_node.server.remote_engine import error_from_rpc
 from prefill_node.server.servicer import NOT_READY
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 # A generic compute-bound default (about a 1B dense model); ``wavepp router --model`` derives
 # one from the model's shape. Only the ratio of the two terms changes routing decisions.
 DEFAULT_COST = ChunkCostModel(per_token_s=2e-6, per_token_context_s=2e-10)
+_MAX_SALTS = 4096  # ExtraKeys kept per cache_salt (tenants); beyond it the table starts over
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class RouterEngine:
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
         self._routed: dict[str, _Routed] = {}
+        # per pipeline: (cost_s, computed_tokens, requests) summed over its _Routed entries
+        self._own: dict[str, tuple[float, int, int]] = {}
+        self._extra: dict[str | None, ExtraKeys] = {}  # per cache_salt, bounded (_MAX_SALTS)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # for ``submit`` callers only
         self._vocab_size = self._max_model_len = 0  # over the pipelines accepted so far
@@ -278,17 +282,16 @@ class RouterEngine:
         request.request_id = options.request_id or request.request_id
         if parsed.from_text:
             request.token_ids.ids[:] = parsed.token_ids  # the oneof drops the text
-        return await self._forward(request, list(parsed.token_ids), options)
+        return await self._forward(request, parsed.token_ids, options)
 
     async def _forward(
-        self, request: prefill_pb2.PrefillRequest, tokens: list[int], options: PrefillOptions
+        self, request: prefill_pb2.PrefillRequest, tokens: Sequence[int], options: PrefillOptions
     ) -> prefill_pb2.PrefillResponse:
-        with self._lock:
-            identity = self._identity
+        identity = self._identity  # set once, never reset: no lock needed to read it
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
         hashes = hash_block_tokens(tokens, identity.block_size,
-                                   ExtraKeys(identity.model_id, options.cache_salt))  # fmt: skip
+                                   self._extra_keys(identity, options.cache_salt))  # fmt: skip
         request_id = request.request_id
         tried: tuple[str, ...] = ()
         while True:
@@ -319,8 +322,18 @@ class RouterEngine:
             response.served_by = routed.pid
             return response
 
+    def _extra_keys(self, identity: CacheIdentity, salt: str | None) -> ExtraKeys:
+        """The cluster's ExtraKeys for ``salt``, made once per salt (their digest is the
+        costly part); the table is emptied when it outgrows ``_MAX_SALTS``."""
+        extra = self._extra.get(salt)
+        if extra is None:
+            if len(self._extra) >= _MAX_SALTS:
+                self._extra.clear()
+            extra = self._extra[salt] = ExtraKeys(identity.model_id, salt)
+        return extra
+
     def _route(
-        self, tokens: list[int], hashes: Sequence[int], request_id: str, tried: tuple[str, ...]
+        self, tokens: Sequence[int], hashes: Sequence[int], request_id: str, tried: tuple[str, ...]
     ) -> tuple[PipelineLink, _Routed]:
         """Choose a pipeline (not one of ``tried``), record the prompt as pending there and
         the request as routed; raises the typed error when none can take it."""
@@ -335,6 +348,7 @@ class RouterEngine:
                                  len(tokens) - decision.cached_tokens, decision.cached_tokens,
                                  tried=(*tried, decision.pipeline))  # fmt: skip
                 self._routed[request_id] = routed
+                self._account(routed, 1)
         self.metrics.decision(decision.reason.value)
         if decision.pipeline is None:
             raise self._no_pipeline(decision)
@@ -344,6 +358,17 @@ class RouterEngine:
         with self._lock:
             if self._routed.get(request_id) is routed:
                 del self._routed[request_id]
+                self._account(routed, -1)
+
+    def _account(self, routed: _Routed, sign: int) -> None:
+        """Add (1) or take back (-1) ``routed`` in its pipeline's sums. Caller holds the lock."""
+        cost, tokens, count = self._own.get(routed.pid, (0.0, 0, 0))
+        count += sign
+        if count:
+            cost = max(0.0, cost + sign * routed.cost_s)  # float sums drift: never below 0
+            self._own[routed.pid] = (cost, tokens + sign * routed.computed_tokens, count)
+        else:
+            self._own.pop(routed.pid, None)
 
     def _decide(self, prompt_tokens: int, hashes, now: float, tried) -> RoutingDecision:
         """Caller holds the lock."""
@@ -359,9 +384,7 @@ class RouterEngine:
 
     def _view(self, link: PipelineLink) -> PipelineView:
         """Caller holds the lock."""
-        mine = [r for r in self._routed.values() if r.pid == link.pid]
-        own_cost = sum(r.cost_s for r in mine)
-        own_tokens = sum(r.computed_tokens for r in mine)
+        own_cost, own_tokens, own_requests = self._own.get(link.pid, (0.0, 0, 0))
         load, info = link.load, link.info
         others = max(0, load.inflight_tokens - own_tokens) if load is not None else 0
         capacity = min((s.total_blocks for s in load.stages), default=1 << 40) if load else 1 << 40
@@ -372,7 +395,7 @@ class RouterEngine:
             queued_cost_s=own_cost + others * self.config.cost_model.per_token_s,
             max_model_len=info.max_model_len if info is not None else 0,
             capacity_blocks=capacity,
-            inflight_requests=len(mine),
+            inflight_requests=own_requests,
             resident_blocks=self._index.num_blocks(link.pid) if indexed else 0,
         )
 
@@ -397,9 +420,7 @@ class RouterEngine:
     def load(self) -> EngineLoad:
         with self._lock:
             links = list(self._links.values())
-            inflight = {pid: 0 for pid in self._links}
-            for r in self._routed.values():
-                inflight[r.pid] = inflight.get(r.pid, 0) + 1
+            inflight = {pid: own[2] for pid, own in self._own.items()}
             indexed = {pid: self._index.num_blocks(pid) for pid in self._index.pipelines}
         pipelines = tuple(
             PipelineLoad(

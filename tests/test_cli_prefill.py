@@ -143,7 +143,8 @@ def test_multi_process_pipeline_engine_matches_local_engine(tiny_model_dir: Path
         (["--ids", "1,2,50"], "token id 50 at position 2 is outside the vocabulary"),
         (["--ids", "1,x"], "token ids must be integers"),
         (["--ids", ",".join(["1"] * 129)], "max_model_len=128"),
-        (["--ids", "1,2,3", "--num-blocks", "1", "--block-size", "2"], "needs 2 blocks"),
+        (["--ids", "1,2,3,4,5", "--num-blocks", "2", "--block-size", "2"], "needs 3 blocks"),
+        (["--ids", "1,2,3", "--num-blocks", "1", "--block-size", "2"], "each >= 2"),
         ([], "give a PROMPT, --ids or --token-ids"),
     ],
 )

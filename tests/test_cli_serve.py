@@ -14,12 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.model.weights import random_weights
-from prefill_node.server.client import PrefillClient
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.grpc_harness import TINY_CONFIG, wait_until
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]

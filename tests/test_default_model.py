@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import ModelFileNotFoundError
 from prefill_node.model import default_model
 from prefill_node.model.default_model import REQUIRED_FILES, ensure_default_model
 from prefill_node.model.tokenizer import Tokenizer
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import RequestAbortedError
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.grpc_harness import PIPELINE_HF, SlowStage, start_tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.timeout(180)

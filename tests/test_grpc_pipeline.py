@@ -16,13 +16,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefill_node.engine.types import PrefillOptions
-from prefill_node.server.client import (
+from prefill_node.client.prefill_client import (
     SERVICE_NAME,
     AsyncPrefillClient,
     PrefillClient,
     build_request,
 )
+from prefill_node.engine.types import PrefillOptions
 from tests.grpc_harness import (
     PIPELINE_HF,
     ServerThread,

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from prefill_node.server.client import AsyncPrefillClient, PrefillClient, build_request
+from prefill_node.client.prefill_client import AsyncPrefillClient, PrefillClient, build_request
 from tests.grpc_harness import (
     ServerThread,
     pipeline_server_config,
@@ -50,7 +50,7 @@ def server(engine):
 
 
 def _used(engine) -> list[int]:
-    return [s.used_blocks for s in engine.stage_stats()]
+    return [s.pool.in_use for s in engine.stage_stats()]
 
 
 def _assert_freed_everywhere(engine) -> None:

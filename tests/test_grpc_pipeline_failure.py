@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefill_node.server.client import SERVICE_NAME, PrefillClient
+from prefill_node.client.prefill_client import SERVICE_NAME, PrefillClient
 from tests.grpc_harness import (
     ServerThread,
     pipeline_server_config,

@@ -17,15 +17,15 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from prefill_node.core.kv_events import BlockRemoved, BlockStored
-from prefill_node.engine.types import KVPullDestination, PrefillOptions
-from prefill_node.model.tokenizer import Tokenizer
-from prefill_node.server.client import (
+from prefill_node.client.prefill_client import (
     SERVICE_NAME,
     AsyncPrefillClient,
     PrefillClient,
     build_request,
 )
+from prefill_node.core.kv_events import BlockRemoved, BlockStored
+from prefill_node.engine.types import KVPullDestination, PrefillOptions
+from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.server import ServerConfig
 from tests.grpc_harness import (
@@ -237,8 +237,8 @@ def test_request_round_trips_the_wire_format():
 
 
 def test_server_info_and_remote_engine_behave_like_the_engine(engine):
+    from prefill_node.client.remote_engine import RemoteEngine
     from prefill_node.errors import InvalidRequestError, RequestAbortedError
-    from prefill_node.server.remote_engine import RemoteEngine
 
     config = ServerConfig(host="127.0.0.1", port=0, model_name="tiny-grpc")
     with ServerThread(engine, config) as srv:

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from prefill_node.server.client import ClientTLS, PrefillClient
+from prefill_node.client.prefill_client import ClientTLS, PrefillClient
 from prefill_node.server.server import ServerConfig, TLSConfig
 from tests.grpc_harness import ServerThread
 from tests.grpc_toy_engine import ToyEngine, expected_first_token

@@ -27,13 +27,13 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes import client
 
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.model.default_model import DEFAULT_MODEL_DIRNAME, is_complete
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import free_local_port
-from prefill_node.server.client import PrefillClient
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.helm_harness import (
     CLUSTER_DNS,
     NAMESPACE,

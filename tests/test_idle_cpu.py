@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.process_tree import ProcessTree
-from prefill_node.server.client import PrefillClient
 from tests.grpc_harness import TINY_CONFIG, wait_until
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]

@@ -12,16 +12,16 @@ import sys
 import grpc
 import pytest
 
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
 from prefill_node.core.kv_event_aggregator import StageEvents
 from prefill_node.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from prefill_node.engine.kv_event_feed import KVEventFeed
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import InvariantError
 from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
 from prefill_node.model.weights import random_weights
-from prefill_node.server.client import PrefillClient
+from prefill_node.runtime.kv_event_feed import KVEventFeed
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.server.kv_convert import event_from_proto
 from prefill_node.server.kv_event_hub import KVEventHub
 from tests.grpc_harness import TINY_CONFIG, ServerThread, wait_until

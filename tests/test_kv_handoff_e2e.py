@@ -1,7 +1,7 @@
 """Prompt -> 2-stage LocalEngine -> NIXL (push / pull) -> decode worker process -> greedy tokens.
 
 The decode worker runs in a spawned process with its own NIXL agent; the two prefill stages'
-agents live in this process (LocalKVShipping's thread). The decode pool's block size (8)
+agents live in this process (one StageShipping thread per stage). The decode pool's block size (8)
 differs from prefill's (4), so the shipped KV goes through the token-run mapping. Generated
 tokens must equal a monolithic greedy generation with the independent reference forward.
 After every test each stage holds no blocks and every integrity check passes.
@@ -16,13 +16,12 @@ import time
 import pytest
 
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-from prefill_node.engine.kv_shipping import KVShippingConfig
-from prefill_node.engine.kv_shipping_local import LocalKVShipping
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
+from prefill_node.kv_shipping.shipper import KVShippingConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -58,9 +57,8 @@ def wait_idle(engine: LocalEngine, timeout_s: float = 5.0) -> None:
     while any(used_blocks(engine)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert used_blocks(engine) == [0, 0]
-    engine.check_integrity()
-    engine.kv_shipper.check_integrity()
-    assert engine.kv_shipper.held_blocks() == (0, 0)
+    engine.check_integrity()  # the stages' pools, admission state and shippers
+    assert engine.kv_held_blocks() == (0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +72,7 @@ def decode():
 @pytest.fixture(scope="module")
 def engine():
     config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=6)
-    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, LocalKVShipping(SHIPPING))
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, SHIPPING)
     yield engine
     wait_idle(engine)
     engine.shutdown()
@@ -148,7 +146,7 @@ def test_unreachable_or_silent_decode_fails_cleanly_and_engine_keeps_serving(eng
 def test_push_through_the_grpc_api_reaches_the_decode_worker(engine, decode):
     """The destination, decode's transfer id included, crosses the proto; the request id is
     the client's own (not the transfer id)."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
     from tests.grpc_harness import ServerThread
 
     prompt = prompt_of(11, seed=7)
@@ -193,7 +191,7 @@ def test_rejected_destinations_fail_before_any_write(engine):
 
 def test_unread_pull_lease_expires_after_the_requests_ttl_and_unpins_every_stage():
     config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=4)
-    shipping = LocalKVShipping(KVShippingConfig(lease_ttl_s=60.0))  # node default: long
+    shipping = KVShippingConfig(lease_ttl_s=60.0)  # node default: long
     engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, shipping)
     try:
         options = PrefillOptions("unread", kv_destination=KVPullDestination(lease_ttl_s=0.5))
@@ -221,7 +219,7 @@ def test_smollm2_push_generation_equals_monolithic_greedy(default_model_dir):
             config,
             weights,
             LocalEngineConfig(num_stages=2, num_blocks=16, block_size=16),
-            LocalKVShipping(SHIPPING),
+            SHIPPING,
         )
         try:
             tokens = push_round_trip(engine, decode, "smol", prompt, SMOL_TOKENS)

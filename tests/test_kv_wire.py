@@ -10,15 +10,15 @@ import pytest
 from kv_transfer.errors import InvalidTransferRequest
 from kv_transfer.layout import KVLayout, MemoryRegion
 from kv_transfer.messages import PushDestination, StageManifest
-from prefill_node.engine.kv_shipping import KVShippingConfig
-from prefill_node.engine.kv_wire import (
+from prefill_node.engine.types import KVPushDestination
+from prefill_node.errors import InvalidKVDestinationError, InvalidRequestError
+from prefill_node.kv_shipping.kv_wire import (
     engine_manifest,
     engine_push_destination,
     stage_push_destination,
     wire_manifest,
 )
-from prefill_node.engine.types import KVPushDestination
-from prefill_node.errors import InvalidKVDestinationError, InvalidRequestError
+from prefill_node.kv_shipping.shipper import KVShippingConfig
 
 DECODE = KVLayout(0, 4, 32, 8, 2, 16, "bfloat16")
 

@@ -10,8 +10,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
-from prefill_node.engine.stage_executor import ChunkWork
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import (
     InvalidPromptError,
@@ -23,6 +21,8 @@ from prefill_node.errors import (
 )
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.stage_executor import ChunkWork
 from tests.tiny_models import tiny_llama
 
 CONFIG = tiny_llama("tiny-llama")

@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from prefill_node.engine.abort_registry import AbortRegistry
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import RequestAbortedError
+from prefill_node.runtime.abort_registry import AbortRegistry
 from tests.grpc_harness import stage_used_blocks, tiny_local_engine, wait_until
 
 LONG = list(range(1, 61))  # 4 chunks of 16 tokens, 15 blocks of 4

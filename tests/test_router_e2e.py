@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from prefill_node.client.prefill_client import PrefillClient, build_request
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
-from prefill_node.server.client import PrefillClient, build_request
 from tests.grpc_harness import wait_until
 from tests.router_harness import BS, MODEL, SYSTEM, serve, spawn, stop
 

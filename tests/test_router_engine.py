@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from prefill_node.server.client import RemoteServerInfo
+from prefill_node.client.prefill_client import RemoteServerInfo
 from prefill_router.discovery import StaticDiscovery
 from prefill_router.router_engine import RouterConfig, RouterEngine
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
 from prefill_node.core.kv_events import BlockStored
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
-from prefill_node.server.client import PrefillClient
 from prefill_node.server.kv_convert import event_from_proto
 from prefill_router.discovery import StaticDiscovery
 from prefill_router.pipeline_link import LinkConfig

@@ -9,9 +9,9 @@ import shutil
 import grpc
 import pytest
 
+from prefill_node.client.prefill_client import ClientTLS, PrefillClient
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
-from prefill_node.server.client import ClientTLS, PrefillClient
 from tests.grpc_harness import wait_until
 from tests.router_harness import MODEL, SYSTEM, spawn, stop
 from tests.test_grpc_tls import _make_pki

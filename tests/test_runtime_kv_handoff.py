@@ -19,9 +19,9 @@ import pytest
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
 from prefill_node.core.kv_events import BlockStored, KVEvent
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-from prefill_node.engine.kv_shipping import KVShippingConfig
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
 from prefill_node.errors import DeadlineExceededError, InvalidKVDestinationError, KVHandoffError
+from prefill_node.kv_shipping.shipper import KVShippingConfig
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
@@ -106,7 +106,7 @@ def wait_idle(engine: PipelineEngine, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = engine.stage_stats()
-        busy = [(s.used_blocks, s.kv_held_blocks) for s in stats]
+        busy = [(s.pool.in_use, s.kv_held_blocks) for s in stats]
         if busy == [(0, 0), (0, 0)] or time.monotonic() > deadline:
             break
         time.sleep(0.02)
@@ -139,7 +139,7 @@ def test_pull_generation_equals_monolithic_greedy_and_leases_end(engine, decode)
     result = engine.submit(prompt, options).result(30)
     manifests = result.stage_manifests
     assert all(m.lease_id and m.agent_name and m.regions for m in manifests)
-    assert [s.used_blocks for s in engine.stage_stats()] == [5, 5]  # leased until released
+    assert [s.pool.in_use for s in engine.stage_stats()] == [5, 5]  # leased until released
     decode.pull("pull-1", prompt, manifests)
     assert list(decode.generate("pull-1", result.first_token_id, NEW_TOKENS)) == (
         reference_greedy(prompt)

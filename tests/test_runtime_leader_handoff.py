@@ -9,8 +9,8 @@ import pytest
 
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
+from prefill_node.kv_shipping.stage_shipping import StageHandoff
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
-from prefill_node.runtime.messages import StageHandoff
 
 pytestmark = pytest.mark.timeout(30)
 

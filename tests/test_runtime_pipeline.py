@@ -135,8 +135,8 @@ def test_pipeline_matches_reference_under_reuse_and_eviction(
     _check_against_reference(engine, prompts, results)
     engine.debug_check_integrity()
     stats = engine.stage_stats()
-    assert [s.used_blocks for s in stats] == [0] * len(stats)  # drained: nothing pinned
-    assert sum(stats[0].total_blocks for _ in stats) > 0
+    assert [s.pool.in_use for s in stats] == [0] * len(stats)  # drained: nothing pinned
+    assert sum(stats[0].pool.total for _ in stats) > 0
     assert engine.health().ready
 
 
@@ -156,7 +156,7 @@ def test_abort_in_flight_frees_blocks_on_every_stage(start) -> None:
     ok = engine.submit(long_prompt[:30], PrefillOptions()).result(timeout=30)
     assert ok.computed_tokens == 30
     deadline = time.monotonic() + 10
-    while any(s.used_blocks for s in engine.stage_stats()):
+    while any(s.pool.in_use for s in engine.stage_stats()):
         assert time.monotonic() < deadline, engine.stage_stats()
         time.sleep(0.05)
     engine.debug_check_integrity()

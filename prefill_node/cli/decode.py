@@ -142,10 +142,9 @@ def _stream(tokenizer: Any, tokens: Any) -> list[int]:
 
 def _run_local(args: argparse.Namespace) -> int:
     from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-    from prefill_node.engine.kv_shipping import KVShippingConfig
-    from prefill_node.engine.kv_shipping_local import LocalKVShipping
-    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
     from prefill_node.engine.types import KVPullDestination, PrefillOptions
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
@@ -156,9 +155,7 @@ def _run_local(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         kv_progress=args.kv_progress,
     )
-    shipping = LocalKVShipping(
-        KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
-    )
+    shipping = KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
     with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
         config = LocalEngineConfig(
             num_stages=args.local_stages, num_blocks=args.num_blocks, block_size=args.block_size
@@ -205,9 +202,9 @@ def _summary(args, ids, prefill, started, prefilled, kv_wait_s, answer) -> None:
 
 def _run_server(args: argparse.Namespace) -> int:
     from kv_transfer.receiver import ReceiverConfig
+    from prefill_node.client.prefill_client import PrefillClient
     from prefill_node.decode.decode_worker import DecodeWorker
     from prefill_node.engine.types import KVPullDestination
-    from prefill_node.server.client import PrefillClient
 
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)

@@ -165,7 +165,7 @@ def _wait_listening(proc: subprocess.Popen, what: str, timeout_s: float) -> tupl
 
 
 def _wait_ready(router: str, pipelines: int, timeout_s: float = 60.0) -> None:
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     deadline = time.monotonic() + timeout_s
     with PrefillClient(router) as client:
@@ -189,7 +189,7 @@ def _ask(client: Any, tenant: Tenant, question: str, names: dict[str, str]) -> s
 
 def _tenants(router: str, names: dict[str, str]) -> str:
     """Both tenants' questions, interleaved; returns the pipeline of the first tenant."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     print("1. two tenants ask through the router (cache_salt = tenant):", flush=True)
     first: dict[str, str] = {}
@@ -216,7 +216,7 @@ def _decode(cli: list[str], model: list[str], router: str, args: argparse.Namesp
 
 def _failover(router: str, names: dict[str, str], holder: str, victim: subprocess.Popen,
               pipelines: int) -> None:  # fmt: skip
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     print(f"\n3. SIGKILL {names[holder]} (it holds {TENANTS[0].name}'s prefix):", flush=True)
     killed = time.monotonic()
@@ -232,7 +232,7 @@ def _failover(router: str, names: dict[str, str], holder: str, victim: subproces
 
 
 def _show(router: str, metrics_url: str | None, names: dict[str, str]) -> None:
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     with PrefillClient(router) as client:
         load = client.load()

@@ -3,7 +3,7 @@
 Prints, per prefill, the first generated token, cached vs computed tokens and timings; with
 ``--repeat 2`` (or prompts sharing a prefix) the later runs show the prefix reuse. Optional
 ``--generate N`` continues greedily by re-submitting prompt + answer, each step reusing the
-cached prefix. The engine is built in ``build_engine`` and used only through the Engine
+cached prefix. The engine is built in ``_engine`` and used only through the Engine
 protocol: the multi-process pipeline (default for N > 1), the in-process LocalEngine, or a
 remote ``wavepp serve`` (``--server``).
 """
@@ -109,7 +109,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prefill")
-    from prefill_node.server.remote_args import add_server_arguments
+    from prefill_node.client.remote_args import add_server_arguments
 
     add_server_arguments(p)  # --server HOST:PORT: run against `wavepp serve` (RemoteEngine)
     p.set_defaults(func=run)
@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         model_dir = _model_dir(args)
         tokenizer = _tokenizer(model_dir, required=not (args.ids or args.token_ids))
         prompts = _prompts(args, tokenizer)
-        engine = build_engine(args, model_dir)
+        engine = _engine(args, model_dir)
         where = f"model {model_dir} | {args.stages} stage(s)"
     if not args.json:
         print(f"{where} | engine {_engine_kind(args)} | loaded in {time.monotonic() - t0:.1f}s")
@@ -168,7 +168,7 @@ def _remote(args: argparse.Namespace) -> tuple[Any, Any, list[Any], str]:
 
     tokenizer = _tokenizer(args.model, required=False) if args.model is not None else None
     prompts: list[Any] = _prompts(args, None) if (args.ids or args.token_ids) else args.prompts
-    engine = build_engine(args, args.model)
+    engine = _engine(args, args.model)
     info = engine.info
     if args.prompts and not info.text_prompts:
         engine.shutdown()
@@ -218,21 +218,19 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return default_model_dir()
 
 
-def build_engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
-    """The Engine to run on: a RemoteEngine (--server), the multi-process pipeline, or the
-    in-process LocalEngine (``model_dir`` is needed for the last two)."""
+def _engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
+    """The Engine to run on: a RemoteEngine (--server), else what
+    ``server.engine_factory.build_engine`` builds (``model_dir`` is needed there)."""
     if args.server:  # remote mode: the same loop, every prefill a gRPC call
-        from prefill_node.server.remote_args import remote_engine_from_args
+        from prefill_node.client.remote_args import remote_engine_from_args
 
         return remote_engine_from_args(args)
     if model_dir is None:
         from prefill_node.errors import InvariantError
 
-        raise InvariantError("build_engine needs a model directory without --server")
-    import torch
-
-    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+        raise InvariantError("an engine needs a model directory without --server")
     from prefill_node.errors import InvalidRequestError
+    from prefill_node.server.engine_factory import EngineSpec, build_engine
 
     try:
         blocks = tuple(int(x) for x in str(args.num_blocks).split(","))
@@ -240,30 +238,19 @@ def build_engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
         raise InvalidRequestError(
             f"--num-blocks must be integers, got {args.num_blocks!r}"
         ) from None
-    if args.engine == "pipeline" and args.stages > 1:
-        from prefill_node.runtime.factory import start_pipeline_engine
-
-        return start_pipeline_engine(
-            model_dir,
-            args.stages,
-            args.policy,
-            num_blocks=blocks[0] if len(blocks) == 1 else blocks,
-            block_size=args.block_size,
-            max_wave_tokens=args.max_chunk_tokens,
-            max_model_len=args.max_model_len,
-            dtype=args.dtype,
-            device=args.device,
-        )
-    config = LocalEngineConfig(
-        num_stages=args.stages,
-        num_blocks=blocks[0] if len(blocks) == 1 else blocks,
+    spec = EngineSpec(
+        model_dir=model_dir,
+        stages=args.stages,
+        policy=args.policy,
+        num_blocks=blocks,
         block_size=args.block_size,
         max_chunk_tokens=args.max_chunk_tokens,
         max_model_len=args.max_model_len,
-        dtype=getattr(torch, args.dtype),
+        dtype=args.dtype,
         device=args.device,
+        engine=args.engine,
     )
-    return LocalEngine.from_model_dir(model_dir, config)
+    return build_engine(spec).engine
 
 
 def _tokenizer(model_dir: Path, required: bool) -> Any:

@@ -119,9 +119,9 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import replace
 
+    from prefill_node.client.remote_args import client_tls
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
-    from prefill_node.server.remote_args import client_tls
     from prefill_router.cost import cost_model_for
     from prefill_router.pipeline_link import LinkConfig
     from prefill_router.router_engine import RouterConfig, RouterEngine

@@ -189,7 +189,7 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
 
     from kv_transfer.allowlist import AllowList
     from kv_transfer.errors import InvalidTransferRequest
-    from prefill_node.engine.kv_shipping import KVShippingConfig
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
 
     if args.no_kv_shipping:
         return None
@@ -234,7 +234,7 @@ async def _serve(
 
 def _smoke_test(port: int, prompts: list[str], tokenizer: Any) -> None:
     """Each prompt twice through a real gRPC client: the second run shows the prefix reuse."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     with PrefillClient(f"127.0.0.1:{port}") as client:
         for rep in (1, 2):

@@ -25,9 +25,9 @@ from kv_transfer.agent import KVAgent
 from kv_transfer.messages import TransferOutcome
 from kv_transfer.progress import KVProgress
 from kv_transfer.receiver import KVReceiver, ReceiverConfig
-from prefill_node.engine.kv_wire import engine_push_destination, wire_manifest
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidRequestError, InvariantError, KVHandoffError
+from prefill_node.kv_shipping.kv_wire import engine_push_destination, wire_manifest
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache

@@ -1,1 +1,1 @@
-"""Multi-process pipeline runtime: stage processes on torch.distributed, leader engine, launcher."""
+"""The engines that execute the core's schedule: the multi-process pipeline, the in-process one."""

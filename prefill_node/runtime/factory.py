@@ -13,8 +13,8 @@ from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
 
 if TYPE_CHECKING:
-    from prefill_node.engine.kv_event_feed import KVEventSink
-    from prefill_node.engine.kv_shipping import KVShippingConfig
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.runtime.kv_event_feed import KVEventSink
 
 
 def start_pipeline_engine(

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.core.policy import PolicyKind
-from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
+from prefill_node.engine.types import KVPullDestination, KVPushDestination
+from prefill_node.runtime.leader_core import AdmissionVerdict, CoreCounts, LeaderCore
 from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
 from prefill_node.runtime.planes import PlaneClosedError, Planes
 
@@ -27,7 +28,7 @@ class LeaderConfig:
 
 
 class Leader:
-    """Drives the pipeline from stage 0; the only user of ``LeaderCore``'s mutating calls.
+    """Drives the pipeline from stage 0; the only owner of ``LeaderCore`` and its lock.
 
     Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
     round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
@@ -35,8 +36,10 @@ class Leader:
     collector receives each wave's result from the last stage. All core calls happen under
     ``self.lock``; no collective is ever made while holding it.
 
-    ``on_result`` / ``on_outcome`` / ``on_dead`` are the engine's callbacks (called without the
-    lock held); ``answer_local`` is stage 0's own reply to a round.
+    The engine reaches the core only through ``submit`` / ``abort`` / ``check_fits`` /
+    ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
+    ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
+    is stage 0's own reply to a round.
     """
 
     def __init__(
@@ -46,7 +49,7 @@ class Leader:
         core: LeaderCore,
         answer_local: Callable[[RoundMessage], Any],
         on_result: Callable[[WaveResult], None],
-        on_outcomes: Callable[[list[AdmissionOutcome], float], None],
+        on_verdicts: Callable[[list[AdmissionVerdict], float], None],
         on_dead: Callable[[str], None],
     ):
         self.config = config
@@ -55,7 +58,7 @@ class Leader:
         self._planes = planes
         self._answer_local = answer_local
         self._on_result = on_result
-        self._on_outcomes = on_outcomes
+        self._on_verdicts = on_verdicts
         self._on_dead = on_dead
         self._controls: queue.SimpleQueue[tuple[RoundMessage, Future[list[Any]]]] = (
             queue.SimpleQueue()
@@ -77,6 +80,35 @@ class Leader:
         """Something changed (new request, abort, capacity): re-check round and wave work."""
         with self.lock:
             self.lock.notify_all()
+
+    # -- the engine's calls (any thread) -------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        salt: str | None,
+        top_k: int,
+        kv_destination: KVPushDestination | KVPullDestination | None = None,
+    ) -> None:
+        """Queue a request for admission (``LeaderCore.submit``: NeverFitsError or
+        DuplicateRequestError raise here)."""
+        with self.lock:
+            self.core.submit(request_id, token_ids, salt, top_k, kv_destination)
+            self.lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request from the schedule (deferred while a chunk of it is in flight)."""
+        with self.lock:
+            self.core.abort(request_id)
+            self.lock.notify_all()
+
+    def check_fits(self, num_tokens: int) -> None:
+        with self.lock:
+            self.core.check_fits(num_tokens)
+
+    def counts(self) -> CoreCounts:
+        with self.lock:
+            return self.core.counts()
 
     def control(self, message: RoundMessage) -> Future[list[Any]]:
         """Run a non-admission round (stats, integrity, KV dump) on every stage; all replies."""
@@ -119,16 +151,16 @@ class Leader:
             message = self.core.begin_round()
         if message is None:
             return False
-        outcomes: list[AdmissionOutcome] = []
+        verdicts: list[AdmissionVerdict] = []
         t0 = time.monotonic()
         while message is not None:
             replies = self._round(RoundMessage(RoundKind.ADMIT, message))
             with self.lock:
-                message, outcomes = self.core.finish_phase(replies)
+                message, verdicts = self.core.finish_phase(replies)
         with self.lock:
             self.lock.notify_all()
-        if outcomes:
-            self._on_outcomes(outcomes, time.monotonic() - t0)
+        if verdicts:
+            self._on_verdicts(verdicts, time.monotonic() - t0)
         return True
 
     def _wait_for_round_work(self) -> bool:

@@ -22,7 +22,7 @@ from prefill_node.runtime.spec import PipelineSpec
 
 
 @dataclass(frozen=True)
-class AdmissionOutcome:
+class AdmissionVerdict:
     """A request left the admission queue: admitted with ``cached_tokens`` reused on every
     stage, or refused with ``error`` (e.g. NeverFitsError)."""
 
@@ -124,25 +124,25 @@ class LeaderCore:
 
     def finish_phase(
         self, replies: list[Any]
-    ) -> tuple[RoundRequest | None, list[AdmissionOutcome]]:
-        """The next phase's message, or None and the round's outcomes."""
+    ) -> tuple[RoundRequest | None, list[AdmissionVerdict]]:
+        """The next phase's message, or None and the requests that left the queue."""
         step = self._coordinator.finish_phase(replies)
         if isinstance(step, RoundRequest):
             return step, []
-        outcomes: list[AdmissionOutcome] = []
+        verdicts: list[AdmissionVerdict] = []
         for out in step.outcomes:
             if isinstance(out, Admitted):
                 self._scheduler.admit(out.request_id, out.cached_len, out.num_tokens)
-                outcomes.append(AdmissionOutcome(out.request_id, out.cached_len))
+                verdicts.append(AdmissionVerdict(out.request_id, out.cached_len))
                 self._dirty = True  # progress: try the next queued requests
             elif isinstance(out, Rejected):
                 self._top_k.pop(out.request_id, None)
                 self._destinations.pop(out.request_id, None)
-                outcomes.append(AdmissionOutcome(out.request_id, error=NeverFitsError(out.reason)))
+                verdicts.append(AdmissionVerdict(out.request_id, error=NeverFitsError(out.reason)))
             elif isinstance(out, Aborted):
                 self._top_k.pop(out.request_id, None)
                 self._destinations.pop(out.request_id, None)
-        return None, outcomes
+        return None, verdicts
 
     def abort(self, request_id: str) -> None:
         self._dirty = True

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError, WaveppError
-from prefill_node.runtime.messages import StageHandoff
+from prefill_node.kv_shipping.stage_shipping import StageHandoff
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 
@@ -74,27 +75,6 @@ class WaveResult:
     kv_events: tuple[StageEventBatch, ...] = ()
 
 
-@dataclass(frozen=True)
-class StageHandoff:
-    """One stage's outcome of one request's KV hand-off (reply to a KV_COLLECT round).
-
-    Success: ``manifest`` (push: ``pushed=True``, the WRITE landed and decode was notified;
-    pull: the lease manifest). Failure: ``manifest`` is None, ``error`` is the cause's type
-    and message, ``invalid_destination`` when the destination itself was rejected (caller's
-    fault, INVALID_ARGUMENT) rather than unreachable or slow (UNAVAILABLE).
-    """
-
-    request_id: str
-    stage: int
-    manifest: StageKVManifest | None
-    error: str = ""
-    invalid_destination: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.manifest is not None
-
-
 class RoundKind(enum.Enum):
     """What a rounds-plane message asks of every stage."""
 
@@ -118,7 +98,7 @@ class RoundMessage:
 class StageStats:
     """One stage's counters since start: wall time executing waves (``busy_s``), CPU time
     of the executing thread meanwhile (``cpu_s``; below busy_s when the core is shared),
-    waves and tokens executed, and cache occupancy in blocks."""
+    waves and tokens executed, and the stage's block pool counts (``pool``)."""
 
     stage: int
     busy_s: float
@@ -126,8 +106,5 @@ class StageStats:
     waves: int
     tokens: int
     uptime_s: float
-    free_blocks: int = 0
-    cached_blocks: int = 0
-    used_blocks: int = 0
-    total_blocks: int = 0
+    pool: PoolStats
     kv_held_blocks: int = 0  # block references the stage's KV shipper holds (WRITEs, leases)

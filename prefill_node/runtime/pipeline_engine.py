@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from prefill_node.core.hashing import model_cache_id
 from prefill_node.core.kv_event_aggregator import StageEvents
-from prefill_node.engine.kv_event_feed import KVEventFeed, KVEventSink
 from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
@@ -43,9 +42,10 @@ from prefill_node.errors import (
 )
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.runtime.heartbeat import Heartbeat
+from prefill_node.runtime.kv_event_feed import KVEventFeed, KVEventSink
 from prefill_node.runtime.launcher import LocalLauncher
 from prefill_node.runtime.leader import Leader, LeaderConfig
-from prefill_node.runtime.leader_core import AdmissionOutcome, LeaderCore
+from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
 from prefill_node.runtime.leader_request import LeaderRequest, settle_future
 from prefill_node.runtime.messages import (
@@ -61,7 +61,7 @@ from prefill_node.runtime.stage_main import KV_SHIPPING_KEY, SPEC_KEY, ready_key
 from prefill_node.runtime.stage_worker import StageWorker
 
 if TYPE_CHECKING:
-    from prefill_node.engine.kv_shipping import KVShippingConfig
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
     from prefill_node.runtime.stage_compute import PipelineStageCompute
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class PipelineEngine:
             core,
             answer_local=lambda m: self._worker.answer(m),  # type: ignore[union-attr]
             on_result=self._on_result,
-            on_outcomes=self._on_outcomes,
+            on_verdicts=self._on_verdicts,
             on_dead=self._on_dead,
         )
         self._worker = StageWorker(
@@ -314,11 +314,10 @@ class PipelineEngine:
                 handoffs.expect(rid)
             if options.deadline_s is not None:
                 handoffs.watch(rid, options.deadline_s)
-        leader = self._running_leader()
-        with leader.lock:
-            top_k = max(1, options.top_logprobs)
-            leader.core.submit(rid, tokens, options.cache_salt, top_k, options.kv_destination)
-            leader.lock.notify_all()
+        top_k = max(1, options.top_logprobs)
+        self._running_leader().submit(
+            rid, tokens, options.cache_salt, top_k, options.kv_destination
+        )
         return fut
 
     def _validate(self, tokens: tuple[int, ...], options: PrefillOptions) -> None:
@@ -340,7 +339,7 @@ class PipelineEngine:
                 "this pipeline has no KV shipping configured; omit kv_destination or start "
                 "it with a KVShippingConfig"
             )
-        self._running_leader().core.check_fits(len(tokens))
+        self._running_leader().check_fits(len(tokens))
 
     def _running_leader(self) -> Leader:
         if self._leader is None:
@@ -365,10 +364,7 @@ class PipelineEngine:
         settle_future(req.future, error=error)
         if self._handoffs is not None:
             self._handoffs.forget(request_id)
-        leader = self._running_leader()
-        with leader.lock:
-            leader.core.abort(request_id)
-            leader.lock.notify_all()
+        self._running_leader().abort(request_id)
         return True
 
     def health(self) -> EngineHealth:
@@ -379,14 +375,12 @@ class PipelineEngine:
         return EngineHealth(live=True, ready=True)
 
     def load(self) -> EngineLoad:
-        leader = self._running_leader()
-        with leader.lock:
-            counts = leader.core.counts()
+        counts = self._running_leader().counts()
         # stale stage figures are better than no answer
         with contextlib.suppress(WaveppError, TimeoutError):
             self._last_stats = self.stage_stats(timeout_s=2.0)
         stages = tuple(
-            StageLoad(s.stage, s.free_blocks, s.cached_blocks, s.used_blocks, s.total_blocks,
+            StageLoad(s.stage, s.pool.free, s.pool.cached, s.pool.in_use, s.pool.total,
                       busy_fraction=s.busy_s / s.uptime_s if s.uptime_s > 0 else 0.0)
             for s in self._last_stats
         )  # fmt: skip
@@ -418,10 +412,10 @@ class PipelineEngine:
         return self._launcher.pids if self._launcher is not None else {}
 
     # -- callbacks from the leader threads -----------------------------------------------------
-    def _on_outcomes(self, outcomes: list[AdmissionOutcome], round_s: float) -> None:
+    def _on_verdicts(self, verdicts: list[AdmissionVerdict], round_s: float) -> None:
         """Admission results: refusals fail at once; admitted requests record their round."""
         now = time.monotonic()
-        for out in outcomes:
+        for out in verdicts:
             with self._lock:
                 req = self._requests.get(out.request_id)
                 if req is not None and out.error is not None:
@@ -486,9 +480,7 @@ class PipelineEngine:
             )
             leader = self._leader
             if leader is not None:  # stop scheduling its remaining chunks
-                with leader.lock:
-                    leader.core.abort(request_id)
-                    leader.lock.notify_all()
+                leader.abort(request_id)
             return
         settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
 

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.core.admission_messages import RoundRequest, StageReply
+from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.kv_shipping import KVShippingConfig
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
+from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_shipping.stage_shipping import StageHandoff, StageShipping
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache
@@ -23,13 +25,11 @@ from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.messages import (
     RequestOutput,
     StageEventBatch,
-    StageHandoff,
     WaveChunk,
     WaveHeader,
 )
 from prefill_node.runtime.spec import PipelineSpec
-from prefill_node.runtime.stage_shipping import StageShipping
-from prefill_node.runtime.stage_worker import Occupancy, StepOutput
+from prefill_node.runtime.stage_worker import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,23 @@ def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
     device = torch.device("cuda", stage % max(1, torch.cuda.device_count()))
     torch.cuda.set_device(device)
     return device
+
+
+def kv_manifest(
+    stage: int, kv: PagedKVCache, block_ids: tuple[int, ...], num_tokens: int
+) -> StageKVManifest:
+    """Where stage ``stage`` holds a request's KV: its layers' ``block_ids`` in prompt order."""
+    return StageKVManifest(
+        stage=stage,
+        layer_start=kv.layer_range.start,
+        layer_end=kv.layer_range.end,
+        block_ids=block_ids,
+        block_size=kv.block_size,
+        num_tokens=num_tokens,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        dtype=str(kv.dtype).removeprefix("torch."),
+    )
 
 
 def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
@@ -152,10 +169,8 @@ class PipelineStageCompute:
     # -- WAVE thread ---------------------------------------------------------------------------
     def admit(self, message: RoundRequest) -> StageReply:
         if self.shipping is not None:  # a reused id supersedes its predecessor's hand-off
-            for spec in message.new_requests:
-                if self.shipping.disown(spec.request_id):
-                    with self._lock:
-                        self.admission.unpin(spec.request_id)
+            new_ids = (spec.request_id for spec in message.new_requests)
+            self.shipping.supersede(new_ids, self._release_shipped)
         with self._lock:
             return self.admission.handle(message)
 
@@ -168,10 +183,9 @@ class PipelineStageCompute:
     def dump_kv(self, request_id: str) -> CapturedKV | None:
         return self._captured.get(request_id)
 
-    def occupancy(self) -> Occupancy:
+    def occupancy(self) -> PoolStats:
         with self._lock:
-            s = self.admission.load()
-        return Occupancy(s.free, s.cached, s.in_use, s.total)
+            return self.admission.load()
 
     # -- LOOP thread ---------------------------------------------------------------------------
     def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
@@ -290,26 +304,12 @@ class PipelineStageCompute:
             if isinstance(done, StageStateMismatch):
                 failed.append((chunk.request_id, str(done.to_error())))
                 continue
-            manifest = self._manifest(done.block_ids, table.end)
+            manifest = kv_manifest(self.stage, self.kv, done.block_ids, table.end)
             if dest is not None and self.shipping is not None:
                 blocks = [self.admission.pool.block(b) for b in done.block_ids]
                 self.shipping.ship(chunk.request_id, blocks, manifest, dest)
             manifests.append((chunk.request_id, manifest))
         return tuple(manifests)
-
-    def _manifest(self, block_ids: tuple[int, ...], num_tokens: int) -> StageKVManifest:
-        kv = self.kv
-        return StageKVManifest(
-            stage=self.stage,
-            layer_start=kv.layer_range.start,
-            layer_end=kv.layer_range.end,
-            block_ids=block_ids,
-            block_size=kv.block_size,
-            num_tokens=num_tokens,
-            num_kv_heads=kv.num_kv_heads,
-            head_dim=kv.head_dim,
-            dtype=str(kv.dtype).removeprefix("torch."),
-        )
 
     def _capture(self, request_id: str, table: BlockTable) -> None:
         ks, vs = [], []

@@ -11,14 +11,15 @@ from typing import Any, Protocol
 
 import torch
 
+from prefill_node.core.block_pool import PoolStats
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
+from prefill_node.kv_shipping.stage_shipping import StageHandoff
 from prefill_node.runtime.messages import (
     RequestOutput,
     RoundKind,
     RoundMessage,
     StageEventBatch,
-    StageHandoff,
     StageStats,
     WaveHeader,
     WaveResult,
@@ -44,14 +45,6 @@ class StepOutput:
     kv_events: tuple[StageEventBatch, ...] = ()
 
 
-@dataclass(frozen=True)
-class Occupancy:
-    free_blocks: int
-    cached_blocks: int
-    used_blocks: int
-    total_blocks: int
-
-
 class StageCompute(Protocol):
     """The model + cache side of a stage, driven by the two threads of ``StageWorker``.
 
@@ -68,7 +61,7 @@ class StageCompute(Protocol):
 
     def dump_kv(self, request_id: str) -> Any: ...
 
-    def occupancy(self) -> Occupancy: ...
+    def occupancy(self) -> PoolStats: ...
 
     def kv_collect(self) -> tuple[StageHandoff, ...]: ...
 
@@ -236,7 +229,6 @@ class StageWorker:
         return None  # TICK, STOP
 
     def stats(self) -> StageStats:
-        occ = self._compute.occupancy()
         return StageStats(
             stage=self.rank,
             busy_s=self._busy_s,
@@ -244,9 +236,6 @@ class StageWorker:
             waves=self._waves,
             tokens=self._tokens,
             uptime_s=time.monotonic() - self._started,
-            free_blocks=occ.free_blocks,
-            cached_blocks=occ.cached_blocks,
-            used_blocks=occ.used_blocks,
-            total_blocks=occ.total_blocks,
+            pool=self._compute.occupancy(),
             kv_held_blocks=self._compute.kv_held_blocks(),
         )

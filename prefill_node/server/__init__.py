@@ -1,1 +1,1 @@
-"""gRPC front of a pipeline: PrefillService servicer and server, clients, metrics, CLI glue."""
+"""gRPC front of a pipeline: servicer and server, proto conversion, metrics, KV-event hub."""

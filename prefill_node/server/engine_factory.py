@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from prefill_node.engine.kv_event_feed import KVEventSink
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
+from prefill_node.runtime.kv_event_feed import KVEventSink
 
 if TYPE_CHECKING:
-    from prefill_node.engine.kv_shipping import KVShippingConfig
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         return ServedEngine(engine, blocking_submit=False)
     import torch
 
-    from prefill_node.engine.local_engine import LocalEngine, LocalEngineConfig
+    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
     if spec.policy != "wave":
         log.warning(
@@ -110,10 +110,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         dtype=getattr(torch, spec.dtype),
         device=spec.device,
     )
-    shipping = None
-    if spec.kv_shipping is not None:
-        from prefill_node.engine.kv_shipping_local import LocalKVShipping
-
-        shipping = LocalKVShipping(spec.kv_shipping)
-    engine = LocalEngine.from_model_dir(spec.model_dir, config, shipping, kv_events=kv_events)
+    engine = LocalEngine.from_model_dir(
+        spec.model_dir, config, spec.kv_shipping, kv_events=kv_events
+    )
     return ServedEngine(engine, blocking_submit=True)

@@ -27,20 +27,41 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
-from prefill_node.engine.command_loop import CommandLoop
-from prefill_node.engine.kv_shipping import KVShippingConfig, StageKVShipper, StageShipResult
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
+from prefill_node.kv_shipping.command_loop import CommandLoop
+from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper, StageShipResult
 from prefill_node.model.paged_kv import PagedKVCache
-from prefill_node.runtime.messages import StageHandoff
 
 log = logging.getLogger(__name__)
 Destination = KVPushDestination | KVPullDestination
+
+
+@dataclass(frozen=True)
+class StageHandoff:
+    """One stage's outcome of one request's KV hand-off (reply to a KV_COLLECT round).
+
+    Success: ``manifest`` (push: ``pushed=True``, the WRITE landed and decode was notified;
+    pull: the lease manifest). Failure: ``manifest`` is None, ``error`` is the cause's type
+    and message, ``invalid_destination`` when the destination itself was rejected (caller's
+    fault, INVALID_ARGUMENT) rather than unreachable or slow (UNAVAILABLE).
+    """
+
+    request_id: str
+    stage: int
+    manifest: StageKVManifest | None
+    error: str = ""
+    invalid_destination: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None
 
 
 def handoff_of(result: StageShipResult) -> StageHandoff:
@@ -127,6 +148,14 @@ class StageShipping:
             self._absorb[key] = self._absorb.get(key, 0) + 1
         self.cancel(request_id)
         return True
+
+    def supersede(self, request_ids: Iterable[str], unpin: Callable[[str], object]) -> None:
+        """New requests reuse these ids: each one this stage still ships is disowned and its
+        pins dropped at once through ``unpin`` (the owner's locked ``unpin``), so admission
+        can reserve the id again. Any thread."""
+        for request_id in request_ids:
+            if self.disown(request_id):
+                unpin(request_id)
 
     def take_outcomes(self) -> tuple[StageHandoff, ...]:
         """Outcomes reported since the last call, each request's exactly once."""

@@ -15,6 +15,13 @@ from typing import TypeVar
 
 import grpc
 
+from prefill_node.client.prefill_client import (
+    ClientTLS,
+    PrefillClient,
+    RemoteResult,
+    build_request,
+    to_remote_result,
+)
 from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
@@ -28,13 +35,6 @@ from prefill_node.errors import (
     RequestAbortedError,
     UnavailableError,
     WaveppError,
-)
-from prefill_node.server.client import (
-    ClientTLS,
-    PrefillClient,
-    RemoteResult,
-    build_request,
-    to_remote_result,
 )
 from wavepp_proto.prefill.v1 import prefill_pb2
 

@@ -9,8 +9,11 @@ Each stage is a StageExecutor: its layers, KV memory and the core's ``StageAdmis
    collision guard + escrow for the suffix), COMMIT at the common boundary.
 2. compute: chunks of at most ``max_chunk_tokens`` pass stage 0 -> P-1 in order; each
    stage materialises a chunk's blocks from its escrow just before the forward.
-3. completion: each stage caches the request's new full blocks, then unpins; the last
-   stage's logits give the greedy first token and the top logprobs.
+3. completion: once the last chunk left a stage, it caches the request's new full blocks
+   and unpins them, or, for a request with a ``kv_destination``, keeps them pinned and its
+   ``StageShipping`` thread ships them (the same per-stage thread a runtime stage runs) while
+   the next stages compute; the answer waits for every stage's outcome. The last stage's
+   logits give the greedy first token and the top logprobs.
 
 Decisions: requests are serialised by a lock (one in flight), so ``submit`` returns an
 already completed future. ``abort`` (from another thread: the server on a client cancel)
@@ -20,7 +23,7 @@ admission never waits once ``NeverFitsError`` has been ruled out (a stage too sm
 wholly cached prompt plus the copy of its last block reuses one block less:
 ``StageAdmission._reuse_limit``), so it reports the same ``cached_tokens`` as a pipeline.
 The stage manifests describe where the KV sat at completion; no lease holds it afterwards
-unless ``kv_shipper`` ships it (kv_shipping_local.py).
+unless the request shipped it (``kv_shipping`` given).
 """
 
 from __future__ import annotations
@@ -42,9 +45,6 @@ from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfi
 from prefill_node.core.hashing import ExtraKeys, model_cache_id
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.round_driver import run_round
-from prefill_node.engine.abort_registry import AbortFlag, AbortRegistry
-from prefill_node.engine.kv_event_feed import KVEventFeed
-from prefill_node.engine.stage_executor import ChunkWork, StageExecutor
 from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
@@ -52,23 +52,30 @@ from prefill_node.engine.types import (
     PrefillOptions,
     PrefillResult,
     PrefillTimings,
+    StageKVManifest,
 )
 from prefill_node.errors import (
     InvalidKVDestinationError,
     InvalidPromptError,
     InvalidRequestError,
     InvariantError,
+    KVHandoffError,
     NeverFitsError,
     RequestAbortedError,
     UnavailableError,
 )
+from prefill_node.kv_shipping.stage_shipping import StageHandoff
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.abort_registry import AbortFlag, AbortRegistry
+from prefill_node.runtime.kv_event_feed import KVEventFeed
+from prefill_node.runtime.leader_handoff import handoff_error
+from prefill_node.runtime.stage_executor import ChunkWork, StageExecutor
 
 if TYPE_CHECKING:
-    from prefill_node.engine.kv_event_feed import KVEventSink
-    from prefill_node.engine.kv_shipping_local import LocalKVShipping
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.runtime.kv_event_feed import KVEventSink
 
 MAX_TOP_LOGPROBS = 20
 
@@ -132,12 +139,11 @@ class LocalEngine:
         model_config: ModelConfig,
         stages: Sequence[StageExecutor],
         config: LocalEngineConfig,
-        kv_shipper: LocalKVShipping | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> None:
-        """``kv_shipper``: ships each request's KV to the decode worker named by
-        ``PrefillOptions.kv_destination`` (kv_shipping_local.py); None: KV stays here.
+        """The stages ship each request's KV to the decode worker named by
+        ``PrefillOptions.kv_destination`` when they were built with ``kv_shipping``.
         ``kv_events``: receives the pipeline's KV events (blocks resident on ALL stages;
         kv_event_feed.py) after every request, e.g. ``KVEventHub.publish``; the stages'
         pools must buffer events (``from_*`` constructors arrange it)."""
@@ -154,25 +160,37 @@ class LocalEngine:
         self._inflight_tokens = 0
         self._aborts = AbortRegistry()
         self._closed = False
-        self._kv_shipper = kv_shipper
+        self._shipping = all(stage.shipping is not None for stage in self.stages)
         self._kv_feed = KVEventFeed.for_stages(self.stages, kv_events) if kv_events else None
-        if kv_shipper is not None:
-            kv_shipper.attach(self.stages, self._lock)
+        self._wait_limit_s = 60.0
 
     @classmethod
     def from_stage_models(
         cls,
         models: Sequence[StageModel],
         config: LocalEngineConfig,
-        kv_shipper: LocalKVShipping | None = None,
+        kv_shipping: KVShippingConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
+        """``kv_shipping``: every stage gets a NIXL agent and ships the KV of requests with a
+        ``kv_destination``; None: such requests are refused."""
         stages = [
-            StageExecutor(s, m, n, config.block_size, events=kv_events is not None)
+            StageExecutor(
+                s,
+                m,
+                n,
+                config.block_size,
+                events=kv_events is not None,
+                num_stages=config.num_stages,
+                kv_shipping=kv_shipping,
+            )
             for s, (m, n) in enumerate(zip(models, config.stage_num_blocks, strict=True))
         ]
-        return cls(models[0].config, stages, config, kv_shipper, kv_events=kv_events)
+        engine = cls(models[0].config, stages, config, kv_events=kv_events)
+        if kv_shipping is not None:
+            engine._wait_limit_s = kv_shipping.wait_limit_s + 5.0
+        return engine
 
     @classmethod
     def from_weights(
@@ -180,7 +198,7 @@ class LocalEngine:
         model_config: ModelConfig,
         weights: dict[str, torch.Tensor],
         config: LocalEngineConfig,
-        kv_shipper: LocalKVShipping | None = None,
+        kv_shipping: KVShippingConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
@@ -190,14 +208,14 @@ class LocalEngine:
             model = StageModel(model_config, layer_range, config.dtype, config.device)
             model.load_weights(weights)
             models.append(model)
-        return cls.from_stage_models(models, config, kv_shipper, kv_events=kv_events)
+        return cls.from_stage_models(models, config, kv_shipping, kv_events=kv_events)
 
     @classmethod
     def from_model_dir(
         cls,
         path: str | Path,
         config: LocalEngineConfig,
-        kv_shipper: LocalKVShipping | None = None,
+        kv_shipping: KVShippingConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
@@ -209,12 +227,11 @@ class LocalEngine:
             load_stage_model(path, layer_range, config.dtype, config.device)
             for layer_range in split_layers(model_config.num_layers, config.num_stages)
         ]
-        return cls.from_stage_models(models, config, kv_shipper, kv_events=kv_events)
+        return cls.from_stage_models(models, config, kv_shipping, kv_events=kv_events)
 
-    @property
-    def kv_shipper(self) -> LocalKVShipping | None:
-        """The KV hand-off driver given at construction (None: KV stays on the stages)."""
-        return self._kv_shipper
+    def kv_held_blocks(self) -> tuple[int, ...]:
+        """Per stage: block references its shipper holds now (in-flight WRITEs, live leases)."""
+        return tuple(s.shipping.held_blocks() if s.shipping else 0 for s in self.stages)
 
     # ---- Engine protocol -----------------------------------------------------------
 
@@ -266,11 +283,11 @@ class LocalEngine:
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            if self._kv_shipper is not None:
-                self._kv_shipper.close()
+            for stage in self.stages:
+                stage.close()
 
     def check_integrity(self) -> None:
-        """Every stage's block pool is consistent (raises InvariantError otherwise)."""
+        """Every stage's block pool and shipper is consistent (raises otherwise)."""
         for stage in self.stages:
             stage.check_integrity()
 
@@ -298,7 +315,7 @@ class LocalEngine:
             raise InvalidRequestError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {options.top_logprobs}"
             )
-        if options.kv_destination is not None and self._kv_shipper is None:
+        if options.kv_destination is not None and not self._shipping:
             raise InvalidKVDestinationError(
                 "this engine has no KV shipping configured; omit kv_destination"
             )
@@ -322,25 +339,17 @@ class LocalEngine:
             t_start = time.monotonic()
             self._inflight_tokens = len(ids)
             admitted = False
-            shipping = self._kv_shipper is not None and options.kv_destination is not None
-            if self._kv_shipper is not None:
-                self._kv_shipper.drain()
             try:
                 cached = self._admit(request_id, ids, options)
                 admitted = True
                 t_admitted = time.monotonic()
-                logits = self._compute(request_id, ids, cached, options, aborted)
+                logits, manifests = self._compute(request_id, ids, cached, options, aborted)
                 t_computed = time.monotonic()
-                manifests = tuple(stage.complete(request_id) for stage in self.stages)
+                if options.kv_destination is not None:  # every stage's WRITE / lease
+                    manifests = self._await_handoff(request_id)
                 admitted = False
-                if shipping:  # waits for every stage's WRITE (push) or lease (pull)
-                    manifests = self._kv_shipper.complete(request_id, manifests)
-            except BaseException:
-                if shipping:
-                    self._kv_shipper.abandon(request_id)
-                raise
             finally:
-                if admitted:
+                if admitted:  # failed or aborted: every stage drops it, hand-off included
                     for stage in self.stages:
                         stage.abort(request_id)
                 self._inflight_tokens = 0
@@ -383,11 +392,13 @@ class LocalEngine:
         start: int,
         options: PrefillOptions,
         aborted: AbortFlag | None = None,
-    ) -> torch.Tensor:
-        """Run the uncached suffix from ``start`` chunk by chunk through every stage; the
-        last logits."""
+    ) -> tuple[torch.Tensor, tuple[StageKVManifest, ...]]:
+        """Run the uncached suffix from ``start`` chunk by chunk through every stage, each
+        completing the request as its last chunk leaves it; the last logits and the
+        stages' manifests."""
         device = self.stages[0].model.device
         logits: torch.Tensor | None = None
+        manifests: list[StageKVManifest] = []
         while start < len(ids):
             if options.deadline_s is not None and time.monotonic() > options.deadline_s:
                 raise RequestAbortedError(f"deadline passed after {start}/{len(ids)} tokens")
@@ -399,10 +410,34 @@ class LocalEngine:
             for stage in self.stages:
                 step = stage.execute([ChunkWork(request_id, start, length)], x)
                 x = step.hidden
-                if last and self._kv_shipper and options.kv_destination:
-                    self._kv_shipper.stage_finished(stage, request_id, options.kv_destination)
+                if last:
+                    manifests.append(stage.complete(request_id, options.kv_destination))
             logits = step.logits
             start += length
         if logits is None:
             raise InvariantError("the last stage returned no logits for a finished prompt")
-        return logits[0]
+        return logits[0], tuple(manifests)
+
+    def _await_handoff(self, request_id: str) -> tuple[StageKVManifest, ...]:
+        """Every stage's shipped manifest (push: WRITE landed; pull: lease published), in
+        stage order; the typed error of the first failed stage, or a timeout, otherwise."""
+        deadline = time.monotonic() + self._wait_limit_s
+        outcomes: dict[int, StageHandoff] = {}
+        while len(outcomes) < len(self.stages) and time.monotonic() < deadline:
+            for stage in self.stages:
+                if stage.shipping is not None:
+                    for h in stage.shipping.take_outcomes():
+                        if h.request_id == request_id:
+                            outcomes.setdefault(h.stage, h)
+            if any(not h.ok for h in outcomes.values()):
+                break
+            time.sleep(0.0005)
+        failed = [h for h in outcomes.values() if not h.ok]
+        if failed:
+            raise handoff_error(request_id, failed[0])
+        if len(outcomes) < len(self.stages):
+            missing = sorted(set(range(len(self.stages))) - set(outcomes))
+            raise KVHandoffError(
+                f"KV hand-off of {request_id} timed out: stages {missing} did not report"
+            )
+        return tuple(outcomes[s].manifest for s in range(len(self.stages)))  # type: ignore[misc]

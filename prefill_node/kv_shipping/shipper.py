@@ -1,15 +1,16 @@
 """StageKVShipper: one prefill stage's half of the KV hand-off, push (WRITE) or pull (lease).
 
-The per-stage code both engines share: the in-process LocalEngine drives P of them from one
-thread (kv_shipping_local.py); the multi-process runtime builds one inside each stage process
-and calls ``poll`` from the stage loop. Each stage owns its NIXL agent and registers its KV
+The per-stage code both engines share: every stage, in-process (LocalEngine) or in its own
+process (the runtime), owns one inside a ``StageShipping`` thread (stage_shipping.py), which
+calls ``poll``. Each stage owns its NIXL agent and registers its KV
 tensors exactly once, at construction. Per request, a stage: right after the request's last
-chunk ran there, ``pool.touch(seq.blocks)`` then ``push`` (or ``publish``), then ``finish``
-as usual; it forwards ``take_results()`` to the leader, which answers the request once all P
-stages reported success, or calls ``cancel`` on every stage when one failed.
+chunk ran there, completes it with its blocks kept pinned
+(``StageAdmission.complete(keep_pinned=True)``), then ``push`` (or ``publish``); its
+``take_results()`` reach the leader, which answers the request once all P stages reported
+success, or calls ``cancel`` on every stage when one failed.
 
 Block contract: ``push`` / ``publish`` take over ONE reference per block that the caller
-pinned for the shipper (``BlockPool.touch``) and give it back exactly once through the
+keeps pinned for the shipper and give it back exactly once through the
 ``unpin`` callback: when the WRITE ended (success or failure), when decode released the lease,
 when it expired, or on ``cancel`` / ``close``. The callback runs on the thread that called
 ``poll`` / ``cancel`` / ``close``; the caller decides when the pool sees it.
@@ -32,9 +33,9 @@ from kv_transfer.messages import TransferOutcome
 from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
-from prefill_node.engine.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidRequestError
+from prefill_node.kv_shipping.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.model.paged_kv import PagedKVCache
 
 

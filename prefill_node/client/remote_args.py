@@ -24,7 +24,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def client_tls(ca: Path | None, cert: Path | None, key: Path | None, flags: str) -> Any:
     """ClientTLS from a ``--FLAGS-ca`` / ``-cert`` / ``-key`` triple (None without a CA:
     plaintext); a certificate or key without the CA is an error naming the flags."""
-    from prefill_node.server.client import ClientTLS
+    from prefill_node.client.prefill_client import ClientTLS
 
     if (cert or key) and not ca:
         raise ValueError(f"--{flags}-cert / --{flags}-key need --{flags}-ca")
@@ -33,7 +33,7 @@ def client_tls(ca: Path | None, cert: Path | None, key: Path | None, flags: str)
 
 def remote_engine_from_args(args: argparse.Namespace) -> Any:
     """A RemoteEngine for ``args.server`` (connects and fetches the server's info)."""
-    from prefill_node.server.remote_engine import RemoteEngine
+    from prefill_node.client.remote_engine import RemoteEngine
 
     return RemoteEngine(
         args.server, tls=client_tls(args.tls_ca, args.tls_cert, args.tls_key, "tls")

@@ -17,10 +17,17 @@ Request life cycle on a stage (the engine drives it, in this order):
 3. ``complete(request_id)``: caches the new full blocks, returns the KV manifest and drops
    the request's pins (the KV stays cached until evicted). ``abort(request_id)`` drops
    everything without caching (abort / failure). Exactly one of the two, once.
+
+KV hand-off (``kv_shipping`` given): the stage owns a ``StageShipping`` thread, the same one
+a runtime stage process runs. ``complete(request_id, destination)`` keeps the request's
+blocks pinned in its reservation and ships them; the shipping thread drops the pins
+(``_release_shipped``) when the WRITE ended or the lease did. ``_lock`` guards the admission
+state against that thread; the forward runs outside it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,11 +37,19 @@ from prefill_node.core.admission_messages import RoundRequest, StageReply
 from prefill_node.core.block_pool import BlockPool
 from prefill_node.core.execution_results import Completion, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.types import StageKVManifest, StageLoad
+from prefill_node.engine.types import (
+    KVPullDestination,
+    KVPushDestination,
+    StageKVManifest,
+    StageLoad,
+)
 from prefill_node.errors import InvariantError
+from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_shipping.stage_shipping import StageShipping
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.stage_compute import kv_manifest
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,11 @@ class StageExecutor:
         block_size: int,
         *,
         events: bool = False,
+        num_stages: int = 1,
+        kv_shipping: KVShippingConfig | None = None,
     ) -> None:
+        """``kv_shipping``: create this stage's NIXL agent (on its shipping thread) and
+        register its KV tensors; None: requests with a KV destination are refused."""
         self.stage = stage
         self.model = model
         self.kv = PagedKVCache.for_model(
@@ -86,6 +105,12 @@ class StageExecutor:
                 enable_kv_events=events,
             )
         )
+        self._lock = threading.Lock()
+        self.shipping: StageShipping | None = None
+        if kv_shipping is not None:
+            self.shipping = StageShipping(
+                stage, num_stages, self.kv, kv_shipping, self._release_shipped
+            )
 
     @property
     def pool(self) -> BlockPool:
@@ -119,41 +144,60 @@ class StageExecutor:
 
     def handle(self, msg: RoundRequest) -> StageReply:
         """This stage's answer to one phase of an admission round."""
-        return self.admission.handle(msg)
+        if self.shipping is not None:  # a reused id supersedes its predecessor's hand-off
+            new_ids = (spec.request_id for spec in msg.new_requests)
+            self.shipping.supersede(new_ids, self._release_shipped)
+        with self._lock:
+            return self.admission.handle(msg)
 
-    def complete(self, request_id: str) -> StageKVManifest:
-        """The request's last chunk passed: cache its new full blocks, drop its pins and
-        return where its KV sat at completion."""
-        num_tokens = self._num_tokens(request_id)
-        done = self.admission.complete(request_id)
-        if not isinstance(done, Completion):
-            raise _mismatch_error(done)
-        return self._manifest(done.block_ids, num_tokens)
+    def complete(
+        self,
+        request_id: str,
+        destination: KVPushDestination | KVPullDestination | None = None,
+    ) -> StageKVManifest:
+        """The request's last chunk passed: cache its new full blocks and return where its
+        KV sat at completion. Its pins are dropped now, or, with a ``destination``, kept
+        while the stage's shipping thread WRITEs (push) or leases (pull) the blocks."""
+        if destination is not None and self.shipping is None:
+            raise InvariantError(f"stage {self.stage}: a KV destination without KV shipping")
+        with self._lock:
+            num_tokens = self._num_tokens(request_id)
+            done = self.admission.complete(request_id, keep_pinned=destination is not None)
+            if not isinstance(done, Completion):
+                raise _mismatch_error(done)
+            manifest = kv_manifest(self.stage, self.kv, done.block_ids, num_tokens)
+            blocks = [self.pool.block(b) for b in done.block_ids]
+        if destination is not None and self.shipping is not None:
+            self.shipping.ship(request_id, blocks, manifest, destination)
+        return manifest
 
     def abort(self, request_id: str) -> bool:
-        """Drop whatever this stage holds for the request; False if nothing."""
-        return self.admission.abort(request_id)
+        """Drop whatever this stage holds for the request; False if it held nothing. A
+        request this stage ships is given up there (WRITE aborted, lease revoked); its pins
+        drop when the shipper lets the blocks go (``_release_shipped``), a moment later."""
+        with self._lock:
+            rsv = self.admission.reservation(request_id)
+            shipped = rsv is not None and rsv.completed and self.shipping is not None
+            if not shipped:
+                return self.admission.abort(request_id)
+        if self.shipping is not None:
+            self.shipping.cancel(request_id)
+        return True
 
-    def manifest(self, request_id: str) -> StageKVManifest:
-        """Where this stage holds a running request's KV: its layers' blocks in prompt order."""
-        rsv = self.admission.reservation(request_id)
-        if rsv is None:
-            raise InvariantError(f"stage {self.stage}: no reservation for {request_id!r}")
-        return self._manifest(rsv.block_ids(), rsv.prompt.num_tokens)
+    def _release_shipped(self, request_id: str) -> None:
+        with self._lock:
+            self.admission.unpin(request_id)  # False when an abort released it already
 
-    def _manifest(self, block_ids: tuple[int, ...], num_tokens: int) -> StageKVManifest:
-        kv = self.kv
-        return StageKVManifest(
-            stage=self.stage,
-            layer_start=kv.layer_range.start,
-            layer_end=kv.layer_range.end,
-            block_ids=block_ids,
-            block_size=self.block_size,
-            num_tokens=num_tokens,
-            num_kv_heads=kv.num_kv_heads,
-            head_dim=kv.head_dim,
-            dtype=str(kv.dtype).removeprefix("torch."),
-        )
+    def drain_events(self) -> list:
+        """The pool's buffered KV events since the last call."""
+        with self._lock:
+            return self.pool.drain_events()
+
+    def close(self) -> None:
+        """Stop shipping (WRITEs aborted, leases revoked, pins dropped); idempotent."""
+        shipping, self.shipping = self.shipping, None
+        if shipping is not None:
+            shipping.close()
 
     def _num_tokens(self, request_id: str) -> int:
         rsv = self.admission.reservation(request_id)
@@ -164,10 +208,11 @@ class StageExecutor:
     def load(self) -> StageLoad:
         """Block counts, where ``used`` includes the victims escrowed for a running request:
         they are its capacity from admission on, although it materialises them chunk by
-        chunk. Safe to call from any thread (the counts may be a moment old)."""
-        stats = self.pool.stats()
-        escrowed = [self.pool.block(i) for i in range(stats.total)]
-        escrowed = [b for b in escrowed if b.claimed_by is not None and b.ref_cnt == 0]
+        chunk. Safe to call from any thread."""
+        with self._lock:
+            stats = self.pool.stats()
+            escrowed = [self.pool.block(i) for i in range(stats.total)]
+            escrowed = [b for b in escrowed if b.claimed_by is not None and b.ref_cnt == 0]
         cached = sum(b.is_cached for b in escrowed)
         return StageLoad(
             self.stage,
@@ -178,8 +223,11 @@ class StageExecutor:
         )
 
     def check_integrity(self) -> None:
-        """The pool's and the admission state's invariants (InvariantError otherwise)."""
-        self.admission.check_integrity()
+        """The pool's, the admission state's and the shipper's invariants (raises otherwise)."""
+        with self._lock:
+            self.admission.check_integrity()
+        if self.shipping is not None:
+            self.shipping.check_integrity()
 
     # ---- execution -----------------------------------------------------------------
 
@@ -193,15 +241,16 @@ class StageExecutor:
         """
         specs: list[ChunkSpec] = []
         completed: list[int] = []
-        for i, work in enumerate(chunks):
-            table = self.admission.materialise(work.request_id, work.start, work.length)
-            if isinstance(table, StageStateMismatch):
-                raise _mismatch_error(table)
-            if table.copy_block is not None:
-                self.kv.copy_block(*table.copy_block)
-            specs.append(ChunkSpec(work.start, work.length, table.block_ids))
-            if work.end == self._num_tokens(work.request_id):
-                completed.append(i)
+        with self._lock:
+            for i, work in enumerate(chunks):
+                table = self.admission.materialise(work.request_id, work.start, work.length)
+                if isinstance(table, StageStateMismatch):
+                    raise _mismatch_error(table)
+                if table.copy_block is not None:
+                    self.kv.copy_block(*table.copy_block)
+                specs.append(ChunkSpec(work.start, work.length, table.block_ids))
+                if work.end == self._num_tokens(work.request_id):
+                    completed.append(i)
         batch = ChunkBatch(tuple(specs))
         hidden = self.model(inputs.to(self.model.device), batch, self.kv)
         logits = None

@@ -6,7 +6,7 @@ for ``wavepp serve``). Both engines use it the same way:
 - ``LocalEngine`` (all stages in this process) calls ``publish_from_stages(stages)`` after
   every request, under its request lock, which drains each stage's pool.
 - The multi-process leader (prefill_node/runtime/) cannot see the stages' pools. Each stage
-  process drains its own pool (``StageExecutor.pool.drain_events()``, pool built with
+  process drains its own pool (``StageAdmission.drain_events()``, pool built with
   ``events=True``) once per wave, AFTER completing the wave's finished requests (their new
   blocks are cached then) and before forwarding the header, and appends
   ``(stage, tuple(events))`` to the wave's header (a field like ``WaveHeader.manifests``);
@@ -33,7 +33,7 @@ from prefill_node.core.kv_events import KVEvent
 from prefill_node.errors import InvariantError
 
 if TYPE_CHECKING:
-    from prefill_node.engine.stage_executor import StageExecutor
+    from prefill_node.runtime.stage_executor import StageExecutor
 
 log = logging.getLogger(__name__)
 
@@ -77,4 +77,4 @@ class KVEventFeed:
             raise InvariantError(
                 f"{len(stages)} stages for a feed of {self.aggregator.num_stages} stages"
             )
-        return self.publish(StageEvents(s.stage, s.pool.drain_events()) for s in stages)
+        return self.publish(StageEvents(s.stage, s.drain_events()) for s in stages)

@@ -1,0 +1,1 @@
+"""Clients of a running prefill server: gRPC clients, the remote Engine, their CLI flags."""

@@ -1,0 +1,1 @@
+"""Per-stage KV hand-off to decode: the stage's shipper, wire conversion, its thread wrapper."""

@@ -1,0 +1,91 @@
+"""bench/peer_vllm.py's pure parts: the cases' prompts and the paired ours/vLLM ratios."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import peer_vllm_cases as cases  # noqa: E402
+import peer_vllm_report as report  # noqa: E402
+
+
+def _row(system: str, run: int, input_tok_s: float, computed_tok_s: float, case="cold") -> dict:
+    return {"kind": "run", "system": system, "dtype": "float32", "case": case, "run": run,
+            "input_tok_s": input_tok_s, "computed_tok_s": computed_tok_s,
+            "cached_share": 1 - computed_tok_s / input_tok_s, "wall_s": 1.0}  # fmt: skip
+
+
+def test_ratios_pair_each_run_with_the_same_runs_peer():
+    # run 0 on a fast machine, runs 1 and 2 on slow ones: paired ratios 1.2, 0.9, 1.1
+    per_run = [
+        _row("wavepp-pipeline", 0, 1200.0, 600.0),
+        _row("vllm-eager", 0, 1000.0, 400.0),
+        _row("wavepp-pipeline", 1, 450.0, 450.0),
+        _row("vllm-eager", 1, 500.0, 500.0),
+        _row("wavepp-pipeline", 2, 550.0, 550.0),
+        _row("vllm-eager", 2, 500.0, 500.0),
+        _row("vllm-compiled", 0, 2400.0, 2400.0),  # only run 0: one pair
+    ]
+    rows = report.summarise(per_run)
+    med = {r["system"]: r for r in rows if r["kind"] == "median"}
+    assert med["wavepp-pipeline"]["input_tok_s"] == 550.0
+    assert med["vllm-eager"]["runs"] == 3
+    ratio = {r["peer"]: r for r in rows if r["kind"] == "ratio"}
+    eager = ratio["vllm-eager"]
+    assert eager["system"] == "wavepp-pipeline"
+    assert eager["input_tok_s"] == pytest.approx(1.1)  # median of 1.2, 0.9, 1.1
+    assert eager["computed_tok_s"] == pytest.approx(1.1)  # median of 1.5, 0.9, 1.1
+    assert (eager["ahead_runs"], eager["paired_runs"]) == (2, 3)
+    compiled = ratio["vllm-compiled"]
+    assert (compiled["input_tok_s"], compiled["paired_runs"]) == (0.5, 1)
+    # no ratio row of a peer over anything, and every row names system, dtype, case, run
+    assert {r["system"] for r in ratio.values()} == {"wavepp-pipeline"}
+    assert all({"system", "dtype", "case", "run"} <= r.keys() for r in rows)
+    assert "| float32 | cold | 550 | 500 | 2,400 | 1.10x | 0.50x |" in report.table(rows)
+
+
+def test_summary_keeps_the_order_the_cases_ran_in():
+    per_run = [_row("vllm-eager", 0, 10.0, 10.0, case) for case in ("long", "cold", "b")]
+    assert [r["case"] for r in report.summarise(per_run)] == ["long", "cold", "b"]
+
+
+def test_first_token_agreement_compares_with_the_same_runs_reference():
+    per_run = [
+        {**_row("vllm-eager", 0, 1.0, 1.0), "first_tokens": [5, 6, 7, 8]},
+        {**_row("wavepp-pipeline", 0, 1.0, 1.0), "first_tokens": [5, 6, 0, 8]},
+        {**_row("wavepp-pipeline", 1, 1.0, 1.0), "first_tokens": [5, 6, 7, 8]},  # no reference
+    ]
+    report.first_token_agreement(per_run)
+    assert per_run[0]["first_token_agreement"] == 1.0
+    assert per_run[1]["first_token_agreement"] == 0.75
+    assert "first_token_agreement" not in per_run[2]
+
+
+def test_cases_draw_the_same_prompts_per_run_and_new_ones_per_run():
+    cold, first, cached, long = cases.make_cases(**cases.DEFAULT)
+    assert first.prefix_tokens == cached.prefix_tokens == 1152  # 90% of 1280, 9 x 128
+    seed, prompts = cached.draw(run=0, vocab=49152)
+    assert (seed, prompts) == cached.draw(run=0, vocab=49152)
+    assert prompts != cached.draw(run=1, vocab=49152)[1]
+    assert len(prompts) == cached.prompts and len(seed) == 1
+    assert all(len(p) == 1280 and p[:1152] == seed[0][:1152] for p in prompts)
+    assert len({tuple(p[1152:]) for p in [*prompts, *seed]}) == cached.prompts + 1
+    assert first.draw(0, 49152)[0] == []  # first sight: nothing seeded
+    cold_prompts = cold.draw(0, 49152)[1]
+    assert len({p[0] for p in cold_prompts}) > 1
+    ids = [t for p in cold_prompts for t in p]
+    assert min(ids) >= cases.FIRST_ID and max(ids) < 49152
+    # computed tokens if no cached block is computed twice
+    assert cold.computed_tokens == 4 * 1024
+    assert first.computed_tokens == 1152 + 4 * 128
+    assert cached.computed_tokens == 8 * 128
+    assert long.computed_tokens == long.input_tokens == 4096
+
+
+def test_shared_prefix_is_the_longest_aligned_share():
+    assert cases.shared_prefix(1280) == 1152
+    assert cases.shared_prefix(1024) == 896  # 921.6 rounds down to 7 blocks of 128
+    assert cases.shared_prefix(100) == 0
