@@ -23,7 +23,6 @@ import collections
 import dataclasses
 import json
 import os
-import re
 import selectors
 import socket
 import subprocess
@@ -37,11 +36,12 @@ import pytest
 from kv_transfer.layout import KVLayout, MemoryRegion
 from kv_transfer.messages import StageManifest
 from kv_transfer.vllm_decode.params import LOADED_KEY, pull_params
-from prefill_node.engine.kv_wire import wire_manifest
+from prefill_node.cli.options import parse_listening
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.engine.types import KVPullDestination
+from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
-from prefill_node.server.client import PrefillClient
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 24
@@ -129,7 +129,7 @@ class Driver:
                 self.proc.wait()
 
 
-def _serve(model: Path, err: Path) -> tuple[subprocess.Popen, int]:
+def _serve(model: Path, err: Path) -> tuple[subprocess.Popen, str]:
     server = subprocess.Popen(
         [sys.executable, "-m", "prefill_node.cli.main", "serve", "--model", str(model),
          "--stages", "2", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0",
@@ -137,9 +137,9 @@ def _serve(model: Path, err: Path) -> tuple[subprocess.Popen, int]:
         stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
     )  # fmt: skip
     line = server.stdout.readline()
-    match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-    assert match, f"first line {line!r}; stderr: {err.read_text()[-2000:]}"
-    return server, int(match.group(1))
+    listening = parse_listening(line)
+    assert listening, f"first line {line!r}; stderr: {err.read_text()[-2000:]}"
+    return server, listening.target
 
 
 def _kv_bytes_per_token(model: Path) -> int:
@@ -154,13 +154,13 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
     tokenizer = Tokenizer.from_dir(model)
     started = time.monotonic()
     driver = Driver(model, tmp_path / "vllm.log")  # starts first: it takes the longest
-    server, port = _serve(model, tmp_path / "serve.err")
+    server, target = _serve(model, tmp_path / "serve.err")
     try:
         ready = driver.read(420)
         print(f"  vLLM ready after {time.monotonic() - started:.0f} s", file=sys.stderr)
         assert ready["ready"], ready
         block_size = ready["block_size"]
-        with PrefillClient(f"127.0.0.1:{port}") as client:
+        with PrefillClient(target) as client:
 
             def prefill(ids: list[int]) -> tuple[list, int]:
                 request_id = uuid.uuid4().hex[:12]
