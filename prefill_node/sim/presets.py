@@ -12,23 +12,22 @@ Shared estimates (all GPU presets):
 - layer_overhead 20 us per layer per wave (est.): ~10 kernel launches per layer without
   CUDA graphs (prefill shapes vary), a few us each.
 - workspace 10 GB per GPU (est.): activations of a 16K-token wave through a MoE layer.
-- Rounds plane (est.): 3 phases (hint all-gather, lease confirmation, escrow commit), each a
+- Rounds plane: 3 phases (hint all-gather, lease confirmation, escrow commit), each a
   leader broadcast + all-gather of small messages between P host processes, 0.3 ms on one
-  node, 0.5 ms across the two trays of an NVL72 PP8 group. Host work 250 ns per prompt
-  token on every stage (measured, then est.): ``bench/calibrate_admission.py`` times one
-  stage's share of a round in our sans-IO core (spec, hashing, hint probe, lease, escrow,
-  commit) at 680-1030 ns/token with 16- and 32-token blocks on this development VM while
-  it ran at load ~5.6 on 2 cores; a dedicated server core is taken as ~3x faster.
-  The lockstep baseline pays this per prompt token on every rank's executor loop
-  (``add_sequence``), and its scheduler re-walks the cached prefix of every admitted
-  context-phase request on every iteration at ``walk_s_per_token`` = 27 ns per token
-  (RoundCostSpec default, measured with ``bench/trtllm_walk.cpp``: C++ speed, which
-  favours the baseline; see specs.py and executor_loops.py). Its loops also move whole
-  prompts (``TRTLLM_PP_MEASURED``, trtllm_costs.py, measured with
-  ``bench/trtllm_host_costs.py``): every new request is pickled and forwarded rank to rank
-  with a blocking send (so a rank's fetch waits for the next rank's loop), converted to an
-  ``LlmRequest`` on every rank, its whole prompt converted to a Python list for each of its
-  chunks, and walked twice more when it retires.
+  node, 0.5 ms across the two trays of an NVL72 PP8 group (est.). Admission host work per
+  prompt token (measured): ``bench/calibrate_admission.py --block-size 32 --input-len
+  131072`` times one stage's share of a round in our sans-IO core (spec, hashing, hint
+  probe, lease, escrow, commit); lowest of five invocations' medians on the development VM
+  (2026-12-01, load 1.0-1.3 on 2 cores from other sessions): 70 ns per cold token, 85 ns
+  per token of a prompt whose prefix is cached. Both policies pay it once per request per
+  stage: ``wave`` in its rounds, the lockstep on every rank's loop (``add_sequence``). The
+  earlier presets divided a loaded-VM figure by an estimated 3 for "a dedicated server
+  core" and applied that to this constant only; every host constant here is now what the
+  same VM measured, with no machine factor on any of them.
+- Executor host costs (``TRTLLM_PP_MEASURED``, trtllm_costs.py, measured with
+  ``bench/trtllm_host_costs.py`` and ``bench/trtllm_walk.cpp`` on the same VM): charged to
+  both policies with the same constants; ``trtllm_costs.HOST_COST_CHARGES`` says on which
+  timeline each lands under each policy and names the mechanism of each exemption.
 - Simulated cache blocks are 256 tokens (coarser than TRT-LLM's 32 to keep the Python
   simulator fast at 256K prompts; reuse granularity is irrelevant at these lengths, and the
   host cost above is per token so it does not depend on this choice), and the core sees
@@ -76,6 +75,25 @@ class Preset:
     # under ``wave`` too, delaying stage 0's next wave by as much: true when the machine has
     # no core to spare for the leader's threads (the 2-core bench machine)
     leader_shares_stage0_core: bool = False
+    # Every host time (admission, walks, executor loop costs; both policies) is multiplied by
+    # this: the host CPU the preset models against the VM that measured the constants
+    host_time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.host_time_scale > 0:
+            raise InvalidRequestError(f"host_time_scale must be > 0, got {self.host_time_scale}")
+
+    def host_scaled(self) -> Preset:
+        """This preset with ``host_time_scale`` folded into its host costs (scale 1)."""
+        k = self.host_time_scale
+        if k == 1.0:
+            return self
+        return replace(
+            self,
+            rounds=self.rounds.scaled_host(k),
+            trtllm=self.trtllm.scaled(k),
+            host_time_scale=1.0,
+        )
 
 
 _NVFP4 = 0.5625
@@ -181,8 +199,11 @@ KIMI_K2 = ModelSpec(
     weight_bytes=_NVFP4,
     kv_bytes=1.0,
 )
-_ROUNDS_NODE = RoundCostSpec(phase_latency_s=0.3e-3, host_s_per_token=250e-9)
-_ROUNDS_NVL72 = RoundCostSpec(phase_latency_s=0.5e-3, host_s_per_token=250e-9)
+_ADMIT_S, _ADMIT_CACHED_S = 70e-9, 85e-9  # measured, see the module docstring
+_ROUNDS_NODE = RoundCostSpec(
+    phase_latency_s=0.3e-3, host_s_per_token=_ADMIT_S, host_s_per_cached_token=_ADMIT_CACHED_S
+)
+_ROUNDS_NVL72 = replace(_ROUNDS_NODE, phase_latency_s=0.5e-3)
 _PAPER = dict(
     block_size=256,
     max_wave_tokens=16_384,
