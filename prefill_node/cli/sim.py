@@ -119,9 +119,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cluster",
         type=int,
+        nargs="+",
         metavar="N",
         default=None,
-        help="simulate N pipelines behind the router (real index and scoring), every policy",
+        help="simulate N pipelines behind the router (real index and scoring), every policy; "
+        "several N run each (e.g. --cluster 8 32); a Zipf sweep runs at the first",
     )
     p.add_argument("--json", metavar="PATH", default=None, help="write a list of flat rows")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the runs")
