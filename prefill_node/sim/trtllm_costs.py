@@ -119,7 +119,7 @@ TRTLLM_PP_MEASURED = TrtllmLoopCosts(
 # mechanism of the WavePP design. ``wavepp sim --host-costs`` prints this table.
 HOST_COST_CHARGES: tuple[tuple[str, str, str], ...] = (
     (
-        "request transport: pickle, send, receive, unpickle (send/recv_s_per_token)",
+        "request transport: pickle, send, receive, unpickle (send_s_per_token, recv_s_per_token)",
         "every rank's loop, forwarded rank to rank with a blocking send",
         "admission rounds (moved off the loop: request transport is part of admission, "
         "broadcast to the stages on the rounds plane)",
