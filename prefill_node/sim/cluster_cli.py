@@ -110,12 +110,12 @@ def stops_paying(rows: list[ClusterResult], margin: float = 0.05) -> list[str]:
         prefix_end = next((z for z in zipfs if gain[z] <= 1 + margin), None)
         only_end = next((z for z in zipfs if only[z] < 1), None)
         curve = ", ".join(f"{z:.1f}: {gain[z]:.2f}x / {only[z]:.2f}x" for z in zipfs)
+        never = f"at no Zipf exponent up to {zipfs[-1]}"
         out.append(
             f"{preset} N={n}: prefix / least-loaded and prefix-only / least-loaded by Zipf "
-            f"exponent: {curve}. Prefix-aware routing within {margin:.0%} of least-loaded from "
-            f"zipf {prefix_end if prefix_end is not None else '> ' + str(zipfs[-1])}; "
-            f"prefix-only behind least-loaded from zipf "
-            f"{only_end if only_end is not None else '> ' + str(zipfs[-1])}."
+            f"exponent: {curve}. Prefix-aware routing within {margin:.0%} of least-loaded "
+            f"{never if prefix_end is None else f'from zipf {prefix_end}'}; prefix-only "
+            f"behind least-loaded {never if only_end is None else f'from zipf {only_end}'}."
         )
     return out
 
