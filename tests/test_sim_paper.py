@@ -38,3 +38,13 @@ def test_reproduction_stays_within_its_stated_tolerance(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.strip() == format_table(rows).strip()
     assert "within 20% of the paper: yes" in text
+
+
+def test_fit_bisects_each_constant_to_its_target():
+    from prefill_node.sim.paper import _bisect, fit_presets
+
+    assert _bisect(lambda x: x * x - 2.0, 0.25, 4.0, 40) == pytest.approx(2**0.5, rel=1e-9)
+    fitted = fit_presets(requests=8, steps=2)  # a smoke run: tiny runs, two steps
+    assert set(fitted) == {"host_time_scale", "glm5-pp4.flops_efficiency"}
+    assert 0.25 <= fitted["host_time_scale"] <= 4.0
+    assert 0.05 <= fitted["glm5-pp4.flops_efficiency"] <= 1.0
