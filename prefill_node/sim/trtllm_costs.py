@@ -116,7 +116,7 @@ TRTLLM_PP_MEASURED = TrtllmLoopCosts(
 # Where each host cost of the executor lands, per policy. Every cost is charged to both
 # policies with the same constant; ``wave`` moves some off the loop (to its admission
 # rounds, which run concurrently with execution) and is exempt from two, each for the named
-# mechanism of the WavePP design. ``wavepp sim --host-costs`` prints this table.
+# mechanism of the WavePP design. docs/simulator.md shows the same table.
 HOST_COST_CHARGES: tuple[tuple[str, str, str], ...] = (
     (
         "request transport: pickle, send, receive, unpickle (send_s_per_token, recv_s_per_token)",
