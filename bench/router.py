@@ -14,10 +14,11 @@ of all tenants' system-prompt blocks plus the suffixes of c/2 requests in flight
 caches together hold the system prompts about once - no room for every tenant on both
 pipelines (what round-robin needs): placement decides what stays cached.
 
-WORKLOAD (bench/router_workload.py; the same seeded sequence for every policy of a run, a new
-one each run): T tenants, each with its own system prompt (512-1024 tokens) and cache_salt; a
-request picks a tenant by Zipf popularity (s = 1.1 over the tenants' ranks) and appends a
-unique 32-128-token suffix; a closed loop at concurrency c from one asyncio gRPC client.
+WORKLOAD (prefill_node/sim/tenants.py, shared with `wavepp sim --cluster`; the same seeded
+sequence for every policy of a run, a new one each run): T tenants, each with its own system
+prompt (512-1024 tokens) and cache_salt; a request picks a tenant by Zipf popularity (s =
+1.1 over the tenants' ranks) and appends a unique 32-128-token suffix; a closed loop at
+concurrency c from one asyncio gRPC client.
 Reported per policy and run: input tok/s over the wall time, computed and cached tokens,
 p50 / p95 latency, the busiest pipeline's share of requests, tenant affinity (the share of
 requests served on their tenant's most used pipeline) and spread (pipelines per tenant), the
