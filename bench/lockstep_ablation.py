@@ -53,27 +53,11 @@ def steps() -> list[tuple[str, TrtllmLoopCosts]]:
 
 
 def faster_host(preset: Preset, speedup: float) -> Preset:
-    """``preset`` with its host costs per token divided by ``speedup``: the lockstep loops'
-    walks, add_sequence and prompt moves, and the rounds' host work of both policies (counts
-    such as ``retire_walks`` and the blocking-send switch are kept)."""
-    if speedup == 1.0:
-        return preset
-    t = preset.trtllm
-    trtllm = replace(
-        t,
-        send_s_per_token=t.send_s_per_token / speedup,
-        recv_s_per_token=t.recv_s_per_token / speedup,
-        merge_s_per_token=t.merge_s_per_token / speedup,
-        prepare_s_per_token=t.prepare_s_per_token / speedup,
-        walk_base_s_per_token=t.walk_base_s_per_token / speedup,
-    )
-    r = preset.rounds
-    rounds = replace(
-        r,
-        walk_s_per_token=r.walk_s_per_token / speedup,
-        host_s_per_token=r.host_s_per_token / speedup,
-    )
-    return replace(preset, trtllm=trtllm, rounds=rounds)
+    """``preset`` with every host cost of both policies divided by ``speedup`` (its
+    ``host_time_scale``: the lockstep loops' walks, add_sequence and prompt moves, wave's
+    loop work, and the rounds' host work; counts such as ``retire_walks`` and the
+    blocking-send switch are kept)."""
+    return replace(preset, host_time_scale=preset.host_time_scale / speedup)
 
 
 def main() -> None:
@@ -87,8 +71,8 @@ def main() -> None:
         "--host-speedup",
         type=float,
         default=1.0,
-        help="divide every lockstep host cost per token (walks, add_sequence, prompt moves) by\n"
-        "this: the baseline on a host this much faster than the VM the costs were measured on",
+        help="divide every host cost of both policies (the preset's host_time_scale) by this:\n"
+        "both on a host this much faster than the VM the costs were measured on",
     )
     args = parser.parse_args()
     if args.host_speedup <= 0:

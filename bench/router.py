@@ -14,10 +14,11 @@ of all tenants' system-prompt blocks plus the suffixes of c/2 requests in flight
 caches together hold the system prompts about once - no room for every tenant on both
 pipelines (what round-robin needs): placement decides what stays cached.
 
-WORKLOAD (bench/router_workload.py; the same seeded sequence for every policy of a run, a new
-one each run): T tenants, each with its own system prompt (512-1024 tokens) and cache_salt; a
-request picks a tenant by Zipf popularity (s = 1.1 over the tenants' ranks) and appends a
-unique 32-128-token suffix; a closed loop at concurrency c from one asyncio gRPC client.
+WORKLOAD (prefill_node/sim/tenants.py, shared with `wavepp sim --cluster`; the same seeded
+sequence for every policy of a run, a new one each run): T tenants, each with its own system
+prompt (512-1024 tokens) and cache_salt; a request picks a tenant by Zipf popularity (s =
+1.1 over the tenants' ranks) and appends a unique 32-128-token suffix; a closed loop at
+concurrency c from one asyncio gRPC client.
 Reported per policy and run: input tok/s over the wall time, computed and cached tokens,
 p50 / p95 latency, the busiest pipeline's share of requests, tenant affinity (the share of
 requests served on their tenant's most used pipeline) and spread (pipelines per tenant), the
@@ -84,8 +85,6 @@ from router_report import (  # bench/ is on sys.path: this file runs as a script
     print_tables,
 )
 from router_workload import (  # bench/ is on sys.path: this file runs as a script
-    Request,
-    WorkloadSpec,
     closed_loop,
     default_num_blocks,
     latency_stats,
@@ -94,6 +93,8 @@ from router_workload import (  # bench/ is on sys.path: this file runs as a scri
     token_stats,
 )
 from tqdm import tqdm
+
+from prefill_node.sim.tenants import TenantRequest, TenantWorkload
 
 OVERHEAD_SLICES = 4  # per path and (run, c): interleaved with the other paths' slices
 CORE_BLOCKS, CORE_RESIDENT, CORE_REPEATS = 500_000, 200_000, 20  # bench/router_core.py's
@@ -146,7 +147,9 @@ def measure_overhead(args, model_dir, logs, bar: tqdm, inner: tqdm) -> list[dict
     from prefill_node.process_tree import ProcessTree
 
     rng = random.Random(f"{args.seed}-overhead")
-    prompt = Request(-1, "overhead", tuple(rng.randrange(VOCAB) for _ in range(OVERHEAD_PROMPT)))
+    prompt = TenantRequest(
+        -1, "overhead", tuple(rng.randrange(VOCAB) for _ in range(OVERHEAD_PROMPT))
+    )
     with Cluster(model_dir, logs, args) as cluster:
         pipeline = cluster.serve("p0", args.num_blocks).wait_listening()
         warm_pipeline(pipeline.address, args.warm_tokens)
@@ -381,7 +384,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run the finallys
-    spec = WorkloadSpec(args.tenants, args.requests, args.zipf, args.system_tokens,
+    spec = TenantWorkload(args.tenants, args.requests, args.zipf, args.system_tokens,
                         args.suffix_tokens, VOCAB, args.seed)  # fmt: skip
     if args.num_blocks is None:
         args.num_blocks = default_num_blocks(spec, BLOCK, args.cache_share, args.concurrency)

@@ -1,16 +1,13 @@
-"""bench/router.py's multi-tenant workload and its closed-loop gRPC client.
+"""bench/router.py's closed-loop gRPC client over the multi-tenant workload.
 
-T tenants, each with its own system prompt and cache_salt (tenants never share blocks); a
-request picks a tenant by Zipf popularity over their ranks (tenant 0 the most popular) and
-appends a unique suffix. A sequence is a pure function of (seed, run), so every policy of a
-run sees the same requests in the same order.
+The workload itself (``TenantWorkload``: tenants' system prompts, Zipf popularity, unique
+suffixes) lives in ``prefill_node/sim/tenants.py``, shared with the cluster simulator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import random
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -18,52 +15,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """Sizes in tokens; ``system_tokens`` / ``suffix_tokens`` are uniform (lo, hi) ranges."""
-
-    tenants: int
-    requests: int
-    zipf: float
-    system_tokens: tuple[int, int]
-    suffix_tokens: tuple[int, int]
-    vocab: int
-    seed: int = 0
-
-    def system_prompts(self) -> list[tuple[int, ...]]:
-        """Tenant k's system prompt, the same for every run."""
-        rng = random.Random(self.seed)
-        lo, hi = self.system_tokens
-        return [
-            tuple(rng.randrange(self.vocab) for _ in range(rng.randint(lo, hi)))
-            for _ in range(self.tenants)
-        ]
-
-    def prefix_blocks(self, block_size: int) -> int:
-        """Full blocks of all the tenants' system prompts (the shareable working set)."""
-        return sum(len(s) // block_size for s in self.system_prompts())
-
-    def longest_prompt(self) -> int:
-        return self.system_tokens[1] + self.suffix_tokens[1]
-
-    def requests_of_run(self, run: int) -> list[Request]:
-        systems = self.system_prompts()
-        rng = random.Random(f"{self.seed}-run-{run}")
-        weights = [1 / (rank + 1) ** self.zipf for rank in range(self.tenants)]
-        lo, hi = self.suffix_tokens
-        out = []
-        for tenant in rng.choices(range(self.tenants), weights, k=self.requests):
-            suffix = tuple(rng.randrange(self.vocab) for _ in range(rng.randint(lo, hi)))
-            out.append(Request(tenant, f"tenant-{tenant}", systems[tenant] + suffix))
-        return out
-
-
-@dataclass(frozen=True)
-class Request:
-    tenant: int
-    salt: str
-    tokens: tuple[int, ...]
+from prefill_node.sim.tenants import TenantRequest, TenantWorkload
 
 
 @dataclass(frozen=True)
@@ -82,7 +34,7 @@ class Outcome:
 
 
 async def closed_loop(
-    client, requests: list[Request], concurrency: int, tag: str, bar: tqdm
+    client, requests: list[TenantRequest], concurrency: int, tag: str, bar: tqdm
 ) -> tuple[list[Outcome], float]:
     """Keep ``concurrency`` requests in flight on ``client`` (an AsyncPrefillClient) until
     all are answered (any failure raises); the outcomes in completion order, wall seconds."""
@@ -108,7 +60,7 @@ async def closed_loop(
 
 
 def run_closed_loop(
-    target: str, requests: list[Request], concurrency: int, tag: str, bar: tqdm
+    target: str, requests: list[TenantRequest], concurrency: int, tag: str, bar: tqdm
 ) -> tuple[list[Outcome], float]:
     """``closed_loop`` on a fresh channel to ``target``, in its own event loop."""
     from prefill_node.client.prefill_client import AsyncPrefillClient
@@ -154,7 +106,9 @@ def placement_stats(outcomes: list[Outcome]) -> dict:
     }
 
 
-def default_num_blocks(spec: WorkloadSpec, block_size: int, share: float, concurrency: int) -> int:
+def default_num_blocks(
+    spec: TenantWorkload, block_size: int, share: float, concurrency: int
+) -> int:
     """Blocks per stage of a cluster pipeline: ``share`` of all system-prompt blocks + the
     longest suffixes of concurrency/2 requests in flight."""
     suffix_blocks = math.ceil(spec.suffix_tokens[1] / block_size)

@@ -10,14 +10,16 @@ MPU planner (runtime/leader_core.py), so does the simulated one here; the simula
 runtime's (the preset's ``LockstepModel.LEADER_ROUNDS``: rounds on stage 0's loop).
 The simulator is deterministic given the draw.
 
-``--fit`` grid-searches the pipeline overhead terms (compute scale, per-wave cost, the
-leader's host work per prompt token, round phase latency) on the ``--in-sample``
-concurrency levels only (default 1, 8, 32): a coarse grid, then a finer one around its
-best. Without ``--fit`` the table marks each row in-sample or OUT-of-sample, and the
-summary gives both errors separately.
+``--fit`` grid-searches every pipeline term the ``cpu-bench`` preset fits (compute scale,
+per-wave cost, the leader's host work per prompt token and per cached-prefix token, round
+phase latency, whether the leader's host work shares stage 0's core) on the
+``--in-sample`` concurrency levels only (default 1, 8, 32): a coarse grid, then a finer
+one around its best, and reports the best point's error on the in-sample rows and on the
+out-of-sample rows, which the search never saw. Without ``--fit`` the table marks each row
+in-sample or OUT-of-sample, and the summary gives both errors separately.
 
-    python bench/sim_vs_pipeline.py --pipeline /work/notes/bench/pipeline_full.json --fit
-    python bench/sim_vs_pipeline.py --pipeline /work/notes/bench/pipeline_full.json \\
+    python bench/sim_vs_pipeline.py --pipeline pipeline_full.json --fit
+    python bench/sim_vs_pipeline.py --pipeline pipeline_full.json \\
         --json sim_vs_pipeline.json --md sim_vs_pipeline.md
 """
 
@@ -122,10 +124,17 @@ def compare(
 
 
 def with_overheads(
-    preset: Preset, scale: float, wave_s: float, host_s: float, phase_s: float | None = None
+    preset: Preset,
+    scale: float,
+    wave_s: float,
+    host_s: float,
+    phase_s: float | None = None,
+    cached_s: float | None = None,
+    shares_core: bool | None = None,
 ) -> Preset:
     """``preset`` with compute ``scale``d, ``wave_s`` per wave per stage, ``host_s`` of the
-    leader's round host work per prompt token and (if given) ``phase_s`` per round phase."""
+    leader's round host work per prompt token and (if given) ``phase_s`` per round phase,
+    ``cached_s`` per cached-prefix token and ``leader_shares_stage0_core``."""
     layers = max(
         s.num_layers
         for s in PipelineRoofline(
@@ -141,7 +150,10 @@ def with_overheads(
     rounds = replace(preset.rounds, host_s_per_token=host_s)
     if phase_s is not None:
         rounds = replace(rounds, phase_latency_s=phase_s)
-    return replace(preset, gpu=gpu, rounds=rounds)
+    if cached_s is not None:
+        rounds = replace(rounds, host_s_per_cached_token=cached_s)
+    shares = preset.leader_shares_stage0_core if shares_core is None else shares_core
+    return replace(preset, gpu=gpu, rounds=rounds, leader_shares_stage0_core=shares)
 
 
 COARSE = {  # compute scale, ms per wave per stage, us per prompt token, ms per round phase
@@ -149,6 +161,8 @@ COARSE = {  # compute scale, ms per wave per stage, us per prompt token, ms per 
     "wave_ms": (0.0, 2.0, 4.0, 8.0),
     "host_us_per_token": (1.0, 3.0, 6.0, 12.0),
     "phase_ms": (1.0,),
+    "cached_us_per_token": (1.0, 2.0, 6.0),
+    "shares_core": (0.0, 1.0),  # leader_shares_stage0_core off / on
 }
 
 
@@ -173,6 +187,8 @@ def fit_overheads(
             g["wave_ms"] * 1e-3,
             g["host_us_per_token"] * 1e-6,
             g["phase_ms"] * 1e-3,
+            g["cached_us_per_token"] * 1e-6,
+            bool(g["shares_core"]),
         )
         rows = compare(bench_rows, p, 0.2, progress=False, tail=tail)
         out.append({**g, "err": _log_error(rows)})
@@ -187,6 +203,9 @@ def refine(best: dict, coarse: dict[str, tuple[float, ...]]) -> dict[str, tuple[
         v = best[key]
         if key == "phase_ms":
             out[key] = (v / 2, v, v * 2)
+            continue
+        if key == "shares_core":
+            out[key] = (v,)
             continue
         steps = sorted({abs(b - a) for a, b in itertools.pairwise(values)})
         half = steps[0] / 2
@@ -264,6 +283,21 @@ def main() -> None:
         print("refined grid, best 6:")
         for r in fine[:6]:
             print(r)
+        best = fine[0]
+        fitted = with_overheads(
+            base,
+            best["scale"],
+            best["wave_ms"] * 1e-3,
+            best["host_us_per_token"] * 1e-6,
+            best["phase_ms"] * 1e-3,
+            best["cached_us_per_token"] * 1e-6,
+            bool(best["shares_core"]),
+        )
+        held_out = [r for r in bench_rows if r["concurrency"] not in in_sample]
+        for label, subset in (("in-sample (fitted)", fit_rows), ("out-of-sample", held_out)):
+            if subset:
+                rows = compare(subset, fitted, args.tolerance, progress=False, tail=args.tail)
+                print(f"{label}: {summary(rows, args.tolerance)}")
         return
     rows = compare(bench_rows, get_preset(args.preset), args.tolerance, tail=args.tail)
 

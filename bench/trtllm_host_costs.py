@@ -26,7 +26,7 @@ and other load only adds, so the best favours the baseline) and the median.
 Measured on the development VM (2 shared cores, load ~1.1, nice 19, 2026-11-29), three
 runs, median of the three per-run bests, ns per token: vec_to_list 35.9, list_to_vec 23.3,
 pickle_dumps 22.9, pickle_loads 53.5, copy 0.3 (pickled payload 4.13 bytes per token). Rows
-in /work/notes/bench/trtllm_host_costs.json.
+in the lead's notes (not in the repo).
 """
 
 from __future__ import annotations

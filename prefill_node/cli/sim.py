@@ -26,6 +26,8 @@ examples:
   wavepp sim --sweep paper --json sweep.json --plot sweep.png
   wavepp sim --preset cpu --workload mixed --input-len 4096 --concurrency 4
   wavepp sim --preset cpu-bench --workload reuse90 --input-len 1024 --planner mpu
+  wavepp sim --reproduce-paper --json paper.json   # the paper's figures beside the simulator's
+  wavepp sim --cluster 8 --json cluster.json --plot cluster.png   # routing policies, N pipelines
 """
 
 
@@ -104,6 +106,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "every rank's scheduler pass on every loop iteration (sensitivity studies)"
         ),
     )
+    p.add_argument(
+        "--reproduce-paper",
+        action="store_true",
+        help="the paper's reported figures beside the simulator's (both policies, ratios)",
+    )
+    p.add_argument(
+        "--fit-paper",
+        action="store_true",
+        help="refit the constants the reproduction fits and print them (minutes)",
+    )
+    p.add_argument(
+        "--cluster",
+        type=int,
+        nargs="+",
+        metavar="N",
+        default=None,
+        help="simulate N pipelines behind the router (real index and scoring), every policy; "
+        "several N run each (e.g. --cluster 8 32); a Zipf sweep runs at the first",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write a list of flat rows")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the runs")
     p.add_argument(
@@ -135,6 +156,21 @@ def _preset(name: str, args: argparse.Namespace):
     return replace(preset, rounds=rounds)
 
 
+def _reproduce_paper(args: argparse.Namespace) -> int:
+    from prefill_node.sim.paper import fit_presets, format_table, reproduce
+
+    if args.fit_paper:
+        for name, value in fit_presets(requests=args.requests).items():
+            print(f"{name} = {value:.4g}")
+        return 0
+    rows = reproduce(requests=args.requests)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -145,6 +181,12 @@ def run(args: argparse.Namespace) -> int:
     from prefill_node.sim.sweep import grid, paper_grid, policies_for, run_setting
     from prefill_node.sim.workloads import WorkloadKind
 
+    if args.reproduce_paper or args.fit_paper:
+        return _reproduce_paper(args)
+    if args.cluster is not None:
+        from prefill_node.sim.cluster_cli import run_cluster
+
+        return run_cluster(args)
     try:
         if args.sweep == "paper":
             names = args.preset or ["glm5-pp4", "minimax-pp4"]

@@ -22,6 +22,7 @@ from prefill_node.core.admission_messages import AdmissionOutcome, Admitted, Rej
 from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
 from prefill_node.core.execution_results import StageStateMismatch
 from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.kv_events import KVEvent
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
@@ -46,6 +47,7 @@ class CorePort:
         model_id: str,
         stage_headroom_blocks: Sequence[int],
         max_round_requests: int,
+        enable_kv_events: bool = False,
     ) -> None:
         if token_scale < 1 or block_size % token_scale:
             raise InvariantError(f"token_scale {token_scale} must divide block_size {block_size}")
@@ -60,6 +62,7 @@ class CorePort:
                     block_size=core_block,
                     num_layers=layers,
                     headroom_blocks=headroom,
+                    enable_kv_events=enable_kv_events,
                 )
             )
             for s, (n, layers, headroom) in enumerate(
@@ -127,6 +130,10 @@ class CorePort:
         for s in range(len(self.stages)):
             self.materialise(s, chunk)
             self.finish(s, request_id)
+
+    def drain_events(self, stage: int) -> list[KVEvent]:
+        """Stage ``stage``'s KV events since the last call (``enable_kv_events`` only)."""
+        return self.stages[stage].drain_events()
 
     def check_integrity(self) -> None:
         """Every stage's cache and reservation invariants (raises InvariantError)."""

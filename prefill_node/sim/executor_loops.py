@@ -54,7 +54,8 @@ the schedule, and launches, ``D`` GPU-done times, ``n`` the wave's new prompt to
 ``C = A + send*n``, or with a blocking send and ``n > 0`` at ``max(A + send*n, T(s+1,k)) +
 hop``; ``F = C + merge*n`` (the last rank: ``A + merge*n``); ``R(0,k) = F(0,k) + pass``,
 ``R(s,k) = max(F(s,k), R(s-1,k) + hop)``; ``L(0,k) = R(0,k) + add + prepare``,
-``L(s,k) = R(s,k) + batch + pass + add + prepare``. So at most ``P`` waves are in flight
+``L(s,k) = R(s,k) + batch + pass + add + prepare``
+(``prepare`` includes the iteration's fixed ``iteration_s``). So at most ``P`` waves are in flight
 (``num_micro_batches = pp_size``; the simulator checks it too). Not
 modelled: the per-request Python loops of ``_handle_responses`` / ``_update_requests``
 (microseconds per active request), the pickling of schedules and sample states (ids and
@@ -128,6 +129,13 @@ def wave_host_work(
         chunk_prompt_tokens=sum(p for *_, p in chunks),
         retire_tokens=sum(p for _, e, _, p in chunks if e == p),
     )
+
+
+def loop_work_s(costs: TrtllmLoopCosts, work: WaveHostWork) -> float:
+    """Host seconds every rank's loop spends on ``work`` under BOTH policies before launching
+    it: the iteration's fixed cost and the whole prompt of each chunk made a Python list
+    (``trtllm_costs.HOST_COST_CHARGES``)."""
+    return costs.iteration_s + costs.prepare_s_per_token * work.chunk_prompt_tokens
 
 
 class ExecutorLoops:
@@ -219,9 +227,7 @@ class ExecutorLoops:
 
     def _local_work(self, w: WaveHostWork) -> float:
         t = self.costs.trtllm
-        return self.costs.add_s_per_token * w.first_chunk_tokens + (
-            t.prepare_s_per_token * w.chunk_prompt_tokens
-        )
+        return self.costs.add_s_per_token * w.first_chunk_tokens + loop_work_s(t, w)
 
     def _fetch_work(self, stage: int, k: int) -> float:
         """Host seconds rank ``stage`` spends on iteration ``k``'s fetch and finalise."""

@@ -15,6 +15,10 @@ Timeline rules (both policies, see ``policies.py`` for what differs):
   plane's latency: the phases, plus per-token host work for the requests it sees for the
   first time); requests that must wait are retried when something has changed (an
   arrival or a completion), so an idle pipeline never spins.
+- WAVE pays, on its rounds timeline, the host work of moving each new request to every
+  stage and creating it there (``TrtllmLoopCosts.admission_s_per_token``), and on each
+  stage's loop the executor work WavePP keeps (``stage_hosts.py``: per-wave iteration and
+  prompt conversion, retire walks), with the same constants as the lockstep's loops.
 - LOCKSTEP instead runs the round inside rank 0's executor-loop iteration, with no time of
   its own, and charges the loop work TensorRT-LLM does per wave on every rank
   (``executor_loops.py``); a stage's GPU starts a wave only once its own rank's loop has
@@ -39,12 +43,13 @@ from prefill_node.core.wave import Wave
 from prefill_node.core.wave_scheduler import WaveScheduler
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
-from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts
+from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, wave_host_work
 from prefill_node.sim.leader_rounds import LeaderRounds
 from prefill_node.sim.policies import LockstepModel
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
+from prefill_node.sim.stage_hosts import StageHosts
 from prefill_node.sim.trtllm_issue import TrtllmLockstepIssue
 from prefill_node.sim.workloads import SimRequest, Workload, WorkloadSpec
 
@@ -68,7 +73,7 @@ class Simulator(TrtllmLockstepIssue):
     def __init__(
         self, preset: Preset, spec: WorkloadSpec, policy: Policy, *, check_integrity: bool = False
     ) -> None:
-        p = preset
+        p = preset = preset.host_scaled()
         # The preset decides the cache granularity; the workload only its prompts.
         spec = replace(spec, block_size=p.block_size, token_scale=p.token_scale)
         self.preset, self.spec, self.policy = preset, spec, policy
@@ -111,15 +116,18 @@ class Simulator(TrtllmLockstepIssue):
         # LOCKSTEP: every rank's executor loop (executor_loops.py); wave_id -> loop index
         self.loops: ExecutorLoops | None = None
         self.leader_rounds: LeaderRounds | None = None
+        # WAVE on the TensorRT-LLM executor: the loop work it keeps, same constants
+        self.hosts: StageHosts | None = None
+        rounds = p.rounds
+        costs = LoopCosts(
+            rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s, p.trtllm
+        )
         if policy.admission_on_loop and p.lockstep_model is LockstepModel.LEADER_ROUNDS:
-            rounds = p.rounds
             self.leader_rounds = LeaderRounds(p.num_stages, rounds.phases, rounds.phase_latency_s)
         elif policy.admission_on_loop:
-            rounds = p.rounds
-            costs = LoopCosts(
-                rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s, p.trtllm
-            )
             self.loops = ExecutorLoops(p.num_stages, costs)
+        elif p.lockstep_model is LockstepModel.TRTLLM_EXECUTOR:
+            self.hosts = StageHosts(p.num_stages, costs)
         # LOCKSTEP (executor loops): prompts not yet broadcast by rank 0's fetch, FCFS, and
         # waves whose launch on a rank waits for another rank's GPU (stage -> (wave, since))
         self._unfetched: deque[tuple[float, int]] = deque()
@@ -243,7 +251,9 @@ class Simulator(TrtllmLockstepIssue):
         self._charged.update(fresh)
         tokens = sum(self._submitted[r][0].num_tokens for r in fresh)
         seeded = sum(self._submitted[r][0].seeded_len for r in fresh)
+        # moving the new requests to every stage and creating them there (wave: off the loop)
         host = self.preset.rounds.host_s(tokens, seeded)
+        host += self.preset.trtllm.admission_s_per_token * tokens
         self._num_rounds += 1
         self._round_requests += len(ids)
         if self.leader_rounds is not None:  # on stage 0's loop: host work, then the phases
@@ -253,7 +263,8 @@ class Simulator(TrtllmLockstepIssue):
             return True
         if self.preset.leader_shares_stage0_core:  # its Python time-slices stage 0's core
             self._stage0_debt_s += host
-        self._push(self.now + self.preset.rounds.round_s(tokens, seeded), _ROUND_DONE, None)
+        phases = self.preset.rounds.phases * self.preset.rounds.phase_latency_s
+        self._push(self.now + phases + host, _ROUND_DONE, None)
         return True
 
     def _on_phase_event(self, kind: int, stage: int | None) -> None:
@@ -328,6 +339,10 @@ class Simulator(TrtllmLockstepIssue):
         wave = self.scheduler.next_wave()
         if wave is not None:
             self._count(wave)
+            if self.hosts is not None:
+                runs = ((c, self.scheduler.request(c.request_id)) for c in wave.chunks)
+                chunks = [(c.start, c.end, r.cached_len, r.end) for c, r in runs]
+                self.hosts.plan(wave.wave_id, self.now, wave_host_work([], chunks, 0))
             self._start_on_stage(0, wave)
 
     def _try_issue_leader_rounds(self) -> None:
@@ -369,6 +384,14 @@ class Simulator(TrtllmLockstepIssue):
                 self._loop_stall_s += launch - self.now
                 self._push(launch, _HOST_LAUNCH, (stage, wave))
                 return
+        if self.hosts is not None:  # wave: the GPU waits for its stage's host too
+            ready = self.hosts.ready_at(stage, wave.wave_id)
+            if ready > self.now:
+                self._stage_busy[stage] = True
+                self._loop_stall_s += ready - self.now
+                self._push(ready, _HOST_LAUNCH, (stage, wave))
+                return
+            self.hosts.launched(stage, wave.wave_id)
         for chunk in wave.chunks:
             self.core.materialise(stage, chunk)
         duration = self.roof.stage_time(stage, wave.chunks)
@@ -394,10 +417,14 @@ class Simulator(TrtllmLockstepIssue):
         if self.loops is not None:
             self.loops.gpu_done(stage, self._loop_index[wave.wave_id], self.now)
             self._retry_parked()
+        retired = 0
         for chunk in wave.chunks:
             if self.scheduler.is_last(chunk):
                 self.core.finish(stage, chunk.request_id)
                 self._round_wanted = True  # capacity came back on this stage
+                retired += chunk.end
+        if self.hosts is not None and retired:
+            self.hosts.retire(stage, self.now, retired)
         if last_stage:
             for rid in self.scheduler.wave_done(wave.wave_id).finished:
                 self._complete(rid)

@@ -7,7 +7,7 @@ states what a model card or a spec sheet states.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from prefill_node.errors import InvalidRequestError
 
@@ -217,6 +217,17 @@ class RoundCostSpec:
         if self.host_s_per_cached_token is not None:
             per_cached = self.host_s_per_cached_token
         return self.host_s_per_token * (prompt_tokens - cached) + per_cached * cached
+
+    def scaled_host(self, factor: float) -> RoundCostSpec:
+        """These costs with every host term (admission per token, walks) times ``factor``;
+        the phases' latency (messages between hosts) stays."""
+        cached = self.host_s_per_cached_token
+        return replace(
+            self,
+            host_s_per_token=self.host_s_per_token * factor,
+            walk_s_per_token=self.walk_s_per_token * factor,
+            host_s_per_cached_token=None if cached is None else cached * factor,
+        )
 
     def round_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds of one round whose first-seen requests total ``prompt_tokens`` tokens."""

@@ -1,0 +1,104 @@
+"""Cluster simulation: the router's real index and scorer over pipelines' real caches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefill_node.cli.main import main
+from prefill_node.sim.cluster import ClusterPolicy, ClusterSim, ClusterSpec
+from prefill_node.sim.cluster_cli import ZIPF_SWEEP, stops_paying
+from prefill_node.sim.presets import get_preset
+from prefill_node.sim.tenants import TenantWorkload
+
+# zipf 50: rank 0 every time, so the tenant sequence is the rotation alone: 0, 0, 1, 1
+TWO_TENANTS = TenantWorkload(
+    tenants=2,
+    requests=4,
+    zipf=50.0,
+    system_tokens=(32, 32),
+    suffix_tokens=(4, 4),
+    vocab=1000,
+    shift_every=2,
+)
+
+
+def _run(policy: ClusterPolicy) -> ClusterSim:
+    spec = ClusterSpec(get_preset("minimax-pp4"), 2, TWO_TENANTS, clients=1, cache_blocks=64)
+    sim = ClusterSim(spec, policy)
+    sim.result = sim.run()
+    return sim
+
+
+def test_tenant_mix_rotates_every_shift_every_requests():
+    assert [r.tenant for r in TWO_TENANTS.requests_of_run(0)] == [0, 0, 1, 1]
+    three = TenantWorkload(3, 8, 50.0, (4, 4), (1, 1), 10, shift_every=2, shift_by=2)
+    assert [r.tenant for r in three.requests_of_run(0)] == [0, 0, 2, 2, 1, 1, 0, 0]
+    still = TenantWorkload(3, 4, 50.0, (4, 4), (1, 1), 10)
+    assert [r.tenant for r in still.requests_of_run(0)] == [0, 0, 0, 0]
+    salts = {r.salt for r in three.requests_of_run(0)}
+    assert salts == {"tenant-0", "tenant-1", "tenant-2"}  # tenants never share blocks
+
+
+@pytest.mark.parametrize(
+    ("policy", "hits"),
+    [
+        (ClusterPolicy.PREFIX, 2),  # each tenant's second request finds its prefix
+        (ClusterPolicy.PREFIX_ONLY, 2),
+        (ClusterPolicy.ORACLE, 2),  # one pooled cache: placement does not matter
+        (ClusterPolicy.ROUND_ROBIN, 0),  # p00, p01, p00, p01: every second request elsewhere
+        (ClusterPolicy.LEAST_LOADED, 0),  # idle ties go to the pipeline holding fewer blocks
+    ],
+)
+def test_cached_tokens_follow_where_each_policy_routes(policy, hits):
+    sim = _run(policy)
+    res = sim.result
+    # 36-id prompts (9 blocks of 4 ids), a hit reuses the 8 system-prompt blocks; 256 tokens
+    # per id
+    assert res.cached_share == pytest.approx(hits * 32 / (4 * 36))
+    assert (res.requests, res.rejected) == (4, 0)
+    miss = sim.stages * sim.cost.chunk_cost(0, 36)
+    hit = sim.stages * sim.cost.chunk_cost(32, 4)
+    # one client: requests run alone, a request's latency is P x its bottleneck-stage time
+    assert res.p95_s == pytest.approx(miss)
+    assert res.p50_s == pytest.approx(hit if hits == 2 else miss)
+    assert res.input_tok_s == pytest.approx(4 * 36 * 256 / (2 * hit + 2 * miss) if hits else
+                                            4 * 36 * 256 / (4 * miss))  # fmt: skip
+
+
+def test_index_mirrors_every_pipeline_cache_through_kv_events():
+    sim = _run(ClusterPolicy.PREFIX)
+    for pipe in sim.pipelines:
+        stats = pipe.core.stages[0].load()
+        assert sim.index.num_blocks(pipe.pid) == stats.cached  # everything finished: unpinned
+    # p00 holds tenant 0's 8 system blocks + 2 suffix blocks, p01 tenant 1's
+    assert [sim.index.num_blocks(p.pid) for p in sim.pipelines] == [10, 10]
+
+
+def test_cluster_cli_runs_every_policy_and_the_zipf_sweep(tmp_path, capsys):
+    out, png = tmp_path / "cluster.json", tmp_path / "cluster.png"
+    argv = ["sim", "--cluster", "1", "--preset", "minimax-pp4", "--json", str(out)]
+    assert main([*argv, "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == len(ZIPF_SWEEP) * len(ClusterPolicy)
+    assert {r["policy"] for r in rows} == {p.value for p in ClusterPolicy}
+    assert all(r["pipelines"] == 1 and r["rejected"] == 0 for r in rows)
+    one = [r for r in rows if r["zipf"] == 1.0 and r["policy"] != "oracle"]
+    assert len({r["input_tok_s"] for r in one}) == 1  # one pipeline: routing cannot differ
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "minimax-pp4 N=1" in capsys.readouterr().out
+    assert main(["sim", "--cluster", "0"]) == 2
+
+
+def test_stops_paying_reads_the_sweep():
+    from prefill_node.sim.cluster import ClusterResult
+
+    def r(zipf, policy, tok):
+        return ClusterResult("p", 8, policy, zipf, 10, 8, 100, tok, tok, 0.5, 1, 2, 0.2, 0)
+
+    rows = [r(0.6, "prefix", 130), r(0.6, "least_loaded", 100), r(0.6, "prefix_only", 140)]
+    rows += [r(1.4, "prefix", 104), r(1.4, "least_loaded", 100), r(1.4, "prefix_only", 90)]
+    (line,) = stops_paying(rows)
+    assert "within 5% of least-loaded from zipf 1.4" in line
+    assert "prefix-only behind least-loaded from zipf 1.4" in line
