@@ -212,7 +212,7 @@ class StageKVShipper:
             held.streamed, stream.queued = stream.queued, []
         if request_id in self._dead or (stream is not None and stream.failed):
             self._unpin(held.blocks)  # cancelled, or failed and reported already
-            self._unpin_streamed(held.streamed)
+            self._give_back_streamed(held.streamed)
             return
         try:
             if stream is None:
@@ -225,7 +225,7 @@ class StageKVShipper:
             self.sender.push(wire, manifest.block_ids, manifest.num_tokens, start)
         except (KVTransferError, ValueError) as exc:
             self._unpin(held.blocks)
-            self._unpin_streamed(held.streamed)
+            self._give_back_streamed(held.streamed)
             self.sender.cancel(request_id)  # its streamed ranges, if any
             self._drop_parts(request_id)
             self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)
@@ -248,7 +248,7 @@ class StageKVShipper:
         blocks = list(blocks)
         stream = self._streams.get(request_id)
         if request_id in self._dead or (stream is not None and stream.failed):
-            self._unpin_streamed(blocks)
+            self._give_back_streamed(blocks)
             return
         if stream is None:
             try:
@@ -256,7 +256,7 @@ class StageKVShipper:
                     dest, request_id, self.stage, num_tokens, self._block_size
                 )
             except (KVTransferError, ValueError) as exc:
-                self._unpin_streamed(blocks)
+                self._give_back_streamed(blocks)
                 wire = PushDestination(request_id, "", (), 0)
                 self._streams[request_id] = _Stream(wire, failed=True, stopped=True)
                 self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)
@@ -265,7 +265,7 @@ class StageKVShipper:
             self._streams[request_id] = stream
         stream.block_ids = block_ids
         if end <= stream.ready_to:  # all in decode's cached prefix
-            self._unpin_streamed(blocks)
+            self._give_back_streamed(blocks)
             return
         if start > stream.ready_to:
             raise KVInvariantError(
@@ -295,7 +295,7 @@ class StageKVShipper:
 
     def _on_part_end(self, request_id: str, part: int, error: KVTransferError | None) -> None:
         _, blocks = self._parts.pop(part)
-        self._unpin_streamed(blocks)
+        self._give_back_streamed(blocks)
         stream = self._streams.get(request_id)
         if error is not None and stream is not None and not stream.failed:
             self._fail_stream(request_id, stream, error)
@@ -304,7 +304,7 @@ class StageKVShipper:
     def _fail_stream(self, request_id: str, stream: _Stream, error: KVTransferError) -> None:
         """A streamed range failed: report the error now; the rest is stopped in ``poll``."""
         stream.failed = True
-        self._unpin_streamed(stream.queued)
+        self._give_back_streamed(stream.queued)
         stream.queued = []
         self._results[request_id] = StageShipResult(request_id, self.stage, None, error)
 
@@ -313,7 +313,11 @@ class StageKVShipper:
         for part, (owner, blocks) in list(self._parts.items()):
             if owner == request_id:
                 del self._parts[part]
-                self._unpin_streamed(blocks)
+                self._give_back_streamed(blocks)
+
+    def _give_back_streamed(self, blocks: Sequence[KVBlock]) -> None:
+        if blocks:
+            self._unpin_streamed(blocks)
 
     def revive(self, request_id: str) -> None:
         """``request_id`` was admitted again: its new stream and push are live."""
@@ -366,10 +370,10 @@ class StageKVShipper:
         self.sender.cancel(request_id)  # WRITEs and streamed ranges; decode hears "fail"
         self._drop_parts(request_id)
         if stream is not None:
-            self._unpin_streamed(stream.queued)
+            self._give_back_streamed(stream.queued)
         if held is not None:
             self._unpin(held.blocks)
-            self._unpin_streamed(held.streamed)
+            self._give_back_streamed(held.streamed)
         for lease_id, (owner, _) in list(self._leased.items()):
             if owner == request_id:
                 self.sender.leases.release(lease_id, ReleaseReason.REVOKED)
@@ -379,7 +383,7 @@ class StageKVShipper:
         if held is None:
             raise KVInvariantError(f"push outcome for unknown request {outcome.request_id}")
         self._unpin(held.blocks)
-        self._unpin_streamed(held.streamed)
+        self._give_back_streamed(held.streamed)
         manifest = replace(held.manifest, agent_name=self.agent_name, pushed=outcome.ok)
         self._results[outcome.request_id] = StageShipResult(
             outcome.request_id,

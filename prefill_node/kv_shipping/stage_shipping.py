@@ -103,6 +103,7 @@ class StageShipping:
         self.stage = stage
         self.config = config
         self._release = release
+        self._release_streamed = release_streamed
         self._loop = CommandLoop(f"stage {stage} KV shipping", poll_interval_s, idle_interval_s)
         self._outcomes: deque[StageHandoff] = deque()
         # block-id table -> request ids pinned with it (a shipper unpin names blocks only),
@@ -159,6 +160,8 @@ class StageShipping:
     ) -> None:
         """Tokens ``[start, end)`` are final: WRITE them now (``blocks``: one reference each
         from ``pin_for_transfer``, returned through ``release_streamed``); returns at once."""
+        if self._release_streamed is None:
+            raise InvariantError(f"stage {self.stage}: streaming needs a release_streamed")
         self._loop.call(
             partial(
                 self._running().stream,
