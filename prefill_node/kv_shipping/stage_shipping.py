@@ -39,6 +39,7 @@ from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
+from prefill_node.core.stage_admission import StageAdmission
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
 from prefill_node.kv_shipping.command_loop import CommandLoop
@@ -68,6 +69,38 @@ class StageHandoff:
     @property
     def ok(self) -> bool:
         return self.manifest is not None
+
+
+def stream_final_blocks(
+    shipping: StageShipping,
+    admission: StageAdmission,
+    lock: threading.Lock,
+    request_id: str,
+    start: int,
+    end: int,
+    destination: KVPushDestination,
+) -> None:
+    """After a non-last chunk ``[start, end)`` ran on this stage: pin the blocks that
+    became final since the previous chunk (one reference each, under the owner's ``lock``)
+    and stream them. The block holding the prompt's last token is left to the final push
+    (it carries "done", and a partial block is sent once, when final); the first chunk also
+    streams the prefix the stage reused. A no-op when streaming is off."""
+    if not shipping.config.stream:
+        return
+    bs = admission.config.block_size
+    with lock:
+        rsv = admission.reservation(request_id)
+        if rsv is None or rsv.completed:
+            return
+        num_tokens = rsv.prompt.num_tokens
+        keep = (num_tokens - 1) // bs  # the last block's index
+        last = min(end // bs, keep)
+        first = 0 if start == rsv.cached_len else min(start // bs, keep)  # first chunk: prefix
+        if last <= first:
+            return
+        blocks = admission.pin_for_transfer(request_id, first, last)
+        block_ids = rsv.block_ids()
+    shipping.stream(request_id, blocks, block_ids, destination, num_tokens, first * bs, last * bs)
 
 
 def handoff_of(result: StageShipResult) -> StageHandoff:

@@ -49,6 +49,7 @@ from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
     EngineLoad,
+    KVPushDestination,
     PrefillOptions,
     PrefillResult,
     PrefillTimings,
@@ -407,11 +408,14 @@ class LocalEngine:
             length = min(self.config.max_chunk_tokens, len(ids) - start)
             x = torch.tensor(ids[start : start + length], dtype=torch.long, device=device)
             last = start + length == len(ids)
+            dest = options.kv_destination
             for stage in self.stages:
                 step = stage.execute([ChunkWork(request_id, start, length)], x)
                 x = step.hidden
                 if last:
-                    manifests.append(stage.complete(request_id, options.kv_destination))
+                    manifests.append(stage.complete(request_id, dest))
+                elif isinstance(dest, KVPushDestination):  # streamed while the rest runs
+                    stage.stream(request_id, start, start + length, dest)
             logits = step.logits
             start += length
         if logits is None:

@@ -16,7 +16,11 @@ from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvariantError
 from prefill_node.kv_shipping.shipper import KVShippingConfig
-from prefill_node.kv_shipping.stage_shipping import StageHandoff, StageShipping
+from prefill_node.kv_shipping.stage_shipping import (
+    StageHandoff,
+    StageShipping,
+    stream_final_blocks,
+)
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache
@@ -285,45 +289,22 @@ class PipelineStageCompute:
         return tuple(outputs)
 
     def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:
-        """Hand the shipper the blocks each non-last chunk of a push request made final.
-
-        After chunk ``[start, end)`` the full blocks below ``end`` are final; the prompt's
-        last block is always left to the final push (so it carries the "done" notification,
-        and a partial block is sent once, when final). The first chunk also streams the
-        cached prefix this stage reused (decode's own cached prefix is skipped by the shipper).
-        """
+        """Stream the blocks each non-last chunk of a push request made final
+        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper)."""
         shipping = self.shipping
         if shipping is None or not shipping.config.stream:
             return
-        bs, synced = self.kv.block_size, False
-        for _, chunk, table in tables:
+        synced = False
+        for _, chunk, _ in tables:
             dest = chunk.kv_destination
             if chunk.is_last or not isinstance(dest, KVPushDestination):
                 continue
             if self.model.device.type == "cuda" and not synced:  # the KV is written
                 torch.cuda.current_stream(self.model.device).synchronize()
                 synced = True
-            with self._lock:
-                rsv = self.admission.reservation(chunk.request_id)
-                if rsv is None or rsv.completed:
-                    continue
-                keep = (rsv.prompt.num_tokens - 1) // bs  # the last block's index
-                first = min(chunk.start // bs, keep)
-                if chunk.start == table.num_cached_tokens:  # first chunk: the reused prefix too
-                    first = 0
-                last = min(table.end // bs, keep)
-                if last <= first:
-                    continue
-                blocks = self.admission.pin_for_transfer(chunk.request_id, first, last)
-                num_tokens = rsv.prompt.num_tokens
-            shipping.stream(
-                chunk.request_id,
-                blocks,
-                table.block_ids,
-                dest,
-                num_tokens,
-                first * bs,
-                last * bs,
+            end = chunk.start + chunk.length
+            stream_final_blocks(
+                shipping, self.admission, self._lock, chunk.request_id, chunk.start, end, dest
             )
 
     def _complete(
