@@ -11,12 +11,12 @@ pipeline: the leader process only, stage 0 with its shipping thread; other stage
 decode process are not counted). After each ON request the decode worker confirms the KV
 arrived (outside the timed region).
 
-Streamed vs at-end hand-off (``--kv-stream both``, the default with the pipeline): the
-pipeline is started twice in this one run, once per ``KVShippingConfig.stream`` setting,
-each serving the same OFF / ON passes. For every ON request, the tail: from its last chunk
-finishing on the last stage (the logits reaching the leader) to its KV being complete on
-decode (the decode process's receiver outcome; one monotonic clock on this host), and the
-leader's ``handoff_s`` (logits -> every stage's WRITE confirmed). Default prompts span 16
+Streamed vs at-end hand-off (``--kv-stream both``, the default): the engine is started
+twice in this one run, once per ``KVShippingConfig.stream`` setting, each serving the same
+OFF / ON passes. For every ON request, the tail: from its last chunk finishing on the last
+stage (the logits reaching the leader; local: the last stage's forward done) to its KV being
+complete on decode (the decode process's receiver outcome; one monotonic clock on this
+host), and the engine's ``handoff_s`` (logits -> every stage's WRITE confirmed). Default prompts span 16
 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's transfer time;
 streamed ON throughput / at-end ON throughput >= 0.95.
 
@@ -63,17 +63,12 @@ def parse_args() -> argparse.Namespace:
         "--kv-stream",
         choices=("both", "on", "off"),
         default="both",
-        help="push streamed per chunk (on), at the end (off) or both, one engine each "
-        "(pipeline only; the local engine ships at the end)",
+        help="push streamed per chunk (on), at the end (off) or both, one engine each",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
     if args.runs < 3:
         p.error("--runs must be >= 3 (median of at least three)")
-    if args.engine == "local" and args.kv_stream != "off":
-        if args.kv_stream == "on":
-            p.error("--engine local ships at the end only: use --kv-stream off")
-        args.kv_stream = "off"
     return args
 
 

@@ -356,6 +356,7 @@ class LocalEngine:
                 self._inflight_tokens = 0
                 if self._kv_feed is not None:  # evictions of a failed request count too
                     self._kv_feed.publish_from_stages(self.stages)
+        t_done = time.monotonic()
         result = PrefillResult(
             request_id=request_id,
             first_token_id=int(torch.argmax(logits).item()),
@@ -367,7 +368,8 @@ class LocalEngine:
                 queue_s=t_start - t_submit,
                 admission_s=t_admitted - t_start,
                 compute_s=t_computed - t_admitted,
-                total_s=time.monotonic() - t_submit,
+                total_s=t_done - t_submit,
+                handoff_s=t_done - t_computed if options.kv_destination is not None else 0.0,
             ),
             stage_manifests=manifests,
         )
