@@ -17,8 +17,8 @@ OFF / ON passes. For every ON request, the tail: from its last chunk finishing o
 stage (the logits reaching the leader; local: the last stage's forward done) to its KV being
 complete on decode (the decode process's receiver outcome; one monotonic clock on this
 host), and the engine's ``handoff_s`` (logits -> every stage's WRITE confirmed). Default
-prompts span 16 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's transfer time;
-streamed ON throughput / at-end ON throughput >= 0.95.
+prompts span 16 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's
+transfer time; streamed ON throughput / at-end ON throughput >= 0.95.
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
 hits the prefix cache of an earlier one (same compute in every pass). Modes alternate order
