@@ -245,6 +245,10 @@ def main() -> None:
                 "tail_ms_at_end": at_end["tail_ms_median"],
                 "tail_ms_streamed": streamed["tail_ms_median"],
                 "tail_ratio": round(streamed["tail_ms_median"] / at_end["tail_ms_median"], 4),
+                # the at-end tail moves a whole prompt's KV: per chunk, its share
+                "chunk_transfer_ms_est": round(
+                    at_end["tail_ms_median"] / -(-args.tokens // args.max_chunk_tokens), 3
+                ),
             }
         )
     print(

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kv_transfer.messages import PushDestination
+from kv_transfer.messages import Notification, PushDestination
 from kv_transfer.progress import KVProgress
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVLayoutSpec, KVPushDestination, StageKVManifest
@@ -210,6 +210,16 @@ def test_cancel_mid_stream_fails_decodes_attempt_and_a_retry_is_exact(decode, st
         shipper.revive(rid)
     retry = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     assert retry.transfer_id != dest.transfer_id
+    ignored = decode.call("stats", pool)
+    sender = stages.shippers[0].sender  # late notes of the old attempt: ignored by the retry
+    decode_agent = sender._peers[dest.metadata_endpoint].agent_name
+    for kind in ("part", "done"):
+        note = Notification(
+            kind, dest.transfer_id, 0, 2, 0, 2, end_token=12 if kind == "part" else 0
+        )
+        sender.agent.nixl.send_notif(decode_agent, note.encode())
+    assert decode.call("still_pending", pool, rid, 0.3)
+    assert decode.call("stats", pool) == ignored + 2
     stream_ranges(stages, rid, src, retry, num_tokens, [(0, 12), (12, 24)])
     push_final(stages, rid, src, retry, num_tokens)
     assert all(r.ok for r in stages.results(rid))
