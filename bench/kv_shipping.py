@@ -11,13 +11,23 @@ pipeline: the leader process only, stage 0 with its shipping thread; other stage
 decode process are not counted). After each ON request the decode worker confirms the KV
 arrived (outside the timed region).
 
+Streamed vs at-end hand-off (``--kv-stream both``, the default): the engine is started
+twice in this one run, once per ``KVShippingConfig.stream`` setting, each serving the same
+OFF / ON passes. For every ON request, the tail: from its last chunk finishing on the last
+stage (the logits reaching the leader; local: the last stage's forward done) to its KV being
+complete on decode (the decode process's receiver outcome; one monotonic clock on this
+host), and the engine's ``handoff_s`` (logits -> every stage's WRITE confirmed). Default
+prompts span 16 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's
+transfer time; streamed ON throughput / at-end ON throughput >= 0.95.
+
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
 hits the prefix cache of an earlier one (same compute in every pass). Modes alternate order
 run by run; one untimed warm-up pass per mode (NIXL connects on the first push). Median of
 ``--runs`` runs; ratio = ON / OFF throughput (goal >= 0.95: shipping hides behind compute).
 
     PYTHONPATH=. python bench/kv_shipping.py --json out/kv_shipping.json [--runs 3]
-        [--prompts 6] [--tokens 512] [--model DIR] [--threads 1] [--engine pipeline|local]
+        [--prompts 6] [--tokens 1024] [--max-chunk-tokens 64] [--kv-stream both|on|off]
+        [--model DIR] [--threads 1] [--engine pipeline|local]
 """
 
 from __future__ import annotations
@@ -46,9 +56,15 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--runs", type=int, default=3, help="timed runs per mode (median)")
     p.add_argument("--prompts", type=int, default=6, help="prompts per pass")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per prompt")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per prompt")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-chunk-tokens", type=int, default=256)
+    p.add_argument("--max-chunk-tokens", type=int, default=64, help="chunk (wave) budget")
+    p.add_argument(
+        "--kv-stream",
+        choices=("both", "on", "off"),
+        default="both",
+        help="push streamed per chunk (on), at the end (off) or both, one engine each",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
     if args.runs < 3:
@@ -59,19 +75,13 @@ def parse_args() -> argparse.Namespace:
 class Bench:
     """The engine, the decode worker and the prompts; ``run_pass`` times one pass."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: Path) -> None:
-        from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
+    def __init__(self, args: argparse.Namespace, model_dir: Path, decode, stream: bool) -> None:
         from prefill_node.kv_shipping.shipper import KVShippingConfig
         from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
         blocks_per_prompt = -(-args.tokens // args.block_size)
-        self.decode = DecodeWorkerProcess(
-            DecodeWorkerSpec(
-                model_dir=str(model_dir),
-                num_blocks=blocks_per_prompt + 4,
-                block_size=args.block_size,
-            )
-        )
+        self.decode = decode
+        shipping = KVShippingConfig(stream=stream)
         if args.engine == "pipeline":
             from prefill_node.runtime.factory import start_pipeline_engine
 
@@ -81,7 +91,7 @@ class Bench:
                 num_blocks=blocks_per_prompt * 4,
                 block_size=args.block_size,
                 max_wave_tokens=args.max_chunk_tokens,
-                kv_shipping=KVShippingConfig(),
+                kv_shipping=shipping,
             )
         else:
             config = LocalEngineConfig(
@@ -90,7 +100,7 @@ class Bench:
                 block_size=args.block_size,
                 max_chunk_tokens=args.max_chunk_tokens,
             )
-            self.engine = LocalEngine.from_model_dir(model_dir, config, KVShippingConfig())
+            self.engine = LocalEngine.from_model_dir(model_dir, config, shipping)
         rng = random.Random(0)
         vocab = self.engine.vocab_size
         self.prompts = [
@@ -98,17 +108,20 @@ class Bench:
         ]
         self._salts = iter(range(1, vocab))
 
-    def run_pass(self, ship: bool, progress: tqdm) -> tuple[float, float]:
-        """Prefill every prompt once; (wall seconds, CPU seconds) summed over the requests."""
+    def run_pass(self, ship: bool, progress: tqdm) -> tuple[float, float, list, list]:
+        """Prefill every prompt once: (wall seconds, CPU seconds) summed over the requests,
+        and per ON request its tail (logits -> KV complete on decode) and ``handoff_s``."""
         from prefill_node.engine.types import PrefillOptions
 
         salt = next(self._salts)
         wall = cpu = 0.0
+        logits_at: dict[str, float] = {}
+        handoff: list[float] = []
         for base in self.prompts:
             prompt = [salt, *base[1:]]
             request_id = uuid.uuid4().hex[:12]
             dest = self.decode.expect_push(request_id, prompt) if ship else None
-            w0, c0 = time.perf_counter(), time.process_time()
+            w0, c0, m0 = time.perf_counter(), time.process_time(), time.monotonic()
             result = self.engine.submit(prompt, PrefillOptions(request_id, kv_destination=dest))
             result = result.result()
             wall += time.perf_counter() - w0
@@ -116,18 +129,85 @@ class Bench:
             if result.computed_tokens != len(prompt):
                 raise RuntimeError(f"pass hit the prefix cache ({result.cached_tokens} cached)")
             if ship:  # the KV really arrived: decode yields the first token only after it did
+                t = result.timings
+                logits_at[request_id] = m0 + t.total_s - t.handoff_s  # a lower bound
+                handoff.append(t.handoff_s)
                 list(self.decode.generate(request_id, result.first_token_id, 1))
                 self.decode.release(request_id)
             progress.update(1)
-        return wall, cpu
+        tails = []
+        if logits_at:
+            _, ready_at = self.decode.kv_log()
+            tails = [ready_at[rid] - at for rid, at in logits_at.items()]
+        return wall, cpu, tails, handoff
 
     def close(self) -> None:
         self.engine.shutdown()
-        self.decode.stop()
+
+
+def run_engine(args, model_dir: Path, decode, stream: bool, bar: tqdm) -> list[dict]:
+    """One engine (``stream`` on or off): a warm-up pass per mode, then ``--runs`` runs of
+    an OFF and an ON pass, alternating their order; one row per timed pass."""
+    bench = Bench(args, model_dir, decode, stream)
+    rows = []
+    tokens = args.prompts * args.tokens
+    try:
+        bench.run_pass(False, bar)  # warm-up (untimed)
+        bench.run_pass(True, bar)
+        for run in range(args.runs):
+            order = (False, True) if run % 2 == 0 else (True, False)
+            for ship in order:
+                wall, cpu, tails, handoff = bench.run_pass(ship, bar)
+                rows.append(
+                    {
+                        "mode": "shipping_on" if ship else "shipping_off",
+                        "kv_stream": "on" if stream else "off",
+                        "engine": args.engine,
+                        "run": run,
+                        "stages": args.stages,
+                        "prompts": args.prompts,
+                        "prompt_tokens": args.tokens,
+                        "chunks_per_prompt": -(-args.tokens // args.max_chunk_tokens),
+                        "wall_s": round(wall, 4),
+                        "cpu_s": round(cpu, 4),
+                        "tok_per_s": round(tokens / wall, 1),
+                        "tail_ms_median": _ms(tails),
+                        "handoff_ms_median": _ms(handoff),
+                    }
+                )
+    finally:
+        bench.close()
+    return rows
+
+
+def _ms(values: list[float]) -> float | None:
+    return round(1000 * statistics.median(values), 3) if values else None
+
+
+def summarise(rows: list[dict], stream: str, runs: int) -> dict:
+    mine = {m: [r for r in rows if r["mode"] == m] for m in ("shipping_off", "shipping_on")}
+    off = statistics.median(r["tok_per_s"] for r in mine["shipping_off"])
+    on = statistics.median(r["tok_per_s"] for r in mine["shipping_on"])
+    cpu_off = statistics.median(r["cpu_s"] for r in mine["shipping_off"])
+    cpu_on = statistics.median(r["cpu_s"] for r in mine["shipping_on"])
+    return {
+        "mode": "summary",
+        "kv_stream": stream,
+        "engine": rows[0]["engine"],
+        "off_tok_per_s": off,
+        "on_tok_per_s": on,
+        "ratio_on_over_off": round(on / off, 4),
+        "cpu_ratio_on_over_off": round(cpu_on / cpu_off, 4),
+        "tail_ms_median": statistics.median(r["tail_ms_median"] for r in mine["shipping_on"]),
+        "handoff_ms_median": statistics.median(r["handoff_ms_median"] for r in mine["shipping_on"]),
+        "runs": runs,
+    }
 
 
 def main() -> None:
     import torch
+
+    from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -136,63 +216,54 @@ def main() -> None:
         from prefill_node.model.default_model import default_model_dir
 
         model_dir = default_model_dir()
-    bench = Bench(args, model_dir)
-    rows: list[dict] = []
-    tokens = args.prompts * args.tokens
-    try:
-        with tqdm(total=(args.runs + 1) * 2 * args.prompts, desc="prefill passes") as bar:
-            bench.run_pass(False, bar)  # warm-up (untimed)
-            bench.run_pass(True, bar)
-            for run in range(args.runs):
-                order = (False, True) if run % 2 == 0 else (True, False)
-                for ship in order:
-                    wall, cpu = bench.run_pass(ship, bar)
-                    rows.append(
-                        {
-                            "mode": "shipping_on" if ship else "shipping_off",
-                            "engine": args.engine,
-                            "run": run,
-                            "stages": args.stages,
-                            "prompts": args.prompts,
-                            "prompt_tokens": args.tokens,
-                            "wall_s": round(wall, 4),
-                            "cpu_s": round(cpu, 4),
-                            "tok_per_s": round(tokens / wall, 1),
-                        }
-                    )
-    finally:
-        bench.close()
-    summary = {}
-    for mode in ("shipping_off", "shipping_on"):
-        mine = [r for r in rows if r["mode"] == mode]
-        summary[mode] = (
-            statistics.median(r["tok_per_s"] for r in mine),
-            statistics.median(r["cpu_s"] for r in mine),
+    streams = {"both": (False, True), "on": (True,), "off": (False,)}[args.kv_stream]
+    decode = DecodeWorkerProcess(
+        DecodeWorkerSpec(
+            model_dir=str(model_dir),
+            num_blocks=-(-args.tokens // args.block_size) + 4,
+            block_size=args.block_size,
         )
-    ratio = summary["shipping_on"][0] / summary["shipping_off"][0]
-    cpu_ratio = summary["shipping_on"][1] / summary["shipping_off"][1]
-    rows.append(
-        {
-            "mode": "summary",
-            "engine": args.engine,
-            "off_tok_per_s": summary["shipping_off"][0],
-            "on_tok_per_s": summary["shipping_on"][0],
-            "ratio_on_over_off": round(ratio, 4),
-            "cpu_ratio_on_over_off": round(cpu_ratio, 4),
-            "runs": args.runs,
-        }
     )
-    print(f"\n{'mode':<14}{'run':>4}{'wall s':>9}{'cpu s':>9}{'tok/s':>10}")
-    for r in rows[:-1]:
-        print(
-            f"{r['mode']:<14}{r['run']:>4}{r['wall_s']:>9.3f}{r['cpu_s']:>9.3f}{r['tok_per_s']:>10.1f}"
+    rows: list[dict] = []
+    summaries: list[dict] = []
+    total = len(streams) * (args.runs + 1) * 2 * args.prompts
+    try:
+        with tqdm(total=total, desc="prefill passes") as bar:
+            for stream in streams:
+                mine = run_engine(args, model_dir, decode, stream, bar)
+                rows.extend(mine)
+                summaries.append(summarise(mine, "on" if stream else "off", args.runs))
+    finally:
+        decode.stop()
+    if len(summaries) == 2:  # streamed vs at-end, side by side
+        at_end, streamed = summaries
+        summaries.append(
+            {
+                "mode": "stream_vs_at_end",
+                "engine": args.engine,
+                "on_tok_per_s_ratio": round(streamed["on_tok_per_s"] / at_end["on_tok_per_s"], 4),
+                "tail_ms_at_end": at_end["tail_ms_median"],
+                "tail_ms_streamed": streamed["tail_ms_median"],
+                "tail_ratio": round(streamed["tail_ms_median"] / at_end["tail_ms_median"], 4),
+                # the at-end tail moves a whole prompt's KV: per chunk, its share
+                "chunk_transfer_ms_est": round(
+                    at_end["tail_ms_median"] / -(-args.tokens // args.max_chunk_tokens), 3
+                ),
+            }
         )
     print(
-        f"median tok/s: off {summary['shipping_off'][0]:.1f}, on {summary['shipping_on'][0]:.1f}"
-        f" -> ratio {ratio:.3f}x (goal >= 0.95); CPU time ratio {cpu_ratio:.3f}x"
+        f"\n{'mode':<14}{'stream':>7}{'run':>4}{'wall s':>9}{'cpu s':>9}{'tok/s':>10}{'tail ms':>9}"
     )
+    for r in rows:
+        tail = r["tail_ms_median"]
+        print(
+            f"{r['mode']:<14}{r['kv_stream']:>7}{r['run']:>4}{r['wall_s']:>9.3f}"
+            f"{r['cpu_s']:>9.3f}{r['tok_per_s']:>10.1f}{'' if tail is None else f'{tail:9.2f}'}"
+        )
+    for sm in summaries:
+        print(json.dumps(sm))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=1))
+    args.json.write_text(json.dumps(rows + summaries, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from kv_transfer.errors import InvalidTransferRequest, KVTransferError
 from kv_transfer.layout import KVLayout
 
 _MAGIC = b"kvx1 "
+NOTIFICATION_KINDS = ("done", "hb", "rel", "part", "fail")
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,9 @@ class StageManifest:
 @dataclass(frozen=True)
 class Notification:
     """A NIXL notification: ``kind`` "done" (push: a stage's layers landed), "hb" (pull
-    heartbeat) or "rel" (pull: decode read the blocks, release the lease)."""
+    heartbeat), "rel" (pull: decode read the blocks, release the lease), "part" (streamed
+    push: tokens up to ``end_token`` of a stage's layers landed; progress only, never
+    "ready") or "fail" (a stage abandoned the push attempt ``transfer_id``)."""
 
     kind: str
     transfer_id: str = ""
@@ -133,6 +136,7 @@ class Notification:
     layer_start: int = 0
     layer_end: int = 0
     lease_id: str = ""
+    end_token: int = 0
 
     def encode(self) -> bytes:
         fields = {k: v for k, v in self.__dict__.items() if v not in ("", 0)}
@@ -147,7 +151,7 @@ class Notification:
             note = cls(**json.loads(raw[len(_MAGIC) :]))
         except (TypeError, ValueError):
             return None
-        return note if note.kind in ("done", "hb", "rel") else None
+        return note if note.kind in NOTIFICATION_KINDS else None
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,9 @@ class KVReceiver:
         self._unclaimed: list[TransferOutcome] = []
         self._ids = itertools.count()
         self.ignored_notifications = 0
+        self.parts_received = 0  # streamed pushes: "part" notifications of live attempts
+        # (request id, stage, end token, clock) per "part", newest last (bounded)
+        self.receive_log: deque[tuple[str, int, int, float]] = deque(maxlen=4096)
         info = PeerInfo(agent.name, agent.metadata, self.layout)
         self._server = MetadataServer(info, config.host, config.port, config.advertise_host)
 
@@ -198,6 +201,22 @@ class KVReceiver:
         if len(pending.layers) == pending.num_stages:
             self._end(pending, self._coverage_error(pending.layers.values()), outcomes)
 
+    def _on_stream_note(self, note: Notification, outcomes: list[TransferOutcome]) -> None:
+        """Streamed push: "part" logs progress (the request is ready only once every stage's
+        "done" came); "fail" ends the attempt at once, its blocks' contents invalid."""
+        pending = self._pending.get(note.transfer_id)
+        if pending is None or pending.reads:
+            self.ignored_notifications += 1  # late (ended / older attempt) or foreign
+            return
+        if note.kind == "part":
+            self.parts_received += 1
+            self.receive_log.append((pending.request_id, note.stage, note.end_token, self._clock()))
+            return
+        error = TransferFailed(
+            f"prefill stage {note.stage} abandoned the KV push of {pending.request_id}"
+        )
+        self._end(pending, error, outcomes)
+
     def _coverage_error(self, ranges: Iterable[tuple[int, int]]) -> LayoutMismatch | None:
         """None when the stages' layer ranges tile the decode model's layers exactly."""
         covered = sorted(ranges)
@@ -302,6 +321,8 @@ class KVReceiver:
                 note = Notification.decode(raw)
                 if note is not None and note.kind == "done":
                     self._on_done_note(note, outcomes)
+                elif note is not None and note.kind in ("part", "fail"):
+                    self._on_stream_note(note, outcomes)
                 else:
                     self.ignored_notifications += 1
         now = self._clock()

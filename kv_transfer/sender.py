@@ -4,10 +4,19 @@ Non-blocking: ``push`` starts a shipment and returns; the stage's loop calls ``p
 to advance handshakes and transfers, expire leases and serve decode's pull notifications.
 Every push ends exactly once, through ``on_complete(outcome)`` and ``poll``'s return value:
 the stage unpins the request's blocks there, on success and on failure alike.
+
+Streaming (push mode): ``stream`` WRITEs a range of tokens whose KV is final while the stage
+still computes the rest; each range's WRITE carries a "part" notification (progress, never
+"ready") and ends exactly once through ``on_part_end``. The request's ``push`` then WRITEs
+the remaining tokens; it is posted only after every earlier range of the request landed, so
+its "done" notification, which NIXL delivers after its own data, comes after all of them.
+A push attempt given up (``cancel``, or a failed push) after any of its WRITEs was posted
+sends decode a "fail" notification: the attempt's blocks hold nothing valid.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +30,7 @@ from kv_transfer.errors import (
     InvalidTransferRequest,
     KVInvariantError,
     KVTransferError,
+    TransferFailed,
     TransferTimeout,
 )
 from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer, split_endpoint
@@ -61,7 +71,9 @@ class _Push:
     started: float
     deadline: float
     host_ok: bool
+    start: int  # first token to WRITE
     transfer: NixlTransfer | None = None
+    part: int = -1  # a streamed range's id (``stream``), -1 for a request's final push
 
 
 class KVSender:
@@ -76,6 +88,7 @@ class KVSender:
         config: SenderConfig,
         on_complete: Callable[[TransferOutcome], None] | None = None,
         on_lease_end: Callable[[Lease, ReleaseReason], None] | None = None,
+        on_part_end: Callable[[str, int, KVTransferError | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent = agent
@@ -90,7 +103,12 @@ class KVSender:
             clock,
             id_prefix=f"{agent.name}-lease",
         )
+        self._on_part_end = on_part_end or (lambda request_id, part, error: None)
         self._pushes: dict[str, _Push] = {}
+        self._parts: dict[int, _Push] = {}  # streamed ranges in flight, by part id
+        self._part_ids = itertools.count()
+        self._posted: dict[str, tuple[str, str]] = {}  # request -> (endpoint, transfer id)
+        self._broken: set[str] = set()  # requests a streamed range of which failed
         self._peers: dict[str, PeerInfo] = {}
         self._host_ok: dict[str, bool] = {}  # endpoint -> allowed by CIDR (else: by name)
         self._handshakes: dict[str, Future[PeerInfo]] = {}
@@ -111,9 +129,20 @@ class KVSender:
     def inflight(self) -> int:
         return len(self._pushes)
 
+    @property
+    def parts_inflight(self) -> int:
+        return len(self._parts)
+
     # ----------------------------------------------------------------- push mode
-    def push(self, dest: PushDestination, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Start writing this stage's layers of tokens ``[dest.skip_tokens, num_tokens)``.
+    def push(
+        self,
+        dest: PushDestination,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        start: int | None = None,
+    ) -> None:
+        """Start writing this stage's layers of tokens ``[start, num_tokens)`` (``start``:
+        default ``dest.skip_tokens``; after ``stream`` ranges, where they stopped).
 
         ``block_ids`` is the request's block table on this stage (tokens from 0). Raises
         InvalidTransferRequest / DestinationNotAllowed at once for bad input; everything
@@ -121,23 +150,51 @@ class KVSender:
         """
         if dest.request_id in self._pushes:
             raise InvalidTransferRequest(f"request {dest.request_id} is already being shipped")
-        self.layout.check_block_ids(block_ids)
-        src_pages = PageMap(tuple(block_ids), self.layout.block_size)
-        src_pages.check_range(0, num_tokens, "source")
         if dest.num_tokens != num_tokens:
             raise InvalidTransferRequest(
                 f"decode expects a {dest.num_tokens}-token prompt, this one has {num_tokens}"
             )
+        push = self._new_push(dest, block_ids, dest.skip_tokens if start is None else start)
+        self._pushes[dest.request_id] = push
+        self._ensure_handshake(dest.endpoint)
+
+    def stream(self, dest: PushDestination, block_ids: Sequence[int], start: int, end: int) -> int:
+        """WRITE tokens ``[start, end)`` of a request whose final ``push`` comes later; the
+        range's end is reported once through ``on_part_end(request_id, part_id, error)``.
+        Returns the part id."""
+        if dest.request_id in self._pushes:
+            raise InvalidTransferRequest(f"request {dest.request_id} is already being shipped")
+        if end > dest.num_tokens:
+            raise InvalidTransferRequest(f"tokens to {end} past the {dest.num_tokens}-token prompt")
+        push = self._new_push(dest, block_ids, start, end, next(self._part_ids))
+        self._parts[push.part] = push
+        self._ensure_handshake(dest.endpoint)
+        return push.part
+
+    def _new_push(
+        self,
+        dest: PushDestination,
+        block_ids: Sequence[int],
+        start: int,
+        end: int | None = None,
+        part: int = -1,
+    ) -> _Push:
+        num_tokens = dest.num_tokens if end is None else end
+        if not dest.skip_tokens <= start <= num_tokens:
+            raise InvalidTransferRequest(
+                f"cannot WRITE tokens [{start}, {num_tokens}) to decode, which holds the "
+                f"first {dest.skip_tokens} already"
+            )
+        self.layout.check_block_ids(block_ids)
+        src_pages = PageMap(tuple(block_ids), self.layout.block_size)
+        src_pages.check_range(0, num_tokens, "source")
         host_ok = self._host_ok.get(dest.endpoint)
         if host_ok is None:  # resolve once per endpoint, not per request
             host_ok = self.config.allow.check_host(split_endpoint(dest.endpoint)[0])
             self._host_ok[dest.endpoint] = host_ok
         now = self._clock()
-        push = _Push(
-            dest, src_pages, num_tokens, now, now + self.config.transfer_timeout_s, host_ok
-        )
-        self._pushes[dest.request_id] = push
-        self._ensure_handshake(dest.endpoint)
+        deadline = now + self.config.transfer_timeout_s
+        return _Push(dest, src_pages, num_tokens, now, deadline, host_ok, start, part=part)
 
     def _ensure_handshake(self, endpoint: str) -> None:
         """Fetch the peer's metadata in the background unless it is known or on its way."""
@@ -147,21 +204,49 @@ class KVSender:
             )
 
     def cancel(self, request_id: str) -> bool:
-        """Abort a push (the request was aborted); its outcome is not reported."""
+        """Abort a push and its streamed ranges (the request was aborted); no outcome and no
+        ``on_part_end`` is reported. Decode hears "fail" if any of its WRITEs was posted."""
         push = self._pushes.pop(request_id, None)
-        if push is None:
-            return False
-        if push.transfer is not None:
-            push.transfer.abort()
-        return True
+        self._broken.discard(request_id)
+        parts = [p for p in self._parts.values() if p.dest.request_id == request_id]
+        for p in parts:
+            del self._parts[p.part]
+        for p in [push, *parts]:
+            if p is not None and p.transfer is not None:
+                p.transfer.abort()
+        self._notify_fail(request_id)
+        return push is not None or bool(parts)
+
+    def _notify_fail(self, request_id: str) -> None:
+        posted = self._posted.pop(request_id, None)
+        peer = self._peers.get(posted[0]) if posted is not None else None
+        if posted is None or peer is None:
+            return
+        note = Notification("fail", posted[1], self.config.stage, self.config.num_stages)
+        try:
+            self.agent.nixl.send_notif(peer.agent_name, note.encode())
+        except Exception:  # noqa: BLE001 - best effort: decode's deadline still ends it
+            self._peers.pop(posted[0], None)
 
     def poll(self) -> list[TransferOutcome]:
         """Advance everything; returns (and reports via on_complete) the pushes that ended."""
         outcomes: list[TransferOutcome] = []
         self._finish_handshakes(outcomes)
         now = self._clock()
-        for request_id, push in list(self._pushes.items()):
+        for part in list(self._parts.values()):
             error: KVTransferError | None = None
+            try:
+                if part.transfer is not None and part.transfer.check():
+                    self._end_part(part, None)
+                    continue
+            except KVTransferError as exc:
+                error = exc
+            if error is None and now >= part.deadline:
+                error = TransferTimeout(f"a streamed WRITE to {part.dest.endpoint} timed out")
+            if error is not None:
+                self._end_part(part, error)
+        for request_id, push in list(self._pushes.items()):
+            error = None
             if push.transfer is not None:
                 try:
                     if push.transfer.check():
@@ -199,20 +284,19 @@ class KVSender:
             if not future.done():
                 continue
             del self._handshakes[endpoint]
-            waiting = [p for p in self._pushes.values() if p.dest.endpoint == endpoint]
             try:
                 peer = future.result()
                 self.agent.load_remote(peer.agent_name, peer.metadata)
                 self._peers[endpoint] = peer
             except KVTransferError as exc:
-                for push in waiting:
+                for part in [p for p in self._parts.values() if p.dest.endpoint == endpoint]:
+                    self._end_part(part, exc)
+                for push in [p for p in self._pushes.values() if p.dest.endpoint == endpoint]:
                     self._end(push.dest.request_id, exc, outcomes)
-                continue
-            for push in waiting:
-                self._start(push, peer, outcomes)
-        for push in list(self._pushes.values()):
-            if push.transfer is not None:
-                continue
+        streaming = {p.dest.request_id for p in self._parts.values()}
+        for push in [*self._parts.values(), *self._pushes.values()]:
+            if push.transfer is not None or (push.part < 0 and push.dest.request_id in streaming):
+                continue  # running, or a final push waiting for its streamed ranges to land
             peer = self._peers.get(push.dest.endpoint)
             if peer is not None:
                 self._start(push, peer, outcomes)
@@ -221,13 +305,19 @@ class KVSender:
 
     def _start(self, push: _Push, peer: PeerInfo, outcomes: list[TransferOutcome]) -> None:
         request_id = push.dest.request_id
+        if push.part < 0 and request_id in self._broken:
+            self._end(
+                request_id, TransferFailed(f"a streamed WRITE of {request_id} failed"), outcomes
+            )
+            return
         note = Notification(
-            "done",
+            "done" if push.part < 0 else "part",
             push.dest.transfer_id or request_id,
             self.config.stage,
             self.config.num_stages,
             self.layout.layer_start,
             self.layout.layer_end,
+            end_token=push.num_tokens if push.part >= 0 else 0,
         )
         try:
             self.config.allow.check_agent(push.host_ok, peer.agent_name)
@@ -243,17 +333,36 @@ class KVSender:
                 local_pages=push.src_pages,
                 remote_layout=peer.layout,
                 remote_pages=dst_pages,
-                start=push.dest.skip_tokens,
+                start=push.start,
                 end=push.num_tokens,
             )
+            if push.num_tokens > push.start:
+                self._posted[request_id] = (push.dest.endpoint, note.transfer_id)
         except KVTransferError as exc:
-            self._end(request_id, exc, outcomes)
+            if push.part >= 0:
+                self._end_part(push, exc)
+            else:
+                self._end(request_id, exc, outcomes)
+
+    def _end_part(self, part: _Push, error: KVTransferError | None) -> None:
+        if self._parts.pop(part.part, None) is None:
+            return  # cancelled meanwhile
+        if error is not None:
+            self._broken.add(part.dest.request_id)  # its final push must not leave a gap
+            if part.transfer is not None:
+                part.transfer.abort()
+        self._on_part_end(part.dest.request_id, part.part, error)
 
     def _end(
         self, request_id: str, error: KVTransferError | None, outcomes: list[TransferOutcome]
     ) -> None:
         push = self._pushes.pop(request_id)
+        self._broken.discard(request_id)
         num_bytes = 0
+        if error is None:
+            self._posted.pop(request_id, None)
+        else:
+            self._notify_fail(request_id)
         if push.transfer is not None:
             num_bytes = push.transfer.num_bytes
             if error is not None:
@@ -313,10 +422,15 @@ class KVSender:
         for request_id, push in self._pushes.items():
             if push.dest.request_id != request_id:
                 raise KVInvariantError(f"push table key {request_id} holds {push.dest}")
+        for part_id, part in self._parts.items():
+            if part.part != part_id:
+                raise KVInvariantError(f"part table key {part_id} holds part {part.part}")
 
     def close(self) -> None:
         """Abort pushes (no outcomes), revoke leases, stop the endpoint, deregister."""
-        for request_id in list(self._pushes):
+        for request_id in {
+            p.dest.request_id for p in [*self._pushes.values(), *self._parts.values()]
+        }:
             self.cancel(request_id)
         self.leases.revoke_all()
         self._executor.shutdown(wait=False, cancel_futures=True)

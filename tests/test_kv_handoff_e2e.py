@@ -92,6 +92,8 @@ def test_push_generation_equals_monolithic_greedy(engine, decode):
     assert push_round_trip(engine, decode, "push-1", prompt) == reference_greedy(
         CONFIG, WEIGHTS, prompt, NEW_TOKENS
     )
+    streamed = [(stage, end) for rid, stage, end, _ in decode.kv_log()[0] if rid == "push-1"]
+    assert sorted(streamed) == [(0, 4), (0, 12), (1, 4), (1, 12)]  # chunks of 6, blocks of 4
     longer = prompt + prompt_of(6, seed=2)  # reuses 3 cached prefill blocks, ships them too
     tokens = push_round_trip(engine, decode, "push-2", longer)
     assert tokens == reference_greedy(CONFIG, WEIGHTS, longer, NEW_TOKENS)

@@ -36,7 +36,9 @@ HF_CONFIG = TINY_LLAMA_HF
 CONFIG = ModelConfig.from_hf_config(HF_CONFIG, name="tiny-llama")
 WEIGHTS = random_weights(CONFIG, seed=0)
 BS = 4
-SHIPPING = KVShippingConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
+SHIPPING = KVShippingConfig(  # at-end shipping; test_runtime_kv_stream.py covers streaming
+    transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0, stream=False
+)
 NEW_TOKENS = 32
 
 
@@ -120,6 +122,7 @@ def push_round_trip(engine, decode, request_id: str, prompt: list[int]) -> list[
     assert [m.pushed for m in result.stage_manifests] == [True, True]
     assert [(m.layer_start, m.layer_end) for m in result.stage_manifests] == [(0, 2), (2, 4)]
     assert len({m.agent_name for m in result.stage_manifests}) == 2  # one agent per stage
+    assert not any(rid == request_id for rid, *_ in decode.kv_log()[0])  # nothing streamed
     return list(decode.generate(request_id, result.first_token_id, NEW_TOKENS))
 
 

@@ -116,6 +116,13 @@ def register(subparsers: Any) -> None:
     )
     add_kv_progress(k)
     k.add_argument(
+        "--kv-stream",
+        choices=("on", "off"),
+        default="on",
+        help="push mode: each stage WRITEs a chunk's finished blocks while the prompt still "
+        "runs (on, default) or all of its KV after the last chunk (off)",
+    )
+    k.add_argument(
         "--kv-metadata-host",
         default="127.0.0.1",
         help="address the stages' NIXL agents serve their metadata on (pull mode); set it to "
@@ -211,6 +218,7 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
         lease_ttl_s=args.kv_lease_ttl,
         metadata_host=args.kv_metadata_host,
         progress=args.kv_progress,
+        stream=args.kv_stream == "on",
     )
 
 

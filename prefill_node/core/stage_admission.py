@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefill_node.core.admission_messages import (
@@ -89,6 +90,7 @@ class StageAdmission:
         )
         self._prompts: dict[str, PromptBlocks] = {}
         self._reservations: dict[str, Reservation] = {}
+        self._transfer_pins: dict[int, int] = {}  # block id -> references a KV WRITE holds
 
     # ---- rounds plane ----------------------------------------------------------------
 
@@ -257,6 +259,41 @@ class StageAdmission:
         self._release(request_id)
         return True
 
+    def pin_for_transfer(self, request_id: str, start_block: int, end_block: int) -> list[KVBlock]:
+        """One more reference on blocks ``[start_block, end_block)`` of the request's table
+        (materialised already), held by a streamed KV WRITE: the blocks stay in use, even if
+        the request is aborted meanwhile, until ``unpin_transfer`` gives each back once."""
+        rsv = self._reservations.get(request_id)
+        if rsv is None or rsv.completed:
+            raise InvariantError(f"{request_id!r} has no running reservation to stream from")
+        table = rsv.block_ids()
+        if not 0 <= start_block <= end_block <= len(table):
+            raise InvariantError(
+                f"blocks [{start_block}, {end_block}) outside {request_id!r}'s {len(table)} blocks"
+            )
+        blocks = [self.pool.block(b) for b in table[start_block:end_block]]
+        self.pool.touch(blocks)
+        for block in blocks:
+            self._transfer_pins[block.block_id] = self._transfer_pins.get(block.block_id, 0) + 1
+        return blocks
+
+    def unpin_transfer(self, blocks: Sequence[KVBlock]) -> None:
+        """Give back the references ``pin_for_transfer`` took (a WRITE ended or was dropped)."""
+        for block in blocks:
+            held = self._transfer_pins.get(block.block_id, 0)
+            if held <= 0:
+                raise InvariantError(f"block {block.block_id} holds no transfer pin")
+            if held == 1:
+                del self._transfer_pins[block.block_id]
+            else:
+                self._transfer_pins[block.block_id] = held - 1
+        self.pool.free(list(blocks))
+
+    @property
+    def transfer_pins(self) -> int:
+        """Block references streamed KV WRITEs hold now."""
+        return sum(self._transfer_pins.values())
+
     def abort(self, request_id: str) -> bool:
         """Drop whatever this stage holds for the request (any state); False if nothing."""
         known = self._prompts.pop(request_id, None) is not None
@@ -304,6 +341,8 @@ class StageAdmission:
                     raise InvariantError(f"lease of {rid!r} holds a wrong block at {i}")
             for block in rsv.lease.blocks + rsv.new_blocks:
                 pins[block.block_id] = pins.get(block.block_id, 0) + 1
+        for block_id, n in self._transfer_pins.items():
+            pins[block_id] = pins.get(block_id, 0) + n
             if not rsv.completed and rsv.held_blocks != rsv.needed_blocks:
                 raise InvariantError(f"reservation of {rid!r} does not cover its prompt")
         if self.pool.stats().claimed != len(claims):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,8 @@ class DecodeWorker:
             receiver_config or ReceiverConfig(),
         )
         self._outcomes: dict[str, TransferOutcome] = {}
+        # request id -> time.monotonic() its whole prompt's KV was there (newest 4096)
+        self.ready_at: OrderedDict[str, float] = OrderedDict()
         self._sequences: dict[str, DecodeSequence] = {}
 
     @classmethod
@@ -143,6 +146,10 @@ class DecodeWorker:
         """Advance receptions (call often while waiting for KV)."""
         for outcome in self.receiver.poll():
             self._outcomes[outcome.request_id] = outcome
+            if outcome.ok:
+                self.ready_at[outcome.request_id] = time.monotonic()
+                while len(self.ready_at) > 4096:
+                    self.ready_at.popitem(last=False)
 
     def wait_kv(self, request_id: str, timeout_s: float = 30.0) -> DecodeSequence:
         """Block (bounded) until the prompt's KV arrived; KVHandoffError if it failed."""

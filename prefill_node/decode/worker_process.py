@@ -112,6 +112,10 @@ def serve(conn: Any, spec: DecodeWorkerSpec) -> None:
                 elif cmd == "release":
                     worker.release(args[0])
                     conn.send(("ok", None))
+                elif cmd == "kv_log":
+                    worker.pump()
+                    log = tuple(worker.receiver.receive_log)
+                    conn.send(("ok", (log, dict(worker.ready_at))))
                 elif cmd == "stats":
                     worker.pump()
                     worker.check_integrity()
@@ -178,6 +182,11 @@ class DecodeWorkerProcess:
     def stats(self) -> WorkerStats:
         """Blocks in use and ignored notifications, after the child's check_integrity."""
         return self._call("stats")
+
+    def kv_log(self) -> tuple[tuple[tuple[str, int, int, float], ...], dict[str, float]]:
+        """The receiver's streamed-push log, (request id, stage, end token, monotonic time)
+        per "part" notification, and when each request's KV was complete (monotonic)."""
+        return self._call("kv_log")
 
     def stop(self) -> None:
         if self.process.is_alive():

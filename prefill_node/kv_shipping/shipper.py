@@ -15,6 +15,18 @@ keeps pinned for the shipper and give it back exactly once through the
 when it expired, or on ``cancel`` / ``close``. The callback runs on the thread that called
 ``poll`` / ``cancel`` / ``close``; the caller decides when the pool sees it.
 
+Streaming (push, ``KVShippingConfig.stream``): while a request still runs, ``stream`` hands
+over the blocks of a token range whose KV is final on this stage (one extra reference per
+block, the caller's ``pin_for_transfer``); they are WRITten at once, at most
+``stream_max_inflight`` ranges per stage in flight (more queue and coalesce; a queue still
+waiting at the end rides the final ``push``), and each range's references come back once
+through ``unpin_streamed``. The final ``push`` then WRITEs only the rest and carries the
+"done" notification (kv_transfer/sender.py orders it after the ranges). A failed range
+fails the request at once (its result is the error; in-flight ranges are aborted and decode
+hears "fail"); ``cancel`` stops the stream, and later ``stream`` / ``push`` calls of that
+request id are dropped (their blocks given back, no result) until ``revive`` (the id is
+admitted again).
+
 Threading: not thread-safe; one thread makes every call (NIXL is created without a listener).
 """
 
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -29,7 +42,7 @@ from kv_transfer.agent import KVAgent
 from kv_transfer.allowlist import AllowList
 from kv_transfer.errors import KVInvariantError, KVTransferError
 from kv_transfer.lease import Lease, ReleaseReason
-from kv_transfer.messages import TransferOutcome
+from kv_transfer.messages import PushDestination, TransferOutcome
 from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
@@ -44,7 +57,9 @@ class KVShippingConfig:
     """Settings of every stage's shipper. ``allow``: decode destinations a stage may write to
     (CIDRs or agent names; default loopback only). ``lease_ttl_s``: pull leases (renewed by
     decode's heartbeats). ``progress``: how each stage's NIXL agent progresses (``KVProgress``;
-    the default sleeps until traffic arrives)."""
+    the default sleeps until traffic arrives). ``stream``: push mode WRITEs each chunk's
+    final blocks while the request still runs (False: all of it after the last chunk);
+    ``stream_max_inflight``: streamed WRITEs in flight per stage, beyond which ranges queue."""
 
     allow: AllowList = field(default_factory=AllowList.loopback)
     transfer_timeout_s: float = 30.0
@@ -53,8 +68,14 @@ class KVShippingConfig:
     metadata_host: str = "127.0.0.1"
     agent_prefix: str = "wavepp"
     progress: KVProgress = KVProgress.EVENT
+    stream: bool = True
+    stream_max_inflight: int = 8
 
     def __post_init__(self) -> None:
+        if self.stream_max_inflight < 1:
+            raise InvalidRequestError(
+                f"stream_max_inflight must be >= 1, got {self.stream_max_inflight}"
+            )
         if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
             raise InvalidRequestError(
                 "KV shipping timeouts and lease TTL must be positive, got "
@@ -102,6 +123,21 @@ class _Held:
     blocks: list[KVBlock]
     manifest: StageKVManifest
     started: float
+    streamed: list[KVBlock] = field(default_factory=list)  # queued range refs it carries
+
+
+@dataclass
+class _Stream:
+    """A request streaming on this stage: where to, the latest block table, the range
+    handed over but not yet posted (``queued``: [posted_to, ready_to) and its references)."""
+
+    wire: PushDestination
+    block_ids: tuple[int, ...] = ()
+    posted_to: int = 0
+    ready_to: int = 0
+    queued: list[KVBlock] = field(default_factory=list)
+    failed: bool = False  # a range failed; its result (the error) is reported
+    stopped: bool = False  # its other ranges aborted, decode told
 
 
 class StageKVShipper:
@@ -115,10 +151,12 @@ class StageKVShipper:
         config: KVShippingConfig,
         unpin: Callable[[Sequence[KVBlock]], None],
         agent_name: str | None = None,
+        unpin_streamed: Callable[[Sequence[KVBlock]], None] | None = None,
     ) -> None:
         self.stage = stage
         self.config = config
         self._unpin = unpin
+        self._unpin_streamed = unpin_streamed or unpin
         self._block_size = kv.block_size
         name = agent_name or f"{config.agent_prefix}-stage{stage}-{uuid.uuid4().hex[:8]}"
         self.sender = KVSender(
@@ -128,10 +166,15 @@ class StageKVShipper:
             config.sender_config(stage, num_stages),
             on_complete=self._on_push_end,
             on_lease_end=self._on_lease_end,
+            on_part_end=self._on_part_end,
         )
         self._pushing: dict[str, _Held] = {}  # request id -> blocks of an in-flight WRITE
         self._leased: dict[str, tuple[str, list[KVBlock]]] = {}  # lease id -> (request, blocks)
         self._results: dict[str, StageShipResult] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._parts: dict[int, tuple[str, list[KVBlock]]] = {}  # part id -> (request, refs)
+        self._dead: OrderedDict[str, None] = OrderedDict()  # cancelled ids (capped)
+        self.parts_posted = 0  # streamed WRITEs posted so far (observability, tests)
 
     @property
     def agent_name(self) -> str:
@@ -140,13 +183,15 @@ class StageKVShipper:
     @property
     def busy(self) -> bool:
         """A WRITE or a lease is live: poll often (transfers, heartbeats, releases)."""
-        return bool(self._pushing or self._leased)
+        return bool(self._pushing or self._leased or self._parts)
 
     @property
     def held_blocks(self) -> int:
         """Block references this shipper holds now (in-flight WRITEs and live leases)."""
-        pushing = sum(len(h.blocks) for h in self._pushing.values())
-        return pushing + sum(len(b) for _, b in self._leased.values())
+        pushing = sum(len(h.blocks) + len(h.streamed) for h in self._pushing.values())
+        streaming = sum(len(b) for _, b in self._parts.values())
+        queued = sum(len(st.queued) for st in self._streams.values())
+        return pushing + streaming + queued + sum(len(b) for _, b in self._leased.values())
 
     def push(
         self,
@@ -162,16 +207,121 @@ class StageKVShipper:
         """
         now = time.monotonic()
         held = _Held(list(blocks), manifest, now)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            held.streamed, stream.queued = stream.queued, []
+        if request_id in self._dead or (stream is not None and stream.failed):
+            self._unpin(held.blocks)  # cancelled, or failed and reported already
+            self._give_back_streamed(held.streamed)
+            return
         try:
-            wire = stage_push_destination(
-                dest, request_id, self.stage, manifest.num_tokens, self._block_size
-            )
-            self.sender.push(wire, manifest.block_ids, manifest.num_tokens)
+            if stream is None:
+                wire = stage_push_destination(
+                    dest, request_id, self.stage, manifest.num_tokens, self._block_size
+                )
+                start = None
+            else:
+                wire, start = stream.wire, stream.posted_to
+            self.sender.push(wire, manifest.block_ids, manifest.num_tokens, start)
         except (KVTransferError, ValueError) as exc:
             self._unpin(held.blocks)
+            self._give_back_streamed(held.streamed)
+            self.sender.cancel(request_id)  # its streamed ranges, if any
+            self._drop_parts(request_id)
             self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)
             return
         self._pushing[request_id] = held
+
+    def stream(
+        self,
+        request_id: str,
+        blocks: Sequence[KVBlock],
+        block_ids: tuple[int, ...],
+        dest: KVPushDestination,
+        num_tokens: int,
+        start: int,
+        end: int,
+    ) -> None:
+        """Streaming: tokens ``[start, end)`` of the ``num_tokens``-token prompt are final
+        here; ``blocks`` hold them (one reference each, back through ``unpin_streamed``);
+        ``block_ids``: the request's block table so far. Ranges come in token order."""
+        blocks = list(blocks)
+        stream = self._streams.get(request_id)
+        if request_id in self._dead or (stream is not None and stream.failed):
+            self._give_back_streamed(blocks)
+            return
+        if stream is None:
+            try:
+                wire = stage_push_destination(
+                    dest, request_id, self.stage, num_tokens, self._block_size
+                )
+            except (KVTransferError, ValueError) as exc:
+                self._give_back_streamed(blocks)
+                wire = PushDestination(request_id, "", (), 0)
+                self._streams[request_id] = _Stream(wire, failed=True, stopped=True)
+                self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)
+                return
+            stream = _Stream(wire, posted_to=wire.skip_tokens, ready_to=wire.skip_tokens)
+            self._streams[request_id] = stream
+        stream.block_ids = block_ids
+        if end <= stream.ready_to:  # all in decode's cached prefix
+            self._give_back_streamed(blocks)
+            return
+        if start > stream.ready_to:
+            raise KVInvariantError(
+                f"{request_id}: streamed ranges skip [{stream.ready_to}, {start})"
+            )
+        stream.queued.extend(blocks)
+        stream.ready_to = end
+        self._post_queued()
+
+    def _post_queued(self) -> None:
+        """Post queued ranges, oldest request first, while the in-flight bound allows."""
+        for request_id, stream in self._streams.items():
+            if len(self._parts) >= self.config.stream_max_inflight:
+                return
+            if not stream.queued or stream.failed:
+                continue
+            try:
+                part = self.sender.stream(
+                    stream.wire, stream.block_ids, stream.posted_to, stream.ready_to
+                )
+            except KVTransferError as exc:
+                self._fail_stream(request_id, stream, exc)
+                continue
+            self._parts[part] = (request_id, stream.queued)
+            stream.queued, stream.posted_to = [], stream.ready_to
+            self.parts_posted += 1
+
+    def _on_part_end(self, request_id: str, part: int, error: KVTransferError | None) -> None:
+        _, blocks = self._parts.pop(part)
+        self._give_back_streamed(blocks)
+        stream = self._streams.get(request_id)
+        if error is not None and stream is not None and not stream.failed:
+            self._fail_stream(request_id, stream, error)
+        # after the final ``push`` (stream popped) the sender fails that push instead
+
+    def _fail_stream(self, request_id: str, stream: _Stream, error: KVTransferError) -> None:
+        """A streamed range failed: report the error now; the rest is stopped in ``poll``."""
+        stream.failed = True
+        self._give_back_streamed(stream.queued)
+        stream.queued = []
+        self._results[request_id] = StageShipResult(request_id, self.stage, None, error)
+
+    def _drop_parts(self, request_id: str) -> None:
+        """Give back the references of ``request_id``'s ranges the sender dropped."""
+        for part, (owner, blocks) in list(self._parts.items()):
+            if owner == request_id:
+                del self._parts[part]
+                self._give_back_streamed(blocks)
+
+    def _give_back_streamed(self, blocks: Sequence[KVBlock]) -> None:
+        if blocks:
+            self._unpin_streamed(blocks)
+
+    def revive(self, request_id: str) -> None:
+        """``request_id`` was admitted again: its new stream and push are live."""
+        self._dead.pop(request_id, None)
 
     def publish(
         self,
@@ -194,8 +344,15 @@ class StageKVShipper:
         self._results[request_id] = StageShipResult(request_id, self.stage, engine_manifest(wire))
 
     def poll(self) -> None:
-        """Advance WRITEs, serve decode's heartbeats / releases, expire leases."""
+        """Advance WRITEs, serve decode's heartbeats / releases, expire leases; stop failed
+        streams (abort their other ranges, tell decode) and post queued ranges."""
         self.sender.poll()
+        for request_id, stream in self._streams.items():
+            if stream.failed and not stream.stopped:
+                stream.stopped = True
+                self.sender.cancel(request_id)
+                self._drop_parts(request_id)
+        self._post_queued()
 
     def take_results(self) -> list[StageShipResult]:
         """Results known since the last call (each request's exactly once), then forgotten."""
@@ -205,10 +362,18 @@ class StageKVShipper:
     def cancel(self, request_id: str) -> None:
         """Give up the request here: abort its WRITE or revoke its lease, unpin its blocks."""
         self._results.pop(request_id, None)
+        self._dead[request_id] = None
+        while len(self._dead) > 4096:
+            self._dead.popitem(last=False)
         held = self._pushing.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        self.sender.cancel(request_id)  # WRITEs and streamed ranges; decode hears "fail"
+        self._drop_parts(request_id)
+        if stream is not None:
+            self._give_back_streamed(stream.queued)
         if held is not None:
-            self.sender.cancel(request_id)
             self._unpin(held.blocks)
+            self._give_back_streamed(held.streamed)
         for lease_id, (owner, _) in list(self._leased.items()):
             if owner == request_id:
                 self.sender.leases.release(lease_id, ReleaseReason.REVOKED)
@@ -218,6 +383,7 @@ class StageKVShipper:
         if held is None:
             raise KVInvariantError(f"push outcome for unknown request {outcome.request_id}")
         self._unpin(held.blocks)
+        self._give_back_streamed(held.streamed)
         manifest = replace(held.manifest, agent_name=self.agent_name, pushed=outcome.ok)
         self._results[outcome.request_id] = StageShipResult(
             outcome.request_id,
@@ -237,6 +403,11 @@ class StageKVShipper:
     def check_integrity(self) -> None:
         """Raise KVInvariantError unless the sender's pushes and leases match what is held."""
         self.sender.check_integrity()
+        if self.sender.parts_inflight != len(self._parts):
+            raise KVInvariantError(
+                f"stage {self.stage}: {self.sender.parts_inflight} streamed WRITEs in flight, "
+                f"{len(self._parts)} held"
+            )
         if self.sender.inflight != len(self._pushing):
             raise KVInvariantError(
                 f"stage {self.stage}: {self.sender.inflight} pushes in flight, "
@@ -249,7 +420,7 @@ class StageKVShipper:
 
     def close(self) -> None:
         """Abort WRITEs and revoke leases (unpinning everything), then free the NIXL agent."""
-        for request_id in list(self._pushing):
+        for request_id in {*self._pushing, *self._streams}:
             self.cancel(request_id)
         self.sender.close()  # revokes leases -> _on_lease_end unpins
         self._results.clear()

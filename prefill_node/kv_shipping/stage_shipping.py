@@ -18,6 +18,12 @@ the previous request of that id; admission holds one reservation per id, so the 
 ``disown``s the old hand-off (its pins are dropped at once, its WRITE / lease cancelled) and
 the shipper's later unpin of those blocks is absorbed here instead of releasing anything.
 
+Streaming (``KVShippingConfig.stream``, push only): before the last chunk, the LOOP takes one
+extra reference on each block whose KV just became final (``StageAdmission.pin_for_transfer``)
+and calls ``stream``; the shipper gives them back through ``release_streamed`` (the owner's
+``unpin_transfer`` under its lock), independent of the request's own pins, so an abort
+mid-stream never frees a block a WRITE still reads.
+
 Results: each request's outcome on this stage, exactly once, as a ``StageHandoff`` through
 ``take_outcomes`` (the leader collects them with a KV_COLLECT round).
 """
@@ -33,6 +39,7 @@ from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
 from prefill_node.core.block import KVBlock
+from prefill_node.core.stage_admission import StageAdmission
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
 from prefill_node.kv_shipping.command_loop import CommandLoop
@@ -64,6 +71,38 @@ class StageHandoff:
         return self.manifest is not None
 
 
+def stream_final_blocks(
+    shipping: StageShipping,
+    admission: StageAdmission,
+    lock: threading.Lock,
+    request_id: str,
+    start: int,
+    end: int,
+    destination: KVPushDestination,
+) -> None:
+    """After a non-last chunk ``[start, end)`` ran on this stage: pin the blocks that
+    became final since the previous chunk (one reference each, under the owner's ``lock``)
+    and stream them. The block holding the prompt's last token is left to the final push
+    (it carries "done", and a partial block is sent once, when final); the first chunk also
+    streams the prefix the stage reused. A no-op when streaming is off."""
+    if not shipping.config.stream:
+        return
+    bs = admission.config.block_size
+    with lock:
+        rsv = admission.reservation(request_id)
+        if rsv is None or rsv.completed:
+            return
+        num_tokens = rsv.prompt.num_tokens
+        keep = (num_tokens - 1) // bs  # the last block's index
+        last = min(end // bs, keep)
+        first = 0 if start == rsv.cached_len else min(start // bs, keep)  # first chunk: prefix
+        if last <= first:
+            return
+        blocks = admission.pin_for_transfer(request_id, first, last)
+        block_ids = rsv.block_ids()
+    shipping.stream(request_id, blocks, block_ids, destination, num_tokens, first * bs, last * bs)
+
+
 def handoff_of(result: StageShipResult) -> StageHandoff:
     """The picklable, narrow form of a shipper result (exceptions become text + a flag)."""
     err = result.error
@@ -89,12 +128,15 @@ class StageShipping:
         kv: PagedKVCache,
         config: KVShippingConfig,
         release: Callable[[str], None],
+        release_streamed: Callable[[Sequence[KVBlock]], None] | None = None,
         poll_interval_s: float = 0.0005,
         idle_interval_s: float = 1.0,
     ) -> None:
         """Creates the agent and registers ``kv``'s tensors (on the new thread; waits)."""
         self.stage = stage
+        self.config = config
         self._release = release
+        self._release_streamed = release_streamed
         self._loop = CommandLoop(f"stage {stage} KV shipping", poll_interval_s, idle_interval_s)
         self._outcomes: deque[StageHandoff] = deque()
         # block-id table -> request ids pinned with it (a shipper unpin names blocks only),
@@ -105,7 +147,15 @@ class StageShipping:
         self._shipper: StageKVShipper | None = None
         self._thread = threading.Thread(target=self._run, name=f"stage{stage}-kv", daemon=True)
         self._thread.start()
-        build = partial(StageKVShipper, stage, num_stages, kv, config, self._on_unpin)
+        build = partial(
+            StageKVShipper,
+            stage,
+            num_stages,
+            kv,
+            config,
+            self._on_unpin,
+            unpin_streamed=release_streamed,
+        )
         self._shipper = self._loop.call(build).result(timeout=60)
 
     @property
@@ -131,6 +181,33 @@ class StageShipping:
             self._pinned.setdefault(key, []).append(request_id)
         self._loop.call(partial(self._start, request_id, list(blocks), manifest, destination))
 
+    def stream(
+        self,
+        request_id: str,
+        blocks: Sequence[KVBlock],
+        block_ids: tuple[int, ...],
+        destination: KVPushDestination,
+        num_tokens: int,
+        start: int,
+        end: int,
+    ) -> None:
+        """Tokens ``[start, end)`` are final: WRITE them now (``blocks``: one reference each
+        from ``pin_for_transfer``, returned through ``release_streamed``); returns at once."""
+        if self._release_streamed is None:
+            raise InvariantError(f"stage {self.stage}: streaming needs a release_streamed")
+        self._loop.call(
+            partial(
+                self._running().stream,
+                request_id,
+                list(blocks),
+                block_ids,
+                destination,
+                num_tokens,
+                start,
+                end,
+            )
+        )
+
     def cancel(self, request_id: str) -> None:
         """Abort the request's WRITE or revoke its lease here (no-op when none); async."""
         self._loop.call(partial(self._cancel, request_id))
@@ -153,9 +230,12 @@ class StageShipping:
         """New requests reuse these ids: each one this stage still ships is disowned and its
         pins dropped at once through ``unpin`` (the owner's locked ``unpin``), so admission
         can reserve the id again. Any thread."""
+        request_ids = tuple(request_ids)
         for request_id in request_ids:
             if self.disown(request_id):
                 unpin(request_id)
+        if request_ids:  # after any cancel: the new requests' streams and pushes are live
+            self._loop.call(partial(self._revive, request_ids))
 
     def take_outcomes(self) -> tuple[StageHandoff, ...]:
         """Outcomes reported since the last call, each request's exactly once."""
@@ -196,6 +276,10 @@ class StageShipping:
 
     def _cancel(self, request_id: str) -> None:
         self._running().cancel(request_id)
+
+    def _revive(self, request_ids: tuple[str, ...]) -> None:
+        for request_id in request_ids:
+            self._running().revive(request_id)
 
     def _on_unpin(self, blocks: Sequence[KVBlock]) -> None:
         key = tuple(b.block_id for b in blocks)

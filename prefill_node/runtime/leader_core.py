@@ -44,7 +44,8 @@ class LeaderCore:
     The scheduling itself (progress, waves, completion, deferred abort) is the core's, the
     same object the simulator drives; this class adds the coordinator's rounds and turns the
     core's waves into the data plane's ``WaveHeader`` (per-request ``top_k`` and KV
-    destination ride on the last chunk).
+    destination ride on every chunk: stages complete and ship on the last, and may stream
+    push KV after earlier ones).
 
     Sans-IO and not thread-safe: the ``Leader`` calls it under its lock. Contracts:
 
@@ -99,7 +100,7 @@ class LeaderCore:
     ):
         """Queue a request. DuplicateRequestError while the id is still known (queued, or an
         aborted request whose stage-side cleanup waits for its in-flight chunks).
-        ``kv_destination`` travels with the request's last chunk to every stage."""
+        ``kv_destination`` travels with the request's chunks to every stage."""
         if request_id in self._scheduler:
             raise DuplicateRequestError(
                 f"request id {request_id!r} is still in the pipeline; use a fresh id"
@@ -164,7 +165,7 @@ class LeaderCore:
         for c in wave.chunks:
             last = self._scheduler.is_last(c)
             top_k = self._top_k.get(c.request_id, 1)
-            dest = self._destinations.get(c.request_id) if last else None
+            dest = self._destinations.get(c.request_id)  # every chunk: stages may stream
             chunks.append(WaveChunk(c.request_id, c.start, c.length, last, top_k, dest))
         return WaveHeader(wave.wave_id, tuple(chunks))
 

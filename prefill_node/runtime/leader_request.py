@@ -34,6 +34,7 @@ class LeaderRequest:
     cached_tokens: int = 0
     manifests: dict[int, StageKVManifest] = field(default_factory=dict)
     output: RequestOutput | None = None
+    t_logits: float = 0.0  # when ``output`` arrived (requests with a KV hand-off)
 
     def result(
         self, out: RequestOutput, now: float, manifests: tuple[StageKVManifest, ...]
@@ -44,6 +45,7 @@ class LeaderRequest:
             admission_s=self.admission_s,
             compute_s=now - self.t_admitted,
             total_s=now - self.t_submit,
+            handoff_s=now - self.t_logits if self.t_logits else 0.0,
         )
         return PrefillResult(
             request_id=self.request_id,

@@ -49,6 +49,7 @@ from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
     EngineLoad,
+    KVPushDestination,
     PrefillOptions,
     PrefillResult,
     PrefillTimings,
@@ -355,6 +356,7 @@ class LocalEngine:
                 self._inflight_tokens = 0
                 if self._kv_feed is not None:  # evictions of a failed request count too
                     self._kv_feed.publish_from_stages(self.stages)
+        t_done = time.monotonic()
         result = PrefillResult(
             request_id=request_id,
             first_token_id=int(torch.argmax(logits).item()),
@@ -366,7 +368,8 @@ class LocalEngine:
                 queue_s=t_start - t_submit,
                 admission_s=t_admitted - t_start,
                 compute_s=t_computed - t_admitted,
-                total_s=time.monotonic() - t_submit,
+                total_s=t_done - t_submit,
+                handoff_s=t_done - t_computed if options.kv_destination is not None else 0.0,
             ),
             stage_manifests=manifests,
         )
@@ -407,11 +410,14 @@ class LocalEngine:
             length = min(self.config.max_chunk_tokens, len(ids) - start)
             x = torch.tensor(ids[start : start + length], dtype=torch.long, device=device)
             last = start + length == len(ids)
+            dest = options.kv_destination
             for stage in self.stages:
                 step = stage.execute([ChunkWork(request_id, start, length)], x)
                 x = step.hidden
                 if last:
-                    manifests.append(stage.complete(request_id, options.kv_destination))
+                    manifests.append(stage.complete(request_id, dest))
+                elif isinstance(dest, KVPushDestination):  # streamed while the rest runs
+                    stage.stream(request_id, start, start + length, dest)
             logits = step.logits
             start += length
         if logits is None:

@@ -20,7 +20,8 @@ class WaveChunk:
 
     ``is_last``: this chunk ends the prompt, so the last stage computes logits for its final
     row and every stage completes the request (index its new blocks, unpin) after it.
-    ``kv_destination`` (last chunk only): where each stage ships its layers' KV then.
+    ``kv_destination`` (every chunk of a shipped request): where each stage ships its layers'
+    KV, after the last chunk, or, streaming a push, also after earlier ones.
     """
 
     request_id: str

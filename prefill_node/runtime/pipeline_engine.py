@@ -78,7 +78,8 @@ class PipelineEngine:
     never hangs a caller. Every method is thread-safe.
 
     KV hand-off (``kv_shipping`` given): every stage process ships its layers of a request
-    with a ``kv_destination`` as soon as the request's last chunk left it (stage_shipping.py);
+    with a ``kv_destination`` as soon as the request's last chunk left it, push streamed chunk
+    by chunk before that when ``KVShippingConfig.stream`` (stage_shipping.py);
     the answer waits for every stage's outcome (leader_handoff.py). KV events (``kv_events``
     given): every stage drains its pool once per wave, the batches ride the wave to the leader
     and a ``KVEventFeed`` publishes the pipeline-level events to the sink (collector thread).
@@ -444,6 +445,7 @@ class PipelineEngine:
                 req = self._requests.get(o.request_id)
                 if req is not None and req.options.kv_destination is not None:
                     req.output = o  # answered once every stage shipped
+                    req.t_logits = now
                     shipping.append(o.request_id)
                 else:
                     finished.append((o, self._requests.pop(o.request_id, None)))

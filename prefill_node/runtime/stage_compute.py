@@ -13,10 +13,14 @@ from prefill_node.core.admission_messages import RoundRequest, StageReply
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.types import StageKVManifest
+from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvariantError
 from prefill_node.kv_shipping.shipper import KVShippingConfig
-from prefill_node.kv_shipping.stage_shipping import StageHandoff, StageShipping
+from prefill_node.kv_shipping.stage_shipping import (
+    StageHandoff,
+    StageShipping,
+    stream_final_blocks,
+)
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.paged_kv import PagedKVCache
@@ -104,6 +108,8 @@ class PipelineStageCompute:
     KV hand-off (``kv_shipping`` given): a request whose last chunk carries a destination is
     completed with its blocks kept pinned and handed to the stage's ``StageShipping``, whose
     thread drops the pins (``_release_shipped``) when the WRITE ended or the lease did.
+    Streaming (push, ``KVShippingConfig.stream``): after each earlier chunk, the blocks that
+    became full are pinned once more for the shipper and WRITten at once (``_stream``).
     KV events (``spec.kv_events``): the pool buffers them; each wave drains them after its
     completions, so a batch holds everything since the previous wave (admission evictions too).
     """
@@ -142,13 +148,22 @@ class PipelineStageCompute:
         self.shipping: StageShipping | None = None
         if kv_shipping is not None:
             self.shipping = StageShipping(
-                stage, spec.num_stages, self.kv, kv_shipping, self._release_shipped
+                stage,
+                spec.num_stages,
+                self.kv,
+                kv_shipping,
+                self._release_shipped,
+                release_streamed=self._release_streamed,
             )
 
     # -- KV hand-off (shipping thread / WAVE thread) -----------------------------------------
     def _release_shipped(self, request_id: str) -> None:
         with self._lock:
             self.admission.unpin(request_id)  # False when an abort released it already
+
+    def _release_streamed(self, blocks) -> None:
+        with self._lock:
+            self.admission.unpin_transfer(blocks)
 
     def kv_collect(self) -> tuple[StageHandoff, ...]:
         return self.shipping.take_outcomes() if self.shipping is not None else ()
@@ -228,6 +243,7 @@ class PipelineStageCompute:
             msg = f"stage {self.stage}: wave {header.wave_id} failed: {exc!r}"
             failed.extend((chunk.request_id, msg) for _, chunk, _ in tables)
             return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
+        self._stream(tables)
         manifests = self._complete(tables, failed)
         events = self._drain_events()
         if self.model.is_last:
@@ -288,6 +304,25 @@ class PipelineStageCompute:
             pairs = tuple(zip(ids.tolist(), values.tolist(), strict=True))
             outputs.append(RequestOutput(chunk.request_id, pairs))
         return tuple(outputs)
+
+    def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:
+        """Stream the blocks each non-last chunk of a push request made final
+        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper)."""
+        shipping = self.shipping
+        if shipping is None or not shipping.config.stream:
+            return
+        synced = False
+        for _, chunk, _ in tables:
+            dest = chunk.kv_destination
+            if chunk.is_last or not isinstance(dest, KVPushDestination):
+                continue
+            if self.model.device.type == "cuda" and not synced:  # the KV is written
+                torch.cuda.current_stream(self.model.device).synchronize()
+                synced = True
+            end = chunk.start + chunk.length
+            stream_final_blocks(
+                shipping, self.admission, self._lock, chunk.request_id, chunk.start, end, dest
+            )
 
     def _complete(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], failed: list[tuple[str, str]]

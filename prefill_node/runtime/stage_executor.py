@@ -21,8 +21,10 @@ Request life cycle on a stage (the engine drives it, in this order):
 KV hand-off (``kv_shipping`` given): the stage owns a ``StageShipping`` thread, the same one
 a runtime stage process runs. ``complete(request_id, destination)`` keeps the request's
 blocks pinned in its reservation and ships them; the shipping thread drops the pins
-(``_release_shipped``) when the WRITE ended or the lease did. ``_lock`` guards the admission
-state against that thread; the forward runs outside it.
+(``_release_shipped``) when the WRITE ended or the lease did. ``stream(...)`` after an
+earlier chunk streams a push request's final blocks (``stream_final_blocks``; docs/
+kv_streaming.md). ``_lock`` guards the admission state against that thread; the forward runs
+outside it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.core.admission_messages import RoundRequest, StageReply
+from prefill_node.core.block import KVBlock
 from prefill_node.core.block_pool import BlockPool
 from prefill_node.core.execution_results import Completion, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
@@ -45,7 +48,7 @@ from prefill_node.engine.types import (
 )
 from prefill_node.errors import InvariantError
 from prefill_node.kv_shipping.shipper import KVShippingConfig
-from prefill_node.kv_shipping.stage_shipping import StageShipping
+from prefill_node.kv_shipping.stage_shipping import StageShipping, stream_final_blocks
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.stage_model import StageModel
@@ -109,7 +112,12 @@ class StageExecutor:
         self.shipping: StageShipping | None = None
         if kv_shipping is not None:
             self.shipping = StageShipping(
-                stage, num_stages, self.kv, kv_shipping, self._release_shipped
+                stage,
+                num_stages,
+                self.kv,
+                kv_shipping,
+                self._release_shipped,
+                release_streamed=self._release_streamed,
             )
 
     @property
@@ -171,22 +179,35 @@ class StageExecutor:
             self.shipping.ship(request_id, blocks, manifest, destination)
         return manifest
 
+    def stream(self, request_id: str, start: int, end: int, destination: KVPushDestination) -> None:
+        """Chunk ``[start, end)`` (not the last) ran here: stream the blocks it made final."""
+        if self.shipping is not None and self.shipping.config.stream:
+            if self.model.device.type == "cuda":  # the chunk's KV is written before a WRITE
+                torch.cuda.current_stream(self.model.device).synchronize()
+            stream_final_blocks(
+                self.shipping, self.admission, self._lock, request_id, start, end, destination
+            )
+
     def abort(self, request_id: str) -> bool:
         """Drop whatever this stage holds for the request; False if it held nothing. A
-        request this stage ships is given up there (WRITE aborted, lease revoked); its pins
-        drop when the shipper lets the blocks go (``_release_shipped``), a moment later."""
+        request this stage ships is given up there (WRITEs aborted, lease revoked); its pins
+        drop when the shipper lets the blocks go (``_release_shipped``, ``_release_streamed``),
+        a moment later."""
         with self._lock:
             rsv = self.admission.reservation(request_id)
             shipped = rsv is not None and rsv.completed and self.shipping is not None
-            if not shipped:
-                return self.admission.abort(request_id)
-        if self.shipping is not None:
+            held = shipped or self.admission.abort(request_id)
+        if self.shipping is not None:  # also stops a stream of a request not completed yet
             self.shipping.cancel(request_id)
-        return True
+        return held
 
     def _release_shipped(self, request_id: str) -> None:
         with self._lock:
             self.admission.unpin(request_id)  # False when an abort released it already
+
+    def _release_streamed(self, blocks: Sequence[KVBlock]) -> None:
+        with self._lock:
+            self.admission.unpin_transfer(blocks)
 
     def drain_events(self) -> list:
         """The pool's buffered KV events since the last call."""
