@@ -52,3 +52,24 @@ def tiny_qwen3(name: str, max_position_embeddings: int, vocab_size: int = 61) ->
         tie_word_embeddings=True,
         name=name,
     )
+
+
+# A 4-layer MiniMax-M2 (sigmoid-routed MoE, 8 experts / 2 per token, partial RoPE, q/k norm
+# over the whole projection), untied: same attention shape as the tiny Llama.
+TINY_MINIMAX_M2_HF: dict[str, Any] = {
+    **TINY_LLAMA_HF,
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "intermediate_size": 24,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rotary_dim": 4,
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_minimax_m2(name: str = "tiny-minimax-m2", **overrides: Any) -> ModelConfig:
+    """The tiny MiniMax-M2 as a ModelConfig."""
+    return ModelConfig.from_hf_config({**TINY_MINIMAX_M2_HF, **overrides}, name=name)

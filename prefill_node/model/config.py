@@ -18,15 +18,28 @@ from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitecture
 
 
 class ModelFamily(enum.Enum):
-    """Decoder families this backend implements. QWEN3 adds per-head RMSNorm on q and k."""
+    """Decoder families this backend implements. QWEN3 adds per-head RMSNorm on q and k;
+    MINIMAX_M2 (MiniMax-M2) has RMSNorm over the whole q and k projections, partial RoPE
+    and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``)."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
+    MINIMAX_M2 = "minimax_m2"
+
+
+class QkNorm(enum.Enum):
+    """Where attention RMS-normalises q and k before RoPE: not at all, over each head
+    (Qwen3), or over the whole projection of all heads at once (MiniMax-M2)."""
+
+    NONE = "none"
+    PER_HEAD = "per_head"
+    PER_LAYER = "per_layer"
 
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": ModelFamily.LLAMA,
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
+    "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
 }
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
@@ -69,6 +82,28 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MoE block replacing the MLP: ``num_experts`` SwiGLU experts of width
+    ``expert_intermediate_size``, each token routed to ``top_k`` of them. Routing: sigmoid
+    scores in fp32; the choice uses score + ``e_score_correction_bias`` (a per-expert
+    checkpoint tensor), the weights are the chosen raw scores, renormalised to sum to 1."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_experts", "top_k", "expert_intermediate_size"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidModelConfigError(f"{field_name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise InvalidModelConfigError(
+                f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only model. ``name`` is the model identity that goes
     into block hashes (two models must never share cached KV), so give each checkpoint a
@@ -90,6 +125,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    moe: MoeConfig | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -114,11 +151,34 @@ class ModelConfig:
             raise InvalidModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
+        if (self.moe is None) is (self.family is ModelFamily.MINIMAX_M2):
+            raise InvalidModelConfigError(
+                f"family {self.family.value} {'needs' if self.moe is None else 'has no'} "
+                "MoE settings (ModelConfig.moe)"
+            )
+        if self.partial_rotary_factor != 1.0 and self.family is not ModelFamily.MINIMAX_M2:
+            raise UnsupportedArchitectureError(
+                f"partial_rotary_factor={self.partial_rotary_factor} is not supported for "
+                f"{self.family.value} (only 1.0)"
+            )
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise InvalidModelConfigError(
+                f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} "
+                "must give an even rotary width in (0, head_dim]"
+            )
 
     @property
-    def qk_norm(self) -> bool:
-        """Whether attention applies RMSNorm to each q and k head before RoPE (Qwen3)."""
-        return self.family is ModelFamily.QWEN3
+    def qk_norm(self) -> QkNorm:
+        """Where attention RMS-normalises q and k before RoPE."""
+        return {
+            ModelFamily.QWEN3: QkNorm.PER_HEAD,
+            ModelFamily.MINIMAX_M2: QkNorm.PER_LAYER,
+        }.get(self.family, QkNorm.NONE)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -139,7 +199,7 @@ class ModelConfig:
         naming the architecture or option we do not implement, InvalidModelConfigError for
         missing or inconsistent fields."""
         family = _family_of(d)
-        _reject_unsupported_options(d)
+        _reject_unsupported_options(d, family)
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -171,6 +231,8 @@ class ModelConfig:
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
                 name=name,
+                moe=_moe_of(d) if family is ModelFamily.MINIMAX_M2 else None,
+                partial_rotary_factor=_partial_rotary_of(d),
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -205,6 +267,17 @@ class ModelConfig:
         }
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
+        if self.moe is not None:
+            d.update(
+                num_local_experts=self.moe.num_experts,
+                num_experts_per_tok=self.moe.top_k,
+                intermediate_size=self.moe.expert_intermediate_size,
+                scoring_func="sigmoid",
+                use_routing_bias=True,
+            )
+        if self.partial_rotary_factor != 1.0:
+            d["rotary_dim"] = self.rotary_dim
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         return d
 
 
@@ -223,17 +296,62 @@ def _family_of(d: Mapping[str, Any]) -> ModelFamily:
     )
 
 
-def _reject_unsupported_options(d: Mapping[str, Any]) -> None:
+def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu)")
     for option in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if d.get(option):
             raise UnsupportedArchitectureError(f"config option {option}=true is not supported")
+    if family is ModelFamily.MINIMAX_M2:
+        _reject_unsupported_minimax(d)
+
+
+# MiniMax-M2 config.json options whose other values change the numerics; transformers'
+# minimax_m2 implements exactly these, and so do we.
+_MINIMAX_FIXED = {
+    "scoring_func": "sigmoid",
+    "qk_norm_type": "per_layer",
+    "use_qk_norm": True,
+    "use_routing_bias": True,
+    "shared_intermediate_size": 0,
+}
+
+
+def _reject_unsupported_minimax(d: Mapping[str, Any]) -> None:
+    for option, supported in _MINIMAX_FIXED.items():
+        if option in d and d[option] != supported:
+            raise UnsupportedArchitectureError(
+                f"MiniMax-M2 config option {option}={d[option]!r} is not implemented "
+                f"(supported: {supported!r})"
+            )
+    attn_types = d.get("attn_type_list")
+    if attn_types and any(t != 1 for t in attn_types):
+        raise UnsupportedArchitectureError(
+            "MiniMax-M2 attn_type_list with linear-attention layers (type 0) is not "
+            "implemented; every layer must be full attention (1)"
+        )
+
+
+def _moe_of(d: Mapping[str, Any]) -> MoeConfig:
+    return MoeConfig(
+        num_experts=int(d.get("num_local_experts", d.get("num_experts", 0))),
+        top_k=int(d["num_experts_per_tok"]),
+        expert_intermediate_size=int(d["intermediate_size"]),
+    )
+
+
+def _partial_rotary_of(d: Mapping[str, Any]) -> float:
+    """``partial_rotary_factor`` (top level or in ``rope_parameters``), else MiniMax-M2's
+    legacy ``rotary_dim`` over ``head_dim``, else 1.0."""
     rope_params = d.get("rope_parameters") or {}
-    partial = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise UnsupportedArchitectureError(f"partial_rotary_factor={partial} is not supported")
+    factor = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+    if factor is not None:
+        return float(factor)
+    if d.get("rotary_dim") is not None:
+        head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+        return int(d["rotary_dim"]) / head_dim
+    return 1.0
 
 
 def _rope_scaling_of(s: Mapping[str, Any] | None, max_positions: int) -> RopeScaling | None:
