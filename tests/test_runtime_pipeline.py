@@ -21,6 +21,7 @@ from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
+from tests.tiny_models import TINY_MINIMAX_M2_HF
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,11 +43,18 @@ HF_CONFIG = {
 SEED = 7
 MODEL = ModelConfig.from_hf_config(HF_CONFIG, name="tiny-qwen3")
 WEIGHTS = random_weights(MODEL, SEED)
+MOE_HF_CONFIG = {**TINY_MINIMAX_M2_HF, "vocab_size": VOCAB}
+MOE_MODEL = ModelConfig.from_hf_config(MOE_HF_CONFIG, name="tiny-minimax-m2")
+FAMILIES = {
+    "qwen3": (HF_CONFIG, MODEL, WEIGHTS),
+    "minimax-m2": (MOE_HF_CONFIG, MOE_MODEL, random_weights(MOE_MODEL, SEED)),
+}
 
 
-def _spec(layer_ranges, stage_blocks, policy: str, **kw) -> PipelineSpec:
+def _spec(layer_ranges, stage_blocks, policy: str, hf_config=HF_CONFIG, **kw) -> PipelineSpec:
+    name = ModelConfig.from_hf_config(hf_config).family.value
     return PipelineSpec(
-        model=ModelSource(config=HF_CONFIG, seed=SEED, name="tiny-qwen3"),
+        model=ModelSource(config=hf_config, seed=SEED, name=f"tiny-{name}"),
         layer_ranges=layer_ranges,
         stage_blocks=stage_blocks,
         block_size=4,
@@ -83,9 +91,10 @@ def _workload(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
+def _check_against_reference(engine: PipelineEngine, prompts, results, family="qwen3") -> None:
+    _, model, weights = FAMILIES[family]
     for prompt, res in zip(prompts, results, strict=True):
-        logits, kv = reference_forward(MODEL, WEIGHTS, prompt)
+        logits, kv = reference_forward(model, weights, prompt)
         ref = torch.log_softmax(logits.float(), dim=-1)
         got = torch.full((VOCAB,), float("nan"))
         for token, logprob in res.top_logprobs:
@@ -113,17 +122,18 @@ def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
 
 
 CASES = [
-    pytest.param(((0, 2), (2, 4)), (48, 40), id="P2"),
-    pytest.param(((0, 1), (1, 3), (3, 4)), (64, 30, 45), id="P3-uneven"),
+    pytest.param("qwen3", ((0, 2), (2, 4)), (48, 40), id="P2"),
+    pytest.param("qwen3", ((0, 1), (1, 3), (3, 4)), (64, 30, 45), id="P3-uneven"),
+    pytest.param("minimax-m2", ((0, 2), (2, 4)), (48, 40), id="P2-minimax-m2-moe"),
 ]
 
 
 @pytest.mark.parametrize("policy", ["wave", "lockstep"])
-@pytest.mark.parametrize(("layer_ranges", "stage_blocks"), CASES)
+@pytest.mark.parametrize(("family", "layer_ranges", "stage_blocks"), CASES)
 def test_pipeline_matches_reference_under_reuse_and_eviction(
-    start, layer_ranges, stage_blocks, policy
+    start, family, layer_ranges, stage_blocks, policy
 ) -> None:
-    engine = start(_spec(layer_ranges, stage_blocks, policy))
+    engine = start(_spec(layer_ranges, stage_blocks, policy, hf_config=FAMILIES[family][0]))
     rng = random.Random(hash((layer_ranges, policy)) & 0xFFFF)
     prompts = _workload(rng, 24)
     # two bursts: the second reuses (and evicts) what the first cached
@@ -132,7 +142,7 @@ def test_pipeline_matches_reference_under_reuse_and_eviction(
         futures = [engine.submit(p, PrefillOptions(top_logprobs=VOCAB)) for p in burst]
         results += [f.result(timeout=60) for f in futures]
     assert sum(r.cached_tokens for r in results) > 0, "the workload should reuse prefixes"
-    _check_against_reference(engine, prompts, results)
+    _check_against_reference(engine, prompts, results, family)
     engine.debug_check_integrity()
     stats = engine.stage_stats()
     assert [s.pool.in_use for s in stats] == [0] * len(stats)  # drained: nothing pinned
