@@ -5,13 +5,15 @@ the chunk's KV, and produce the last token's logits: ours with a paged cache alr
 the context (``StageModel.forward`` + ``compute_logits`` on the last row), transformers with
 a ``DynamicCache`` prefilled to the context (a fresh copy per run, copied outside the timing)
 and ``logits_to_keep=1``. Same model, same weights, same thread count; runs of the two sides
-are interleaved so background load hits both alike. The model is the default SmolLM2-135M
-(converted real weights when ``prefill_node.model.default_model`` can provide them, else
-random weights with its config; the output says which). Each cell reports tokens/s from the
-median wall-clock time and, because a shared machine's load swings wall time by 2x, also
-from the median CPU time of the (single) compute thread.
+are interleaved so background load hits both alike. ``--family llama`` (default) is
+SmolLM2-135M (converted real weights when ``prefill_node.model.default_model`` can provide
+them, else random weights with its config; the output says which); ``--family minimax-m2``
+is a small random MiniMax-M2-class MoE (transformers loads it from a checkpoint directory
+written here, fusing its per-expert tensors). Each cell reports tokens/s from the median
+wall-clock time and, because a shared machine's load swings wall time by 2x, also from the
+median CPU time of the (single) compute thread.
 
-    python bench/forward.py --json /tmp/forward.json [--runs 3] [--threads 1]
+    python bench/forward.py --json /tmp/forward.json [--family minimax-m2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import copy
 import inspect
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -29,8 +32,8 @@ import torch
 from tqdm import tqdm
 
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
-from prefill_node.model.config import ModelConfig, ModelFamily
-from prefill_node.model.loader_hf import load_hf_config, load_hf_weights
+from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig
+from prefill_node.model.loader_hf import load_hf_config, load_hf_weights, save_hf_checkpoint
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
@@ -54,7 +57,31 @@ SMOLLM2_135M = ModelConfig(
 )
 
 
-def load_model(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+# MiniMax-M2's shape (GQA 6:1, partial RoPE over half a head, 8 of many narrow experts),
+# shrunk so a CPU forward takes seconds.
+MINIMAX_M2_SMALL = ModelConfig(
+    family=ModelFamily.MINIMAX_M2,
+    vocab_size=8192,
+    hidden_size=384,
+    intermediate_size=128,
+    num_layers=6,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=5_000_000.0,
+    rope_scaling=None,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    name="MiniMax-M2-small-random",
+    moe=MoeConfig(num_experts=32, top_k=8, expert_intermediate_size=128),
+    partial_rotary_factor=0.5,
+)
+
+
+def load_model(family: str, force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    if family == "minimax-m2":
+        return MINIMAX_M2_SMALL, random_weights(MINIMAX_M2_SMALL, seed=0), "random weights"
     if not force_random:
         try:
             from prefill_node.model.default_model import default_model_dir
@@ -71,6 +98,13 @@ def load_model(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]
 def build_hf(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
     import transformers
 
+    if config.moe is not None:  # per-expert checkpoint tensors: transformers fuses on load
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf_checkpoint(tmp, config, weights)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                tmp, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        return model.eval().to(dtype)
     hf_cfg = transformers.AutoConfig.for_model(**config.to_hf_config())
     hf_cfg._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
@@ -146,13 +180,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--contexts", type=int, nargs="+", default=[0, 2048])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--family", choices=["llama", "minimax-m2"], default="llama")
     ap.add_argument("--random-weights", action="store_true", help="skip the real default model")
     args = ap.parse_args()
     if args.runs < 3:
         ap.error("--runs must be >= 3 (the result is a median)")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    config, weights, source = load_model(args.random_weights)
+    config, weights, source = load_model(args.family, args.random_weights)
     ours = StageModel(config, LayerRange(0, config.num_layers), dtype)
     ours.load_weights(weights)
     hf = build_hf(config, weights, dtype)
@@ -180,6 +215,7 @@ def main() -> None:
                 bar.update()
             row = {
                 "bench": "forward",
+                "family": config.family.value,
                 "model": config.name,
                 "weights": "random" if "random" in source else "real",
                 "dtype": args.dtype,
