@@ -1,8 +1,9 @@
 """Chunked prefill over paged KV == one full forward: any chunk boundaries, shuffled and
 per-stage block tables, several chunks per batch, and prefix reuse with copy-on-write.
 
-Dense Qwen3 and MoE MiniMax-M2 (``family`` fixture): a MoE routes each row on its own, so
-chunking must not change any token's experts."""
+Dense Qwen3, MoE MiniMax-M2 and GLM-5 (MLA latent cache + DSA indexer; ``family``
+fixture): a MoE routes each row on its own and the indexer selects each query's positions on
+its own, so chunking must change neither."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from hypothesis import strategies as st
 
 from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
+from prefill_node.model.latent_cache import stage_cache
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights
-from tests.tiny_models import tiny_minimax_m2, tiny_qwen3
+from tests.tiny_models import tiny_glm5, tiny_minimax_m2, tiny_qwen3
 
 BLOCK = 4
 NUM_BLOCKS = 40
@@ -27,6 +29,7 @@ ATOL = 2e-5
 CONFIGS = {
     "qwen3": tiny_qwen3("tiny-chunked", max_position_embeddings=512),
     "minimax-m2": tiny_minimax_m2("tiny-chunked-moe", max_position_embeddings=512),
+    "glm-5": tiny_glm5("tiny-chunked-mla", max_position_embeddings=512),
 }
 CONFIG = CONFIGS["qwen3"]
 TOKENS = torch.randint(0, 61, (45,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -42,8 +45,8 @@ class Family:
         self.stages = [StageModel.random_init(config, lr, seed=11) for lr in self.ranges]
         self.full_hidden, self.full_caches, self.full_table = self.full_forward(TOKENS)
 
-    def new_caches(self) -> list[PagedKVCache]:
-        return [PagedKVCache.for_model(self.config, lr, NUM_BLOCKS, BLOCK) for lr in self.ranges]
+    def new_caches(self) -> list:
+        return [stage_cache(self.config, lr, NUM_BLOCKS, BLOCK) for lr in self.ranges]
 
     def run_batch(
         self, specs_per_stage: list[list[ChunkSpec]], tokens: list[int], caches
@@ -74,15 +77,16 @@ def family(request) -> Family:
 
 
 def assert_kv_equal(caches, tables, ref_caches, ref_table, num_tokens):
+    """Equal cache contents (K and V, or MLA entries) of ``num_tokens`` positions."""
     for kv, ref, table in zip(caches, ref_caches, tables, strict=True):
         for layer in kv.layer_range:
-            k, v = kv.read(layer, table, num_tokens)
-            rk, rv = ref.read(layer, ref_table, num_tokens)
-            torch.testing.assert_close(k, rk, atol=ATOL, rtol=0)
-            torch.testing.assert_close(v, rv, atol=ATOL, rtol=0)
+            got, want = kv.read(layer, table, num_tokens), ref.read(layer, ref_table, num_tokens)
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
 def test_full_forward_matches_reference(family):
+    if family.config.mla is not None:
+        pytest.skip("reference_forward has no MLA; test_model_mla.py checks GLM-5 vs transformers")
     logits = family.stages[-1].compute_logits(family.full_hidden[-1][-1:])[0]
     ref_logits, ref_kv = reference_forward(family.config, family.weights, TOKENS)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
@@ -150,7 +154,10 @@ def test_prefix_reuse_with_copy_on_write(reused, family):
     for h, full in zip(hiddens, full_b, strict=True):
         torch.testing.assert_close(h, full[reused:], atol=ATOL, rtol=0)
     logits = family.stages[-1].compute_logits(hiddens[-1][-1:])[0]
-    expected = reference_forward(family.config, family.weights, tokens_b)[0]
+    if family.config.mla is None:  # independent reference where one exists
+        expected = reference_forward(family.config, family.weights, tokens_b)[0]
+    else:
+        expected = family.stages[-1].compute_logits(full_b[-1][-1:])[0]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     assert_kv_equal(caches, [table_b] * 2, ref_caches, ref_table, 32)
     assert_kv_equal(caches, [table_a] * 2, family.full_caches, family.full_table, 18)

@@ -14,7 +14,7 @@ from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
-from prefill_node.model.weights import ROUTER_BIAS, random_weights
+from prefill_node.model.weights import MINIMAX_MOE, random_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,7 +88,7 @@ def hf_model_from_checkpoint(config, weights, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(model).__name__ == "MiniMaxM2ForCausalLM"
     bias = model.model.layers[0].mlp.e_score_correction_bias
-    assert torch.equal(bias, weights["model.layers.0." + ROUTER_BIAS])  # loaded, not zeros
+    assert torch.equal(bias, weights["model.layers.0." + MINIMAX_MOE.bias])  # loaded, not zeros
     return model.eval()
 
 

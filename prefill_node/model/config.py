@@ -15,16 +15,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
+from prefill_node.model.family_config import (
+    MlaConfig,
+    MoeConfig,
+    glm_mla_of,
+    glm_moe_of,
+    minimax_moe_of,
+    mla_to_hf,
+    moe_to_hf,
+    reject_unsupported_glm,
+    reject_unsupported_minimax,
+)
+
+__all__ = ["MlaConfig", "ModelConfig", "ModelFamily", "MoeConfig", "QkNorm", "RopeScaling"]
 
 
 class ModelFamily(enum.Enum):
     """Decoder families this backend implements. QWEN3 adds per-head RMSNorm on q and k;
     MINIMAX_M2 (MiniMax-M2) has RMSNorm over the whole q and k projections, partial RoPE
-    and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``)."""
+    and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``); GLM_MOE_DSA (GLM-5)
+    has MLA with a sparse-attention indexer (``ModelConfig.mla``), interleaved RoPE, and a
+    grouped-routing MoE with a shared expert after a few dense layers."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
     MINIMAX_M2 = "minimax_m2"
+    GLM_MOE_DSA = "glm_moe_dsa"
 
 
 class QkNorm(enum.Enum):
@@ -40,7 +56,9 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": ModelFamily.LLAMA,
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
     "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
+    "GlmMoeDsaForCausalLM": ModelFamily.GLM_MOE_DSA,
 }
+_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
@@ -82,28 +100,6 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class MoeConfig:
-    """A sparse MoE block replacing the MLP: ``num_experts`` SwiGLU experts of width
-    ``expert_intermediate_size``, each token routed to ``top_k`` of them. Routing: sigmoid
-    scores in fp32; the choice uses score + ``e_score_correction_bias`` (a per-expert
-    checkpoint tensor), the weights are the chosen raw scores, renormalised to sum to 1."""
-
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-
-    def __post_init__(self) -> None:
-        for field_name in ("num_experts", "top_k", "expert_intermediate_size"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidModelConfigError(f"{field_name} must be a positive int, got {value!r}")
-        if self.top_k > self.num_experts:
-            raise InvalidModelConfigError(
-                f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"
-            )
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only model. ``name`` is the model identity that goes
     into block hashes (two models must never share cached KV), so give each checkpoint a
@@ -127,6 +123,7 @@ class ModelConfig:
     name: str = ""
     moe: MoeConfig | None = None
     partial_rotary_factor: float = 1.0
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -151,10 +148,15 @@ class ModelConfig:
             raise InvalidModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
-        if (self.moe is None) is (self.family is ModelFamily.MINIMAX_M2):
+        for part, families in (("moe", _MOE_FAMILIES), ("mla", (ModelFamily.GLM_MOE_DSA,))):
+            if (getattr(self, part) is None) is (self.family in families):
+                raise InvalidModelConfigError(
+                    f"family {self.family.value} "
+                    f"{'needs' if self.family in families else 'has no'} {part} settings"
+                )
+        if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
             raise InvalidModelConfigError(
-                f"family {self.family.value} {'needs' if self.moe is None else 'has no'} "
-                "MoE settings (ModelConfig.moe)"
+                "with MLA, head_dim is the rotated width qk_rope_head_dim"
             )
         if self.partial_rotary_factor != 1.0 and self.family is not ModelFamily.MINIMAX_M2:
             raise UnsupportedArchitectureError(
@@ -176,6 +178,11 @@ class ModelConfig:
         }.get(self.family, QkNorm.NONE)
 
     @property
+    def rope_interleaved(self) -> bool:
+        """RoPE on interleaved pairs (x0, x1), (x2, x3)... (GLM-5), not on halves."""
+        return self.family is ModelFamily.GLM_MOE_DSA
+
+    @property
     def rotary_dim(self) -> int:
         """Leading dimensions of each head that RoPE rotates (the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -189,9 +196,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, num_layers: int, dtype: Any) -> int:
-        """Bytes of K plus V one token occupies in ``num_layers`` layers stored as ``dtype``
-        (a torch dtype, or anything with ``itemsize``)."""
-        return 2 * num_layers * self.kv_size * int(dtype.itemsize)
+        """Bytes of K plus V (with MLA: latent, rotated key part and indexer key) one token
+        occupies in ``num_layers`` layers stored as ``dtype`` (a torch dtype, or anything
+        with ``itemsize``)."""
+        per_layer = 2 * self.kv_size if self.mla is None else self.mla.entry_width
+        return num_layers * per_layer * int(dtype.itemsize)
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any], name: str = "") -> ModelConfig:
@@ -200,9 +209,16 @@ class ModelConfig:
         missing or inconsistent fields."""
         family = _family_of(d)
         _reject_unsupported_options(d, family)
+        glm = family is ModelFamily.GLM_MOE_DSA
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
+            layers = int(d["num_hidden_layers"])
+            moe = None
+            if family is ModelFamily.MINIMAX_M2:
+                moe = minimax_moe_of(d)
+            elif glm:
+                moe = glm_moe_of(d, layers)
             rope_params = dict(d.get("rope_parameters") or {})
             rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
             scaling_d = d.get("rope_scaling") or rope_params
@@ -217,10 +233,12 @@ class ModelConfig:
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
+                head_dim=int(d["qk_rope_head_dim"])
+                if glm
+                else int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=_rope_scaling_of(
@@ -231,8 +249,9 @@ class ModelConfig:
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
                 name=name,
-                moe=_moe_of(d) if family is ModelFamily.MINIMAX_M2 else None,
+                moe=moe,
                 partial_rotary_factor=_partial_rotary_of(d),
+                mla=glm_mla_of(d) if glm else None,
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -267,14 +286,11 @@ class ModelConfig:
         }
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
+        glm = self.family is ModelFamily.GLM_MOE_DSA
         if self.moe is not None:
-            d.update(
-                num_local_experts=self.moe.num_experts,
-                num_experts_per_tok=self.moe.top_k,
-                intermediate_size=self.moe.expert_intermediate_size,
-                scoring_func="sigmoid",
-                use_routing_bias=True,
-            )
+            d.update(moe_to_hf(self.moe, glm))
+        if self.mla is not None:
+            d.update(mla_to_hf(self.mla))
         if self.partial_rotary_factor != 1.0:
             d["rotary_dim"] = self.rotary_dim
             d["partial_rotary_factor"] = self.partial_rotary_factor
@@ -304,41 +320,9 @@ def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> No
         if d.get(option):
             raise UnsupportedArchitectureError(f"config option {option}=true is not supported")
     if family is ModelFamily.MINIMAX_M2:
-        _reject_unsupported_minimax(d)
-
-
-# MiniMax-M2 config.json options whose other values change the numerics; transformers'
-# minimax_m2 implements exactly these, and so do we.
-_MINIMAX_FIXED = {
-    "scoring_func": "sigmoid",
-    "qk_norm_type": "per_layer",
-    "use_qk_norm": True,
-    "use_routing_bias": True,
-    "shared_intermediate_size": 0,
-}
-
-
-def _reject_unsupported_minimax(d: Mapping[str, Any]) -> None:
-    for option, supported in _MINIMAX_FIXED.items():
-        if option in d and d[option] != supported:
-            raise UnsupportedArchitectureError(
-                f"MiniMax-M2 config option {option}={d[option]!r} is not implemented "
-                f"(supported: {supported!r})"
-            )
-    attn_types = d.get("attn_type_list")
-    if attn_types and any(t != 1 for t in attn_types):
-        raise UnsupportedArchitectureError(
-            "MiniMax-M2 attn_type_list with linear-attention layers (type 0) is not "
-            "implemented; every layer must be full attention (1)"
-        )
-
-
-def _moe_of(d: Mapping[str, Any]) -> MoeConfig:
-    return MoeConfig(
-        num_experts=int(d.get("num_local_experts", d.get("num_experts", 0))),
-        top_k=int(d["num_experts_per_tok"]),
-        expert_intermediate_size=int(d["intermediate_size"]),
-    )
+        reject_unsupported_minimax(d)
+    if family is ModelFamily.GLM_MOE_DSA:
+        reject_unsupported_glm(d)
 
 
 def _partial_rotary_of(d: Mapping[str, Any]) -> float:

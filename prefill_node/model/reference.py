@@ -11,16 +11,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from prefill_node.errors import MissingTensorError
+from prefill_node.errors import MissingTensorError, UnsupportedArchitectureError
 from prefill_node.model.config import ModelConfig, MoeConfig, QkNorm
 from prefill_node.model.rope import inverse_frequencies
 from prefill_node.model.weights import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
-    ROUTER,
-    ROUTER_BIAS,
-    expert_prefix,
+    MINIMAX_MOE,
     weight_names,
 )
 
@@ -45,13 +43,18 @@ def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
 def _moe(moe: MoeConfig, h: torch.Tensor, w) -> torch.Tensor:
     """Token by token, expert by expert: sigmoid scores, biased top-k choice, renormalised."""
     out = torch.zeros_like(h)
-    scores = torch.sigmoid((h @ w(ROUTER).T).float())
+    n = MINIMAX_MOE
+    scores = torch.sigmoid((h @ w(n.router).T).float())
     for t in range(h.shape[0]):
-        chosen = torch.topk(scores[t] + w(ROUTER_BIAS).float(), moe.top_k).indices
+        chosen = torch.topk(scores[t] + w(n.bias).float(), moe.top_k).indices
         weights = scores[t, chosen] / scores[t, chosen].sum()
         for e, weight in zip(chosen.tolist(), weights, strict=True):
-            p = expert_prefix(e)
-            y = _swiglu(h[t : t + 1], w(p + "w1.weight"), w(p + "w3.weight"), w(p + "w2.weight"))
+            proj = (
+                n.expert_tensor(e, n.gate),
+                n.expert_tensor(e, n.up),
+                n.expert_tensor(e, n.down),
+            )
+            y = _swiglu(h[t : t + 1], *(w(s) for s in proj))
             out[t] += (y[0].float() * weight).to(h.dtype)
     return out
 
@@ -65,6 +68,11 @@ def reference_forward(
     Returns the fp32 logits of the last token [vocab] and, per layer, the post-RoPE (and, for
     Qwen3, post-q/k-norm) K and V [T, kv_heads, head_dim] - what a paged cache must hold.
     """
+    if config.mla is not None or (config.moe is not None and config.family.value != "minimax_m2"):
+        raise UnsupportedArchitectureError(
+            f"reference_forward implements Llama, Qwen3 and MiniMax-M2, not {config.family.value}"
+            " (compare such models with transformers)"
+        )
     for name in weight_names(config):
         if name not in weights:
             raise MissingTensorError(f"tensor {name!r} is missing from the reference weights")

@@ -69,3 +69,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x * cos + rotate_half(x) * sin
     head, tail = x[..., :rot], x[..., rot:]
     return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GLM-5 / DeepSeek layout: pairs (x0, x1), (x2, x3)... each rotated by one frequency;
+    the result holds the rotated even elements, then the odd ones (transformers' layout)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

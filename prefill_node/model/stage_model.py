@@ -23,10 +23,11 @@ from prefill_node.errors import InvariantError, MissingTensorError
 from prefill_node.model.attention import AttentionPlan
 from prefill_node.model.batch import ChunkBatch
 from prefill_node.model.config import ModelConfig
-from prefill_node.model.layers import DecoderLayer, rms_norm, take
+from prefill_node.model.layers import DecoderLayer
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.rope import RotaryEmbedding
+from prefill_node.model.tensor_ops import rms_norm, take
 from prefill_node.model.weights import EMBED, FINAL_NORM, LM_HEAD, random_weights, weight_shapes
 
 
