@@ -3,8 +3,9 @@
 One server process (2 stages, each with its own NIXL agent), two decode client processes at
 once (push, and pull over the leased manifests), decode block size 8 vs prefill 4 (layout
 conversion on the way). Every generated id must equal transformers' greedy ``generate`` from
-the same checkpoint, for a dense (Llama) and a MoE (MiniMax-M2) family; the server keeps
-serving and exits cleanly.
+the same checkpoint, for a dense (Llama), a MoE (MiniMax-M2) and an MLA + sparse-attention
+(GLM-5: its latent cache entries - latent, rotated key, indexer key - are what ships) family;
+the server keeps serving and exits cleanly.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from prefill_node.cli import serve as serve_cli
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
-from tests.tiny_models import tiny_llama, tiny_minimax_m2
+from tests.tiny_models import tiny_glm5, tiny_llama, tiny_minimax_m2
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 # Untied embeddings: a random tied model tends to repeat its last token, which would hide
@@ -29,6 +30,7 @@ CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 CONFIGS = {
     "llama": tiny_llama("tiny-untied", tie_word_embeddings=False),
     "minimax-m2-moe": tiny_minimax_m2("tiny-minimax-m2"),
+    "glm-5-mla-dsa": tiny_glm5("tiny-glm5"),
 }
 NEW_TOKENS = 32
 

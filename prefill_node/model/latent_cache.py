@@ -1,12 +1,15 @@
 """One stage's paged MLA memory: per local layer, every token's latent + rotated key + indexer key.
 
-Layout per layer: ``[num_blocks, block_size, entry_width]`` with ``entry_width =
-kv_lora_rank + qk_rope_head_dim + index_head_dim`` (``MlaConfig.entry_width``): one block id
+Layout per layer: ``[num_blocks, 1, block_size, 1, entry_width]`` with ``entry_width =
+kv_lora_rank + qk_rope_head_dim + index_head_dim`` (``MlaConfig.entry_width``), i.e. a GQA
+pool's 5-D shape with ONE plane (not K and V) of one "head" per token: one block id
 covers ALL of a token's per-layer state (the compressed KV latent, the shared rotated key
 part, and the sparse-attention indexer's key), so the sans-IO block pool, escrow and prefix
 hashing count, pin, hash and evict MLA blocks exactly like GQA blocks. Allocated contiguous
-once and never reallocated, so a transfer engine could register ``tensors`` like
-``PagedKVCache``'s. The cache only holds memory; block ownership is the block pool's.
+once and never reallocated; a transfer engine registers ``tensors`` like ``PagedKVCache``'s
+and describes them with ``planes = 1``, ``num_kv_heads = 1``, ``head_dim = entry_width``
+(the KV manifest / ``KvLayout`` fields), so shipping moves whole token entries. The cache
+only holds memory; block ownership is the block pool's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefill_node.errors import InvariantError
+from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange
 
 if TYPE_CHECKING:
@@ -43,9 +47,11 @@ class PagedLatentCache:
         self.layer_range = layer_range
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.planes, self.num_kv_heads, self.head_dim = 1, 1, mla.entry_width
+        self.entry_parts = (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.index_head_dim)
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, mla.entry_width)
+        shape = (num_blocks, 1, block_size, 1, mla.entry_width)
         self.tensors: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in layer_range
         ]
@@ -77,6 +83,12 @@ class PagedLatentCache:
         blocks = self.layer(global_layer).index_select(0, table[:n_blocks])
         return blocks.view(-1, self.mla.entry_width)[:num_tokens]
 
+    def read_planes(
+        self, global_layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The cache's planes for positions [0, num_tokens): here the one of entries."""
+        return (self.read(global_layer, block_table, num_tokens),)
+
     def read(self, global_layer: int, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
         """``gather`` from a Python block table (a copy)."""
         if len(block_table) * self.block_size < num_tokens:
@@ -100,6 +112,9 @@ class PagedLatentCache:
                 t[dst].copy_(t[src])
 
 
+StageCache = PagedKVCache | PagedLatentCache
+
+
 def stage_cache(
     config: ModelConfig,
     layer_range: LayerRange,
@@ -107,10 +122,8 @@ def stage_cache(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-):
+) -> StageCache:
     """The paged cache a stage of ``config`` needs: MLA latent blocks or GQA K/V blocks."""
-    from prefill_node.model.paged_kv import PagedKVCache
-
     if config.mla is not None:
         return PagedLatentCache(config.mla, layer_range, num_blocks, block_size, dtype, device)
     return PagedKVCache.for_model(config, layer_range, num_blocks, block_size, dtype, device)
