@@ -93,8 +93,8 @@ def test_indexer_drops_tokens_and_that_changes_the_output(checkpoint):
     batch = ChunkBatch((ChunkSpec(0, len(TOKENS), table),))
     cp = AttentionPlan.build(batch, caches[0], torch.float32).chunks[0]
     _, _, index_keys = caches[0].split(caches[0].read(1, table, len(TOKENS)))
-    iq = torch.randn(40, 8, 16, generator=torch.Generator().manual_seed(0))
-    iw = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+    iq = torch.randn(40, 16, 16, generator=torch.Generator().manual_seed(0))
+    iw = torch.randn(40, 16, generator=torch.Generator().manual_seed(1))
     chosen = attn.selection(iq, iw, index_keys, cp)
     counts = chosen.sum(-1).tolist()
     assert counts == [min(i + 1, 8) for i in range(40)]

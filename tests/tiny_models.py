@@ -76,7 +76,7 @@ def tiny_minimax_m2(name: str = "tiny-minimax-m2", **overrides: Any) -> ModelCon
 
 
 # A 3-layer GLM-5 (glm_moe_dsa): MLA (q LoRA 24, KV latent 16, rope 8, nope 12, v 12), a DSA
-# indexer keeping the 8 best earlier positions (8 heads of 16), 1 dense layer then a MoE of
+# indexer keeping the 8 best earlier positions (16 heads of 16), 1 dense layer then a MoE of
 # 8 experts in 2 groups (1 chosen), 2 per token, scaled by 2.5, plus a shared expert.
 TINY_GLM5_HF: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -102,7 +102,7 @@ TINY_GLM5_HF: dict[str, Any] = {
     "v_head_dim": 12,
     "index_topk": 8,
     "index_head_dim": 16,
-    "index_n_heads": 8,
+    "index_n_heads": 16,
     "max_position_embeddings": 256,
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,
