@@ -1,9 +1,11 @@
 """MoE families from Hugging Face checkpoints: MiniMax-M2 config parsing, typed errors for
-variants we do not implement, and stage slices that read only their own experts."""
+variants we do not implement, stage slices that read only their own experts, and the
+per-layer cost shape (active parameters) the router counts from the same tensor shapes."""
 
 from __future__ import annotations
 
 import json
+from math import prod
 
 import pytest
 import torch
@@ -19,8 +21,15 @@ from prefill_node.model.loader_hf import (
 )
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange, split_layers
-from prefill_node.model.weights import random_weights, weight_names
-from tests.tiny_models import TINY_MINIMAX_M2_HF, tiny_minimax_m2
+from prefill_node.model.weights import layer_weight_shapes, random_weights, weight_names
+from prefill_router.cost import cost_model_for
+from tests.tiny_models import (
+    TINY_LLAMA_HF,
+    TINY_MINIMAX_M2_HF,
+    tiny_glm5,
+    tiny_llama,
+    tiny_minimax_m2,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,10 +74,8 @@ def test_unsupported_minimax_variants_raise_typed_errors(tmp_path, changes, erro
 
 
 def test_partial_rope_is_rejected_for_dense_families():
-    from tests.tiny_models import tiny_llama_hf
-
     with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor"):
-        ModelConfig.from_hf_config(tiny_llama_hf(partial_rotary_factor=0.5))
+        ModelConfig.from_hf_config({**TINY_LLAMA_HF, "partial_rotary_factor": 0.5})
 
 
 def test_stage_slice_reads_only_its_layers_experts(tmp_path):
@@ -99,3 +106,21 @@ def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
         stage = load_stage_model(tmp_path / "theirs", lr)
         x = stage(x, batch, PagedKVCache.for_model(stage.config, lr, 7, 4))
     torch.testing.assert_close(stage.compute_logits(x[-1:])[0], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "minimax-m2", "glm-5"])
+def test_active_params_match_the_weights_a_token_touches(family):
+    """The router's per-layer cost shape is counted from the same tensor shapes the backend
+    loads: every matrix of a layer, except the experts a token is not routed to."""
+    config = {"llama": tiny_llama, "minimax-m2": tiny_minimax_m2, "glm-5": tiny_glm5}[family]()
+    for layer in range(config.num_layers):
+        shapes = layer_weight_shapes(config, layer)
+        matrices = {n: s for n, s in shapes.items() if len(s) == 2}
+        routed = [n for n in matrices if ".experts." in n]
+        total = sum(prod(s) for s in matrices.values())
+        if routed:
+            per_expert = sum(prod(matrices[n]) for n in routed) // config.moe.num_experts
+            total -= per_expert * (config.moe.num_experts - config.moe.top_k)
+        assert config.active_params_per_token(layer) == total
+    model = cost_model_for(config)
+    assert model.per_token_s > 0 and model.per_token_context_s > 0

@@ -202,6 +202,41 @@ class ModelConfig:
         per_layer = 2 * self.kv_size if self.mla is None else self.mla.entry_width
         return num_layers * per_layer * int(dtype.itemsize)
 
+    def active_params_per_token(self, layer: int) -> int:
+        """Weights one token multiplies through in decoder layer ``layer``: the attention
+        projections (MLA: q/kv LoRA, expansions and the indexer's) and the MLP, or a MoE
+        layer's router, its ``top_k`` routed experts and its shared experts. The per-layer
+        cost shape the router's and any simulator's FLOP counts should share."""
+        h = self.hidden_size
+        if self.mla is None:
+            attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        else:
+            m, heads = self.mla, self.num_heads
+            attn = (
+                h * m.q_lora_rank
+                + m.q_lora_rank * heads * m.qk_head_dim
+                + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+                + heads * m.v_head_dim * h
+                + m.q_lora_rank * m.index_n_heads * m.index_head_dim
+                + h * (m.index_head_dim + m.index_n_heads)
+            )
+        moe = self.moe
+        if moe is None or not moe.is_sparse(layer):
+            return attn + 3 * h * self.intermediate_size
+        experts = moe.top_k + moe.num_shared_experts
+        return attn + h * moe.num_experts + 3 * h * moe.expert_intermediate_size * experts
+
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair in one layer: QK^T and PV over every head (MLA:
+        nope + rope query width, v width; plus the indexer's scoring), dense causal."""
+        if self.mla is None:
+            return 4 * self.q_size
+        m = self.mla
+        return 2 * self.num_heads * (m.qk_head_dim + m.v_head_dim) + 2 * m.index_n_heads * (
+            m.index_head_dim
+        )
+
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any], name: str = "") -> ModelConfig:
         """Parse a Hugging Face ``config.json`` dict. Raises UnsupportedArchitectureError
