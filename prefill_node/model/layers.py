@@ -18,6 +18,7 @@ from torch import nn
 
 from prefill_node.model.attention import AttentionPlan, paged_attention
 from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
+from prefill_node.model.latent_cache import StageCache
 from prefill_node.model.mla import MlaAttention
 from prefill_node.model.moe import SparseMoe, swiglu
 from prefill_node.model.paged_kv import PagedKVCache
@@ -141,7 +142,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: AttentionPlan,
-        kv: PagedKVCache,
+        kv: StageCache,
     ) -> torch.Tensor:
         """Residual stream x [T, hidden] -> [T, hidden]; stores this layer's cache entries."""
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, plan, kv)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from prefill_node.errors import MissingTensorError, UnsupportedArchitectureError
-from prefill_node.model.config import ModelConfig, MoeConfig, QkNorm
+from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig, QkNorm
 from prefill_node.model.rope import inverse_frequencies
 from prefill_node.model.weights import (
     EMBED,
@@ -68,7 +68,7 @@ def reference_forward(
     Returns the fp32 logits of the last token [vocab] and, per layer, the post-RoPE (and, for
     Qwen3, post-q/k-norm) K and V [T, kv_heads, head_dim] - what a paged cache must hold.
     """
-    if config.mla is not None or (config.moe is not None and config.family.value != "minimax_m2"):
+    if config.family not in (ModelFamily.LLAMA, ModelFamily.QWEN3, ModelFamily.MINIMAX_M2):
         raise UnsupportedArchitectureError(
             f"reference_forward implements Llama, Qwen3 and MiniMax-M2, not {config.family.value}"
             " (compare such models with transformers)"
