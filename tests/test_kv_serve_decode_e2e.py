@@ -22,6 +22,7 @@ import pytest
 from prefill_node.cli import serve as serve_cli
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
+from tests.hf_reference import transformers_greedy
 from tests.tiny_models import tiny_glm5, tiny_llama, tiny_minimax_m2
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
@@ -33,27 +34,6 @@ CONFIGS = {
     "glm-5-mla-dsa": tiny_glm5("tiny-glm5"),
 }
 NEW_TOKENS = 32
-
-
-def transformers_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():  # explicit mask: a pad id would otherwise mask that token
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        out.append(gen[0, len(prompt) :].tolist())
-    return out
 
 
 def _decode(port: int, model: str, mode: str, prompts: list[list[int]]) -> subprocess.Popen:

@@ -134,3 +134,18 @@ def test_config_round_trip_and_typed_errors(tmp_path):
             load_hf_config(tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="transformers"):
         reference_forward(CONFIG, random_weights(CONFIG, seed=0), [1, 2])
+
+
+def test_bf16_runs_close_to_fp32(checkpoint, hf_out):
+    _, weights = checkpoint
+    stage = StageModel(CONFIG, LayerRange(0, 3), dtype=torch.bfloat16)
+    stage.load_weights(weights)
+    cache = stage_cache(CONFIG, stage.layer_range, 12, BLOCK, dtype=torch.bfloat16)
+    table = tuple(range(11, -1, -1))
+    stage(torch.tensor(TOKENS[:17]), ChunkBatch((ChunkSpec(0, 17, table),)), cache)
+    hidden = stage(torch.tensor(TOKENS[17:]), ChunkBatch((ChunkSpec(17, 23, table),)), cache)
+    assert hidden.dtype == torch.bfloat16 and cache.tensors[0].dtype == torch.bfloat16
+    logits = stage.compute_logits(hidden[-1:])[0]
+    ref = hf_out.logits[0, -1]
+    assert torch.isfinite(logits).all()
+    assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
