@@ -218,7 +218,7 @@ def test_moe_and_mla_families_push_and_pull_equal_transformers_generate(tmp_path
     spec = DecodeWorkerSpec(model_config=config, seed=0, num_blocks=48, block_size=8, timeout_s=5)
     with DecodeWorkerProcess(spec) as decode:
         local = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=6)
-        engine = LocalEngine.from_weights(config, weights, local, LocalKVShipping(SHIPPING))
+        engine = LocalEngine.from_weights(config, weights, local, SHIPPING)
         try:
             pushed = push_round_trip(engine, decode, f"{family}-push", push_prompt)
             options = PrefillOptions(f"{family}-pull", kv_destination=KVPullDestination())
