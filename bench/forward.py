@@ -5,13 +5,16 @@ the chunk's KV, and produce the last token's logits: ours with a paged cache alr
 the context (``StageModel.forward`` + ``compute_logits`` on the last row), transformers with
 a ``DynamicCache`` prefilled to the context (a fresh copy per run, copied outside the timing)
 and ``logits_to_keep=1``. Same model, same weights, same thread count; runs of the two sides
-are interleaved so background load hits both alike. The model is the default SmolLM2-135M
-(converted real weights when ``prefill_node.model.default_model`` can provide them, else
-random weights with its config; the output says which). Each cell reports tokens/s from the
-median wall-clock time and, because a shared machine's load swings wall time by 2x, also
-from the median CPU time of the (single) compute thread.
+are interleaved so background load hits both alike. ``--family llama`` (default) is
+SmolLM2-135M (converted real weights when ``prefill_node.model.default_model`` can provide
+them, else random weights with its config; the output says which); ``--family minimax-m2``
+is a small random MiniMax-M2-class MoE and ``--family glm-5`` a small random GLM-5-class
+model (MLA + sparse-attention indexer keeping 256 positions + MoE with a shared expert);
+transformers loads those from a checkpoint directory written here. Each cell reports
+tokens/s from the median wall-clock time and, because a shared machine's load swings wall
+time by 2x, also from the median CPU time of the (single) compute thread.
 
-    python bench/forward.py --json /tmp/forward.json [--runs 3] [--threads 1]
+    python bench/forward.py --json /tmp/forward.json [--family minimax-m2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import copy
 import inspect
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -29,9 +33,9 @@ import torch
 from tqdm import tqdm
 
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
-from prefill_node.model.config import ModelConfig, ModelFamily
-from prefill_node.model.loader_hf import load_hf_config, load_hf_weights
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig
+from prefill_node.model.latent_cache import stage_cache
+from prefill_node.model.loader_hf import load_hf_config, load_hf_weights, save_hf_checkpoint
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights
@@ -54,7 +58,66 @@ SMOLLM2_135M = ModelConfig(
 )
 
 
-def load_model(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+# MiniMax-M2's shape (GQA 6:1, partial RoPE over half a head, 8 of many narrow experts),
+# shrunk so a CPU forward takes seconds.
+MINIMAX_M2_SMALL = ModelConfig(
+    family=ModelFamily.MINIMAX_M2,
+    vocab_size=8192,
+    hidden_size=384,
+    intermediate_size=128,
+    num_layers=6,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=5_000_000.0,
+    rope_scaling=None,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    name="MiniMax-M2-small-random",
+    moe=MoeConfig(num_experts=32, top_k=8, expert_intermediate_size=128),
+    partial_rotary_factor=0.5,
+)
+
+
+# GLM-5's shape shrunk: MLA (q LoRA, KV latent, rope/nope/v split), an indexer keeping 256
+# positions (so the 2048-token context is sparse), 1 dense layer then 32 experts (8 active)
+# plus a shared one.
+GLM5_SMALL = ModelConfig.from_hf_config(
+    {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "vocab_size": 8192,
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "n_shared_experts": 1,
+        "n_routed_experts": 32,
+        "routed_scaling_factor": 2.5,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 128,
+        "q_lora_rank": 192,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "index_topk": 256,
+        "index_head_dim": 64,
+        "index_n_heads": 8,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1_000_000.0,
+    },
+    name="GLM-5-small-random",
+)
+SMALL_FAMILIES = {"minimax-m2": MINIMAX_M2_SMALL, "glm-5": GLM5_SMALL}
+
+
+def load_model(family: str, force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    if family in SMALL_FAMILIES:
+        config = SMALL_FAMILIES[family]
+        return config, random_weights(config, seed=0), "random weights"
     if not force_random:
         try:
             from prefill_node.model.default_model import default_model_dir
@@ -71,6 +134,13 @@ def load_model(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]
 def build_hf(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
     import transformers
 
+    if config.moe is not None:  # per-expert checkpoint tensors: transformers fuses on load
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf_checkpoint(tmp, config, weights)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                tmp, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        return model.eval().to(dtype)
     hf_cfg = transformers.AutoConfig.for_model(**config.to_hf_config())
     hf_cfg._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
@@ -88,7 +158,7 @@ class Cell:
         block = 16
         blocks = -(-(context + chunk) // block)
         table = tuple(torch.randperm(blocks, generator=g).tolist())
-        self.kv = PagedKVCache.for_model(config, ours.layer_range, blocks, block, ours.dtype)
+        self.kv = stage_cache(config, ours.layer_range, blocks, block, ours.dtype)
         self.batch = ChunkBatch((ChunkSpec(context, chunk, table),))
         self.hf_cache = None
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache``
@@ -146,13 +216,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--contexts", type=int, nargs="+", default=[0, 2048])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--family", choices=["llama", *SMALL_FAMILIES], default="llama")
     ap.add_argument("--random-weights", action="store_true", help="skip the real default model")
     args = ap.parse_args()
     if args.runs < 3:
         ap.error("--runs must be >= 3 (the result is a median)")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    config, weights, source = load_model(args.random_weights)
+    config, weights, source = load_model(args.family, args.random_weights)
     ours = StageModel(config, LayerRange(0, config.num_layers), dtype)
     ours.load_weights(weights)
     hf = build_hf(config, weights, dtype)
@@ -180,6 +251,7 @@ def main() -> None:
                 bar.update()
             row = {
                 "bench": "forward",
+                "family": config.family.value,
                 "model": config.name,
                 "weights": "random" if "random" in source else "real",
                 "dtype": args.dtype,

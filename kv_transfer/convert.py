@@ -17,7 +17,8 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.plan import PageMap, staging_page_map, token_runs
 
 KVLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""One layer of a pool: a tensor ``[num_blocks, 2, block_size, H, D]`` (K at 0, V at 1), or
+"""One layer of a pool: a tensor ``[num_blocks, planes, block_size, H, D]`` (K at 0, V at 1;
+or one plane of whole per-token entries, an MLA latent pool), or
 its K and V as two tensors ``[num_blocks, block_size, H, D]`` with any strides (an engine's
 cache whose K and V blocks are laid out differently; see vllm_decode/cache.py)."""
 
@@ -25,12 +26,17 @@ cache whose K and V blocks are laid out differently; see vllm_decode/cache.py)."
 def kv_parts(layer: KVLayer) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``layer`` as ``[num_blocks, block_size, H, D]`` views."""
     if isinstance(layer, torch.Tensor):
+        if layer.shape[1] != 2:
+            raise InvalidTransferRequest(
+                f"a one-plane pool (whole per-token entries, shape {tuple(layer.shape)}) has "
+                "no separate K and V; it can only be copied to another one-plane pool"
+            )
         return layer[:, 0], layer[:, 1]
     return layer
 
 
 def layer_device(layer: KVLayer) -> torch.device:
-    return kv_parts(layer)[0].device
+    return layer.device if isinstance(layer, torch.Tensor) else layer[0].device
 
 
 def layout_of_views(layer_start: int, layers: Sequence[KVLayer]) -> KVLayout:
@@ -98,18 +104,21 @@ def copy_tokens(
     One strided copy per token run (about one per block; K and V apart when either side
     keeps them apart): no gathered intermediate.
     """
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
+        if src.shape[1] != dst.shape[1] or src.shape[3:] != dst.shape[3:]:
+            raise InvalidTransferRequest(
+                f"planes / KV heads x head dim differ: {tuple(src.shape)} vs {tuple(dst.shape)}"
+            )
+        for sb, so, db, do, n in token_runs(src_pages, dst_pages, start, end).tolist():
+            dst[db, :, do : do + n].copy_(src[sb, :, so : so + n])
+        return
     src_kv, dst_kv = kv_parts(src), kv_parts(dst)
     if src_kv[0].shape[2:] != dst_kv[0].shape[2:]:
         raise InvalidTransferRequest(
             f"KV heads x head dim differ: {tuple(src_kv[0].shape[2:])} vs "
             f"{tuple(dst_kv[0].shape[2:])}"
         )
-    runs = token_runs(src_pages, dst_pages, start, end).tolist()
-    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
-        for sb, so, db, do, n in runs:
-            dst[db, :, do : do + n].copy_(src[sb, :, so : so + n])
-        return
-    for sb, so, db, do, n in runs:
+    for sb, so, db, do, n in token_runs(src_pages, dst_pages, start, end).tolist():
         for s, d in zip(src_kv, dst_kv, strict=True):
             d[db, do : do + n].copy_(s[sb, so : so + n])
 

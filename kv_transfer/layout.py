@@ -1,8 +1,10 @@
 """KV layout descriptor: geometry and memory regions of one paged KV pool (one stage or decode).
 
 A pool holds, for each of its layers ``[layer_start, layer_end)``, one contiguous tensor
-shaped ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at index 0, V at 1). The
-descriptor is plain data so the gRPC manifest can carry it (``to_dict`` / ``from_dict``).
+shaped ``[num_blocks, planes, block_size, num_kv_heads, head_dim]``: ``planes = 2`` for K
+(index 0) and V (index 1); ``planes = 1`` for a pool of whole per-token entries (an MLA
+latent cache: latent, rotated key and indexer key as one "head" of ``head_dim`` numbers).
+The descriptor is plain data so the gRPC manifest can carry it (``to_dict`` / ``from_dict``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class KVLayout:
     """Geometry of a paged KV pool and where each layer's tensor lives.
 
     ``regions[i]`` is the tensor of layer ``layer_start + i``. Byte offsets inside a layer:
-    block ``b``, K/V ``kv``, token ``t`` starts at ``b*block_bytes + kv*page_bytes +
+    block ``b``, plane ``kv`` (K/V), token ``t`` starts at ``b*block_bytes + kv*page_bytes +
     t*token_bytes``. ``regions`` may be empty for a geometry-only descriptor (planning).
     """
 
@@ -61,8 +63,11 @@ class KVLayout:
     head_dim: int
     dtype: str
     regions: tuple[MemoryRegion, ...] = ()
+    planes: int = 2
 
     def __post_init__(self) -> None:
+        if self.planes not in (1, 2):
+            raise InvalidTransferRequest(f"planes must be 1 or 2, got {self.planes}")
         if not 0 <= self.layer_start < self.layer_end:
             raise InvalidTransferRequest(
                 f"layer range must satisfy 0 <= start < end, got [{self.layer_start}, "
@@ -104,7 +109,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.page_bytes
+        return self.planes * self.page_bytes
 
     @property
     def layer_bytes(self) -> int:
@@ -120,12 +125,15 @@ class KVLayout:
     def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutMismatch unless ``other``'s KV can be converted into this layout.
 
-        Block size and dtype may differ (convert.py handles them); heads and head dim may not.
+        Block size and dtype may differ (convert.py handles them); planes, heads and head
+        dim may not.
         """
-        if (self.num_kv_heads, self.head_dim) != (other.num_kv_heads, other.head_dim):
+        mine = (self.planes, self.num_kv_heads, self.head_dim)
+        theirs = (other.planes, other.num_kv_heads, other.head_dim)
+        if mine != theirs:
             raise LayoutMismatch(
-                f"KV heads x head dim differ: {self.num_kv_heads}x{self.head_dim} vs "
-                f"{other.num_kv_heads}x{other.head_dim}; the decode model must match prefill's"
+                f"planes x KV heads x head dim differ: {'x'.join(map(str, mine))} vs "
+                f"{'x'.join(map(str, theirs))}; the decode model must match prefill's"
             )
 
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
@@ -143,6 +151,7 @@ class KVLayout:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "regions": [[r.base_addr, r.length, r.device_id, r.mem_type] for r in self.regions],
+            "planes": self.planes,
         }
 
     @classmethod
@@ -160,6 +169,7 @@ class KVLayout:
                 head_dim=int(data["head_dim"]),
                 dtype=str(data["dtype"]),
                 regions=regions,
+                planes=int(data.get("planes", 2)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidTransferRequest):
@@ -183,18 +193,20 @@ class KVLayout:
             self.head_dim,
             self.dtype,
             regions,
+            self.planes,
         )
 
 
 def layout_of_tensors(layer_start: int, kv_caches: Sequence[Any]) -> KVLayout:
-    """Describe per-layer torch tensors ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
+    """Describe per-layer torch tensors ``[num_blocks, planes, block_size, kv_heads, head_dim]``."""
     if not kv_caches:
         raise InvalidTransferRequest("need at least one layer tensor")
     first = kv_caches[0]
     shape = tuple(first.shape)
-    if len(shape) != 5 or shape[1] != 2:
+    if len(shape) != 5 or shape[1] not in (1, 2):
         raise InvalidTransferRequest(
-            f"KV tensors must be [num_blocks, 2, block_size, kv_heads, head_dim], got {shape}"
+            "KV tensors must be [num_blocks, planes (1 or 2), block_size, kv_heads, head_dim], "
+            f"got {shape}"
         )
     regions = []
     for t in kv_caches:
@@ -218,4 +230,5 @@ def layout_of_tensors(layer_start: int, kv_caches: Sequence[Any]) -> KVLayout:
         head_dim=shape[4],
         dtype=str(first.dtype).removeprefix("torch."),
         regions=tuple(regions),
+        planes=shape[1],
     )

@@ -86,11 +86,11 @@ def _layer_bases(layout: KVLayout, layers: range) -> np.ndarray:
 
 
 def _addresses(layout: KVLayout, layers: range, blocks: np.ndarray, offs: np.ndarray) -> np.ndarray:
-    """Byte addresses shaped [layer, run, kv] (K page then V page of each run)."""
+    """Byte addresses shaped [layer, run, plane] (K page then V page of each run)."""
     base = _layer_bases(layout, layers)[:, None, None]
     in_layer = (
         blocks.astype(np.uint64)[None, :, None] * np.uint64(layout.block_bytes)
-        + np.arange(2, dtype=np.uint64)[None, None, :] * np.uint64(layout.page_bytes)
+        + np.arange(layout.planes, dtype=np.uint64)[None, None, :] * np.uint64(layout.page_bytes)
         + offs.astype(np.uint64)[None, :, None] * np.uint64(layout.token_bytes)
     )
     return base + in_layer
@@ -123,7 +123,7 @@ def build_descriptors(
     d = _addresses(dst, layers, runs[:, 2], runs[:, 3]).ravel()
     n = np.broadcast_to(
         (runs[:, 4].astype(np.uint64) * np.uint64(src.token_bytes))[None, :, None],
-        (len(layers), len(runs), 2),
+        (len(layers), len(runs), src.planes),
     ).ravel()
     if len(n) == 0:
         empty = np.zeros((0, 3), dtype=np.uint64)

@@ -125,7 +125,14 @@ def start_transfer(
         runs_local_pages, runs_local_layout = local_pages, local_layout
         if local_layout.dtype != remote_layout.dtype or not local_layout.regions:
             count = end - start
-            shape = (len(layers), 1, 2, count, local_layout.num_kv_heads, local_layout.head_dim)
+            shape = (
+                len(layers),
+                1,
+                local_layout.planes,
+                count,
+                local_layout.num_kv_heads,
+                local_layout.head_dim,
+            )
             dtype = torch_dtype(remote_layout.dtype)
             staging = agent.staging.acquire(shape, dtype, layer_device(mine[0]))
             if op == "WRITE":

@@ -11,11 +11,10 @@ FLOPS_PER_S = 1e14
 
 
 def cost_model_for(config: ModelConfig, flops_per_s: float = FLOPS_PER_S) -> ChunkCostModel:
-    """Per token: 2 FLOPs per weight of the attention projections and the MLP of every layer;
-    per (query, key) pair: QK^T and PV, 2 FLOPs per head dimension each, in every layer."""
-    d, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads
-    projections = d * q + 2 * d * kv * config.head_dim + q * d
-    mlp = 3 * d * config.intermediate_size
-    linear = 2.0 * config.num_layers * (projections + mlp)
-    attention = 4.0 * config.num_layers * q
+    """Per token: 2 FLOPs per weight a token multiplies through in every layer (attention
+    projections and the MLP, or a MoE layer's active experts: ``active_params_per_token``);
+    per (query, key) pair: QK^T and PV in every layer (``attention_flops_per_pair``)."""
+    layers = range(config.num_layers)
+    linear = 2.0 * sum(config.active_params_per_token(layer) for layer in layers)
+    attention = float(config.num_layers * config.attention_flops_per_pair())
     return ChunkCostModel.from_flops(linear, attention, flops_per_s)

@@ -206,6 +206,35 @@ def test_unread_pull_lease_expires_after_the_requests_ttl_and_unpins_every_stage
         engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["minimax-m2", "glm-5"])
+def test_moe_and_mla_families_push_and_pull_equal_transformers_generate(tmp_path, family):
+    """MiniMax-M2 (MoE, K/V blocks) and GLM-5 (MLA: one-plane latent entries shipped)."""
+    from prefill_node.model.loader_hf import save_hf_checkpoint
+    from tests.hf_reference import transformers_greedy
+    from tests.tiny_models import tiny_glm5, tiny_minimax_m2
+
+    config = {"minimax-m2": tiny_minimax_m2, "glm-5": tiny_glm5}[family]()
+    weights = random_weights(config, seed=0)
+    save_hf_checkpoint(tmp_path, config, weights)
+    push_prompt, pull_prompt = prompt_of(13, seed=8), prompt_of(17, seed=9)
+    spec = DecodeWorkerSpec(model_config=config, seed=0, num_blocks=48, block_size=8, timeout_s=5)
+    with DecodeWorkerProcess(spec) as decode:
+        local = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=6)
+        engine = LocalEngine.from_weights(config, weights, local, SHIPPING)
+        try:
+            pushed = push_round_trip(engine, decode, f"{family}-push", push_prompt)
+            options = PrefillOptions(f"{family}-pull", kv_destination=KVPullDestination())
+            result = engine.submit(pull_prompt, options).result()
+            assert {m.planes for m in result.stage_manifests} == {1 if config.mla else 2}
+            decode.pull(f"{family}-pull", pull_prompt, result.stage_manifests)
+            pulled = list(decode.generate(f"{family}-pull", result.first_token_id, NEW_TOKENS))
+            wait_idle(engine)
+            assert decode.stats().used_blocks == 0
+        finally:
+            engine.shutdown()
+    assert [pushed, pulled] == transformers_greedy(tmp_path, [push_prompt, pull_prompt], NEW_TOKENS)
+
+
 def test_smollm2_push_generation_equals_monolithic_greedy(default_model_dir):
     from prefill_node.model.loader_hf import load_hf_config, load_hf_weights
     from prefill_node.model.partition import LayerRange

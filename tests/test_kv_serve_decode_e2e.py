@@ -2,8 +2,10 @@
 
 One server process (2 stages, each with its own NIXL agent), two decode client processes at
 once (push, and pull over the leased manifests), decode block size 8 vs prefill 4 (layout
-conversion on the way). Every generated id must equal a monolithic greedy generation with the
-independent reference forward; the server keeps serving and exits cleanly.
+conversion on the way). Every generated id must equal transformers' greedy ``generate`` from
+the same checkpoint, for a dense (Llama), a MoE (MiniMax-M2) and an MLA + sparse-attention
+(GLM-5: its latent cache entries - latent, rotated key, indexer key - are what ships) family;
+the server keeps serving and exits cleanly.
 """
 
 from __future__ import annotations
@@ -19,24 +21,19 @@ import pytest
 
 from prefill_node.cli import serve as serve_cli
 from prefill_node.model.loader_hf import save_hf_checkpoint
-from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
-from tests.tiny_models import tiny_llama
+from tests.hf_reference import transformers_greedy
+from tests.tiny_models import tiny_glm5, tiny_llama, tiny_minimax_m2
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 # Untied embeddings: a random tied model tends to repeat its last token, which would hide
-# wrong KV; this one's greedy continuations vary.
-CONFIG = tiny_llama("tiny-untied", tie_word_embeddings=False)
+# wrong KV; these ones' greedy continuations vary.
+CONFIGS = {
+    "llama": tiny_llama("tiny-untied", tie_word_embeddings=False),
+    "minimax-m2-moe": tiny_minimax_m2("tiny-minimax-m2"),
+    "glm-5-mla-dsa": tiny_glm5("tiny-glm5"),
+}
 NEW_TOKENS = 32
-
-
-def reference_greedy(weights, prompt: list[int], n: int) -> list[int]:
-    ids, out = list(prompt), []
-    for _ in range(n):
-        logits, _ = reference_forward(CONFIG, weights, ids)
-        out.append(int(logits.argmax()))
-        ids.append(out[-1])
-    return out
 
 
 def _decode(port: int, model: str, mode: str, prompts: list[list[int]]) -> subprocess.Popen:
@@ -57,9 +54,11 @@ def _ids(stdout: str) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_decode_against_a_stock_serve_matches_monolithic_greedy(tmp_path):
-    weights = random_weights(CONFIG, seed=0)
-    save_hf_checkpoint(tmp_path, CONFIG, weights)
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_decode_against_a_stock_serve_matches_transformers_generate(tmp_path, family):
+    pytest.importorskip("transformers")
+    config = CONFIGS[family]
+    save_hf_checkpoint(tmp_path, config, random_weights(config, seed=0))
     rng = random.Random(6)
     first = [rng.randrange(64) for _ in range(13)]
     second = first[:8] + [rng.randrange(64) for _ in range(6)]  # prefix hit on the prefill tier
@@ -90,11 +89,10 @@ def test_decode_against_a_stock_serve_matches_monolithic_greedy(tmp_path):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert _ids(push_out) == [
-        reference_greedy(weights, first, NEW_TOKENS),
-        reference_greedy(weights, second, NEW_TOKENS),
-    ]
-    assert _ids(pull_out) == [reference_greedy(weights, third, NEW_TOKENS)]
+    expected = transformers_greedy(tmp_path, [first, second, third], NEW_TOKENS)
+    assert len(set(map(tuple, expected))) == 3  # three different continuations
+    assert _ids(push_out) == expected[:2]
+    assert _ids(pull_out) == expected[2:]
     assert "(8 cached)" in push_err  # the second prompt reused the first's prefill blocks
 
 

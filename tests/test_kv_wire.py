@@ -6,9 +6,10 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
-from kv_transfer.errors import InvalidTransferRequest
-from kv_transfer.layout import KVLayout, MemoryRegion
+from kv_transfer.errors import InvalidTransferRequest, LayoutMismatch
+from kv_transfer.layout import KVLayout, MemoryRegion, layout_of_tensors
 from kv_transfer.messages import PushDestination, StageManifest
 from prefill_node.engine.types import KVPushDestination
 from prefill_node.errors import InvalidKVDestinationError, InvalidRequestError
@@ -19,6 +20,7 @@ from prefill_node.kv_shipping.kv_wire import (
     wire_manifest,
 )
 from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.server.kv_convert import manifest_from_proto, manifest_to_proto
 
 DECODE = KVLayout(0, 4, 32, 8, 2, 16, "bfloat16")
 
@@ -71,3 +73,22 @@ def test_pull_manifest_round_trips_through_the_engine_type():
 def test_shipping_config_is_validated_once():
     with pytest.raises(InvalidRequestError, match="positive"):
         KVShippingConfig(lease_ttl_s=0)
+
+
+def test_mla_one_plane_layout_survives_the_engine_and_proto_round_trips():
+    """An MLA pool ships whole per-token entries: one plane, its split named in the proto."""
+    tensors = [torch.zeros(20, 1, 4, 1, 40) for _ in range(2)]
+    layout = layout_of_tensors(2, tensors)
+    assert (layout.planes, layout.block_bytes) == (1, 4 * 40 * 4)
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(LayoutMismatch, match="planes"):
+        layout.check_compatible(KVLayout(2, 4, 20, 4, 1, 40, "float32"))  # a 2-plane pool
+    wire = StageManifest("r", 1, 2, "127.0.0.1:9", "stage1", layout, (4, 0), 7, "L-1", 30.0)
+    engine = engine_manifest(wire, entry_parts=(16, 8, 16))
+    assert (engine.planes, engine.entry_parts) == (1, (16, 8, 16))
+    assert wire_manifest(engine, "r", 2).layout == layout
+    proto = manifest_to_proto(engine)
+    assert proto.layout.mla.index_head_dim == 16
+    assert manifest_from_proto(proto) == replace(
+        engine, lease_expiry_unix_s=pytest.approx(engine.lease_expiry_unix_s, abs=1e-6)
+    )

@@ -1,17 +1,20 @@
-"""Our stage models and reference forward == transformers Llama / Qwen3 with the same weights."""
+"""Our stage models and reference forward == transformers (Llama, Qwen3, MiniMax-M2)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
-from prefill_node.model.config import ModelConfig, ModelFamily, RopeScaling
+from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig, RopeScaling
+from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
-from prefill_node.model.weights import random_weights
+from prefill_node.model.weights import MINIMAX_MOE, random_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,10 +54,19 @@ CONFIGS = {
     "qwen3-qknorm-tied": make_config(
         ModelFamily.QWEN3, head_dim=32, tie_word_embeddings=True, rope_theta=1e6
     ),
+    # 8 experts, 2 per token, partial RoPE over half of each head, whole-projection q/k norm
+    "minimax-m2-moe": make_config(
+        ModelFamily.MINIMAX_M2,
+        intermediate_size=24,
+        moe=MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=24),
+        partial_rotary_factor=0.5,
+    ),
 }
 
 
-def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
+def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor], tmp_path=None):
+    if config.moe is not None:
+        return hf_model_from_checkpoint(config, weights, tmp_path)
     hf_cfg = transformers.AutoConfig.for_model(**config.to_hf_config())
     hf_cfg._attn_implementation = "eager"
     cls = {
@@ -70,8 +82,18 @@ def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
     return model
 
 
-def hf_forward(config, weights, tokens):
-    model = hf_model(config, weights)
+def hf_model_from_checkpoint(config, weights, tmp_path):
+    """Through a checkpoint directory: transformers fuses the per-expert tensors on load."""
+    save_hf_checkpoint(tmp_path, config, weights)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(model).__name__ == "MiniMaxM2ForCausalLM"
+    bias = model.model.layers[0].mlp.e_score_correction_bias
+    assert torch.equal(bias, weights["model.layers.0." + MINIMAX_MOE.bias])  # loaded, not zeros
+    return model.eval()
+
+
+def hf_forward(config, weights, tokens, tmp_path=None):
+    model = hf_model(config, weights, tmp_path)
     with torch.no_grad():
         out = model(torch.tensor([tokens]), use_cache=True)
     kv = [
@@ -99,13 +121,13 @@ def run_pipeline(config, weights, tokens, num_stages, block_size=8):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
-def test_stage_pipeline_matches_transformers(name, num_stages):
+def test_stage_pipeline_matches_transformers(name, num_stages, tmp_path):
     config = CONFIGS[name]
     weights = random_weights(config, seed=7)
     tokens = torch.randint(
         0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)
     ).tolist()
-    hf_logits, hf_kv = hf_forward(config, weights, tokens)
+    hf_logits, hf_kv = hf_forward(config, weights, tokens, tmp_path)
     logits, caches, table = run_pipeline(config, weights, tokens, num_stages)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0)
@@ -117,11 +139,11 @@ def test_stage_pipeline_matches_transformers(name, num_stages):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_reference_forward_matches_transformers(name):
+def test_reference_forward_matches_transformers(name, tmp_path):
     config = CONFIGS[name]
     weights = random_weights(config, seed=3)
     tokens = list(range(5, 5 + 29))
-    hf_logits, hf_kv = hf_forward(config, weights, tokens)
+    hf_logits, hf_kv = hf_forward(config, weights, tokens, tmp_path)
     logits, kv = reference_forward(config, weights, tokens)
     torch.testing.assert_close(logits, hf_logits[-1], atol=ATOL, rtol=0)
     assert len(kv) == config.num_layers
@@ -141,7 +163,32 @@ def test_rope_scaling_changes_logits():
     assert (a - b).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qknorm-tied"])
+def test_moe_routes_tokens_to_different_experts_and_the_bias_steers_the_choice():
+    """Guard against a MoE parity test that cannot fail: the tokens of the parity prompt
+    spread over the experts, and the correction bias changes some tokens' choices."""
+    config = CONFIGS["minimax-m2-moe"]
+    weights = random_weights(config, seed=7)
+    tokens = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(1))
+    stage = StageModel(config, split_layers(config.num_layers, 1)[0])
+    stage.load_weights(weights)
+    moe = stage.layers[0].moe
+    h = torch.nn.functional.embedding(tokens, stage.embed)
+    chosen, w = moe.route(h)
+    assert len(set(chosen.flatten().tolist())) >= 6
+    torch.testing.assert_close(w.sum(-1), torch.ones(37))
+    bias = moe.bias.clone()
+    moe.bias.zero_()
+    unbiased, _ = moe.route(h)
+    moe.bias.copy_(bias)
+    differs = [set(a) != set(b) for a, b in zip(chosen.tolist(), unbiased.tolist(), strict=True)]
+    assert any(differs) and not all(differs)
+    partial = replace(config, partial_rotary_factor=1.0)
+    a, _ = reference_forward(config, weights, tokens.tolist())
+    b, _ = reference_forward(partial, weights, tokens.tolist())
+    assert (a - b).abs().max() > 1e-3  # partial RoPE really alters the numerics
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qknorm-tied", "minimax-m2-moe"])
 def test_bf16_runs_close_to_fp32(name):
     config = CONFIGS[name]
     weights = random_weights(config, seed=5)

@@ -1,12 +1,15 @@
-"""Real multi-process pipelines (gloo on loopback) against the single-process reference."""
+"""Real multi-process pipelines (gloo on loopback) against the single-process reference
+(transformers for GLM-5, whose MLA the reference does not implement)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -16,11 +19,13 @@ import torch
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import RequestAbortedError, UnavailableError
 from prefill_node.model.config import ModelConfig
+from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
+from tests.tiny_models import TINY_GLM5_HF, TINY_MINIMAX_M2_HF
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,11 +47,45 @@ HF_CONFIG = {
 SEED = 7
 MODEL = ModelConfig.from_hf_config(HF_CONFIG, name="tiny-qwen3")
 WEIGHTS = random_weights(MODEL, SEED)
+MOE_HF_CONFIG = {**TINY_MINIMAX_M2_HF, "vocab_size": VOCAB}
+MOE_MODEL = ModelConfig.from_hf_config(MOE_HF_CONFIG, name="tiny-minimax-m2")
+MLA_HF_CONFIG = {**TINY_GLM5_HF, "vocab_size": VOCAB, "num_hidden_layers": 4}
+MLA_MODEL = ModelConfig.from_hf_config(MLA_HF_CONFIG, name="tiny-glm_moe_dsa")
+FAMILIES = {
+    "qwen3": (HF_CONFIG, MODEL, WEIGHTS),
+    "minimax-m2": (MOE_HF_CONFIG, MOE_MODEL, random_weights(MOE_MODEL, SEED)),
+    "glm-5": (MLA_HF_CONFIG, MLA_MODEL, random_weights(MLA_MODEL, SEED)),
+}
 
 
-def _spec(layer_ranges, stage_blocks, policy: str, **kw) -> PipelineSpec:
+@functools.cache
+def _transformers_model(family: str):
+    transformers = pytest.importorskip("transformers")
+    _, model, weights = FAMILIES[family]
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(tmp, model, weights)
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+def _expected(family: str, prompt: list[int]):
+    """Last-token logits and, per layer, the cache planes a stage must hold: K and V, or
+    (GLM-5) one plane of [latent | rotated key | indexer key] entries."""
+    _, model, weights = FAMILIES[family]
+    if model.mla is None:
+        return reference_forward(model, weights, prompt)
+    with torch.no_grad():
+        out = _transformers_model(family)(torch.tensor([prompt]), use_cache=True)
+    entries = [
+        (torch.cat((c.keys[0, 0], c.values[0, 0], c.indexer_keys[0]), dim=-1),)
+        for c in out.past_key_values.layers
+    ]
+    return out.logits[0, -1], entries
+
+
+def _spec(layer_ranges, stage_blocks, policy: str, hf_config=HF_CONFIG, **kw) -> PipelineSpec:
+    name = ModelConfig.from_hf_config(hf_config).family.value
     return PipelineSpec(
-        model=ModelSource(config=HF_CONFIG, seed=SEED, name="tiny-qwen3"),
+        model=ModelSource(config=hf_config, seed=SEED, name=f"tiny-{name}"),
         layer_ranges=layer_ranges,
         stage_blocks=stage_blocks,
         block_size=4,
@@ -83,9 +122,9 @@ def _workload(rng: random.Random, n: int) -> list[list[int]]:
     return prompts
 
 
-def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
+def _check_against_reference(engine: PipelineEngine, prompts, results, family="qwen3") -> None:
     for prompt, res in zip(prompts, results, strict=True):
-        logits, kv = reference_forward(MODEL, WEIGHTS, prompt)
+        logits, kv = _expected(family, prompt)
         ref = torch.log_softmax(logits.float(), dim=-1)
         got = torch.full((VOCAB,), float("nan"))
         for token, logprob in res.top_logprobs:
@@ -99,9 +138,12 @@ def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
         assert [d.stage for d in dumps] == list(range(engine.spec.num_stages))
         for d in dumps:
             for i, (k, v) in enumerate(zip(d.k, d.v, strict=True)):
-                ref_k, ref_v = kv[d.layer_start + i]
-                torch.testing.assert_close(k, ref_k, atol=1e-4, rtol=0)
-                torch.testing.assert_close(v, ref_v, atol=1e-4, rtol=0)
+                planes = kv[d.layer_start + i]
+                torch.testing.assert_close(k, planes[0], atol=1e-4, rtol=0)
+                if len(planes) == 2:
+                    torch.testing.assert_close(v, planes[1], atol=1e-4, rtol=0)
+                else:
+                    assert v.numel() == 0  # an MLA cache has one plane, captured as k
         manifests = res.stage_manifests
         assert [(m.stage, m.layer_start, m.layer_end) for m in manifests] == [
             (s, a, b) for s, (a, b) in enumerate(engine.spec.layer_ranges)
@@ -113,17 +155,19 @@ def _check_against_reference(engine: PipelineEngine, prompts, results) -> None:
 
 
 CASES = [
-    pytest.param(((0, 2), (2, 4)), (48, 40), id="P2"),
-    pytest.param(((0, 1), (1, 3), (3, 4)), (64, 30, 45), id="P3-uneven"),
+    pytest.param("qwen3", ((0, 2), (2, 4)), (48, 40), id="P2"),
+    pytest.param("qwen3", ((0, 1), (1, 3), (3, 4)), (64, 30, 45), id="P3-uneven"),
+    pytest.param("minimax-m2", ((0, 2), (2, 4)), (48, 40), id="P2-minimax-m2-moe"),
+    pytest.param("glm-5", ((0, 2), (2, 4)), (48, 40), id="P2-glm-5-mla-dsa"),
 ]
 
 
 @pytest.mark.parametrize("policy", ["wave", "lockstep"])
-@pytest.mark.parametrize(("layer_ranges", "stage_blocks"), CASES)
+@pytest.mark.parametrize(("family", "layer_ranges", "stage_blocks"), CASES)
 def test_pipeline_matches_reference_under_reuse_and_eviction(
-    start, layer_ranges, stage_blocks, policy
+    start, family, layer_ranges, stage_blocks, policy
 ) -> None:
-    engine = start(_spec(layer_ranges, stage_blocks, policy))
+    engine = start(_spec(layer_ranges, stage_blocks, policy, hf_config=FAMILIES[family][0]))
     rng = random.Random(hash((layer_ranges, policy)) & 0xFFFF)
     prompts = _workload(rng, 24)
     # two bursts: the second reuses (and evicts) what the first cached
@@ -132,7 +176,7 @@ def test_pipeline_matches_reference_under_reuse_and_eviction(
         futures = [engine.submit(p, PrefillOptions(top_logprobs=VOCAB)) for p in burst]
         results += [f.result(timeout=60) for f in futures]
     assert sum(r.cached_tokens for r in results) > 0, "the workload should reuse prefixes"
-    _check_against_reference(engine, prompts, results)
+    _check_against_reference(engine, prompts, results, family)
     engine.debug_check_integrity()
     stats = engine.stage_stats()
     assert [s.pool.in_use for s in stats] == [0] * len(stats)  # drained: nothing pinned
@@ -187,7 +231,6 @@ def test_killing_a_stage_fails_in_flight_requests_within_seconds(start) -> None:
 
 def test_torchrun_env_launch_leader_plus_wavepp_stage_process(tmp_path, monkeypatch) -> None:
     """The Kubernetes path: the leader from RANK=0 env, the other stage via `wavepp stage`."""
-    from prefill_node.model.loader_hf import save_hf_checkpoint
     from prefill_node.runtime.factory import start_pipeline_engine
 
     save_hf_checkpoint(tmp_path, MODEL, WEIGHTS)

@@ -52,3 +52,64 @@ def tiny_qwen3(name: str, max_position_embeddings: int, vocab_size: int = 61) ->
         tie_word_embeddings=True,
         name=name,
     )
+
+
+# A 4-layer MiniMax-M2 (sigmoid-routed MoE, 8 experts / 2 per token, partial RoPE, q/k norm
+# over the whole projection), untied: same attention shape as the tiny Llama.
+TINY_MINIMAX_M2_HF: dict[str, Any] = {
+    **TINY_LLAMA_HF,
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "intermediate_size": 24,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rotary_dim": 4,
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_minimax_m2(name: str = "tiny-minimax-m2", **overrides: Any) -> ModelConfig:
+    """The tiny MiniMax-M2 as a ModelConfig."""
+    return ModelConfig.from_hf_config({**TINY_MINIMAX_M2_HF, **overrides}, name=name)
+
+
+# A 3-layer GLM-5 (glm_moe_dsa): MLA (q LoRA 24, KV latent 16, rope 8, nope 12, v 12), a DSA
+# indexer keeping the 8 best earlier positions (16 heads of 16), 1 dense layer then a MoE of
+# 8 experts in 2 groups (1 chosen), 2 per token, scaled by 2.5, plus a shared expert.
+TINY_GLM5_HF: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "routed_scaling_factor": 2.5,
+    "n_group": 2,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 12,
+    "v_head_dim": 12,
+    "index_topk": 8,
+    "index_head_dim": 16,
+    "index_n_heads": 16,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_glm5(name: str = "tiny-glm5", **overrides: Any) -> ModelConfig:
+    """The tiny GLM-5 as a ModelConfig."""
+    return ModelConfig.from_hf_config({**TINY_GLM5_HF, **overrides}, name=name)

@@ -1,6 +1,6 @@
 """DecodeWorker: the reference decode worker: receives a prompt's KV over NIXL, then generates.
 
-It owns a full-model StageModel (all layers), one PagedKVCache for all layers registered with
+It owns a full-model StageModel (all layers), one paged cache for all layers registered with
 a KVReceiver (the decode-side kv_transfer library), and uses the receiver's allocator as its
 block allocator. Generation is plain greedy decoding with the same torch model: each step is
 a chunk of length 1 at the next position through ``StageModel.forward`` with the sequence's
@@ -31,7 +31,7 @@ from prefill_node.errors import InvalidRequestError, InvariantError, KVHandoffEr
 from prefill_node.kv_shipping.kv_wire import engine_push_destination, wire_manifest
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.latent_cache import stage_cache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
 
@@ -64,7 +64,7 @@ class DecodeWorker:
             raise InvalidRequestError("the decode worker needs the whole model (all layers)")
         self.model = model
         cfg = model.config
-        self.kv = PagedKVCache.for_model(
+        self.kv = stage_cache(
             cfg, model.layer_range, num_blocks, block_size, model.dtype, model.device
         )
         self.agent_name = agent_name or f"wavepp-decode-{uuid.uuid4().hex[:8]}"

@@ -25,7 +25,8 @@ class MemoryRegionSpec:
 
 @dataclass(frozen=True)
 class KVLayoutSpec:
-    """Layout of a paged KV pool: per layer ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
+    """Layout of a paged KV pool: per layer ``[num_blocks, planes, block_size, kv_heads,
+    head_dim]``; ``planes`` 2 = K and V, 1 = whole per-token entries (MLA latent caches)."""
 
     block_size: int
     num_kv_heads: int
@@ -34,6 +35,7 @@ class KVLayoutSpec:
     num_layers: int = 0
     block_bytes: int = 0
     regions: tuple[MemoryRegionSpec, ...] = ()
+    planes: int = 2
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class StageKVManifest:
     lease_expiry_unix_s: float = 0.0  # pull mode: wall-clock expiry (time.time())
     pushed: bool = False  # push mode: this stage's WRITE completed and was notified
     lease_ttl_s: float = 0.0  # pull mode: heartbeat within this to keep the lease
+    planes: int = 2  # 2: K and V planes; 1: one plane of whole per-token entries (MLA)
+    entry_parts: tuple[int, ...] = ()  # MLA: widths of (latent, rotated key, indexer key)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ def engine_push_destination(
         dtype=layout.dtype,
         num_layers=layout.num_layers,
         block_bytes=layout.block_bytes,
+        planes=layout.planes,
     )
     return KVPushDestination(
         agent_name=agent_name,
@@ -89,8 +90,11 @@ def engine_push_destination(
     )
 
 
-def engine_manifest(wire: StageManifest, pushed: bool = False) -> StageKVManifest:
-    """A stage's lease (pull) or finished WRITE (push) as the engine reports it."""
+def engine_manifest(
+    wire: StageManifest, pushed: bool = False, entry_parts: tuple[int, ...] = ()
+) -> StageKVManifest:
+    """A stage's lease (pull) or finished WRITE (push) as the engine reports it;
+    ``entry_parts``: the cache's MLA entry split (empty for K/V pools)."""
     layout = wire.layout
     return StageKVManifest(
         stage=wire.stage,
@@ -114,6 +118,8 @@ def engine_manifest(wire: StageManifest, pushed: bool = False) -> StageKVManifes
         lease_expiry_unix_s=time.time() + wire.lease_ttl_s if wire.lease_id else 0.0,
         pushed=pushed,
         lease_ttl_s=wire.lease_ttl_s if wire.lease_id else 0.0,
+        planes=layout.planes,
+        entry_parts=entry_parts,
     )
 
 
@@ -129,7 +135,7 @@ def wire_manifest(m: StageKVManifest, request_id: str, num_stages: int) -> Stage
         raise InvalidTransferRequest(
             f"stage {m.stage} manifest has no memory regions or no lease: was it a pull request?"
         )
-    block_bytes = 2 * m.block_size * m.num_kv_heads * m.head_dim * _elem_size(m.dtype)
+    block_bytes = m.planes * m.block_size * m.num_kv_heads * m.head_dim * _elem_size(m.dtype)
     layout = KVLayout(
         m.layer_start,
         m.layer_end,
@@ -139,6 +145,7 @@ def wire_manifest(m: StageKVManifest, request_id: str, num_stages: int) -> Stage
         m.head_dim,
         m.dtype,
         regions,
+        m.planes,
     )
     return StageManifest(
         request_id=request_id,

@@ -49,7 +49,7 @@ from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidRequestError
 from prefill_node.kv_shipping.kv_wire import engine_manifest, stage_push_destination
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.latent_cache import StageCache
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class StageKVShipper:
         self,
         stage: int,
         num_stages: int,
-        kv: PagedKVCache,
+        kv: StageCache,
         config: KVShippingConfig,
         unpin: Callable[[Sequence[KVBlock]], None],
         agent_name: str | None = None,
@@ -158,6 +158,7 @@ class StageKVShipper:
         self._unpin = unpin
         self._unpin_streamed = unpin_streamed or unpin
         self._block_size = kv.block_size
+        self._entry_parts = kv.entry_parts
         name = agent_name or f"{config.agent_prefix}-stage{stage}-{uuid.uuid4().hex[:8]}"
         self.sender = KVSender(
             KVAgent(name, progress=config.progress),
@@ -341,7 +342,9 @@ class StageKVShipper:
             self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)
             return
         self._leased[wire.lease_id] = (request_id, list(blocks))
-        self._results[request_id] = StageShipResult(request_id, self.stage, engine_manifest(wire))
+        self._results[request_id] = StageShipResult(
+            request_id, self.stage, engine_manifest(wire, entry_parts=self._entry_parts)
+        )
 
     def poll(self) -> None:
         """Advance WRITEs, serve decode's heartbeats / releases, expire leases; stop failed

@@ -44,7 +44,7 @@ from prefill_node.engine.types import KVPullDestination, KVPushDestination, Stag
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
 from prefill_node.kv_shipping.command_loop import CommandLoop
 from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper, StageShipResult
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.latent_cache import StageCache
 
 log = logging.getLogger(__name__)
 Destination = KVPushDestination | KVPullDestination
@@ -125,7 +125,7 @@ class StageShipping:
         self,
         stage: int,
         num_stages: int,
-        kv: PagedKVCache,
+        kv: StageCache,
         config: KVShippingConfig,
         release: Callable[[str], None],
         release_streamed: Callable[[Sequence[KVBlock]], None] | None = None,

@@ -13,12 +13,16 @@ one sequence share a batch. GQA goes through SDPA's ``enable_gqa`` (no repeated 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from prefill_node.model.batch import ChunkBatch
 from prefill_node.model.paged_kv import PagedKVCache
+
+if TYPE_CHECKING:
+    from prefill_node.model.latent_cache import StageCache
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class AttentionPlan:
     chunks: tuple[ChunkPlan, ...]
 
     @classmethod
-    def build(cls, batch: ChunkBatch, kv: PagedKVCache, dtype: torch.dtype) -> AttentionPlan:
+    def build(cls, batch: ChunkBatch, kv: StageCache, dtype: torch.dtype) -> AttentionPlan:
         """Masks are additive in ``dtype`` (the activations'), so SDPA need not convert a
         boolean mask in every layer. InvariantError (from ``check_block_tables``) if a table
         does not cover its chunk."""

@@ -15,19 +15,50 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
+from prefill_node.model.family_config import (
+    MlaConfig,
+    MoeConfig,
+    glm_mla_of,
+    glm_moe_of,
+    minimax_moe_of,
+    mla_to_hf,
+    moe_to_hf,
+    reject_unsupported_glm,
+    reject_unsupported_minimax,
+)
+
+__all__ = ["MlaConfig", "ModelConfig", "ModelFamily", "MoeConfig", "QkNorm", "RopeScaling"]
 
 
 class ModelFamily(enum.Enum):
-    """Decoder families this backend implements. QWEN3 adds per-head RMSNorm on q and k."""
+    """Decoder families this backend implements. QWEN3 adds per-head RMSNorm on q and k;
+    MINIMAX_M2 (MiniMax-M2) has RMSNorm over the whole q and k projections, partial RoPE
+    and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``); GLM_MOE_DSA (GLM-5)
+    has MLA with a sparse-attention indexer (``ModelConfig.mla``), interleaved RoPE, and a
+    grouped-routing MoE with a shared expert after a few dense layers."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
+    MINIMAX_M2 = "minimax_m2"
+    GLM_MOE_DSA = "glm_moe_dsa"
+
+
+class QkNorm(enum.Enum):
+    """Where attention RMS-normalises q and k before RoPE: not at all, over each head
+    (Qwen3), or over the whole projection of all heads at once (MiniMax-M2)."""
+
+    NONE = "none"
+    PER_HEAD = "per_head"
+    PER_LAYER = "per_layer"
 
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": ModelFamily.LLAMA,
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
+    "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
+    "GlmMoeDsaForCausalLM": ModelFamily.GLM_MOE_DSA,
 }
+_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
@@ -90,6 +121,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    moe: MoeConfig | None = None
+    partial_rotary_factor: float = 1.0
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -114,11 +148,44 @@ class ModelConfig:
             raise InvalidModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
+        for part, families in (("moe", _MOE_FAMILIES), ("mla", (ModelFamily.GLM_MOE_DSA,))):
+            if (getattr(self, part) is None) is (self.family in families):
+                raise InvalidModelConfigError(
+                    f"family {self.family.value} "
+                    f"{'needs' if self.family in families else 'has no'} {part} settings"
+                )
+        if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
+            raise InvalidModelConfigError(
+                "with MLA, head_dim is the rotated width qk_rope_head_dim"
+            )
+        if self.partial_rotary_factor != 1.0 and self.family is not ModelFamily.MINIMAX_M2:
+            raise UnsupportedArchitectureError(
+                f"partial_rotary_factor={self.partial_rotary_factor} is not supported for "
+                f"{self.family.value} (only 1.0)"
+            )
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise InvalidModelConfigError(
+                f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} "
+                "must give an even rotary width in (0, head_dim]"
+            )
 
     @property
-    def qk_norm(self) -> bool:
-        """Whether attention applies RMSNorm to each q and k head before RoPE (Qwen3)."""
-        return self.family is ModelFamily.QWEN3
+    def qk_norm(self) -> QkNorm:
+        """Where attention RMS-normalises q and k before RoPE."""
+        return {
+            ModelFamily.QWEN3: QkNorm.PER_HEAD,
+            ModelFamily.MINIMAX_M2: QkNorm.PER_LAYER,
+        }.get(self.family, QkNorm.NONE)
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """RoPE on interleaved pairs (x0, x1), (x2, x3)... (GLM-5), not on halves."""
+        return self.family is ModelFamily.GLM_MOE_DSA
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -129,9 +196,46 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, num_layers: int, dtype: Any) -> int:
-        """Bytes of K plus V one token occupies in ``num_layers`` layers stored as ``dtype``
-        (a torch dtype, or anything with ``itemsize``)."""
-        return 2 * num_layers * self.kv_size * int(dtype.itemsize)
+        """Bytes of K plus V (with MLA: latent, rotated key part and indexer key) one token
+        occupies in ``num_layers`` layers stored as ``dtype`` (a torch dtype, or anything
+        with ``itemsize``)."""
+        per_layer = 2 * self.kv_size if self.mla is None else self.mla.entry_width
+        return num_layers * per_layer * int(dtype.itemsize)
+
+    def active_params_per_token(self, layer: int) -> int:
+        """Weights one token multiplies through in decoder layer ``layer``: the attention
+        projections (MLA: q/kv LoRA, expansions and the indexer's) and the MLP, or a MoE
+        layer's router, its ``top_k`` routed experts and its shared experts. The per-layer
+        cost shape the router's and any simulator's FLOP counts should share."""
+        h = self.hidden_size
+        if self.mla is None:
+            attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        else:
+            m, heads = self.mla, self.num_heads
+            attn = (
+                h * m.q_lora_rank
+                + m.q_lora_rank * heads * m.qk_head_dim
+                + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+                + heads * m.v_head_dim * h
+                + m.q_lora_rank * m.index_n_heads * m.index_head_dim
+                + h * (m.index_head_dim + m.index_n_heads)
+            )
+        moe = self.moe
+        if moe is None or not moe.is_sparse(layer):
+            return attn + 3 * h * self.intermediate_size
+        experts = moe.top_k + moe.num_shared_experts
+        return attn + h * moe.num_experts + 3 * h * moe.expert_intermediate_size * experts
+
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair in one layer: QK^T and PV over every head (MLA:
+        nope + rope query width, v width; plus the indexer's scoring), dense causal."""
+        if self.mla is None:
+            return 4 * self.q_size
+        m = self.mla
+        return 2 * self.num_heads * (m.qk_head_dim + m.v_head_dim) + 2 * m.index_n_heads * (
+            m.index_head_dim
+        )
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any], name: str = "") -> ModelConfig:
@@ -139,10 +243,17 @@ class ModelConfig:
         naming the architecture or option we do not implement, InvalidModelConfigError for
         missing or inconsistent fields."""
         family = _family_of(d)
-        _reject_unsupported_options(d)
+        _reject_unsupported_options(d, family)
+        glm = family is ModelFamily.GLM_MOE_DSA
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
+            layers = int(d["num_hidden_layers"])
+            moe = None
+            if family is ModelFamily.MINIMAX_M2:
+                moe = minimax_moe_of(d)
+            elif glm:
+                moe = glm_moe_of(d, layers)
             rope_params = dict(d.get("rope_parameters") or {})
             rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
             scaling_d = d.get("rope_scaling") or rope_params
@@ -157,10 +268,12 @@ class ModelConfig:
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
+                head_dim=int(d["qk_rope_head_dim"])
+                if glm
+                else int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=_rope_scaling_of(
@@ -171,6 +284,9 @@ class ModelConfig:
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
                 name=name,
+                moe=moe,
+                partial_rotary_factor=_partial_rotary_of(d),
+                mla=glm_mla_of(d) if glm else None,
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -205,6 +321,14 @@ class ModelConfig:
         }
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
+        glm = self.family is ModelFamily.GLM_MOE_DSA
+        if self.moe is not None:
+            d.update(moe_to_hf(self.moe, glm))
+        if self.mla is not None:
+            d.update(mla_to_hf(self.mla))
+        if self.partial_rotary_factor != 1.0:
+            d["rotary_dim"] = self.rotary_dim
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         return d
 
 
@@ -223,17 +347,30 @@ def _family_of(d: Mapping[str, Any]) -> ModelFamily:
     )
 
 
-def _reject_unsupported_options(d: Mapping[str, Any]) -> None:
+def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu)")
     for option in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if d.get(option):
             raise UnsupportedArchitectureError(f"config option {option}=true is not supported")
+    if family is ModelFamily.MINIMAX_M2:
+        reject_unsupported_minimax(d)
+    if family is ModelFamily.GLM_MOE_DSA:
+        reject_unsupported_glm(d)
+
+
+def _partial_rotary_of(d: Mapping[str, Any]) -> float:
+    """``partial_rotary_factor`` (top level or in ``rope_parameters``), else MiniMax-M2's
+    legacy ``rotary_dim`` over ``head_dim``, else 1.0."""
     rope_params = d.get("rope_parameters") or {}
-    partial = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise UnsupportedArchitectureError(f"partial_rotary_factor={partial} is not supported")
+    factor = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+    if factor is not None:
+        return float(factor)
+    if d.get("rotary_dim") is not None:
+        head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+        return int(d["rotary_dim"]) / head_dim
+    return 1.0
 
 
 def _rope_scaling_of(s: Mapping[str, Any] | None, max_positions: int) -> RopeScaling | None:

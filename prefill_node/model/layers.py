@@ -1,9 +1,11 @@
-"""One pre-norm decoder layer (RMSNorm, GQA attention with RoPE, SwiGLU MLP) on fused weights.
+"""One pre-norm decoder layer: RMSNorm, attention (GQA or MLA), RMSNorm, SwiGLU MLP or MoE.
 
 Weights arrive under Hugging Face names and are fused at load time: q/k/v into one
 ``[q + 2 kv, hidden]`` matrix and gate/up into one ``[2 * intermediate, hidden]`` matrix,
-so a layer runs four matmuls instead of seven. RMSNorm follows transformers: normalise in
-fp32, cast back, then scale by the weight.
+so a dense GQA layer runs four matmuls instead of seven; a MoE layer's MLP is a
+``SparseMoe``, an MLA layer's attention an ``MlaAttention``. RMSNorm follows transformers:
+normalise in fp32, cast back, then scale by the weight. GQA q/k norm is per head (Qwen3) or
+over the whole projection (MiniMax-M2), before RoPE.
 """
 
 from __future__ import annotations
@@ -14,30 +16,77 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefill_node.errors import InvalidModelConfigError
 from prefill_node.model.attention import AttentionPlan, paged_attention
-from prefill_node.model.config import ModelConfig
+from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
+from prefill_node.model.latent_cache import StageCache
+from prefill_node.model.mla import MlaAttention
+from prefill_node.model.moe import SparseMoe, swiglu
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.rope import apply_rotary
+from prefill_node.model.tensor_ops import Getter, param, rms_norm, take
+from prefill_node.model.weights import moe_names
+
+__all__ = ["DecoderLayer", "GqaAttention", "rms_norm", "take"]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
+class GqaAttention(nn.Module):
+    """Grouped-query attention with RoPE over a paged K/V cache (Llama, Qwen3, MiniMax-M2)."""
 
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def take(weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``weights[name]`` after checking its shape (the caller checked presence)."""
-    t = weights[name]
-    if tuple(t.shape) != shape:
-        raise InvalidModelConfigError(
-            f"checkpoint tensor {name} has shape {tuple(t.shape)}, the config implies {shape}"
+    def __init__(
+        self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.layer, self.eps = layer, config.rms_norm_eps
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        h = config.hidden_size
+        self.qkv = param((self.q_size + 2 * self.kv_size, h), dtype, device)
+        self.o = param((h, self.q_size), dtype, device)
+        self.qk_norm = config.qk_norm
+        q_w, k_w = (
+            (self.q_size, self.kv_size)
+            if self.qk_norm is QkNorm.PER_LAYER
+            else (self.head_dim, self.head_dim)
         )
-    return t
+        has_norm = self.qk_norm is not QkNorm.NONE
+        self.q_norm = param((q_w,), dtype, device) if has_norm else None
+        self.k_norm = param((k_w,), dtype, device) if has_norm else None
+
+    @torch.no_grad()
+    def load(self, get: Getter) -> None:
+        """``get(suffix)``: this layer's ``self_attn.<suffix>`` tensor, shape checked."""
+        attn = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+        self.qkv.copy_(torch.cat([get(s).to(self.qkv.dtype) for s in attn]))
+        self.o.copy_(get("o_proj.weight"))
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.copy_(get("q_norm.weight"))
+            self.k_norm.copy_(get("k_norm.weight"))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        kv: PagedKVCache,
+    ) -> torch.Tensor:
+        """Normed rows x [T, hidden] -> attention output [T, hidden]; stores K/V in ``kv``."""
+        rows = x.shape[0]
+        qkv = F.linear(x, self.qkv)
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        v = qkv[:, self.q_size + self.kv_size :].view(rows, self.num_kv_heads, self.head_dim)
+        norms = self.q_norm is not None and self.k_norm is not None
+        if norms and self.qk_norm is QkNorm.PER_LAYER:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q = q.reshape(rows, self.num_heads, self.head_dim)
+        k = k.reshape(rows, self.num_kv_heads, self.head_dim)
+        if norms and self.qk_norm is QkNorm.PER_HEAD:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        return F.linear(paged_attention(q, k, v, plan, kv, self.layer), self.o)
 
 
 class DecoderLayer(nn.Module):
@@ -49,20 +98,25 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.eps = config.rms_norm_eps
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.intermediate = config.intermediate_size
         h = config.hidden_size
-        self.input_norm = _param((h,), dtype, device)
-        self.qkv = _param((self.q_size + 2 * self.kv_size, h), dtype, device)
-        self.o = _param((h, self.q_size), dtype, device)
-        self.post_norm = _param((h,), dtype, device)
-        self.gate_up = _param((2 * self.intermediate, h), dtype, device)
-        self.down = _param((h, self.intermediate), dtype, device)
-        self.q_norm = _param((self.head_dim,), dtype, device) if config.qk_norm else None
-        self.k_norm = _param((self.head_dim,), dtype, device) if config.qk_norm else None
+        self.input_norm = param((h,), dtype, device)
+        self.post_norm = param((h,), dtype, device)
+        self.attn: nn.Module = (
+            GqaAttention(config, layer, dtype, device)
+            if config.mla is None
+            else MlaAttention(config, layer, dtype, device)
+        )
+        moe = config.moe
+        glm = config.family is ModelFamily.GLM_MOE_DSA
+        self.moe = (
+            SparseMoe(moe, moe_names(config), h, dtype, device, fp32_router=glm)
+            if moe is not None and moe.is_sparse(layer)
+            else None
+        )
+        width = config.intermediate_size
+        dense = self.moe is None
+        self.gate_up = param((2 * width, h), dtype, device) if dense else None
+        self.down = param((h, width), dtype, device) if dense else None
 
     @torch.no_grad()
     def load(self, weights: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple]) -> None:
@@ -73,16 +127,14 @@ class DecoderLayer(nn.Module):
             return take(weights, p + suffix, shapes[p + suffix])
 
         self.input_norm.copy_(get("input_layernorm.weight"))
-        attn = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-        self.qkv.copy_(torch.cat([get(s).to(self.qkv.dtype) for s in attn]))
-        self.o.copy_(get("self_attn.o_proj.weight"))
+        self.attn.load(lambda suffix: get("self_attn." + suffix))
         self.post_norm.copy_(get("post_attention_layernorm.weight"))
-        mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        self.gate_up.copy_(torch.cat([get(s).to(self.gate_up.dtype) for s in mlp]))
-        self.down.copy_(get("mlp.down_proj.weight"))
-        if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm.copy_(get("self_attn.q_norm.weight"))
-            self.k_norm.copy_(get("self_attn.k_norm.weight"))
+        if self.moe is not None:
+            self.moe.load(get)
+        elif self.gate_up is not None and self.down is not None:
+            mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+            self.gate_up.copy_(torch.cat([get(s).to(self.gate_up.dtype) for s in mlp]))
+            self.down.copy_(get("mlp.down_proj.weight"))
 
     def forward(
         self,
@@ -90,23 +142,11 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: AttentionPlan,
-        kv: PagedKVCache,
+        kv: StageCache,
     ) -> torch.Tensor:
-        """Residual stream x [T, hidden] -> [T, hidden]; stores this layer's K/V in ``kv``."""
-        rows = x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_norm, self.eps), self.qkv)
-        q = qkv[:, : self.q_size].view(rows, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-            rows, self.num_kv_heads, self.head_dim
-        )
-        v = qkv[:, self.q_size + self.kv_size :].view(rows, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        attn = paged_attention(q, k, v, plan, kv, self.layer)
-        x = x + F.linear(attn, self.o)
-        gate_up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up)
-        act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        return x + F.linear(act, self.down)
+        """Residual stream x [T, hidden] -> [T, hidden]; stores this layer's cache entries."""
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, plan, kv)
+        h = rms_norm(x, self.post_norm, self.eps)
+        if self.moe is not None:
+            return x + self.moe(h)
+        return x + swiglu(h, self.gate_up, self.down)

@@ -44,6 +44,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.planes = 2  # K and V (an MLA PagedLatentCache has one)
+        self.entry_parts: tuple[int, ...] = ()  # only an MLA cache splits its entries
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
@@ -134,6 +136,12 @@ class PagedKVCache:
             )
         table = torch.tensor(block_table, dtype=torch.long, device=self.device)
         return self.gather(global_layer, table, num_tokens)
+
+    def read_planes(
+        self, global_layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The cache's planes for positions [0, num_tokens): K and V."""
+        return self.read(global_layer, block_table, num_tokens)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into ``dst`` in every local layer (copy-on-write of a shared

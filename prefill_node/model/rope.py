@@ -46,11 +46,11 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         self.inv_freq = inverse_frequencies(
-            config.head_dim, config.rope_theta, config.rope_scaling
+            config.rotary_dim, config.rope_theta, config.rope_scaling
         ).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin [T, 1, head_dim] (broadcast over heads) for LongTensor positions [T]."""
+        """cos, sin [T, 1, rotary_dim] (broadcast over heads) for LongTensor positions [T]."""
         freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
@@ -62,5 +62,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by its rows' positions."""
-    return x * cos + rotate_half(x) * sin
+    """x [T, heads, head_dim] rotated by its rows' positions; with partial RoPE (cos/sin
+    narrower than a head) only the leading ``rotary_dim`` dimensions rotate."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, tail = x[..., :rot], x[..., rot:]
+    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GLM-5 / DeepSeek layout: pairs (x0, x1), (x2, x3)... each rotated by one frequency;
+    the result holds the rotated even elements, then the odd ones (transformers' layout)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

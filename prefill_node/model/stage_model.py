@@ -23,10 +23,11 @@ from prefill_node.errors import InvariantError, MissingTensorError
 from prefill_node.model.attention import AttentionPlan
 from prefill_node.model.batch import ChunkBatch
 from prefill_node.model.config import ModelConfig
-from prefill_node.model.layers import DecoderLayer, rms_norm, take
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.latent_cache import StageCache
+from prefill_node.model.layers import DecoderLayer
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.rope import RotaryEmbedding
+from prefill_node.model.tensor_ops import rms_norm, take
 from prefill_node.model.weights import EMBED, FINAL_NORM, LM_HEAD, random_weights, weight_shapes
 
 
@@ -111,7 +112,7 @@ class StageModel(nn.Module):
         self._loaded = True
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, batch: ChunkBatch, kv: PagedKVCache) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, batch: ChunkBatch, kv: StageCache) -> torch.Tensor:
         """inputs: token ids LongTensor [T] on the first stage, else hidden [T, hidden] from
         the previous stage. Returns the residual stream [T, hidden] in this stage's dtype."""
         self._check_call(inputs, batch, kv)
@@ -131,7 +132,7 @@ class StageModel(nn.Module):
         normed = rms_norm(hidden_rows.to(self.dtype), self.norm, self.config.rms_norm_eps)
         return F.linear(normed, self.lm_head).float()
 
-    def _check_call(self, inputs: torch.Tensor, batch: ChunkBatch, kv: PagedKVCache) -> None:
+    def _check_call(self, inputs: torch.Tensor, batch: ChunkBatch, kv: StageCache) -> None:
         if not self._loaded:
             raise InvariantError("StageModel.forward before load_weights")
         if kv.layer_range != self.layer_range:

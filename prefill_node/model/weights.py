@@ -1,7 +1,9 @@
 """Hugging Face tensor names of a model (or of one stage's slice) and seeded random weights.
 
-Names are the transformers ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` state-dict keys, so a
-random model can be loaded into transformers unchanged for parity tests. Each tensor is
+Names are the checkpoint-file keys (``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` state-dict
+keys; MiniMax-M2's released per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` layout, which
+transformers fuses on load), so a random model saved as a checkpoint loads into transformers
+unchanged for parity tests. Each tensor is
 drawn from its own generator seeded by (seed, name): a stage generating only its slice gets
 exactly the tensors a whole-model generation would, so multi-process pipelines built from
 the same seed agree with a single-process reference.
@@ -10,10 +12,11 @@ the same seed agree with a single-process reference.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import torch
 
-from prefill_node.model.config import ModelConfig
+from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
 from prefill_node.model.partition import LayerRange
 
 EMBED = "model.embed_tokens.weight"
@@ -21,24 +24,108 @@ FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
 
+@dataclass(frozen=True)
+class MoeNames:
+    """Checkpoint names (within a layer) of a family's MoE block."""
+
+    router: str
+    bias: str
+    expert: str  # format with expert=e, then append gate/up/down below
+    gate: str
+    up: str
+    down: str
+    shared: str = ""  # prefix of the shared experts' gate_proj/up_proj/down_proj
+
+    def expert_tensor(self, expert: int, proj: str) -> str:
+        return self.expert.format(expert=expert) + proj + ".weight"
+
+
+# MiniMax-M2's released per-expert layout (w1 gate, w3 up, w2 down); GLM-5's Qwen2-MoE-like one.
+MINIMAX_MOE = MoeNames(
+    router="block_sparse_moe.gate.weight",
+    bias="block_sparse_moe.e_score_correction_bias",
+    expert="block_sparse_moe.experts.{expert}.",
+    gate="w1",
+    up="w3",
+    down="w2",
+)
+GLM_MOE = MoeNames(
+    router="mlp.gate.weight",
+    bias="mlp.gate.e_score_correction_bias",
+    expert="mlp.experts.{expert}.",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+    shared="mlp.shared_experts.",
+)
+
+
+def moe_names(config: ModelConfig) -> MoeNames:
+    return GLM_MOE if config.family is ModelFamily.GLM_MOE_DSA else MINIMAX_MOE
+
+
+def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (width, hidden),
+        prefix + "up_proj.weight": (width, hidden),
+        prefix + "down_proj.weight": (hidden, width),
+    }
+
+
+def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, a = config.hidden_size, p + "self_attn."
+    if config.mla is not None:
+        m, heads = config.mla, config.num_heads
+        return {
+            a + "q_a_proj.weight": (m.q_lora_rank, h),
+            a + "q_a_layernorm.weight": (m.q_lora_rank,),
+            a + "q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank),
+            a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+            a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+            a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            a + "o_proj.weight": (h, heads * m.v_head_dim),
+            a + "indexer.wq_b.weight": (m.index_n_heads * m.index_head_dim, m.q_lora_rank),
+            a + "indexer.wk.weight": (m.index_head_dim, h),
+            a + "indexer.k_norm.weight": (m.index_head_dim,),
+            a + "indexer.k_norm.bias": (m.index_head_dim,),
+            a + "indexer.weights_proj.weight": (m.index_n_heads, h),
+        }
+    shapes = {
+        a + "q_proj.weight": (config.q_size, h),
+        a + "k_proj.weight": (config.kv_size, h),
+        a + "v_proj.weight": (config.kv_size, h),
+        a + "o_proj.weight": (h, config.q_size),
+    }
+    norm_width = {
+        QkNorm.PER_HEAD: (config.head_dim,) * 2,
+        QkNorm.PER_LAYER: (config.q_size, config.kv_size),
+    }
+    if config.qk_norm in norm_width:
+        q_width, k_width = norm_width[config.qk_norm]
+        shapes[a + "q_norm.weight"] = (q_width,)
+        shapes[a + "k_norm.weight"] = (k_width,)
+    return shapes
+
+
 def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor of decoder layer ``layer``."""
     p = f"model.layers.{layer}."
-    h, i = config.hidden_size, config.intermediate_size
-    shapes = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (config.q_size, h),
-        p + "self_attn.k_proj.weight": (config.kv_size, h),
-        p + "self_attn.v_proj.weight": (config.kv_size, h),
-        p + "self_attn.o_proj.weight": (h, config.q_size),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
-    }
-    if config.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
-        shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+    h = config.hidden_size
+    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    shapes.update(_attention_shapes(config, p))
+    moe = config.moe
+    if moe is None or not moe.is_sparse(layer):
+        shapes.update(_mlp_shapes(p + "mlp.", config.intermediate_size, h))
+        return shapes
+    names, ei = moe_names(config), moe.expert_intermediate_size
+    shapes[p + names.router] = (moe.num_experts, h)
+    shapes[p + names.bias] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        shapes[p + names.expert_tensor(e, names.gate)] = (ei, h)
+        shapes[p + names.expert_tensor(e, names.down)] = (h, ei)
+        shapes[p + names.expert_tensor(e, names.up)] = (ei, h)
+    if moe.num_shared_experts:
+        shapes.update(_mlp_shapes(p + names.shared, ei * moe.num_shared_experts, h))
     return shapes
 
 
@@ -78,7 +165,8 @@ def random_weights(
 
     Scales keep activations O(1) through the stack and attention non-uniform (so masking
     and position errors show in the output): linear layers N(0, 1/fan_in), embeddings
-    N(0, 1), norm weights 1 + N(0, 0.1^2).
+    N(0, 1), norm weights 1 + N(0, 0.1^2). A MoE router's correction bias is N(0, 0.1^2),
+    large enough next to the sigmoid scores to change some tokens' expert choices.
     """
     out = {}
     for name, shape in weight_shapes(config, layer_range).items():
@@ -86,6 +174,8 @@ def random_weights(
         t = torch.randn(shape, generator=g, dtype=torch.float32)
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * t
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.1 * t
         elif name != EMBED:
             t = t / shape[-1] ** 0.5
         out[name] = t.to(dtype)

@@ -23,7 +23,7 @@ from prefill_node.kv_shipping.stage_shipping import (
 )
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.latent_cache import StageCache, stage_cache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.messages import (
@@ -63,7 +63,7 @@ def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
 
 
 def kv_manifest(
-    stage: int, kv: PagedKVCache, block_ids: tuple[int, ...], num_tokens: int
+    stage: int, kv: StageCache, block_ids: tuple[int, ...], num_tokens: int
 ) -> StageKVManifest:
     """Where stage ``stage`` holds a request's KV: its layers' ``block_ids`` in prompt order."""
     return StageKVManifest(
@@ -76,6 +76,8 @@ def kv_manifest(
         num_kv_heads=kv.num_kv_heads,
         head_dim=kv.head_dim,
         dtype=str(kv.dtype).removeprefix("torch."),
+        planes=kv.planes,
+        entry_parts=kv.entry_parts,
     )
 
 
@@ -94,7 +96,7 @@ def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
 
 
 class PipelineStageCompute:
-    """Stage ``stage``: ``StageModel`` + ``PagedKVCache`` + ``StageAdmission`` (its cache core).
+    """Stage ``stage``: ``StageModel`` + its paged cache + ``StageAdmission`` (its cache core).
 
     Locking: ``_lock`` guards the admission state; the WAVE thread holds it while answering a
     round phase, the LOOP while materialising and completing - never during the forward. The
@@ -135,7 +137,7 @@ class PipelineStageCompute:
                 enable_kv_events=spec.kv_events,
             )
         )
-        self.kv = PagedKVCache.for_model(
+        self.kv = stage_cache(
             model.config,
             model.layer_range,
             spec.stage_blocks[stage],
@@ -349,9 +351,9 @@ class PipelineStageCompute:
     def _capture(self, request_id: str, table: BlockTable) -> None:
         ks, vs = [], []
         for layer in self.kv.layer_range:
-            k, v = self.kv.read(layer, table.block_ids, table.end)
-            ks.append(k.cpu().clone())
-            vs.append(v.cpu().clone())
+            planes = self.kv.read_planes(layer, table.block_ids, table.end)
+            ks.append(planes[0].cpu().clone())  # K, or an MLA cache's whole entries
+            vs.append(planes[-1].cpu().clone() if len(planes) == 2 else planes[0][:, :0].cpu())
         self._captured[request_id] = CapturedKV(
             self.stage, self.kv.layer_range.start, tuple(ks), tuple(vs)
         )

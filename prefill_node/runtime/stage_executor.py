@@ -50,7 +50,7 @@ from prefill_node.errors import InvariantError
 from prefill_node.kv_shipping.shipper import KVShippingConfig
 from prefill_node.kv_shipping.stage_shipping import StageShipping, stream_final_blocks
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.latent_cache import stage_cache
 from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.stage_compute import kv_manifest
 
@@ -96,7 +96,7 @@ class StageExecutor:
         register its KV tensors; None: requests with a KV destination are refused."""
         self.stage = stage
         self.model = model
-        self.kv = PagedKVCache.for_model(
+        self.kv = stage_cache(
             model.config, model.layer_range, num_blocks, block_size, model.dtype, model.device
         )
         self.admission = StageAdmission(

@@ -55,17 +55,40 @@ def dtype_from_proto(value: int) -> str:
         ) from None
 
 
-def layout_to_proto(layout: KVLayoutSpec) -> kv_layout_pb2.KvLayout:
-    return kv_layout_pb2.KvLayout(
+_ORDER_OF_PLANES = {
+    2: kv_layout_pb2.KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM,
+    1: kv_layout_pb2.KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN,
+}
+
+
+def layout_to_proto(
+    layout: KVLayoutSpec, entry_parts: tuple[int, ...] = ()
+) -> kv_layout_pb2.KvLayout:
+    """``entry_parts``: an MLA cache's (latent, rotated key, indexer key) widths."""
+    msg = kv_layout_pb2.KvLayout(
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         dtype=dtype_to_proto(layout.dtype),
         num_layers=layout.num_layers,
-        memory_order=kv_layout_pb2.KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM,
+        memory_order=_ORDER_OF_PLANES[layout.planes],
         block_bytes=layout.block_bytes,
         regions=[_region_to_proto(r) for r in layout.regions],
     )
+    if entry_parts:
+        latent, rope, index = entry_parts
+        msg.mla.CopyFrom(
+            kv_layout_pb2.MlaEntryLayout(
+                kv_lora_rank=latent, qk_rope_head_dim=rope, index_head_dim=index
+            )
+        )
+    return msg
+
+
+def _planes_of(msg: kv_layout_pb2.KvLayout) -> int:
+    if msg.memory_order == kv_layout_pb2.KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN:
+        return 1
+    return 2
 
 
 def layout_from_proto(msg: kv_layout_pb2.KvLayout) -> KVLayoutSpec:
@@ -77,9 +100,11 @@ def layout_from_proto(msg: kv_layout_pb2.KvLayout) -> KVLayoutSpec:
     if msg.memory_order not in (
         kv_layout_pb2.KV_MEMORY_ORDER_UNSPECIFIED,
         kv_layout_pb2.KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM,
+        kv_layout_pb2.KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN,
     ):
         raise InvalidKVDestinationError(
-            "layout.memory_order: only KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM is supported"
+            "layout.memory_order: only KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM (K/V pools) "
+            "and KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN (MLA latent pools) are supported"
         )
     return KVLayoutSpec(
         block_size=msg.block_size,
@@ -89,6 +114,7 @@ def layout_from_proto(msg: kv_layout_pb2.KvLayout) -> KVLayoutSpec:
         num_layers=msg.num_layers,
         block_bytes=msg.block_bytes,
         regions=tuple(_region_from_proto(r) for r in msg.regions),
+        planes=_planes_of(msg),
     )
 
 
@@ -227,7 +253,9 @@ def manifest_to_proto(m: StageKVManifest) -> kv_layout_pb2.StageKvManifest:
                 dtype=m.dtype,
                 num_layers=m.layer_end - m.layer_start,
                 regions=m.regions,
-            )
+                planes=m.planes,
+            ),
+            m.entry_parts,
         ),
         lease_id=m.lease_id,
         pushed=m.pushed,
@@ -262,6 +290,12 @@ def manifest_from_proto(msg: kv_layout_pb2.StageKvManifest) -> StageKVManifest:
         agent_name=msg.agent_name,
         metadata_endpoint=msg.metadata_endpoint,
         regions=tuple(_region_from_proto(r) for r in layout.regions),
+        planes=_planes_of(layout),
+        entry_parts=(
+            (layout.mla.kv_lora_rank, layout.mla.qk_rope_head_dim, layout.mla.index_head_dim)
+            if layout.HasField("mla")
+            else ()
+        ),
         lease_id=msg.lease_id,
         lease_expiry_unix_s=expiry,
         pushed=msg.pushed,

@@ -22,6 +22,7 @@ class KvMemoryOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_MEMORY_ORDER_UNSPECIFIED: _ClassVar[KvMemoryOrder]
     KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM: _ClassVar[KvMemoryOrder]
+    KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN: _ClassVar[KvMemoryOrder]
 
 class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,9 +36,20 @@ KV_DTYPE_BFLOAT16: KvDtype
 KV_DTYPE_FLOAT8_E4M3: KvDtype
 KV_MEMORY_ORDER_UNSPECIFIED: KvMemoryOrder
 KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM: KvMemoryOrder
+KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN: KvMemoryOrder
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+
+class MlaEntryLayout(_message.Message):
+    __slots__ = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    def __init__(self, kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("layer", "address", "length", "device_id", "kind")
@@ -54,7 +66,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., kind: _Optional[_Union[MemoryKind, str]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("block_size", "num_kv_heads", "head_dim", "dtype", "num_layers", "memory_order", "block_bytes", "regions")
+    __slots__ = ("block_size", "num_kv_heads", "head_dim", "dtype", "num_layers", "memory_order", "block_bytes", "regions", "mla")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +75,7 @@ class KvLayout(_message.Message):
     MEMORY_ORDER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MLA_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     num_kv_heads: int
     head_dim: int
@@ -71,7 +84,8 @@ class KvLayout(_message.Message):
     memory_order: KvMemoryOrder
     block_bytes: int
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
-    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., memory_order: _Optional[_Union[KvMemoryOrder, str]] = ..., block_bytes: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
+    mla: MlaEntryLayout
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., memory_order: _Optional[_Union[KvMemoryOrder, str]] = ..., block_bytes: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., mla: _Optional[_Union[MlaEntryLayout, _Mapping]] = ...) -> None: ...
 
 class StageBlockIds(_message.Message):
     __slots__ = ("stage", "block_ids")

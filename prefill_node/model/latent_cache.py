@@ -1,0 +1,129 @@
+"""One stage's paged MLA memory: per local layer, every token's latent + rotated key + indexer key.
+
+Layout per layer: ``[num_blocks, 1, block_size, 1, entry_width]`` with ``entry_width =
+kv_lora_rank + qk_rope_head_dim + index_head_dim`` (``MlaConfig.entry_width``), i.e. a GQA
+pool's 5-D shape with ONE plane (not K and V) of one "head" per token: one block id
+covers ALL of a token's per-layer state (the compressed KV latent, the shared rotated key
+part, and the sparse-attention indexer's key), so the sans-IO block pool, escrow and prefix
+hashing count, pin, hash and evict MLA blocks exactly like GQA blocks. Allocated contiguous
+once and never reallocated; a transfer engine registers ``tensors`` like ``PagedKVCache``'s
+and describes them with ``planes = 1``, ``num_kv_heads = 1``, ``head_dim = entry_width``
+(the KV manifest / ``KvLayout`` fields), so shipping moves whole token entries. The cache
+only holds memory; block ownership is the block pool's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefill_node.errors import InvariantError
+from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.partition import LayerRange
+
+if TYPE_CHECKING:
+    from prefill_node.model.config import MlaConfig, ModelConfig
+
+
+class PagedLatentCache:
+    """MLA cache memory for the layers of one stage. Not thread-safe: the stage loop owns it.
+    Offers ``PagedKVCache``'s addressing (``slot_index``, ``copy_block``) so the attention
+    plan and the block pool's copy-on-write work unchanged."""
+
+    def __init__(
+        self,
+        mla: MlaConfig,
+        layer_range: LayerRange,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise InvariantError(f"need >= 1 block of >= 1 token, got {num_blocks}x{block_size}")
+        self.mla = mla
+        self.layer_range = layer_range
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.planes, self.num_kv_heads, self.head_dim = 1, 1, mla.entry_width
+        self.entry_parts = (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.index_head_dim)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, 1, block_size, 1, mla.entry_width)
+        self.tensors: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in layer_range
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies in ONE layer (all of its tokens' entries)."""
+        return self.tensors[0][0].numel() * self.tensors[0].element_size()
+
+    def layer(self, global_layer: int) -> torch.Tensor:
+        if global_layer not in self.layer_range:
+            raise InvariantError(f"layer {global_layer} is not on this stage {self.layer_range}")
+        return self.tensors[global_layer - self.layer_range.start]
+
+    def slot_index(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """LongTensor: flat slot of each position in the ``[num_blocks * block_size, width]``
+        view; ``table`` is the sequence's block ids on this cache's device."""
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def write_slots(self, global_layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """Store entries [n, entry_width] at the flat slots from ``slot_index``."""
+        flat = self.layer(global_layer).view(-1, self.mla.entry_width)
+        flat.index_copy_(0, slots, entries.to(self.dtype))
+
+    def gather(self, global_layer: int, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Entries [num_tokens, entry_width] of positions [0, num_tokens) of a sequence whose
+        blocks are ``table`` (LongTensor covering at least those positions)."""
+        n_blocks = -(-num_tokens // self.block_size)
+        blocks = self.layer(global_layer).index_select(0, table[:n_blocks])
+        return blocks.view(-1, self.mla.entry_width)[:num_tokens]
+
+    def read_planes(
+        self, global_layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The cache's planes for positions [0, num_tokens): here the one of entries."""
+        return (self.read(global_layer, block_table, num_tokens),)
+
+    def read(self, global_layer: int, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """``gather`` from a Python block table (a copy)."""
+        if len(block_table) * self.block_size < num_tokens:
+            raise InvariantError(
+                f"{len(block_table)} blocks of {self.block_size} cannot hold {num_tokens} tokens"
+            )
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        return self.gather(global_layer, table, num_tokens)
+
+    def split(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entries [n, width] -> (latent [n, kv_lora], rotated key [n, rope], indexer key)."""
+        m = self.mla
+        return entries.split([m.kv_lora_rank, m.qk_rope_head_dim, m.index_head_dim], dim=-1)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into ``dst`` in every local layer (copy-on-write)."""
+        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+            raise InvariantError(f"copy_block({src}, {dst}) outside {self.num_blocks} blocks")
+        if src != dst:
+            for t in self.tensors:
+                t[dst].copy_(t[src])
+
+
+StageCache = PagedKVCache | PagedLatentCache
+
+
+def stage_cache(
+    config: ModelConfig,
+    layer_range: LayerRange,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> StageCache:
+    """The paged cache a stage of ``config`` needs: MLA latent blocks or GQA K/V blocks."""
+    if config.mla is not None:
+        return PagedLatentCache(config.mla, layer_range, num_blocks, block_size, dtype, device)
+    return PagedKVCache.for_model(config, layer_range, num_blocks, block_size, dtype, device)

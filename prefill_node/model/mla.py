@@ -1,0 +1,165 @@
+"""Multi-head latent attention with a sparse-attention indexer (GLM-5 / DeepSeek-V3.2 DSA).
+
+Per token the layer caches only ``[latent | rotated key | indexer key]`` (see
+``PagedLatentCache``): the normalised KV latent (``kv_lora_rank``), the rotated key part
+shared by all heads, and the indexer's key. Each chunk's attention expands the latents of
+its sequence's positions [0, end) through ``kv_b_proj`` into per-head K (with the shared
+rotated part) and V, so the cache never holds expanded K/V. The indexer scores every
+(query, earlier position) pair - ``sum_h w_h(x) * relu(q_h . k)`` - and each query attends
+only to its ``index_topk`` best-scoring causal positions (all of them while there are fewer),
+which is exactly transformers' ``glm_moe_dsa`` selection: a row's choice depends only on its
+own causal keys, so chunk boundaries cannot change it.
+
+Numerics follow transformers: q/kv latents RMS-normalised with eps 1e-6, interleaved RoPE
+on the rotated parts (the indexer's rotated part leads its head, attention's trails), the
+indexer's key LayerNorm'd with bias, index scores in fp32, softmax scale qk_head_dim^-0.5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefill_node.errors import InvariantError
+from prefill_node.model.attention import AttentionPlan, ChunkPlan
+from prefill_node.model.config import ModelConfig
+from prefill_node.model.latent_cache import PagedLatentCache
+from prefill_node.model.rope import apply_rotary_interleaved
+from prefill_node.model.tensor_ops import Getter, param, rms_norm
+
+LATENT_EPS = 1e-6  # transformers builds q_a / kv_a norms with their default eps, not the config's
+
+
+class MlaAttention(nn.Module):
+    """The attention of one MLA layer; parameters are uninitialised until ``load``."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        m = config.mla
+        if m is None:
+            raise InvariantError("MlaAttention needs ModelConfig.mla")
+        self.m, self.layer, self.heads = m, layer, config.num_heads
+        h, heads = config.hidden_size, config.num_heads
+        self.q_a = param((m.q_lora_rank, h), dtype, device)
+        self.q_a_norm = param((m.q_lora_rank,), dtype, device)
+        self.q_b = param((heads * m.qk_head_dim, m.q_lora_rank), dtype, device)
+        self.kv_a = param((m.kv_lora_rank + m.qk_rope_head_dim, h), dtype, device)
+        self.kv_a_norm = param((m.kv_lora_rank,), dtype, device)
+        self.kv_b = param(
+            (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dtype, device
+        )
+        self.o = param((h, heads * m.v_head_dim), dtype, device)
+        self.idx_q = param((m.index_n_heads * m.index_head_dim, m.q_lora_rank), dtype, device)
+        self.idx_k = param((m.index_head_dim, h), dtype, device)
+        self.idx_k_norm = param((m.index_head_dim,), dtype, device)
+        self.idx_k_bias = param((m.index_head_dim,), dtype, device)
+        self.idx_w = param((m.index_n_heads, h), dtype, device)
+        self.scale = m.qk_head_dim**-0.5
+
+    @torch.no_grad()
+    def load(self, get: Getter) -> None:
+        """``get(suffix)``: this layer's ``self_attn.<suffix>`` tensor, shape checked."""
+        for attr, name in (
+            ("q_a", "q_a_proj.weight"),
+            ("q_a_norm", "q_a_layernorm.weight"),
+            ("q_b", "q_b_proj.weight"),
+            ("kv_a", "kv_a_proj_with_mqa.weight"),
+            ("kv_a_norm", "kv_a_layernorm.weight"),
+            ("kv_b", "kv_b_proj.weight"),
+            ("o", "o_proj.weight"),
+            ("idx_q", "indexer.wq_b.weight"),
+            ("idx_k", "indexer.wk.weight"),
+            ("idx_k_norm", "indexer.k_norm.weight"),
+            ("idx_k_bias", "indexer.k_norm.bias"),
+            ("idx_w", "indexer.weights_proj.weight"),
+        ):
+            getattr(self, attr).copy_(get(name))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        cache: PagedLatentCache,
+    ) -> torch.Tensor:
+        """Normed rows x [T, hidden] -> attention output [T, hidden]; stores every row's
+        cache entry (latent, rotated key, indexer key) in ``cache`` first."""
+        m, rows = self.m, x.shape[0]
+        q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, LATENT_EPS)
+        q = F.linear(q_resid, self.q_b).view(rows, self.heads, m.qk_head_dim)
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q = torch.cat((q_nope, apply_rotary_interleaved(q_rot, cos, sin)), dim=-1)
+        latent, k_rot = F.linear(x, self.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        latent = rms_norm(latent, self.kv_a_norm, LATENT_EPS)
+        k_rot = apply_rotary_interleaved(k_rot[:, None, :], cos, sin)[:, 0]
+        iq, ik = self._indexer_q_k(x, q_resid, cos, sin)
+        entries = torch.cat((latent, k_rot, ik), dim=-1)
+        cache.write_slots(self.layer, plan.k_slots, entries)
+        iw = F.linear(x, self.idx_w).float() * m.index_n_heads**-0.5
+        out = torch.empty(rows, self.heads, m.v_head_dim, dtype=x.dtype, device=x.device)
+        for cp in plan.chunks:
+            r = slice(cp.row_start, cp.row_end)
+            ent = entries[r] if cp.table is None else cache.gather(self.layer, cp.table, cp.end)
+            out[r] = self._chunk(q[r], iq[r], iw[r], cache.split(ent.to(x.dtype)), cp)
+        return F.linear(out.view(rows, -1), self.o)
+
+    def _indexer_q_k(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries [T, index_heads, index_dim] and keys [T, index_dim], rotated."""
+        m, rows = self.m, x.shape[0]
+        rope, rest = m.qk_rope_head_dim, m.index_head_dim - m.qk_rope_head_dim
+        iq = F.linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
+        iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
+        iq = torch.cat((apply_rotary_interleaved(iq_rot, cos, sin), iq_pass), dim=-1)
+        ik = F.layer_norm(
+            F.linear(x, self.idx_k), (m.index_head_dim,), self.idx_k_norm, self.idx_k_bias, 1e-6
+        )
+        ik_rot, ik_pass = ik[:, None, :].split([rope, rest], dim=-1)
+        ik = torch.cat((apply_rotary_interleaved(ik_rot, cos, sin), ik_pass), dim=-1)[:, 0]
+        return iq, ik
+
+    def selection(
+        self, iq: torch.Tensor, iw: torch.Tensor, index_keys: torch.Tensor, cp: ChunkPlan
+    ) -> torch.Tensor:
+        """Bool [L, end]: which positions each of the chunk's queries attends to (causal and
+        among its ``index_topk`` best index scores)."""
+        scores = torch.einsum("lhd,td->lht", iq.float(), index_keys.float())
+        scores = F.relu(scores * self.m.index_head_dim**-0.5)
+        index_scores = torch.einsum("lh,lht->lt", iw, scores)
+        pos = torch.arange(cp.start, cp.end, device=iq.device)
+        causal = torch.arange(cp.end, device=iq.device)[None, :] <= pos[:, None]
+        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        k = min(self.m.index_topk, cp.end)
+        chosen = torch.zeros_like(causal).scatter_(1, index_scores.topk(k, dim=-1).indices, True)
+        return chosen & causal
+
+    def _chunk(
+        self,
+        q: torch.Tensor,
+        iq: torch.Tensor,
+        iw: torch.Tensor,
+        parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cp: ChunkPlan,
+    ) -> torch.Tensor:
+        """One chunk's attention output [L, heads, v_head_dim] over positions [0, end)."""
+        m = self.m
+        latent, k_rot, index_keys = parts
+        allowed = self.selection(iq, iw, index_keys, cp)
+        kv = F.linear(latent, self.kv_b).view(cp.end, self.heads, -1)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)

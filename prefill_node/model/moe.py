@@ -1,0 +1,118 @@
+"""Sparse MoE block (MiniMax-M2, GLM-5): sigmoid router with correction bias, top-k SwiGLU experts.
+
+Routing follows transformers' ``minimax_m2`` / ``glm_moe_dsa`` exactly: router logits (in
+the weights' dtype for MiniMax-M2, fp32 for GLM-5), sigmoid scores in fp32, experts chosen
+by score + ``e_score_correction_bias`` (the bias only steers the choice) within the best
+expert groups, weights = the chosen raw scores renormalised to sum to 1, times the routed
+scaling factor; GLM-5 adds an always-on shared SwiGLU. Per-expert gate / up checkpoint
+tensors are fused at load time into one ``[experts, 2 * width, hidden]`` tensor, the downs
+stacked into ``[experts, hidden, width]``. The forward groups rows by expert (one sort), so
+each expert that any row chose runs two matmuls over exactly its rows; experts no row chose
+cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefill_node.model.config import MoeConfig
+from prefill_node.model.weights import MoeNames
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP with fused ``gate_up`` [2 * width, hidden] and ``down`` [hidden, width]."""
+    h = F.linear(x, gate_up)
+    width = down.shape[1]
+    return F.linear(F.silu(h[:, :width]).mul_(h[:, width:]), down)
+
+
+class SparseMoe(nn.Module):
+    """The MoE block of one layer; parameters are uninitialised until ``load``."""
+
+    def __init__(
+        self,
+        moe: MoeConfig,
+        names: MoeNames,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp32_router: bool,
+    ) -> None:
+        super().__init__()
+        self.moe, self.names = moe, names
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.width = moe.expert_intermediate_size
+        e, w = moe.num_experts, moe.expert_intermediate_size
+
+        def param(shape: tuple[int, ...], dt: torch.dtype = dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), False)
+
+        self.router = param((e, hidden), torch.float32 if fp32_router else dtype)
+        self.bias = param((e,), torch.float32)  # routing stays fp32 whatever the weights' dtype
+        self.gate_up = param((e, 2 * w, hidden))
+        self.down = param((e, hidden, w))
+        shared = w * moe.num_shared_experts
+        self.shared_gate_up = param((2 * shared, hidden)) if shared else None
+        self.shared_down = param((hidden, shared)) if shared else None
+
+    @torch.no_grad()
+    def load(self, get: Callable[[str], torch.Tensor]) -> None:
+        """``get(suffix)`` returns the layer's checkpoint tensor (shape already checked)."""
+        n = self.names
+        self.router.copy_(get(n.router))
+        self.bias.copy_(get(n.bias))
+        for e in range(self.num_experts):
+            self.gate_up[e, : self.width].copy_(get(n.expert_tensor(e, n.gate)))
+            self.gate_up[e, self.width :].copy_(get(n.expert_tensor(e, n.up)))
+            self.down[e].copy_(get(n.expert_tensor(e, n.down)))
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            mlp = (n.shared + "gate_proj.weight", n.shared + "up_proj.weight")
+            self.shared_gate_up.copy_(torch.cat([get(s) for s in mlp]))
+            self.shared_down.copy_(get(n.shared + "down_proj.weight"))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows x [T, hidden] -> (expert ids LongTensor [T, top_k], fp32 weights [T, top_k])."""
+        moe = self.moe
+        scores = torch.sigmoid(F.linear(x.to(self.router.dtype), self.router).float())
+        choice = scores + self.bias
+        if moe.num_groups > 1:
+            grouped = choice.view(x.shape[0], moe.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            best = torch.topk(group_scores, moe.topk_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(scores)
+        _, experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)
+        weights = scores.gather(1, experts)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (already post-attention-normed) -> the block's output [T, hidden]."""
+        out = self._routed(x)
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            out = out + swiglu(x, self.shared_gate_up, self.shared_down)
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            idx = rows[start : start + count]
+            w = weights.reshape(-1)[order[start : start + count]]
+            start += count
+            y = swiglu(x[idx], self.gate_up[e], self.down[e]) * w[:, None]
+            out.index_add_(0, idx, y.to(out.dtype))
+        return out
