@@ -169,3 +169,28 @@ def test_burst_of_bad_requests_leaves_every_stage_serving_and_intact(engine, ser
             assert status == health_pb2.HealthCheckResponse.SERVING
         ok = stub.Prefill(build_request([3, 1, 4, 1, 5], cache_salt="after-burst"))
         assert (ok.prompt_tokens, ok.computed_tokens) == (5, 5)
+
+
+def test_debug_service_checks_every_stage_and_counts_what_each_holds(engine):
+    """``--debug-service``: CheckIntegrity runs check_integrity() on every stage and reports
+    its blocks, KV WRITEs and leases (the soak's end-of-run leak check)."""
+    from prefill_node.server.debug_servicer import IntegrityCheckable
+
+    assert isinstance(engine, IntegrityCheckable)
+    with (
+        ServerThread(engine, pipeline_server_config(debug_service=True)) as srv,
+        PrefillClient(srv.target) as client,
+    ):
+        client.prefill([7, 8, 9, 10, 11, 12, 13, 14, 15], cache_salt="debug-service")
+        report = client.check_integrity()
+    assert report.ok and report.error == "" and report.inflight_requests == 0
+    assert [s.stage for s in report.stages] == [0, 1]
+    assert all(s.used_blocks == 0 and s.cached_blocks >= 2 for s in report.stages)
+    assert all((s.kv_held_blocks, s.kv_pushes, s.kv_leases) == (0, 0, 0) for s in report.stages)
+    assert sum(s.free_blocks + s.cached_blocks for s in report.stages) == 2 * BLOCKS
+
+
+def test_debug_service_is_not_served_unless_asked(server):
+    with PrefillClient(server.target) as client, pytest.raises(grpc.RpcError) as err:
+        client.check_integrity()
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

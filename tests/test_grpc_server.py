@@ -258,3 +258,11 @@ def test_server_info_and_remote_engine_behave_like_the_engine(engine):
             assert remote.health().ready and remote.load().stages[1].stage == 1
         finally:
             remote.shutdown()
+
+
+def test_debug_service_needs_an_engine_that_can_check_its_stages():
+    from prefill_node.server.server import PrefillServer, ServerConfig
+    from tests.grpc_toy_engine import ToyEngine
+
+    with pytest.raises(ValueError, match="cannot check its stages"):
+        PrefillServer(ToyEngine(), ServerConfig(port=0, debug_service=True))

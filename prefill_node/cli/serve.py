@@ -136,6 +136,12 @@ def register(subparsers: Any) -> None:
         help="start, send each PROMPT twice over gRPC (text, chat template), print the first "
         "token and cached/computed tokens, then stop; repeatable",
     )
+    p.add_argument(
+        "--debug-service",
+        action="store_true",
+        help="serve wavepp.prefill.v1.DebugService: CheckIntegrity runs every stage's "
+        "check_integrity() and reports what each stage holds (soak tests, operators)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 
@@ -182,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())
     engine, blocking_submit = build_engine(spec, kv_events=kv_events.publish)
-    config = replace(config, blocking_submit=blocking_submit)
+    config = replace(config, blocking_submit=blocking_submit, debug_service=args.debug_service)
     try:
         asyncio.run(_serve(engine, config, tokenizer, args.smoke_test or [], kv_events))
     finally:

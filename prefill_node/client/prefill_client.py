@@ -22,7 +22,13 @@ from prefill_node.engine.types import (
 )
 from prefill_node.server.convert import load_from_proto, result_from_proto
 from prefill_node.server.kv_convert import destination_to_proto
-from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
+from wavepp_proto.prefill.v1 import (
+    debug_pb2,
+    debug_pb2_grpc,
+    kv_events_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -151,6 +157,7 @@ class PrefillClient:
             self._channel = grpc.secure_channel(target, tls.credentials(), options=options)
         self._stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._debug = debug_pb2_grpc.DebugServiceStub(self._channel)
 
     def prefill(
         self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
@@ -187,6 +194,11 @@ class PrefillClient:
         (``cancel()`` ends it). The first batch is AllBlocksCleared + a snapshot."""
         request = kv_events_pb2.SubscribeKvEventsRequest()
         return self._stub.SubscribeKvEvents(request, timeout=timeout_s)
+
+    def check_integrity(self, timeout_s: float = 60.0) -> debug_pb2.IntegrityReport:
+        """The pipeline's DebugService report (``wavepp serve --debug-service``)."""
+        req = debug_pb2.CheckIntegrityRequest()
+        return self._debug.CheckIntegrity(req, timeout=timeout_s)
 
     def is_live(self, timeout_s: float = 5.0) -> bool:
         """Liveness as the health service reports it ("" service)."""

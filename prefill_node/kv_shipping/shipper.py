@@ -37,6 +37,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.allowlist import AllowList
@@ -118,6 +119,14 @@ class StageShipResult:
         return self.error is None
 
 
+class KVHeld(NamedTuple):
+    """What a stage's shipper holds: WRITEs in flight, live pull leases, and their blocks."""
+
+    pushes: int = 0
+    leases: int = 0
+    blocks: int = 0
+
+
 @dataclass
 class _Held:
     blocks: list[KVBlock]
@@ -193,6 +202,11 @@ class StageKVShipper:
         streaming = sum(len(b) for _, b in self._parts.values())
         queued = sum(len(st.queued) for st in self._streams.values())
         return pushing + streaming + queued + sum(len(b) for _, b in self._leased.values())
+
+    @property
+    def held(self) -> KVHeld:
+        """What this shipper holds now: WRITEs in flight, live leases, their blocks."""
+        return KVHeld(len(self._pushing), len(self._leased), self.held_blocks)
 
     def push(
         self,

@@ -43,7 +43,12 @@ from prefill_node.core.stage_admission import StageAdmission
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
 from prefill_node.kv_shipping.command_loop import CommandLoop
-from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper, StageShipResult
+from prefill_node.kv_shipping.shipper import (
+    KVHeld,
+    KVShippingConfig,
+    StageKVShipper,
+    StageShipResult,
+)
 from prefill_node.model.latent_cache import StageCache
 
 log = logging.getLogger(__name__)
@@ -244,8 +249,8 @@ class StageShipping:
             out.append(self._outcomes.popleft())
         return tuple(out)
 
-    def held_blocks(self) -> int:
-        return int(self._loop.call(lambda: self._running().held_blocks).result(timeout=10))
+    def held(self) -> KVHeld:
+        return self._loop.call(lambda: self._running().held).result(timeout=10)
 
     def check_integrity(self) -> None:
         self._loop.call(lambda: self._running().check_integrity()).result(timeout=10)

@@ -232,7 +232,7 @@ class LocalEngine:
 
     def kv_held_blocks(self) -> tuple[int, ...]:
         """Per stage: block references its shipper holds now (in-flight WRITEs, live leases)."""
-        return tuple(s.shipping.held_blocks() if s.shipping else 0 for s in self.stages)
+        return tuple(s.shipping.held().blocks if s.shipping else 0 for s in self.stages)
 
     # ---- Engine protocol -----------------------------------------------------------
 

@@ -109,3 +109,5 @@ class StageStats:
     uptime_s: float
     pool: PoolStats
     kv_held_blocks: int = 0  # block references the stage's KV shipper holds (WRITEs, leases)
+    kv_pushes: int = 0  # WRITEs to decode workers in flight
+    kv_leases: int = 0  # pull leases not yet released, expired or revoked

@@ -15,7 +15,7 @@ from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvariantError
-from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_shipping.shipper import KVHeld, KVShippingConfig
 from prefill_node.kv_shipping.stage_shipping import (
     StageHandoff,
     StageShipping,
@@ -175,8 +175,8 @@ class PipelineStageCompute:
             for rid in request_ids:
                 self.shipping.cancel(rid)
 
-    def kv_held_blocks(self) -> int:
-        return self.shipping.held_blocks() if self.shipping is not None else 0
+    def kv_held(self) -> KVHeld:
+        return self.shipping.held() if self.shipping is not None else KVHeld()
 
     def close(self) -> None:
         """Stop shipping (WRITEs aborted, leases revoked, pins dropped); idempotent."""

@@ -14,6 +14,7 @@ import torch
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
+from prefill_node.kv_shipping.shipper import KVHeld
 from prefill_node.kv_shipping.stage_shipping import StageHandoff
 from prefill_node.runtime.messages import (
     RequestOutput,
@@ -67,7 +68,7 @@ class StageCompute(Protocol):
 
     def kv_cancel(self, request_ids: tuple[str, ...]) -> None: ...
 
-    def kv_held_blocks(self) -> int: ...
+    def kv_held(self) -> KVHeld: ...
 
 
 class StageWorker:
@@ -229,6 +230,7 @@ class StageWorker:
         return None  # TICK, STOP
 
     def stats(self) -> StageStats:
+        held = self._compute.kv_held()
         return StageStats(
             stage=self.rank,
             busy_s=self._busy_s,
@@ -237,5 +239,7 @@ class StageWorker:
             tokens=self._tokens,
             uptime_s=time.monotonic() - self._started,
             pool=self._compute.occupancy(),
-            kv_held_blocks=self._compute.kv_held_blocks(),
+            kv_held_blocks=held.blocks,
+            kv_pushes=held.pushes,
+            kv_leases=held.leases,
         )

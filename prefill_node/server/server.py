@@ -20,14 +20,16 @@ from grpc_reflection.v1alpha import reflection
 
 from prefill_node.engine.types import Engine, EngineHealth
 from prefill_node.server.convert import PromptTokenizer
+from prefill_node.server.debug_servicer import DebugServicer, IntegrityCheckable
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.metrics import ServerMetrics
 from prefill_node.server.servicer import PrefillServicer
-from wavepp_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from wavepp_proto.prefill.v1 import debug_pb2, debug_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+DEBUG_SERVICE_NAME = debug_pb2.DESCRIPTOR.services_by_name["DebugService"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -72,6 +74,8 @@ class ServerConfig:
     # True: engine.submit may block (LocalEngine computes inside it), so it runs on a thread
     # pool; False: submit only enqueues (the multi-process pipeline) and is called inline.
     blocking_submit: bool = True
+    # Serve wavepp.prefill.v1.DebugService (CheckIntegrity); the engine must be checkable.
+    debug_service: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -106,6 +110,11 @@ class PrefillServer:
             blocking_submit=config.blocking_submit,
         )
         self.health = HealthServicer()
+        self._debug: DebugServicer | None = None
+        if config.debug_service:
+            if not isinstance(engine, IntegrityCheckable):
+                raise ValueError("this engine cannot check its stages: no debug service")
+            self._debug = DebugServicer(engine)
         self._server: grpc.aio.Server | None = None
         self._monitor: asyncio.Task | None = None
         self.port = 0
@@ -122,11 +131,12 @@ class PrefillServer:
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
-            server,
-        )  # fmt: skip
+        names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME]  # fmt: skip
+        if self._debug is not None:
+            debug_pb2_grpc.add_DebugServiceServicer_to_server(self._debug, server)
+            names.append(DEBUG_SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls is not None:
             self.port = server.add_secure_port(address, cfg.tls.credentials())
