@@ -221,7 +221,7 @@ def test_killing_a_stage_fails_in_flight_requests_within_seconds(start) -> None:
             fut.result(timeout=10)
     assert time.monotonic() - t0 < 5
     health = engine.health()
-    assert health.live and not health.ready and "stage" in health.detail
+    assert not health.live and not health.ready and "stage" in health.detail
     with pytest.raises(UnavailableError):
         engine.submit([1, 2, 3], PrefillOptions()).result(timeout=1)
     t0 = time.monotonic()

@@ -73,9 +73,9 @@ class PipelineEngine:
     Lifecycle: ``PipelineEngine.start`` publishes the spec in the rendezvous store it hosts,
     (optionally) launches stages 1..P-1 locally, waits until every stage has loaded its slice,
     joins the planes and starts the threads. ``shutdown`` drains the ring and stops every
-    stage. A dead stage (process exit, heartbeat silence, or a plane error) turns the engine
-    unhealthy and fails every unfinished request with UnavailableError at once; the engine
-    never hangs a caller. Every method is thread-safe.
+    stage. A dead stage (process exit, heartbeat silence, or a plane error) turns the engine not
+    ready and not live (only a restart recovers it) and fails every unfinished request with
+    UnavailableError at once; the engine never hangs a caller. Every method is thread-safe.
 
     KV hand-off (``kv_shipping`` given): every stage process ships its layers of a request
     with a ``kv_destination`` as soon as the request's last chunk left it, push streamed chunk
@@ -371,8 +371,9 @@ class PipelineEngine:
     def health(self) -> EngineHealth:
         if self._closed:
             return EngineHealth(live=False, ready=False, detail="shut down")
-        if self._dead is not None:
-            return EngineHealth(live=True, ready=False, detail=self._dead)
+        if self._dead is not None:  # no way back (its process groups are broken): not live,
+            # so a supervisor (kubelet's liveness probe) restarts the pipeline
+            return EngineHealth(live=False, ready=False, detail=self._dead)
         return EngineHealth(live=True, ready=True)
 
     def load(self) -> EngineLoad:
