@@ -1,0 +1,186 @@
+"""Soak and chaos: the whole tier under load for a long time while things break.
+
+Starts, as real processes on this machine: ``--pipelines`` pipelines (`wavepp serve --stages
+2`, a tiny model, KV shipping and the debug service on), the router in front of them, and
+``--decoders`` decode workers (bench/soak_decode.py) doing push and pull hand-offs through
+the router. This process keeps ``--concurrency`` requests in flight: tenants with shared
+system prompts (cache_salt), unique prompts, PrefillStream batches, tight deadlines, client
+cancellations and hostile requests (hypothesis-made fields and values, unknown fields,
+oversize messages, unknown KV destinations).
+
+Faults on a schedule (``--faults all`` for the full set, ``few`` for the default test):
+a decode worker SIGKILLed mid-transfer; a stage SIGKILLed (the harness's supervisor restarts
+the pipeline, as Kubernetes would on failed liveness); a stage SIGSTOPped past the heartbeat
+timeout, then SIGCONTed; the router SIGKILLed and restarted; a pipeline's connections
+(its KV-event stream included) cut; a burst of long unique prompts (cache pressure).
+
+Invariants, continuously and at the end (bench/soak_report.py): every request ends exactly
+once, OK or a typed status, never later than its deadline + 5 s, never INTERNAL or UNKNOWN;
+once load stops, every stage of every pipeline holds 0 used blocks, passes check_integrity(),
+holds no WRITE or lease, and the decode side holds no block or reception; RSS and fd counts
+of long-lived processes stop growing; the router's index equals what each pipeline reports
+resident; the router's Prometheus counters agree with the client's tally.
+
+    python bench/soak.py --duration 60 --concurrency 32 --json out/soak.json --plot out/soak.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from soak_cluster import (  # bench/ is on sys.path: this file runs as a script
+    DecodeDriver,
+    Restartable,
+    Supervisor,
+    TcpCut,
+    pipeline_argv,
+    router_argv,
+    write_model,
+)
+from soak_faults import Faults, schedule
+from soak_report import Sampler, final_checks, plot, summarise
+from soak_workload import Tally, Workload
+from tqdm import tqdm
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--concurrency", type=int, default=256, help="requests in flight (default 256)")
+    p.add_argument("--json", type=Path, required=True, help="where the rows go")
+    p.add_argument("--plot", type=Path, help="summary plot over time (PNG)")
+    p.add_argument("--pipelines", type=int, default=2)
+    p.add_argument("--decoders", type=int, default=2, help="decode worker processes")
+    p.add_argument("--decode-concurrency", type=int, default=4, help="hand-offs per decoder")
+    p.add_argument("--num-blocks", type=int, default=384, help="KV blocks per stage")
+    p.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=10.0,
+        help="KV transfer timeout and pull lease TTL, seconds (default 10)",
+    )
+    p.add_argument("--faults", choices=("all", "few", "none"), default="all")
+    p.add_argument("--settle", type=float, default=60.0, help="seconds allowed to settle")
+    p.add_argument("--seed", default="soak")
+    return p.parse_args(argv)
+
+
+async def drive(
+    args, router: Restartable, tally: Tally, faults: Faults, sampler: Sampler, bar: tqdm
+) -> None:
+    """Load for ``args.duration`` seconds, faults on their schedule; returns once every
+    request sent has ended."""
+    import grpc
+
+    from prefill_node.server.client import AsyncPrefillClient
+
+    end = time.monotonic() + args.duration
+    async with AsyncPrefillClient(router.address) as client:
+        work = Workload(client, client._channel, tally, args.seed)
+        faults.workload = work
+
+        async def lane(i: int) -> None:
+            while time.monotonic() < end:
+                unavailable = tally.outcomes["UNAVAILABLE"]
+                await work.step()
+                bar.update()
+                if tally.outcomes["UNAVAILABLE"] > unavailable:  # a client backs off
+                    await asyncio.sleep(work.rng.uniform(0.1, 0.5))
+
+        async def watch() -> None:
+            while time.monotonic() < end:
+                await asyncio.sleep(1.0)
+                sampler.sample(tally)
+                bar.set_postfix_str(sampler.postfix(tally))
+
+        plan = schedule(args.faults, args.duration)
+        lanes = [asyncio.create_task(lane(i)) for i in range(args.concurrency)]
+        runner = asyncio.create_task(faults.run(plan, end))
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*lanes)
+        await runner
+        await watcher
+        assert isinstance(client._channel, grpc.aio.Channel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run finallys
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="wavepp-soak-") as tmp:
+        tmp = Path(tmp)
+        model = write_model(tmp / "model")
+        tally = Tally()
+        pipes = [
+            Restartable(
+                f"pipeline-{i}", pipeline_argv(model, f"pipeline-{i}", args), "wavepp serve:", tmp
+            )
+            for i in range(args.pipelines)
+        ]
+        cut = TcpCut(pipes[0].address)  # the router reaches pipeline 0 through it
+        routes = [cut, *pipes[1:]]
+        router = Restartable("router", router_argv(model, routes), "wavepp router:", tmp)
+        decoders = [
+            DecodeDriver(f"decode-{i}", router.address, model, args, tmp, tally.external)
+            for i in range(args.decoders)
+        ]
+        supervisor = Supervisor(pipes, lambda *a: faults.note_restart(*a))
+        faults = Faults(pipes, router, decoders, supervisor, cut, tally)
+        try:
+            print(
+                f"starting {args.pipelines} pipelines, the router and {args.decoders} "
+                "decode workers",
+                flush=True,
+            )
+            for p in pipes:
+                p.start()
+            router.start()
+            if not faults.wait_router_ready(timeout_s=300):
+                raise RuntimeError("the router did not see every pipeline ready")
+            faults.router_epoch = time.monotonic()  # nothing was sent yet: its counters are 0
+            supervisor.start()
+            for d in decoders:
+                d.start()
+            sampler = Sampler(pipes, router, decoders)
+            print(
+                f"ready after {time.monotonic() - started:.0f}s; load for {args.duration:.0f}s "
+                f"at concurrency {args.concurrency}",
+                flush=True,
+            )
+            with tqdm(desc="soak requests", unit="req", mininterval=2.0) as bar:
+                asyncio.run(drive(args, router, tally, faults, sampler, bar))
+            decode_finals = [d.stop() for d in decoders]
+            supervisor.stop()
+            checks = final_checks(pipes, router, decode_finals, tally, faults, args)
+            sampler.sample(tally)
+            rows = summarise(args, tally, faults, sampler, checks)
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+            if args.plot is not None:
+                plot(sampler, faults, args.plot)
+        finally:
+            for d in decoders:
+                d.kill()
+            router.stop()
+            for p in pipes:
+                p.stop()
+            cut.stop()
+    summary = rows[0]
+    bad = {k: summary[k] for k in summary["invariants"] if summary[k]}
+    print(json.dumps(summary, indent=1))
+    print(
+        f"soak done in {time.monotonic() - started:.0f}s: "
+        f"{'INVARIANTS BROKEN: ' + str(bad) if bad else 'all invariants hold'}"
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

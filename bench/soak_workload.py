@@ -1,0 +1,307 @@
+"""The soak's client side: the mixed request kinds sent to the router, hostile requests from
+hypothesis, and the tally every ended request lands in exactly once (outcome by gRPC status,
+latency, hung = answered later than its deadline + 5 s, lost = never answered)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+from soak_cluster import MAX_MODEL_LEN, VOCAB  # bench/ is on sys.path
+
+TENANTS = 8
+SYSTEM_TOKENS = 192
+HUNG_AFTER_S = 5.0  # past its deadline
+DEFAULT_DEADLINE_S = 30.0
+PREFILL = "/wavepp.prefill.v1.PrefillService/Prefill"
+KINDS = {"tenant": 40, "unique": 12, "stream": 10, "deadline": 10, "cancel": 10, "hostile": 6}
+
+
+def system_prompt(tenant: int) -> list[int]:
+    rng = random.Random(f"soak-tenant-{tenant}")
+    return [rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)]
+
+
+@dataclass
+class Tally:
+    """Every request, once: ``begin`` when sent, ``end`` when its outcome is known."""
+
+    outcomes: Counter = field(default_factory=Counter)
+    by_kind: Counter = field(default_factory=Counter)
+    open: dict = field(default_factory=dict)  # id -> (kind, start, deadline)
+    ended: set = field(default_factory=set)
+    double_ends: int = 0
+    hung: int = 0
+    rows: list = field(default_factory=list)  # (end time, kind, code, latency)
+    details: Counter = field(default_factory=Counter)  # "CODE: message head" of failures
+    _ids: int = 0
+
+    def begin(self, kind: str, deadline_s: float) -> str:
+        self._ids += 1
+        rid = f"{kind}-{self._ids}"
+        self.open[rid] = (kind, time.monotonic(), deadline_s)
+        return rid
+
+    def end(self, rid: str, code: str, detail: str = "") -> None:
+        if rid in self.ended or rid not in self.open:
+            self.double_ends += 1
+            return
+        kind, start, deadline = self.open.pop(rid)
+        self.ended.add(rid)
+        latency = time.monotonic() - start
+        if latency > deadline + HUNG_AFTER_S:
+            self.hung += 1
+        self.outcomes[code] += 1
+        self.by_kind[f"{kind}:{code}"] += 1
+        self.rows.append((time.monotonic(), kind, code, latency))
+        if code != "OK":
+            self.details[f"{code}: {_head(detail)}"] += 1
+
+    def external(self, row: dict) -> None:
+        """An outcome a decode driver reported (its own request, ended there)."""
+        latency = row["latency_s"]
+        if latency > row["deadline_s"] + HUNG_AFTER_S:
+            self.hung += 1
+        self.outcomes[row["code"]] += 1
+        self.by_kind[f"{row['kind']}:{row['code']}"] += 1
+        self.rows.append((time.monotonic(), row["kind"], row["code"], latency))
+        if row["code"] != "OK":
+            self.details[f"{row['code']}: {_head(row.get('detail', ''))}"] += 1
+
+    def overdue(self, now: float) -> int:
+        return sum(1 for _, start, d in self.open.values() if now - start > d + HUNG_AFTER_S)
+
+
+def _head(detail: str) -> str:
+    """A failure message without its request-specific parts (ids, numbers)."""
+    import re
+
+    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"\S*-\d+\b", "ID", detail))[:90]
+
+
+def _detail(exc: BaseException) -> str:
+    return (exc.details() or "") if isinstance(exc, grpc.RpcError) else ""
+
+
+def _code(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return exc.code().name
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    return f"CLIENT_{type(exc).__name__}"
+
+
+class Workload:
+    """Sends one request of a random kind per ``step`` on ``client`` (AsyncPrefillClient)."""
+
+    def __init__(self, client, channel: grpc.aio.Channel, tally: Tally, seed: str) -> None:
+        self.client, self.tally = client, tally
+        self.raw = channel.unary_unary(PREFILL)  # bytes in, bytes out: hostile payloads
+        self.rng = random.Random(seed)
+        self.systems = [system_prompt(t) for t in range(TENANTS)]
+        self._payloads = hostile_requests(seed)
+        self._kinds = {
+            "tenant": self._tenant,
+            "unique": self._unique,
+            "stream": self._stream,
+            "deadline": self._deadline,
+            "cancel": self._cancel,
+            "hostile": self._hostile,
+        }
+
+    async def step(self) -> None:
+        kind = self.rng.choices(list(KINDS), list(KINDS.values()))[0]
+        await self._kinds[kind]()
+
+    def _suffix(self, lo: int, hi: int) -> list[int]:
+        return [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(lo, hi))]
+
+    async def _unary(
+        self,
+        kind: str,
+        prompt: list[int],
+        salt: str = "",
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        cancel_after: float | None = None,
+    ):
+        rid = self.tally.begin(kind, deadline_s)
+        call = self.client.prefill_call(
+            prompt,
+            request_id=rid,
+            cache_salt=salt,
+            timeout_s=deadline_s,
+            deadline_s=deadline_s + HUNG_AFTER_S + 10,
+        )
+        try:
+            if cancel_after is not None:
+                done, _ = await asyncio.wait({asyncio.ensure_future(call)}, timeout=cancel_after)
+                if not done:
+                    call.cancel()
+            await call
+            self.tally.end(rid, "OK")
+        except BaseException as exc:  # noqa: BLE001 - every outcome is tallied
+            self.tally.end(rid, _code(exc), _detail(exc))
+
+    async def _tenant(self) -> None:
+        t = min(int(self.rng.paretovariate(1.2)) - 1, TENANTS - 1)
+        await self._unary("tenant", self.systems[t] + self._suffix(4, 200), salt=f"tenant-{t}")
+
+    async def _unique(self) -> None:
+        await self._unary("unique", self._suffix(16, 400))
+
+    async def _deadline(self) -> None:
+        t = self.rng.randrange(TENANTS)
+        await self._unary(
+            "deadline",
+            self.systems[t] + self._suffix(100, 500),
+            salt=f"tenant-{t}",
+            deadline_s=self.rng.uniform(0.02, 0.5),
+        )
+
+    async def _cancel(self) -> None:
+        await self._unary("cancel", self._suffix(100, 600), cancel_after=self.rng.uniform(0.0, 0.4))
+
+    async def _stream(self) -> None:
+        from prefill_node.server.client import build_request
+
+        n = self.rng.randint(2, 5)
+        ids = [self.tally.begin("stream", DEFAULT_DEADLINE_S) for _ in range(n)]
+        reqs = []
+        for rid in ids:
+            t = self.rng.randrange(TENANTS)
+            prompt = self.systems[t] + self._suffix(4, 100)
+            reqs.append(
+                build_request(
+                    prompt, request_id=rid, cache_salt=f"tenant-{t}", timeout_s=DEFAULT_DEADLINE_S
+                )
+            )
+        try:
+            call = self.client._stub.PrefillStream(
+                iter(reqs), timeout=DEFAULT_DEADLINE_S + HUNG_AFTER_S + 10
+            )
+            async for item in call:
+                code = (
+                    "OK"
+                    if item.HasField("response")
+                    else grpc.StatusCode(_status(item.error.code)).name
+                )
+                self.tally.end(item.request_id, code, item.error.message)
+        except BaseException as exc:  # noqa: BLE001
+            for rid in ids:
+                if rid in self.tally.open:
+                    self.tally.end(rid, _code(exc), _detail(exc))
+        for rid in ids:  # the stream ended without an entry for it
+            if rid in self.tally.open:
+                self.tally.end(rid, "STREAM_MISSING")
+
+    async def _hostile(self) -> None:
+        payload = next(self._payloads)
+        rid = self.tally.begin("hostile", DEFAULT_DEADLINE_S)
+        try:
+            await self.raw(payload, timeout=DEFAULT_DEADLINE_S + HUNG_AFTER_S)
+            self.tally.end(rid, "OK")
+        except BaseException as exc:  # noqa: BLE001
+            self.tally.end(rid, _code(exc), _detail(exc))
+
+    async def pressure(self, n: int) -> None:
+        """A burst of long unique prompts: every stage must evict to fit them."""
+        await asyncio.gather(
+            *(
+                self._unary("pressure", self._suffix(MAX_MODEL_LEN - 200, MAX_MODEL_LEN - 1))
+                for _ in range(n)
+            )
+        )
+
+
+def _status(number: int) -> tuple:
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code.value
+    return grpc.StatusCode.UNKNOWN.value
+
+
+def hostile_requests(seed: str):
+    """Serialized PrefillRequests with random fields and values (hypothesis), unknown fields
+    appended, oversize messages (over the router's 1 MiB limit) and unknown destinations."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+
+    from prefill_node.server.client import build_request
+
+    warnings.filterwarnings("ignore", module="hypothesis")
+    settings.register_profile("soak", suppress_health_check=list(HealthCheck))
+    u32 = st.integers(0, 2**32 - 1)
+    text = st.text(max_size=40)
+    push = st.builds(
+        lambda a, e, t, b: _push(a, e, t, b), text, text, text, st.lists(u32, max_size=8)
+    )
+    request = st.builds(
+        lambda rid, ids, salt, top, dest, secs, nanos, extra: _request(
+            rid, ids, salt, top, dest, secs, nanos, extra
+        ),
+        text,
+        st.lists(st.one_of(st.integers(0, VOCAB + 10), u32), max_size=300),
+        text,
+        st.none() | u32,
+        st.none() | push | st.just("pull"),
+        st.integers(-10, 10**6),
+        st.integers(-(10**9), 10**9),
+        st.lists(st.tuples(st.integers(16, 5000), u32), max_size=3),
+    )
+    rng = random.Random(seed)
+    while True:
+        pick = rng.random()
+        if pick < 0.1:  # oversize: more than the router accepts
+            yield build_request([1] * 600_000).SerializeToString()
+        elif pick < 0.2:  # a destination nobody serves
+            dest = _push("no-such-agent", "127.0.0.1:1", "t", [1, 2, 3]).kv_destination
+            req = build_request([rng.randrange(VOCAB) for _ in range(40)])
+            req.kv_destination.CopyFrom(dest)
+            yield req.SerializeToString()
+        else:
+            yield request.example()
+
+
+def _push(agent: str, endpoint: str, transfer: str, blocks: list[int]):
+    from wavepp_proto.prefill.v1 import prefill_pb2
+
+    req = prefill_pb2.PrefillRequest()
+    push = req.kv_destination.push
+    push.agent_name, push.transfer_id = agent, transfer
+    push.block_ids.extend(blocks)
+    if endpoint:
+        push.metadata_endpoint = endpoint
+    return req
+
+
+def _request(rid, ids, salt, top, dest, secs, nanos, extra) -> bytes:
+    from wavepp_proto.prefill.v1 import prefill_pb2
+
+    req = prefill_pb2.PrefillRequest(request_id=rid, cache_salt=salt)
+    req.token_ids.ids.extend(ids)
+    if top is not None:
+        req.top_logprobs = top
+    if dest == "pull":
+        req.kv_destination.pull.SetInParent()
+    elif dest is not None:
+        req.kv_destination.CopyFrom(dest.kv_destination)
+    if secs >= 0 and nanos >= 0:
+        req.timeout.seconds, req.timeout.nanos = secs, nanos % 10**9
+    wire = req.SerializeToString()
+    for number, value in extra:  # unknown varint fields
+        wire += _varint(number << 3) + _varint(value)
+    return wire
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
