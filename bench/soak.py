@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", choices=("all", "few", "none"), default="all")
     p.add_argument("--settle", type=float, default=60.0, help="seconds allowed to settle")
     p.add_argument("--seed", default="soak")
+    p.add_argument("--logs", type=Path, help="keep every process's log here (default: dropped)")
     return p.parse_args(argv)
 
 
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="wavepp-soak-") as tmp:
         tmp = Path(tmp)
         model = write_model(tmp / "model")
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            tmp = args.logs
         tally = Tally()
         pipes = [
             Restartable(
@@ -160,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             decode_finals = [d.stop() for d in decoders]
             supervisor.stop()
             checks = final_checks(pipes, router, decode_finals, tally, faults, args)
-            sampler.sample(tally)
             rows = summarise(args, tally, faults, sampler, checks)
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
             if args.plot is not None:

@@ -43,20 +43,24 @@ async def wait_kv(worker, request_id: str, timeout_s: float) -> None:
 async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dict:
     from prefill_node.engine.types import KVPullDestination
     from prefill_node.errors import WaveppError
+    from prefill_node.server.client import to_remote_result
 
     mode = "push" if i % 2 == 0 else "pull"
     tenant = rng.randrange(4)
     prefix = [random.Random(f"decode-tenant-{tenant}").randrange(VOCAB) for _ in range(96)]
     prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(8, 120))]
     rid = f"{tag}-{i}"
-    deadline = args.kv_timeout * 2
+    # one in four hand-offs ends early: a tight deadline, or the client cancels the call
+    twist = rng.choice(("deadline", "cancel", "", "", "", "", "", ""))
+    deadline = rng.uniform(0.05, 0.6) if twist == "deadline" else args.kv_timeout * 2
+    kind = f"{mode}-{twist}" if twist else mode
     t0 = time.monotonic()
-    row = {"kind": mode, "id": rid, "deadline_s": deadline, "t": time.time()}
+    row = {"kind": kind, "id": rid, "deadline_s": deadline, "t": time.time()}
     started = False
     try:
         dest = worker.expect_push(rid, prompt) if mode == "push" else KVPullDestination()
         started = True
-        remote = await client.prefill(
+        call = client.prefill_call(
             prompt,
             request_id=rid,
             kv_destination=dest,
@@ -64,6 +68,12 @@ async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dic
             timeout_s=deadline,
             deadline_s=deadline + 10,
         )
+        if twist == "cancel":
+            done, _ = await asyncio.wait({asyncio.ensure_future(call)}, timeout=rng.uniform(0, 0.5))
+            if not done:
+                call.cancel()
+        remote = to_remote_result(await call)
+        row["prefill_s"] = time.monotonic() - t0
         if mode == "pull":
             worker.pull(rid, prompt, remote.result.stage_manifests)
         await wait_kv(worker, rid, args.kv_timeout)
@@ -71,12 +81,15 @@ async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dic
         row |= {"code": "OK", "tokens": len(tokens)}
     except grpc.RpcError as exc:
         row |= {"code": exc.code().name, "detail": (exc.details() or "")[:200]}
+    except asyncio.CancelledError:
+        row |= {"code": "CANCELLED"}
     except WaveppError as exc:  # decode-side hand-off failure after an OK prefill
         row |= {"code": "KV_" + type(exc).__name__, "detail": str(exc)[:200]}
     finally:
         if started:
             worker.release(rid)
     row["latency_s"] = time.monotonic() - t0
+    row.setdefault("prefill_s", row["latency_s"])  # the answer's time: what deadlines bound
     return row
 
 

@@ -249,10 +249,7 @@ def counter_check(router, tally, faults) -> dict:
     decode_ok = sum(
         1
         for r in mine
-        if r[1] in ("push", "pull")
-        and r[2] in ("OK",)
-        or r[1] in ("push", "pull")
-        and r[2].startswith("KV_")
+        if r[1].startswith(("push", "pull")) and (r[2] == "OK" or r[2].startswith("KV_"))
     )
     cancelled = sum(1 for r in mine if r[2] == "CANCELLED")
     server_ok = int(server.get("ok", -1))

@@ -5,6 +5,7 @@ latency, hung = answered later than its deadline + 5 s, lost = never answered)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import warnings
@@ -19,7 +20,15 @@ SYSTEM_TOKENS = 192
 HUNG_AFTER_S = 5.0  # past its deadline
 DEFAULT_DEADLINE_S = 30.0
 PREFILL = "/wavepp.prefill.v1.PrefillService/Prefill"
-KINDS = {"tenant": 40, "unique": 12, "stream": 10, "deadline": 10, "cancel": 10, "hostile": 6}
+KINDS = {
+    "tenant": 38,
+    "unique": 12,
+    "stream": 10,
+    "deadline": 10,
+    "cancel": 8,
+    "abort": 4,
+    "hostile": 6,
+}
 
 
 def system_prompt(tenant: int) -> list[int]:
@@ -65,7 +74,7 @@ class Tally:
     def external(self, row: dict) -> None:
         """An outcome a decode driver reported (its own request, ended there)."""
         latency = row["latency_s"]
-        if latency > row["deadline_s"] + HUNG_AFTER_S:
+        if row["prefill_s"] > row["deadline_s"] + HUNG_AFTER_S:
             self.hung += 1
         self.outcomes[row["code"]] += 1
         self.by_kind[f"{row['kind']}:{row['code']}"] += 1
@@ -111,6 +120,7 @@ class Workload:
             "stream": self._stream,
             "deadline": self._deadline,
             "cancel": self._cancel,
+            "abort": self._abort,
             "hostile": self._hostile,
         }
 
@@ -166,6 +176,15 @@ class Workload:
     async def _cancel(self) -> None:
         await self._unary("cancel", self._suffix(100, 600), cancel_after=self.rng.uniform(0.0, 0.4))
 
+    async def _abort(self) -> None:
+        """A request, and an Abort RPC for its id a moment later (through the router)."""
+        task = asyncio.ensure_future(self._unary("abort", self._suffix(100, 600)))
+        await asyncio.sleep(self.rng.uniform(0.0, 0.3))
+        rid = f"abort-{self.tally._ids}"  # not necessarily this one's: any recent id will do
+        with contextlib.suppress(grpc.RpcError):
+            await self.client.abort(rid)
+        await task
+
     async def _stream(self) -> None:
         from prefill_node.server.client import build_request
 
@@ -180,10 +199,16 @@ class Workload:
                     prompt, request_id=rid, cache_salt=f"tenant-{t}", timeout_s=DEFAULT_DEADLINE_S
                 )
             )
+        call = self.client._stub.PrefillStream(
+            iter(reqs), timeout=DEFAULT_DEADLINE_S + HUNG_AFTER_S + 10
+        )
+        cancel_after = self.rng.uniform(0.0, 0.5) if self.rng.random() < 0.2 else None
+        timer = (
+            None
+            if cancel_after is None
+            else asyncio.get_running_loop().call_later(cancel_after, call.cancel)
+        )
         try:
-            call = self.client._stub.PrefillStream(
-                iter(reqs), timeout=DEFAULT_DEADLINE_S + HUNG_AFTER_S + 10
-            )
             async for item in call:
                 code = (
                     "OK"
@@ -195,9 +220,11 @@ class Workload:
             for rid in ids:
                 if rid in self.tally.open:
                     self.tally.end(rid, _code(exc), _detail(exc))
+        if timer is not None:
+            timer.cancel()
         for rid in ids:  # the stream ended without an entry for it
             if rid in self.tally.open:
-                self.tally.end(rid, "STREAM_MISSING")
+                self.tally.end(rid, "CANCELLED" if call.cancelled() else "STREAM_MISSING")
 
     async def _hostile(self) -> None:
         payload = next(self._payloads)
