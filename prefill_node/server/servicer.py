@@ -116,6 +116,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._forward = engine.forward if isinstance(engine, ResponseForwarder) else None
         self._model_name = model_name
         self.instance_id = uuid.uuid4().hex
+        self._num_stages: int | None = None  # GetServerInfo: fixed for the server's life
         self._submit_pool = None
         if blocking_submit:
             self._submit_pool = ThreadPoolExecutor(
@@ -200,17 +201,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return load_to_proto(load)
 
     async def GetServerInfo(self, request, context):
-        try:
-            load = await asyncio.to_thread(self._engine.load)
-        except Exception as exc:
-            f = _failure("GetServerInfo", exc)
-            await context.abort(f.code, f.message)
+        if self._num_stages is None:  # once: a busy pipeline's load() waits on every stage
+            try:
+                load = await asyncio.to_thread(self._engine.load)
+            except Exception as exc:
+                f = _failure("GetServerInfo", exc)
+                await context.abort(f.code, f.message)
+            self._num_stages = len(load.stages)
         identity = self._engine.cache_identity
         return prefill_pb2.ServerInfo(
             model_name=self._model_name,
             vocab_size=self._limits.vocab_size,
             max_model_len=self._limits.max_model_len,
-            num_stages=len(load.stages),
+            num_stages=self._num_stages,
             text_prompts=self._tokenizer is not None,
             chat_template=self._tokenizer is not None and self._tokenizer.has_chat_template,
             server_version=__version__,
