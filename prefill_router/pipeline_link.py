@@ -3,9 +3,10 @@
 Two threads per link, both owned here and stopped by ``stop``:
 
 - the MONITOR checks readiness (grpc.health.v1, the PrefillService) and fetches GetLoad every
-  ``poll_s``; on (re)connect it reads GetServerInfo first. A failed call, NOT_SERVING, or a new
-  ``instance_id`` (the pipeline restarted) makes the link not ready at once; the owner hears
-  every change through ``LinkListener``.
+  ``poll_s``; on (re)connect it reads GetServerInfo first. A failed health check, NOT_SERVING,
+  or a new ``instance_id`` (the pipeline restarted) makes the link not ready at once; a
+  failed GetLoad alone keeps the last load (a busy pipeline answers it slowly). The owner
+  hears every change through ``LinkListener``.
 - the EVENTS thread holds a SubscribeKvEvents stream while the link is ready and accepted,
   hands every batch to the owner (which feeds its index) and resubscribes after any break,
   gap or restart, with a short backoff. A new subscription starts with AllBlocksCleared +
@@ -84,6 +85,7 @@ class PipelineLink:
         self.ready = False
         self.refused: str | None = None  # why the router refuses this pipeline (None: ok)
         self.load: EngineLoad | None = None
+        self.slow_loads = 0  # GetLoad calls that failed while health said ready
         self._stop = threading.Event()
         # set while the link is ready AND its owner knows (may subscribe); stop() sets it too
         self._subscribable = threading.Event()
@@ -154,12 +156,24 @@ class PipelineLink:
                 self._recheck_identity.set()  # a refused server may be replaced: ask again
                 return
             ready = self.client.is_ready(timeout_s=timeout)
-            self.load = self.client.load(timeout_s=timeout) if ready else self.load
         except grpc.RpcError as exc:
             self._recheck_identity.set()
             self._set_ready(False, f"unreachable: {exc.code().name}")
             return
+        if ready:
+            self._refresh_load(timeout)
         self._set_ready(ready, "" if ready else "NOT_SERVING")
+
+    def _refresh_load(self, timeout: float) -> None:
+        """GetLoad of a pipeline that just said it is ready. A slow answer means busy, not
+        gone (its load asks every stage, behind their admission rounds): keep the last load
+        and the pipeline. Dropping it would throw its index away under load."""
+        try:
+            self.load = self.client.load(timeout_s=timeout)
+        except grpc.RpcError as exc:
+            self.slow_loads += 1
+            log.debug("pipeline %s: GetLoad failed (%s); keeping the last load", self.pid,
+                      exc.code().name)  # fmt: skip
 
     def _identify(self, info: RemoteServerInfo) -> None:
         restarted = self.info is not None

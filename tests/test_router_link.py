@@ -13,7 +13,9 @@ import time
 import pytest
 
 from prefill_node.server.client import PrefillClient
-from tests.grpc_harness import ServerThread
+from prefill_router.discovery import PipelineEndpoint
+from prefill_router.pipeline_link import LinkConfig, PipelineLink
+from tests.grpc_harness import ServerThread, wait_until
 from tests.grpc_toy_engine import ToyEngine
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,6 +35,25 @@ class SlowLoadEngine(ToyEngine):
         return super().load()
 
 
+class Recorder:
+    """The link's owner: accepts the pipeline and records readiness changes."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[bool, str]] = []
+
+    def link_identified(self, link, info):
+        return None
+
+    def link_ready(self, link, ready, reason):
+        self.changes.append((ready, reason))
+
+    def link_batch(self, link, sequence, events):
+        return True
+
+    def link_stream_lost(self, link, reason):
+        pass
+
+
 def test_server_info_does_not_wait_for_a_slow_load():
     engine = SlowLoadEngine()
     with ServerThread(engine) as srv, PrefillClient(srv.target) as client:
@@ -42,4 +63,28 @@ def test_server_info_does_not_wait_for_a_slow_load():
         for _ in range(5):
             assert client.server_info(timeout_s=0.5) == first
         assert time.monotonic() - t0 < 1.0
+    engine.shutdown()
+
+
+def test_a_slow_getload_keeps_a_ready_pipeline_and_its_last_load():
+    engine = SlowLoadEngine()
+    with ServerThread(engine) as srv:
+        owner = Recorder()
+        link = PipelineLink(
+            PipelineEndpoint("p", srv.target), owner, LinkConfig(poll_s=0.05, rpc_timeout_s=0.3)
+        )
+        link.start()
+        try:
+            wait_until(lambda: link.ready and link.load is not None, 10, "the link ready")
+            before = link.load
+            engine.slow.set()
+            wait_until(lambda: link.slow_loads >= 3, 10, "three slow GetLoad calls")
+            assert link.ready and link.load is before
+            assert owner.changes == [(True, "")]
+            engine.slow.clear()
+            engine.kill_stage()  # readiness NOT_SERVING: gone at once
+            wait_until(lambda: not link.ready, 5, "the link not ready")
+            assert owner.changes[-1] == (False, "NOT_SERVING")
+        finally:
+            link.stop()
     engine.shutdown()
