@@ -3,10 +3,11 @@
 Two threads per link, both owned here and stopped by ``stop``:
 
 - the MONITOR checks readiness (grpc.health.v1, the PrefillService) and fetches GetLoad every
-  ``poll_s``; on (re)connect it reads GetServerInfo first. A failed health check, NOT_SERVING,
-  or a new ``instance_id`` (the pipeline restarted) makes the link not ready at once; a
-  failed GetLoad alone keeps the last load (a busy pipeline answers it slowly). The owner
-  hears every change through ``LinkListener``.
+  ``poll_s``; on (re)connect it reads GetServerInfo first. A refused or failed call,
+  NOT_SERVING, or a new ``instance_id`` (the pipeline restarted) makes the link not ready at
+  once; a timed-out health check only after ``slow_polls_before_unready`` in a row, and a
+  failed GetLoad alone keeps the last load (a busy host answers late now and then). The
+  owner hears every change through ``LinkListener``.
 - the EVENTS thread holds a SubscribeKvEvents stream while the link is ready and accepted,
   hands every batch to the owner (which feeds its index) and resubscribes after any break,
   gap or restart, with a short backoff. A new subscription starts with AllBlocksCleared +
@@ -63,11 +64,15 @@ class LinkListener(Protocol):
 @dataclass(frozen=True)
 class LinkConfig:
     """``poll_s``: health + load period (a dead pipeline leaves the candidate set within
-    about ``poll_s + rpc_timeout_s``); ``retry_s``: resubscribe / reconnect backoff cap."""
+    about ``poll_s + rpc_timeout_s``, a hung one within ``slow_polls_before_unready`` times
+    that); ``retry_s``: resubscribe / reconnect backoff cap."""
 
     poll_s: float = 0.5
     rpc_timeout_s: float = 1.0
     retry_s: float = 2.0
+    # health checks in a row that time out before a pipeline counts as gone: a busy host
+    # answers late now and then; a refused connection or NOT_SERVING counts at once
+    slow_polls_before_unready: int = 3
     tls: ClientTLS | None = None
 
 
@@ -86,6 +91,7 @@ class PipelineLink:
         self.refused: str | None = None  # why the router refuses this pipeline (None: ok)
         self.load: EngineLoad | None = None
         self.slow_loads = 0  # GetLoad calls that failed while health said ready
+        self._slow_polls = 0  # health checks in a row that timed out
         self._stop = threading.Event()
         # set while the link is ready AND its owner knows (may subscribe); stop() sets it too
         self._subscribable = threading.Event()
@@ -158,8 +164,13 @@ class PipelineLink:
             ready = self.client.is_ready(timeout_s=timeout)
         except grpc.RpcError as exc:
             self._recheck_identity.set()
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            self._slow_polls = self._slow_polls + 1 if slow else 0
+            if slow and self._slow_polls < self.config.slow_polls_before_unready:
+                return  # late, not gone (yet)
             self._set_ready(False, f"unreachable: {exc.code().name}")
             return
+        self._slow_polls = 0
         if ready:
             self._refresh_load(timeout)
         self._set_ready(ready, "" if ready else "NOT_SERVING")

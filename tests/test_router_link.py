@@ -7,6 +7,7 @@ every eight seconds under load."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -86,5 +87,42 @@ def test_a_slow_getload_keeps_a_ready_pipeline_and_its_last_load():
             wait_until(lambda: not link.ready, 5, "the link not ready")
             assert owner.changes[-1] == (False, "NOT_SERVING")
         finally:
+            link.stop()
+    engine.shutdown()
+
+
+def test_late_health_checks_are_tolerated_a_few_times_in_a_row(monkeypatch):
+    """One or two health checks past the deadline (a loaded host) keep the pipeline; the
+    third in a row drops it, as a hung pipeline must be."""
+    from grpc_health.v1._async import HealthServicer
+
+    late = threading.Event()
+    check = HealthServicer.Check
+
+    async def slow_check(self, request, context):
+        if late.is_set():
+            await asyncio.sleep(0.5)
+        return await check(self, request, context)
+
+    monkeypatch.setattr(HealthServicer, "Check", slow_check)
+    engine = ToyEngine()
+    with ServerThread(engine) as srv:
+        owner = Recorder()
+        config = LinkConfig(poll_s=0.2, rpc_timeout_s=0.3, slow_polls_before_unready=3)
+        link = PipelineLink(PipelineEndpoint("p", srv.target), owner, config)
+        link.start()
+        try:
+            wait_until(lambda: link.ready, 10, "the link ready")
+            for _ in range(3):  # two late checks, then one on time: still a candidate
+                late.set()
+                wait_until(lambda: link._slow_polls == 2, 5, "two late health checks")
+                late.clear()
+                wait_until(lambda: link._slow_polls == 0, 5, "a health check on time")
+            assert link.ready and owner.changes == [(True, "")]
+            late.set()  # hung: the third late check in a row drops it
+            wait_until(lambda: not link.ready, 5, "the link not ready")
+            assert owner.changes[-1] == (False, "unreachable: DEADLINE_EXCEEDED")
+        finally:
+            late.clear()
             link.stop()
     engine.shutdown()
