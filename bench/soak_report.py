@@ -25,9 +25,11 @@ INVARIANTS = (
     "double_ends",
     "index_mismatches",
     "counter_mismatches",
+    "unexplained_pipeline_losses",
     "growing_processes",
     "faults_not_survived",
 )
+TAKE_A_PIPELINE = ("stage_kill", "stage_stop", "kv_cut")
 RSS_NOISE_BYTES = 16 * 2**20  # growth over the last half below this is noise
 FD_NOISE = 4
 
@@ -254,11 +256,24 @@ def counter_check(router, tally, faults) -> dict:
     cancelled = sum(1 for r in mine if r[2] == "CANCELLED")
     server_ok = int(server.get("ok", -1))
     diff = server_ok - client_ok - decode_ok
+    lost = sum(
+        float(m.group(1))
+        for m in re.finditer(r"^wavepp_router_pipeline_lost_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+    # a pipeline leaves the candidate set only when a fault takes it away (and once more
+    # when it comes back restarted): any other loss is the router giving up on a live one
+    since = faults.router_epoch - faults.t0
+    takers = [r for r in faults.records if r.name in TAKE_A_PIPELINE and r.at_s >= since]
+    restarts = [r for r in faults.restarts if r["t"] >= since]
+    allowed = 2 * (len(takers) + len(restarts))
     return {
         "router_ok": server_ok,
         "client_ok": client_ok + decode_ok,
         "client_cancelled": cancelled,
         "mismatches": int(not 0 <= diff <= cancelled),
+        "router_pipeline_losses": int(lost),
+        "losses_explained_by_faults": allowed,
+        "unexplained_losses": max(0, int(lost) - allowed),
     }
 
 
@@ -297,6 +312,7 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "double_ends": tally.double_ends,
         "index_mismatches": checks["index"]["mismatches"],
         "counter_mismatches": checks["counters"]["mismatches"],
+        "unexplained_pipeline_losses": checks["counters"]["unexplained_losses"],
         "growing_processes": sum(g["growing"] for g in grow.values()),
         "faults_injected": len(recs),
         "faults_skipped": faults.skipped,
