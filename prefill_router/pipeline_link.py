@@ -65,7 +65,8 @@ class LinkListener(Protocol):
 class LinkConfig:
     """``poll_s``: health + load period (a dead pipeline leaves the candidate set within
     about ``poll_s + rpc_timeout_s``, a hung one within ``slow_polls_before_unready`` times
-    that); ``retry_s``: resubscribe / reconnect backoff cap."""
+    that); ``retry_s``: resubscribe backoff cap, and the channels' reconnect backoff cap (a
+    restarted pipeline is back within about that long, however long it was gone)."""
 
     poll_s: float = 0.5
     rpc_timeout_s: float = 1.0
@@ -84,7 +85,9 @@ class PipelineLink:
     ) -> None:
         self.endpoint = endpoint
         self.config = config
-        self.client = PrefillClient(endpoint.address, tls=config.tls)
+        self.client = PrefillClient(
+            endpoint.address, tls=config.tls, max_reconnect_backoff_s=config.retry_s
+        )
         self._listener = listener
         self.info: RemoteServerInfo | None = None
         self.ready = False
@@ -131,7 +134,7 @@ class PipelineLink:
         loop = asyncio.get_running_loop()
         entry = self._aio.get(loop)
         if entry is None:
-            options = channel_options(DEFAULT_MAX_MESSAGE_BYTES)
+            options = channel_options(DEFAULT_MAX_MESSAGE_BYTES, self.config.retry_s)
             address, tls = self.endpoint.address, self.config.tls
             channel = (
                 grpc.aio.insecure_channel(address, options=options)

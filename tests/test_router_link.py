@@ -126,3 +126,38 @@ def test_late_health_checks_are_tolerated_a_few_times_in_a_row(monkeypatch):
             late.clear()
             link.stop()
     engine.shutdown()
+
+
+def test_a_pipeline_back_after_a_long_outage_is_seen_within_the_retry_cap():
+    """gRPC's reconnect backoff grows towards 120 s while a server is gone; the soak saw a
+    restarted pipeline idle for 45 s before the router noticed it. The link's channels cap
+    that backoff at ``retry_s``."""
+    from prefill_node.server.server import ServerConfig
+
+    port = _free_port()
+    config = ServerConfig(host="127.0.0.1", port=port, health_poll_s=0.05)
+    engine = ToyEngine()
+    owner = Recorder()
+    link_config = LinkConfig(poll_s=0.1, rpc_timeout_s=0.3, retry_s=1.0)
+    link = PipelineLink(PipelineEndpoint("p", f"127.0.0.1:{port}"), owner, link_config)
+    try:
+        with ServerThread(engine, config):
+            link.start()
+            wait_until(lambda: link.ready, 10, "the link ready")
+        wait_until(lambda: not link.ready, 5, "the link not ready")
+        time.sleep(10)  # refused for 10 s: gRPC alone would wait ~6 s more after it is back
+        with ServerThread(engine, config):
+            t0 = time.monotonic()
+            wait_until(lambda: link.ready, 10, "the link ready again")
+            assert time.monotonic() - t0 < 2.5
+    finally:
+        link.stop()
+        engine.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

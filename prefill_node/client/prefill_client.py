@@ -133,11 +133,22 @@ def to_remote_result(resp: prefill_pb2.PrefillResponse) -> RemoteResult:
     )
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
+def channel_options(
+    max_message_bytes: int, max_reconnect_backoff_s: float | None = None
+) -> list[tuple[str, int]]:
+    """Message limits; with ``max_reconnect_backoff_s``, a server that comes back is
+    reconnected to within that long (gRPC's own backoff grows to 120 s while it is gone)."""
+    options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+    if max_reconnect_backoff_s is not None:
+        ms = max(1, round(max_reconnect_backoff_s * 1000))
+        options += [
+            ("grpc.initial_reconnect_backoff_ms", min(ms, 100)),
+            ("grpc.max_reconnect_backoff_ms", ms),
+        ]
+    return options
 
 
 class PrefillClient:
@@ -149,8 +160,9 @@ class PrefillClient:
         *,
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_reconnect_backoff_s: float | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, max_reconnect_backoff_s)
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
