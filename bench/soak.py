@@ -78,7 +78,7 @@ async def drive(
 ) -> None:
     """Load for ``args.duration`` seconds, faults on their schedule; returns once every
     request sent has ended."""
-    from prefill_node.server.client import AsyncPrefillClient
+    from prefill_node.client.prefill_client import AsyncPrefillClient
 
     end = time.monotonic() + args.duration
     async with AsyncPrefillClient(router.address) as client:

@@ -225,7 +225,7 @@ def _liveness_failure(address: str) -> str:
     """Why one liveness probe failed ("" when it passed)."""
     import grpc
 
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     try:
         with PrefillClient(address) as c:

@@ -41,9 +41,9 @@ async def wait_kv(worker, request_id: str, timeout_s: float) -> None:
 
 
 async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dict:
+    from prefill_node.client.prefill_client import to_remote_result
     from prefill_node.engine.types import KVPullDestination
     from prefill_node.errors import WaveppError
-    from prefill_node.server.client import to_remote_result
 
     mode = "push" if i % 2 == 0 else "pull"
     tenant = rng.randrange(4)
@@ -95,8 +95,8 @@ async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dic
 
 async def main_async(args) -> None:
     from kv_transfer.receiver import ReceiverConfig
+    from prefill_node.client.prefill_client import AsyncPrefillClient
     from prefill_node.decode.decode_worker import DecodeWorker
-    from prefill_node.server.client import AsyncPrefillClient
 
     worker = DecodeWorker.from_model_dir(
         args.model,

@@ -80,7 +80,7 @@ class Faults:
 
     # -- waiting for the tier to be whole -----------------------------------------------------
     def tier_ready(self) -> bool:
-        from prefill_node.server.client import PrefillClient
+        from prefill_node.client.prefill_client import PrefillClient
 
         with contextlib.suppress(Exception), PrefillClient(self.router.address) as c:
             loads = c.load(timeout_s=5).pipelines

@@ -61,7 +61,7 @@ class Sampler:
         return out
 
     def sample(self, tally) -> None:
-        from prefill_node.server.client import PrefillClient
+        from prefill_node.client.prefill_client import PrefillClient
 
         now = time.monotonic()
         t = now - self.t0
@@ -132,7 +132,7 @@ def _settled(report) -> bool:
 
 def _residency(address: str) -> int:
     """Blocks resident on every stage, from a fresh subscription's snapshot."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     with PrefillClient(address) as c:
         stream = c.subscribe_kv_events(timeout_s=30)
@@ -152,7 +152,7 @@ def _residency(address: str) -> int:
 
 def final_checks(pipes, router, decode_finals, tally, faults, args) -> dict:
     """Wait (up to ``args.settle`` s) for the pipelines to let go of everything, then check."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     out: dict = {"settle_s": None, "stages": {}, "integrity": [], "index": {}}
     start = time.monotonic()
@@ -204,7 +204,7 @@ def final_checks(pipes, router, decode_finals, tally, faults, args) -> dict:
 def index_check(pipes, router, faults, timeout_s: float = 20.0) -> dict:
     """The router's indexed blocks per pipeline against each pipeline's own snapshot, until
     they agree (pending entries expire, resubscriptions land) or ``timeout_s``."""
-    from prefill_node.server.client import PrefillClient
+    from prefill_node.client.prefill_client import PrefillClient
 
     routes = [faults.cut.address, *(p.address for p in pipes[1:])]
     deadline = time.monotonic() + timeout_s

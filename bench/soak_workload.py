@@ -186,7 +186,7 @@ class Workload:
         await task
 
     async def _stream(self) -> None:
-        from prefill_node.server.client import build_request
+        from prefill_node.client.prefill_client import build_request
 
         n = self.rng.randint(2, 5)
         ids = [self.tally.begin("stream", DEFAULT_DEADLINE_S) for _ in range(n)]
@@ -258,7 +258,7 @@ def hostile_requests(seed: str):
     from hypothesis import HealthCheck, settings
     from hypothesis import strategies as st
 
-    from prefill_node.server.client import build_request
+    from prefill_node.client.prefill_client import build_request
 
     warnings.filterwarnings("ignore", module="hypothesis")
     settings.register_profile("soak", suppress_health_check=list(HealthCheck))

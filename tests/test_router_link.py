@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefill_node.server.client import PrefillClient
+from prefill_node.client.prefill_client import PrefillClient
 from prefill_router.discovery import PipelineEndpoint
 from prefill_router.pipeline_link import LinkConfig, PipelineLink
 from tests.grpc_harness import ServerThread, wait_until
