@@ -95,7 +95,9 @@ async def drive(
 
         async def watch() -> None:
             while time.monotonic() < end:
+                t = time.monotonic()
                 await asyncio.sleep(1.0)
+                sampler.loop_lag_s = time.monotonic() - t - 1.0  # this process's own delay
                 sampler.sample(tally)
                 bar.set_postfix_str(sampler.postfix(tally))
 

@@ -45,6 +45,7 @@ class Sampler:
         self.procs: dict[str, list[tuple[float, int, int]]] = {}  # "role@pid" -> (t, rss, fds)
         self._seen = 0
         self.max_overdue = 0
+        self.loop_lag_s = 0.0  # how late the client's event loop ran its last 1 s sleep
 
     def _processes(self) -> dict[str, int]:
         out = {"client": os.getpid()}
@@ -78,6 +79,7 @@ class Sampler:
             "p50_s": q[9],
             "p95_s": q[18],
             "open": len(tally.open),
+            "client_loop_lag_s": round(self.loop_lag_s, 3),
         }
         self.max_overdue = max(self.max_overdue, tally.overdue(now))
         with contextlib.suppress(Exception), PrefillClient(self.router.address) as c:
@@ -313,7 +315,10 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "index_mismatches": checks["index"]["mismatches"],
         "counter_mismatches": checks["counters"]["mismatches"],
         "unexplained_pipeline_losses": checks["counters"]["unexplained_losses"],
-        "growing_processes": sum(g["growing"] for g in grow.values()),
+        # the client (this process) keeps every request's row: its growth is not a leak
+        "growing_processes": sum(
+            g["growing"] for k, g in grow.items() if k != f"client@{os.getpid()}"
+        ),
         "faults_injected": len(recs),
         "faults_skipped": faults.skipped,
         "faults_not_survived": sum(not r.survived for r in recs),
@@ -327,6 +332,9 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "by_kind": dict(sorted(tally.by_kind.items())),
         "failures": dict(tally.details.most_common(15)),
         "max_overdue_seen": sampler.max_overdue,
+        "hung_by": dict(tally.hung_by),
+        "worst_overrun_s": round(tally.worst_overrun_s, 2),
+        "max_client_loop_lag_s": max((r["client_loop_lag_s"] for r in sampler.rows), default=0),
         "before": _phase(sampler.rows, 0, first),
         "during": _phase(sampler.rows, first, last),
         "after": _phase(sampler.rows, last, args.duration),

@@ -46,6 +46,8 @@ class Tally:
     ended: set = field(default_factory=set)
     double_ends: int = 0
     hung: int = 0
+    hung_by: Counter = field(default_factory=Counter)  # "kind:CODE" of hung requests
+    worst_overrun_s: float = 0.0  # the longest answer past its deadline
     rows: list = field(default_factory=list)  # (end time, kind, code, latency)
     details: Counter = field(default_factory=Counter)  # "CODE: message head" of failures
     _ids: int = 0
@@ -65,6 +67,8 @@ class Tally:
         latency = time.monotonic() - start
         if latency > deadline + HUNG_AFTER_S:
             self.hung += 1
+            self.hung_by[f"{kind}:{code}"] += 1
+            self.worst_overrun_s = max(self.worst_overrun_s, latency - deadline)
         self.outcomes[code] += 1
         self.by_kind[f"{kind}:{code}"] += 1
         self.rows.append((time.monotonic(), kind, code, latency))
@@ -76,6 +80,8 @@ class Tally:
         latency = row["latency_s"]
         if row["prefill_s"] > row["deadline_s"] + HUNG_AFTER_S:
             self.hung += 1
+            self.hung_by[f"{row['kind']}:{row['code']}"] += 1
+            self.worst_overrun_s = max(self.worst_overrun_s, row["prefill_s"] - row["deadline_s"])
         self.outcomes[row["code"]] += 1
         self.by_kind[f"{row['kind']}:{row['code']}"] += 1
         self.rows.append((time.monotonic(), row["kind"], row["code"], latency))
@@ -147,15 +153,16 @@ class Workload:
             timeout_s=deadline_s,
             deadline_s=deadline_s + HUNG_AFTER_S + 10,
         )
+        loop = asyncio.get_running_loop()
+        timer = None if cancel_after is None else loop.call_later(cancel_after, call.cancel)
         try:
-            if cancel_after is not None:
-                done, _ = await asyncio.wait({asyncio.ensure_future(call)}, timeout=cancel_after)
-                if not done:
-                    call.cancel()
             await call
             self.tally.end(rid, "OK")
         except BaseException as exc:  # noqa: BLE001 - every outcome is tallied
             self.tally.end(rid, _code(exc), _detail(exc))
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _tenant(self) -> None:
         t = min(int(self.rng.paretovariate(1.2)) - 1, TENANTS - 1)
