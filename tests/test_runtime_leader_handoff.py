@@ -121,3 +121,31 @@ def test_deadline_fires_once_and_forget_stops_it(stages):
     wait_for(lambda: s.expired == ["d1"])
     time.sleep(0.1)
     assert s.expired == ["d1"] and s.cancelled == []  # d2 never shipped: nothing to cancel
+
+
+def test_a_deadline_fires_while_a_collect_round_hangs_on_a_stopped_stage():
+    """A KV_COLLECT round waits for every stage; a SIGSTOPped stage holds it until the
+    heartbeat declares the pipeline dead. The soak saw requests answered 5 s past their
+    deadline then: deadlines must not wait for the round."""
+    s = Stages()
+    hung = threading.Event()
+
+    def collect():
+        hung.set()
+        time.sleep(3.0)  # the stopped stage
+        return s.collect()
+
+    h = LeaderHandoffs(2, 10.0, collect, s.cancelled.extend, s.settle, s.expired.append,
+                       poll_interval_s=0.001, slow_poll_s=0.005)  # fmt: skip
+    h.start()
+    try:
+        h.expect("shipping")  # a hand-off in flight: the thread collects
+        assert hung.wait(2)
+        h.watch("tight", time.monotonic() + 0.2)
+        t0 = time.monotonic()
+        while "tight" not in s.expired and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert s.expired == ["tight"]
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        h.stop()

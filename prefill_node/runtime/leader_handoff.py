@@ -16,7 +16,8 @@ they do (``late_output``): its later stages may have shipped meanwhile. Outcomes
 no longer pending (late, duplicate, aborted) are ignored.
 
 Deadlines: ``watch(request_id, deadline_s)``; when the monotonic deadline passes first,
-``on_deadline`` runs (the engine aborts the request with DeadlineExceededError).
+``on_deadline`` runs on a thread of its own (the engine aborts the request with
+DeadlineExceededError), so a KV_COLLECT round stuck on a hung stage never delays it.
 """
 
 from __future__ import annotations
@@ -78,16 +79,22 @@ class LeaderHandoffs:
         self._stop = False
         self._logits_seen = 0  # logits_ready calls so far (wakes the slow wait)
         self._thread = threading.Thread(target=self._run, name="leader-kv", daemon=True)
+        # deadlines on their own thread: a KV_COLLECT round blocks for as long as a stage
+        # does not answer (a hung stage: until the heartbeat declares it dead)
+        self._timer = threading.Thread(target=self._run_deadlines, name="leader-deadlines",
+                                       daemon=True)  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
+        self._timer.start()
 
     def stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
+        for thread in (self._thread, self._timer):
+            if thread.is_alive():
+                thread.join(timeout=5.0)
 
     # -- engine side -----------------------------------------------------------------------
     def expect(self, request_id: str) -> None:
@@ -147,7 +154,6 @@ class LeaderHandoffs:
                 if busy:
                     self._ingest(self._collect())
                 self._resolve()
-                self._expire()
             except Exception:  # a dead pipeline fails its requests elsewhere; keep ticking
                 log.debug("KV hand-off poll failed", exc_info=True)
                 time.sleep(0.05)
@@ -159,9 +165,24 @@ class LeaderHandoffs:
                     self._cond.wait_for(lambda s=seen: self._stop or self._logits_seen != s, wait)
 
     def _next_wait(self) -> float:
-        if not self._deadlines:
-            return 1.0  # nothing can expire; expect / watch notify at once
-        return min(0.05, max(0.0, min(self._deadlines.values()) - time.monotonic()))
+        if not self._pending:
+            return 1.0  # nothing to collect; expect notifies at once
+        return self._slow_poll_s
+
+    def _run_deadlines(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                soonest = min(self._deadlines.values(), default=None)
+                wait = 1.0 if soonest is None else soonest - time.monotonic()
+                if wait > 0:  # watch / forget notify: the soonest deadline may change
+                    self._cond.wait(timeout=min(wait, 1.0))
+                    continue
+            try:
+                self._expire()
+            except Exception:  # noqa: BLE001 - keep enforcing the others' deadlines
+                log.warning("deadline expiry failed", exc_info=True)
 
     def _ingest(self, replies: Sequence[Sequence[StageHandoff]]) -> None:
         with self._cond:
