@@ -158,7 +158,7 @@ class Workload:
         try:
             await call
             self.tally.end(rid, "OK")
-        except BaseException as exc:  # noqa: BLE001 - every outcome is tallied
+        except (Exception, asyncio.CancelledError) as exc:  # every outcome is tallied
             self.tally.end(rid, _code(exc), _detail(exc))
         finally:
             if timer is not None:
@@ -223,7 +223,7 @@ class Workload:
                     else grpc.StatusCode(_status(item.error.code)).name
                 )
                 self.tally.end(item.request_id, code, item.error.message)
-        except BaseException as exc:  # noqa: BLE001
+        except (Exception, asyncio.CancelledError) as exc:
             for rid in ids:
                 if rid in self.tally.open:
                     self.tally.end(rid, _code(exc), _detail(exc))
@@ -239,7 +239,7 @@ class Workload:
         try:
             await self.raw(payload, timeout=DEFAULT_DEADLINE_S + HUNG_AFTER_S)
             self.tally.end(rid, "OK")
-        except BaseException as exc:  # noqa: BLE001
+        except (Exception, asyncio.CancelledError) as exc:
             self.tally.end(rid, _code(exc), _detail(exc))
 
     async def pressure(self, n: int) -> None:
