@@ -102,12 +102,14 @@ async def drive(
                 bar.set_postfix_str(sampler.postfix(tally))
 
         plan = schedule(args.faults, args.duration)
+        ticker = asyncio.create_task(tally.tick())
         lanes = [asyncio.create_task(lane(i)) for i in range(args.concurrency)]
         runner = asyncio.create_task(faults.run(plan, end))
         watcher = asyncio.create_task(watch())
         await asyncio.gather(*lanes)
         await runner
         await watcher
+        ticker.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from soak_cluster import MAX_MODEL_LEN, VOCAB  # bench/ is on sys.path
 TENANTS = 8
 SYSTEM_TOKENS = 192
 HUNG_AFTER_S = 5.0  # past its deadline
+TICK_S = 0.1
 DEFAULT_DEADLINE_S = 30.0
 PREFILL = "/wavepp.prefill.v1.PrefillService/Prefill"
 KINDS = {
@@ -52,20 +53,34 @@ class Tally:
     details: Counter = field(default_factory=Counter)  # "CODE: message head" of failures
     _ids: int = 0
 
+    stall_s: float = 0.0  # how long this process's event loop has been stalled, in total
+    last_tick: float = field(default_factory=time.monotonic)
+
+    async def tick(self) -> None:
+        """Measure this process's own stalls (a loaded host can stop it for seconds): a
+        request is not hung for the time its client could not run."""
+        while True:
+            self.last_tick = time.monotonic()
+            await asyncio.sleep(TICK_S)
+            self.stall_s += max(0.0, time.monotonic() - self.last_tick - TICK_S)
+
+    def _stalled(self) -> float:
+        return self.stall_s + max(0.0, time.monotonic() - self.last_tick - TICK_S)
+
     def begin(self, kind: str, deadline_s: float) -> str:
         self._ids += 1
         rid = f"{kind}-{self._ids}"
-        self.open[rid] = (kind, time.monotonic(), deadline_s)
+        self.open[rid] = (kind, time.monotonic(), deadline_s, self._stalled())
         return rid
 
     def end(self, rid: str, code: str, detail: str = "") -> None:
         if rid in self.ended or rid not in self.open:
             self.double_ends += 1
             return
-        kind, start, deadline = self.open.pop(rid)
+        kind, start, deadline, stalled = self.open.pop(rid)
         self.ended.add(rid)
         latency = time.monotonic() - start
-        if latency > deadline + HUNG_AFTER_S:
+        if latency - (self._stalled() - stalled) > deadline + HUNG_AFTER_S:
             self.hung += 1
             self.hung_by[f"{kind}:{code}"] += 1
             self.worst_overrun_s = max(self.worst_overrun_s, latency - deadline)
@@ -89,7 +104,12 @@ class Tally:
             self.details[f"{row['code']}: {_head(row.get('detail', ''))}"] += 1
 
     def overdue(self, now: float) -> int:
-        return sum(1 for _, start, d in self.open.values() if now - start > d + HUNG_AFTER_S)
+        stalled = self._stalled()
+        return sum(
+            1
+            for _, start, d, s in self.open.values()
+            if now - start - (stalled - s) > d + HUNG_AFTER_S
+        )
 
 
 def _head(detail: str) -> str:
