@@ -19,15 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefill_node.errors import InvariantError
-from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.paged_kv import PagedBlocks, PagedKVCache
 from prefill_node.model.partition import LayerRange
 
 if TYPE_CHECKING:
     from prefill_node.model.config import MlaConfig, ModelConfig
 
 
-class PagedLatentCache:
+class PagedLatentCache(PagedBlocks):
     """MLA cache memory for the layers of one stage. Not thread-safe: the stage loop owns it.
     Offers ``PagedKVCache``'s addressing (``slot_index``, ``copy_block``) so the attention
     plan and the block pool's copy-on-write work unchanged."""
@@ -41,30 +40,10 @@ class PagedLatentCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise InvariantError(f"need >= 1 block of >= 1 token, got {num_blocks}x{block_size}")
+        # one plane of one "head" per token, as wide as the whole entry
+        super().__init__(layer_range, num_blocks, block_size, 1, 1, mla.entry_width, dtype, device)
         self.mla = mla
-        self.layer_range = layer_range
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.planes, self.num_kv_heads, self.head_dim = 1, 1, mla.entry_width
         self.entry_parts = (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.index_head_dim)
-        self.dtype = dtype
-        self.device = torch.device(device)
-        shape = (num_blocks, 1, block_size, 1, mla.entry_width)
-        self.tensors: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in layer_range
-        ]
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block occupies in ONE layer (all of its tokens' entries)."""
-        return self.tensors[0][0].numel() * self.tensors[0].element_size()
-
-    def layer(self, global_layer: int) -> torch.Tensor:
-        if global_layer not in self.layer_range:
-            raise InvariantError(f"layer {global_layer} is not on this stage {self.layer_range}")
-        return self.tensors[global_layer - self.layer_range.start]
 
     def slot_index(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """LongTensor: flat slot of each position in the ``[num_blocks * block_size, width]``
@@ -91,25 +70,11 @@ class PagedLatentCache:
 
     def read(self, global_layer: int, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
         """``gather`` from a Python block table (a copy)."""
-        if len(block_table) * self.block_size < num_tokens:
-            raise InvariantError(
-                f"{len(block_table)} blocks of {self.block_size} cannot hold {num_tokens} tokens"
-            )
-        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        return self.gather(global_layer, table, num_tokens)
+        return self.gather(global_layer, self._table(block_table, num_tokens), num_tokens)
 
     def split(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entries [n, width] -> (latent [n, kv_lora], rotated key [n, rope], indexer key)."""
-        m = self.mla
-        return entries.split([m.kv_lora_rank, m.qk_rope_head_dim, m.index_head_dim], dim=-1)
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy block ``src`` into ``dst`` in every local layer (copy-on-write)."""
-        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-            raise InvariantError(f"copy_block({src}, {dst}) outside {self.num_blocks} blocks")
-        if src != dst:
-            for t in self.tensors:
-                t[dst].copy_(t[src])
+        return entries.split(list(self.entry_parts), dim=-1)
 
 
 StageCache = PagedKVCache | PagedLatentCache

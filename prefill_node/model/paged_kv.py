@@ -24,7 +24,71 @@ if TYPE_CHECKING:
     from prefill_node.model.config import ModelConfig
 
 
-class PagedKVCache:
+class PagedBlocks:
+    """What every stage cache shares: one ``[num_blocks, planes, block_size, heads, width]``
+    tensor per local layer, allocated once, with block-level addressing (``layer``,
+    ``copy_block``, ``bytes_per_block``). ``PagedKVCache`` (K and V) and the MLA
+    ``PagedLatentCache`` (one plane of whole token entries) add their reads and writes."""
+
+    def __init__(
+        self,
+        layer_range: LayerRange,
+        num_blocks: int,
+        block_size: int,
+        planes: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise InvariantError(f"need >= 1 block of >= 1 token, got {num_blocks}x{block_size}")
+        self.layer_range = layer_range
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.planes = planes
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.entry_parts: tuple[int, ...] = ()  # only an MLA cache splits its entries
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, planes, block_size, num_kv_heads, head_dim)
+        self.tensors: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in layer_range
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies in ONE layer (every plane of all its tokens)."""
+        return self.tensors[0][0].numel() * self.tensors[0].element_size()
+
+    def layer(self, global_layer: int) -> torch.Tensor:
+        """The tensor of ``global_layer``; InvariantError if this stage does not hold it."""
+        if global_layer not in self.layer_range:
+            raise InvariantError(f"layer {global_layer} is not on this stage {self.layer_range}")
+        return self.tensors[global_layer - self.layer_range.start]
+
+    def _table(self, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """``block_table`` as a LongTensor on this cache's device, checked to hold
+        ``num_tokens`` positions."""
+        if len(block_table) * self.block_size < num_tokens:
+            raise InvariantError(
+                f"{len(block_table)} blocks of {self.block_size} cannot hold {num_tokens} tokens"
+            )
+        return torch.tensor(block_table, dtype=torch.long, device=self.device)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into ``dst`` in every local layer (copy-on-write of a shared
+        partial block). The caller guarantees ``dst`` is not read concurrently."""
+        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+            raise InvariantError(f"copy_block({src}, {dst}) outside {self.num_blocks} blocks")
+        if src == dst:
+            return
+        for t in self.tensors:
+            t[dst].copy_(t[src])
+
+
+class PagedKVCache(PagedBlocks):
     """KV memory for the layers of one stage. Not thread-safe: the stage loop owns it."""
 
     def __init__(
@@ -37,21 +101,10 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise InvariantError(f"need >= 1 block of >= 1 token, got {num_blocks}x{block_size}")
-        self.layer_range = layer_range
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.planes = 2  # K and V (an MLA PagedLatentCache has one)
-        self.entry_parts: tuple[int, ...] = ()  # only an MLA cache splits its entries
-        self.dtype = dtype
-        self.device = torch.device(device)
-        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-        self.tensors: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in layer_range
-        ]
+        # planes 2: K and V (an MLA PagedLatentCache has one)
+        super().__init__(
+            layer_range, num_blocks, block_size, 2, num_kv_heads, head_dim, dtype, device
+        )
 
     @classmethod
     def for_model(
@@ -66,17 +119,6 @@ class PagedKVCache:
         return cls(
             layer_range, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
         )
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block occupies in ONE layer (K and V)."""
-        return self.tensors[0][0].numel() * self.tensors[0].element_size()
-
-    def layer(self, global_layer: int) -> torch.Tensor:
-        """The KV tensor of ``global_layer``; InvariantError if this stage does not hold it."""
-        if global_layer not in self.layer_range:
-            raise InvariantError(f"layer {global_layer} is not on this stage {self.layer_range}")
-        return self.tensors[global_layer - self.layer_range.start]
 
     def _rows(self, global_layer: int) -> torch.Tensor:
         """[num_blocks * 2, block_size, kv_heads, head_dim] view: row 2b = K of b, 2b+1 = V."""
@@ -130,25 +172,10 @@ class PagedKVCache:
         self, global_layer: int, block_table: Sequence[int], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [num_tokens, kv_heads, head_dim] of positions [0, num_tokens) (copies)."""
-        if len(block_table) * self.block_size < num_tokens:
-            raise InvariantError(
-                f"{len(block_table)} blocks of {self.block_size} cannot hold {num_tokens} tokens"
-            )
-        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        return self.gather(global_layer, table, num_tokens)
+        return self.gather(global_layer, self._table(block_table, num_tokens), num_tokens)
 
     def read_planes(
         self, global_layer: int, block_table: Sequence[int], num_tokens: int
     ) -> tuple[torch.Tensor, ...]:
         """The cache's planes for positions [0, num_tokens): K and V."""
         return self.read(global_layer, block_table, num_tokens)
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy block ``src`` into ``dst`` in every local layer (copy-on-write of a shared
-        partial block). The caller guarantees ``dst`` is not read concurrently."""
-        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-            raise InvariantError(f"copy_block({src}, {dst}) outside {self.num_blocks} blocks")
-        if src == dst:
-            return
-        for t in self.tensors:
-            t[dst].copy_(t[src])
