@@ -54,8 +54,10 @@ from peer_vllm_cases import DEFAULT, QUICK, Case, estimate_seconds, make_cases
 from peer_vllm_report import PEERS, SYSTEMS, first_token_agreement, plot, rates, summarise
 from peer_vllm_report import table as markdown_table
 from router_cluster import BLOCK, Cluster, warm_pipeline, warm_router
-from router_workload import Request, run_closed_loop, token_stats
+from router_workload import run_closed_loop, token_stats
 from tqdm import tqdm
+
+from prefill_node.sim.tenants import TenantRequest
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "peer_vllm_driver.py"
@@ -145,9 +147,9 @@ class OursTier:
     def measure(self, seed: list[list[int]], prompts: list[list[int]]) -> dict:
         bar, self._calls = tqdm(disable=True), self._calls + 1
         if seed:
-            seeds = [Request(0, "", tuple(p)) for p in seed]
+            seeds = [TenantRequest(0, "", tuple(p)) for p in seed]
             run_closed_loop(self.address, seeds, 1, f"seed{self._calls}", bar)
-        requests = [Request(0, "", tuple(p)) for p in prompts]
+        requests = [TenantRequest(0, "", tuple(p)) for p in prompts]
         outcomes, wall_s = run_closed_loop(
             self.address, requests, len(requests), f"timed{self._calls}", bar
         )

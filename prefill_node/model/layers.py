@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.model.attention import AttentionPlan, paged_attention
@@ -23,7 +22,7 @@ from prefill_node.model.mla import MlaAttention
 from prefill_node.model.moe import SparseMoe, swiglu
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.rope import apply_rotary
-from prefill_node.model.tensor_ops import Getter, param, rms_norm, take
+from prefill_node.model.tensor_ops import Getter, linear, param, rms_norm, take
 from prefill_node.model.weights import moe_names
 
 __all__ = ["DecoderLayer", "GqaAttention", "rms_norm", "take"]
@@ -73,7 +72,7 @@ class GqaAttention(nn.Module):
     ) -> torch.Tensor:
         """Normed rows x [T, hidden] -> attention output [T, hidden]; stores K/V in ``kv``."""
         rows = x.shape[0]
-        qkv = F.linear(x, self.qkv)
+        qkv = linear(x, self.qkv)
         q = qkv[:, : self.q_size]
         k = qkv[:, self.q_size : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :].view(rows, self.num_kv_heads, self.head_dim)
@@ -86,7 +85,7 @@ class GqaAttention(nn.Module):
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        return F.linear(paged_attention(q, k, v, plan, kv, self.layer), self.o)
+        return linear(paged_attention(q, k, v, plan, kv, self.layer), self.o)
 
 
 class DecoderLayer(nn.Module):

@@ -20,14 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.model.config import MoeConfig
+from prefill_node.model.tensor_ops import linear
 from prefill_node.model.weights import MoeNames
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP with fused ``gate_up`` [2 * width, hidden] and ``down`` [hidden, width]."""
-    h = F.linear(x, gate_up)
+    h = linear(x, gate_up)
     width = down.shape[1]
-    return F.linear(F.silu(h[:, :width]).mul_(h[:, width:]), down)
+    return linear(F.silu(h[:, :width]).mul_(h[:, width:]), down)
 
 
 class SparseMoe(nn.Module):
@@ -77,7 +78,7 @@ class SparseMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows x [T, hidden] -> (expert ids LongTensor [T, top_k], fp32 weights [T, top_k])."""
         moe = self.moe
-        scores = torch.sigmoid(F.linear(x.to(self.router.dtype), self.router).float())
+        scores = torch.sigmoid(linear(x.to(self.router.dtype), self.router).float())
         choice = scores + self.bias
         if moe.num_groups > 1:
             grouped = choice.view(x.shape[0], moe.num_groups, -1)
