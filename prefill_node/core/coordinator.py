@@ -292,9 +292,7 @@ class AdmissionCoordinator:
 
     def _claim(self, request_id: str, boundary: int) -> None:
         """Record the full blocks an admitted request computes (those nobody else does)."""
-        mine = tuple(
-            h for h in self._hashes_of(request_id)[boundary:] if h not in self._producer
-        )
+        mine = tuple(h for h in self._hashes_of(request_id)[boundary:] if h not in self._producer)
         for h in mine:
             self._producer[h] = request_id
         if mine:
