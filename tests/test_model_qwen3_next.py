@@ -214,6 +214,20 @@ def test_engine_reuses_prefixes_up_to_a_snapshot_and_matches_transformers(hf_mod
     engine.check_integrity()
 
 
+def test_the_server_reports_the_snapshot_interval_to_routers():
+    from prefill_node.client.remote_engine import RemoteEngine
+    from tests.grpc_harness import ServerThread
+
+    config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=BLOCK)
+    with ServerThread(LocalEngine.from_weights(CONFIG, WEIGHTS, config)) as srv:
+        remote = RemoteEngine(srv.target)
+        try:
+            assert remote.info.snapshot_interval_blocks == 1
+            assert remote.cache_identity.snapshot_interval_blocks == 1
+        finally:
+            remote.shutdown()
+
+
 def test_one_token_steps_from_the_cache_continue_like_transformers_generate(hf_model):
     """Decode-style continuation: single-token chunks resuming from the live state in the
     partial last block give transformers' greedy tokens (its own single-token recurrent path)."""
