@@ -26,8 +26,23 @@ from prefill_node.model.family_config import (
     reject_unsupported_glm,
     reject_unsupported_minimax,
 )
+from prefill_node.model.hybrid_config import (
+    RecurrentConfig,
+    qwen3_next_moe_of,
+    qwen3_next_recurrent_of,
+    qwen3_next_to_hf,
+    reject_unsupported_qwen3_next,
+)
 
-__all__ = ["MlaConfig", "ModelConfig", "ModelFamily", "MoeConfig", "QkNorm", "RopeScaling"]
+__all__ = [
+    "MlaConfig",
+    "ModelConfig",
+    "ModelFamily",
+    "MoeConfig",
+    "QkNorm",
+    "RecurrentConfig",
+    "RopeScaling",
+]
 
 
 class ModelFamily(enum.Enum):
@@ -35,12 +50,16 @@ class ModelFamily(enum.Enum):
     MINIMAX_M2 (MiniMax-M2) has RMSNorm over the whole q and k projections, partial RoPE
     and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``); GLM_MOE_DSA (GLM-5)
     has MLA with a sparse-attention indexer (``ModelConfig.mla``), interleaved RoPE, and a
-    grouped-routing MoE with a shared expert after a few dense layers."""
+    grouped-routing MoE with a shared expert after a few dense layers. QWEN3_NEXT
+    (Qwen3-Next) interleaves gated-delta-rule linear-attention layers (``ModelConfig.
+    recurrent``) with gated full attention (an output gate, per-head q/k norm, partial RoPE),
+    zero-centred RMSNorm weights, and a softmax-routed MoE with a sigmoid-gated shared expert."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
     MINIMAX_M2 = "minimax_m2"
     GLM_MOE_DSA = "glm_moe_dsa"
+    QWEN3_NEXT = "qwen3_next"
 
 
 class QkNorm(enum.Enum):
@@ -57,8 +76,10 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
     "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
     "GlmMoeDsaForCausalLM": ModelFamily.GLM_MOE_DSA,
+    "Qwen3NextForCausalLM": ModelFamily.QWEN3_NEXT,
 }
-_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA)
+_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA, ModelFamily.QWEN3_NEXT)
+_PARTIAL_ROPE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.QWEN3_NEXT)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
@@ -124,6 +145,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
     partial_rotary_factor: float = 1.0
     mla: MlaConfig | None = None
+    recurrent: RecurrentConfig | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -148,7 +170,11 @@ class ModelConfig:
             raise InvalidModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
-        for part, families in (("moe", _MOE_FAMILIES), ("mla", (ModelFamily.GLM_MOE_DSA,))):
+        for part, families in (
+            ("moe", _MOE_FAMILIES),
+            ("mla", (ModelFamily.GLM_MOE_DSA,)),
+            ("recurrent", (ModelFamily.QWEN3_NEXT,)),
+        ):
             if (getattr(self, part) is None) is (self.family in families):
                 raise InvalidModelConfigError(
                     f"family {self.family.value} "
@@ -158,7 +184,13 @@ class ModelConfig:
             raise InvalidModelConfigError(
                 "with MLA, head_dim is the rotated width qk_rope_head_dim"
             )
-        if self.partial_rotary_factor != 1.0 and self.family is not ModelFamily.MINIMAX_M2:
+        if self.recurrent is not None and any(
+            layer >= self.num_layers for layer in self.recurrent.layers
+        ):
+            raise InvalidModelConfigError(
+                f"linear layers {self.recurrent.layers} exceed {self.num_layers} layers"
+            )
+        if self.partial_rotary_factor != 1.0 and self.family not in _PARTIAL_ROPE_FAMILIES:
             raise UnsupportedArchitectureError(
                 f"partial_rotary_factor={self.partial_rotary_factor} is not supported for "
                 f"{self.family.value} (only 1.0)"
@@ -174,8 +206,32 @@ class ModelConfig:
         """Where attention RMS-normalises q and k before RoPE."""
         return {
             ModelFamily.QWEN3: QkNorm.PER_HEAD,
+            ModelFamily.QWEN3_NEXT: QkNorm.PER_HEAD,
             ModelFamily.MINIMAX_M2: QkNorm.PER_LAYER,
         }.get(self.family, QkNorm.NONE)
+
+    @property
+    def attention_output_gate(self) -> bool:
+        """Full attention multiplies its output by sigmoid(gate), the gate projected with q
+        (``q_proj`` is twice as wide: per head, q then gate) (Qwen3-Next)."""
+        return self.family is ModelFamily.QWEN3_NEXT
+
+    @property
+    def norm_weight_offset(self) -> float:
+        """Added to stored RMSNorm weights: Qwen3-Next stores them zero-centred (scale by
+        1 + w); its gated norm inside linear attention is not."""
+        return 1.0 if self.family is ModelFamily.QWEN3_NEXT else 0.0
+
+    @property
+    def snapshot_interval_blocks(self) -> int | None:
+        """For models with recurrent layers, 1: every block carries a state snapshot (see
+        ``HybridKVCache``), so any full-block prefix whose blocks every stage holds is
+        reusable; None for models without (the admission core's ``StageConfig`` field)."""
+        return 1 if self.recurrent is not None else None
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a recurrent (linear-attention) layer."""
+        return self.recurrent is not None and self.recurrent.is_linear(layer)
 
     @property
     def rope_interleaved(self) -> bool:
@@ -197,10 +253,24 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, num_layers: int, dtype: Any) -> int:
         """Bytes of K plus V (with MLA: latent, rotated key part and indexer key) one token
-        occupies in ``num_layers`` layers stored as ``dtype`` (a torch dtype, or anything
-        with ``itemsize``)."""
+        occupies in ``num_layers`` attention layers stored as ``dtype`` (a torch dtype, or
+        anything with ``itemsize``). Recurrent layers hold no per-token entries: see
+        ``cache_bytes_per_block``."""
         per_layer = 2 * self.kv_size if self.mla is None else self.mla.entry_width
         return num_layers * per_layer * int(dtype.itemsize)
+
+    def cache_bytes_per_block(self, layers: Any, block_size: int, dtype: Any) -> int:
+        """Bytes one cache block occupies across decoder ``layers`` (an iterable of layer
+        indices, e.g. a stage's LayerRange): ``block_size`` tokens' entries per attention
+        layer plus, per recurrent layer, the state snapshot each block carries. What a stage
+        sizes its block count by, so escrow (which counts blocks) charges snapshots too."""
+        layers = list(layers)
+        linear = [layer for layer in layers if self.is_linear_layer(layer)]
+        attention = len(layers) - len(linear)
+        size = block_size * self.kv_bytes_per_token(attention, dtype)
+        if self.recurrent is not None:
+            size += len(linear) * self.recurrent.snapshot_bytes(int(dtype.itemsize))
+        return size
 
     def active_params_per_token(self, layer: int) -> int:
         """Weights one token multiplies through in decoder layer ``layer``: the attention
@@ -208,8 +278,12 @@ class ModelConfig:
         layer's router, its ``top_k`` routed experts and its shared experts. The per-layer
         cost shape the router's and any simulator's FLOP counts should share."""
         h = self.hidden_size
-        if self.mla is None:
-            attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        r = self.recurrent
+        if r is not None and r.is_linear(layer):
+            attn = h * (r.conv_width + r.value_dim + 2 * r.num_value_heads) + r.value_dim * h
+        elif self.mla is None:
+            gate = self.q_size if self.attention_output_gate else 0
+            attn = h * (self.q_size + gate) + 2 * h * self.kv_size + self.q_size * h
         else:
             m, heads = self.mla, self.num_heads
             attn = (
@@ -224,8 +298,8 @@ class ModelConfig:
         moe = self.moe
         if moe is None or not moe.is_sparse(layer):
             return attn + 3 * h * self.intermediate_size
-        experts = moe.top_k + moe.num_shared_experts
-        return attn + h * moe.num_experts + 3 * h * moe.expert_intermediate_size * experts
+        widths = moe.top_k * moe.expert_intermediate_size + moe.shared_width
+        return attn + h * (moe.num_experts + int(moe.gated_shared)) + 3 * h * widths
 
     def attention_flops_per_pair(self) -> int:
         """FLOPs of one (query, key) pair in one layer: QK^T and PV over every head (MLA:
@@ -245,6 +319,7 @@ class ModelConfig:
         family = _family_of(d)
         _reject_unsupported_options(d, family)
         glm = family is ModelFamily.GLM_MOE_DSA
+        qwen3_next = family is ModelFamily.QWEN3_NEXT
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -254,6 +329,8 @@ class ModelConfig:
                 moe = minimax_moe_of(d)
             elif glm:
                 moe = glm_moe_of(d, layers)
+            elif qwen3_next:
+                moe = qwen3_next_moe_of(d)
             rope_params = dict(d.get("rope_parameters") or {})
             rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
             scaling_d = d.get("rope_scaling") or rope_params
@@ -285,8 +362,9 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 name=name,
                 moe=moe,
-                partial_rotary_factor=_partial_rotary_of(d),
+                partial_rotary_factor=_partial_rotary_of(d, 0.25 if qwen3_next else 1.0),
                 mla=glm_mla_of(d) if glm else None,
+                recurrent=qwen3_next_recurrent_of(d) if qwen3_next else None,
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -322,11 +400,13 @@ class ModelConfig:
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
         glm = self.family is ModelFamily.GLM_MOE_DSA
-        if self.moe is not None:
+        if self.recurrent is not None and self.moe is not None:
+            d.update(qwen3_next_to_hf(self.recurrent, self.moe, self.num_layers))
+        elif self.moe is not None:
             d.update(moe_to_hf(self.moe, glm))
         if self.mla is not None:
             d.update(mla_to_hf(self.mla))
-        if self.partial_rotary_factor != 1.0:
+        if self.partial_rotary_factor != 1.0 or self.family is ModelFamily.QWEN3_NEXT:
             d["rotary_dim"] = self.rotary_dim
             d["partial_rotary_factor"] = self.partial_rotary_factor
         return d
@@ -358,11 +438,13 @@ def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> No
         reject_unsupported_minimax(d)
     if family is ModelFamily.GLM_MOE_DSA:
         reject_unsupported_glm(d)
+    if family is ModelFamily.QWEN3_NEXT:
+        reject_unsupported_qwen3_next(d)
 
 
-def _partial_rotary_of(d: Mapping[str, Any]) -> float:
+def _partial_rotary_of(d: Mapping[str, Any], default: float) -> float:
     """``partial_rotary_factor`` (top level or in ``rope_parameters``), else MiniMax-M2's
-    legacy ``rotary_dim`` over ``head_dim``, else 1.0."""
+    legacy ``rotary_dim`` over ``head_dim``, else the family's default."""
     rope_params = d.get("rope_parameters") or {}
     factor = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
     if factor is not None:
@@ -370,7 +452,7 @@ def _partial_rotary_of(d: Mapping[str, Any]) -> float:
     if d.get("rotary_dim") is not None:
         head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
         return int(d["rotary_dim"]) / head_dim
-    return 1.0
+    return default
 
 
 def _rope_scaling_of(s: Mapping[str, Any] | None, max_positions: int) -> RopeScaling | None:

@@ -21,6 +21,7 @@ import torch
 
 from prefill_node.model.paged_kv import PagedBlocks, PagedKVCache
 from prefill_node.model.partition import LayerRange
+from prefill_node.model.recurrent_cache import HybridKVCache
 
 if TYPE_CHECKING:
     from prefill_node.model.config import MlaConfig, ModelConfig
@@ -88,7 +89,10 @@ def stage_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> StageCache:
-    """The paged cache a stage of ``config`` needs: MLA latent blocks or GQA K/V blocks."""
+    """The paged cache a stage of ``config`` needs: MLA latent blocks, GQA K/V blocks, or
+    (hybrid models) K/V blocks for the attention layers plus recurrent-state snapshots."""
+    if config.recurrent is not None:
+        return HybridKVCache(config, layer_range, num_blocks, block_size, dtype, device)
     if config.mla is not None:
         return PagedLatentCache(config.mla, layer_range, num_blocks, block_size, dtype, device)
     return PagedKVCache.for_model(config, layer_range, num_blocks, block_size, dtype, device)

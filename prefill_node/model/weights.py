@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefill_node.errors import InvariantError
 from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
 from prefill_node.model.partition import LayerRange
 
@@ -35,6 +36,7 @@ class MoeNames:
     up: str
     down: str
     shared: str = ""  # prefix of the shared experts' gate_proj/up_proj/down_proj
+    shared_gate: str = ""  # the shared expert's sigmoid gate [1, hidden] (Qwen3-Next)
 
     def expert_tensor(self, expert: int, proj: str) -> str:
         return self.expert.format(expert=expert) + proj + ".weight"
@@ -58,10 +60,40 @@ GLM_MOE = MoeNames(
     down="down_proj",
     shared="mlp.shared_experts.",
 )
+QWEN3_NEXT_MOE = MoeNames(
+    router="mlp.gate.weight",
+    bias="",  # softmax routing has no correction bias
+    expert="mlp.experts.{expert}.",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+    shared="mlp.shared_expert.",
+    shared_gate="mlp.shared_expert_gate.weight",
+)
 
 
 def moe_names(config: ModelConfig) -> MoeNames:
-    return GLM_MOE if config.family is ModelFamily.GLM_MOE_DSA else MINIMAX_MOE
+    return {
+        ModelFamily.GLM_MOE_DSA: GLM_MOE,
+        ModelFamily.QWEN3_NEXT: QWEN3_NEXT_MOE,
+    }.get(config.family, MINIMAX_MOE)
+
+
+def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next GatedDeltaNet: q/k/v/z and b/a projections grouped by key head, the depthwise
+    conv over q, k, v, per-value-head decay parameters, the gated norm, the output."""
+    r, h, a = config.recurrent, config.hidden_size, p + "linear_attn."
+    if r is None:
+        raise InvariantError(f"{p} is not a linear-attention layer of {config.family.value}")
+    return {
+        a + "in_proj_qkvz.weight": (2 * r.key_dim + 2 * r.value_dim, h),
+        a + "in_proj_ba.weight": (2 * r.num_value_heads, h),
+        a + "conv1d.weight": (r.conv_width, 1, r.conv_kernel),
+        a + "dt_bias": (r.num_value_heads,),
+        a + "A_log": (r.num_value_heads,),
+        a + "norm.weight": (r.value_head_dim,),
+        a + "out_proj.weight": (h, r.value_dim),
+    }
 
 
 def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ...]]:
@@ -90,8 +122,9 @@ def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]
             a + "indexer.k_norm.bias": (m.index_head_dim,),
             a + "indexer.weights_proj.weight": (m.index_n_heads, h),
         }
+    gate = config.q_size if config.attention_output_gate else 0
     shapes = {
-        a + "q_proj.weight": (config.q_size, h),
+        a + "q_proj.weight": (config.q_size + gate, h),
         a + "k_proj.weight": (config.kv_size, h),
         a + "v_proj.weight": (config.kv_size, h),
         a + "o_proj.weight": (h, config.q_size),
@@ -112,20 +145,26 @@ def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int,
     p = f"model.layers.{layer}."
     h = config.hidden_size
     shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    shapes.update(_attention_shapes(config, p))
+    if config.is_linear_layer(layer):
+        shapes.update(_linear_attention_shapes(config, p))
+    else:
+        shapes.update(_attention_shapes(config, p))
     moe = config.moe
     if moe is None or not moe.is_sparse(layer):
         shapes.update(_mlp_shapes(p + "mlp.", config.intermediate_size, h))
         return shapes
     names, ei = moe_names(config), moe.expert_intermediate_size
     shapes[p + names.router] = (moe.num_experts, h)
-    shapes[p + names.bias] = (moe.num_experts,)
+    if names.bias:
+        shapes[p + names.bias] = (moe.num_experts,)
     for e in range(moe.num_experts):
         shapes[p + names.expert_tensor(e, names.gate)] = (ei, h)
         shapes[p + names.expert_tensor(e, names.down)] = (h, ei)
         shapes[p + names.expert_tensor(e, names.up)] = (ei, h)
-    if moe.num_shared_experts:
-        shapes.update(_mlp_shapes(p + names.shared, ei * moe.num_shared_experts, h))
+    if moe.shared_width:
+        shapes.update(_mlp_shapes(p + names.shared, moe.shared_width, h))
+    if moe.gated_shared:
+        shapes[p + names.shared_gate] = (1, h)
     return shapes
 
 
@@ -167,13 +206,18 @@ def random_weights(
     and position errors show in the output): linear layers N(0, 1/fan_in), embeddings
     N(0, 1), norm weights 1 + N(0, 0.1^2). A MoE router's correction bias is N(0, 0.1^2),
     large enough next to the sigmoid scores to change some tokens' expert choices.
+    Zero-centred norm weights (``ModelConfig.norm_weight_offset``) are drawn as N(0, 0.1^2),
+    so the scale is the same 1 + N(0, 0.1^2).
     """
     out = {}
+    centre = 1.0 - config.norm_weight_offset
     for name, shape in weight_shapes(config, layer_range).items():
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         t = torch.randn(shape, generator=g, dtype=torch.float32)
-        if name.endswith("norm.weight"):
+        if name.endswith("linear_attn.norm.weight"):  # the gated norm is not zero-centred
             t = 1.0 + 0.1 * t
+        elif name.endswith("norm.weight"):
+            t = centre + 0.1 * t
         elif name.endswith("e_score_correction_bias"):
             t = 0.1 * t
         elif name != EMBED:
