@@ -57,6 +57,7 @@ from router_cluster import BLOCK, Cluster, warm_pipeline, warm_router
 from router_workload import run_closed_loop, token_stats
 from tqdm import tqdm
 
+from prefill_node.mkl_vendor import preload_env
 from prefill_node.sim.tenants import TenantRequest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +78,8 @@ class VllmPeer:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
                    VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, args.cpus)))  # fmt: skip
         env.pop("PYTHONPATH", None)  # nothing of ours in there
+        # the same MKL vendor shim our processes run with (the same torch wheel links MKL)
+        env = preload_env(env)
         self.cpus = args.cpus
         self.log = logs / f"vllm-{mode}.log"
         argv = [str(args.peer_python), str(DRIVER), "--model", str(model_dir), "--dtype",
