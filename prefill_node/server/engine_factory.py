@@ -9,7 +9,6 @@ the server calls it inline.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -21,7 +20,6 @@ from prefill_node.runtime.kv_event_feed import KVEventSink
 if TYPE_CHECKING:
     from prefill_node.kv_shipping.shipper import KVShippingConfig
 
-log = logging.getLogger(__name__)
 
 POLICIES = ("wave", "lockstep")
 ENGINES = ("pipeline", "local")
