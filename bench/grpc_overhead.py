@@ -14,8 +14,9 @@ server process's CPU time per request. Engines:
   ``service_ms * [1 - jitter, 1 + jitter]`` (default 20 ms +-50%; the jitter keeps the 128
   requests from completing in lock-step bursts) with unlimited parallelism and no CPU use -
   isolates the cost of the gRPC stack itself;
-- ``local``: the real 2-stage LocalEngine on a tiny random model (serialises requests, so
-  latency at high concurrency is mostly queueing inside the engine).
+- ``local``: the real 2-stage LocalEngine on a tiny random model (its leader packs
+  concurrent requests into waves; at high concurrency latency is mostly queueing for
+  admission and wave slots inside the engine).
 
     python bench/grpc_overhead.py --json /tmp/grpc_overhead.json [--runs 3] [--requests 1024]
 """

@@ -13,7 +13,6 @@ from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
-from prefill_node.runtime.stage_executor import StageExecutor
 from prefill_node.server.convert import PromptTokenizer
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.server import PrefillServer, ServerConfig
@@ -78,31 +77,16 @@ TINY_CONFIG = tiny_qwen3("tiny-grpc", max_position_embeddings=64)
 
 
 def tiny_local_engine(num_blocks: int = 256, stage_delay_s: float = 0.0) -> LocalEngine:
-    """A 2-stage LocalEngine on a random 3-layer model (block size 4, chunks of 16 tokens);
-    ``stage_delay_s`` > 0 makes every stage step sleep that long first (real caches, slow)."""
+    """A 2-stage LocalEngine on a random 3-layer model (block size 4, waves of 16 tokens);
+    ``stage_delay_s`` > 0 makes every stage sleep that long per wave (real caches, slow)."""
     config = LocalEngineConfig(
-        num_stages=2, num_blocks=num_blocks, block_size=4, max_chunk_tokens=16
+        num_stages=2,
+        num_blocks=num_blocks,
+        block_size=4,
+        max_chunk_tokens=16,
+        debug_wave_delay_s=stage_delay_s,
     )
-    engine = LocalEngine.from_weights(TINY_CONFIG, random_weights(TINY_CONFIG, seed=5), config)
-    if stage_delay_s > 0:
-        stages = [SlowStage(s, stage_delay_s) for s in engine.stages]
-        engine = LocalEngine(engine.model_config, stages, config)
-    return engine
-
-
-class SlowStage:
-    """A real StageExecutor whose ``execute`` first sleeps: requests take controllable time."""
-
-    def __init__(self, inner: StageExecutor, delay_s: float) -> None:
-        self._inner = inner
-        self._delay_s = delay_s
-
-    def execute(self, chunks, inputs):
-        time.sleep(self._delay_s)
-        return self._inner.execute(chunks, inputs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
+    return LocalEngine.from_weights(TINY_CONFIG, random_weights(TINY_CONFIG, seed=5), config)
 
 
 def stage_used_blocks(engine: Engine) -> list[int]:

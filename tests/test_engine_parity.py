@@ -2,11 +2,10 @@
 sequence (whole-prompt reuse, partial reuse, eviction pressure, an abort mid-flight), report
 the same cached tokens, first tokens and per-stage KV manifests: one reuse rule, one cache.
 
-The pipeline runs ``lockstep`` (one chunk of a request in flight): an abort then stops the
-request before its last chunk is scheduled, as the in-process engine stops at its next
-chunk. Under ``wave`` every chunk of a short prompt may already be in flight when the abort
-arrives; the stages then complete (and cache) it before the leader's cleanup, so the later
-cache state legitimately differs from an engine that stopped early."""
+Both run ``lockstep`` (one chunk of a request in flight): an abort then stops the request
+before its last chunk is scheduled, on either transport. Under ``wave`` every chunk of a
+short prompt may already be in flight when the abort arrives; the stages then complete (and
+cache) it before the leader's cleanup, and how far it got depends on timing."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from prefill_node.errors import RequestAbortedError
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
-from tests.grpc_harness import PIPELINE_HF, SlowStage, start_tiny_pipeline, wait_until
+from tests.grpc_harness import PIPELINE_HF, start_tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,11 +37,14 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _local() -> LocalEngine:
     model = ModelConfig.from_hf_config(PIPELINE_HF, name="tiny-grpc-pipeline")
     config = LocalEngineConfig(
-        num_stages=2, num_blocks=BLOCKS, block_size=4, max_chunk_tokens=CHUNK
+        num_stages=2,
+        num_blocks=BLOCKS,
+        block_size=4,
+        max_chunk_tokens=CHUNK,
+        policy="lockstep",
+        debug_wave_delay_s=DELAY_S,
     )
-    engine = LocalEngine.from_weights(model, random_weights(model, seed=11), config)
-    stages = [SlowStage(s, DELAY_S) for s in engine.stages]
-    return LocalEngine(engine.model_config, stages, config)
+    return LocalEngine.from_weights(model, random_weights(model, seed=11), config)
 
 
 def _run(engine, prompt: list[int], rid: str):

@@ -98,8 +98,9 @@ def engine():
 
 @pytest.fixture
 def slow_engine():
-    """Every stage step sleeps 80 ms: a 64-token prompt (4 chunks x 2 stages) takes ~0.64 s."""
-    eng = tiny_local_engine(num_blocks=32, stage_delay_s=0.08)
+    """Every stage sleeps 150 ms per wave: a 64-token prompt (4 waves of 16 tokens,
+    pipelined over 2 stages) takes ~0.75 s, well past a 0.4 s deadline."""
+    eng = tiny_local_engine(num_blocks=32, stage_delay_s=0.15)
     yield eng
     eng.shutdown()
 

@@ -17,7 +17,6 @@ from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
 from prefill_node.core.kv_event_aggregator import StageEvents
 from prefill_node.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from prefill_node.engine.types import PrefillOptions
-from prefill_node.errors import InvariantError
 from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.kv_event_feed import KVEventFeed
@@ -82,13 +81,16 @@ def test_subscriber_sees_stored_chain_then_eviction_over_grpc():
         ]
 
         assert client.prefill(second).result.cached_tokens == 0
-        batch = next(stream)
+        # events leave with each wave (16 tokens): the 20-token prompt's may span batches
+        events = [event_from_proto(e) for e in next(stream).events]
+        while not any(isinstance(e, BlockStored) for e in events):
+            events += [event_from_proto(e) for e in next(stream).events]
         # stage 1 (6 blocks) hands out the first prompt's uncached tail block and its two
         # never-used blocks, then evicts LRU tail first: block 2, then block 1
-        assert [event_from_proto(e) for e in batch.events] == [
-            BlockRemoved((h1[2], h1[1])),
-            BlockStored(h2, None, tuple(second), BS),
-        ]
+        removed = [h for e in events[:-1] for h in e.block_hashes]
+        assert all(isinstance(e, BlockRemoved) for e in events[:-1])
+        assert removed == [h1[2], h1[1]]
+        assert events[-1] == BlockStored(h2, None, tuple(second), BS)
         assert resident_on_all(engine) == {h1[0], *h2}
 
         # a late subscriber starts from a snapshot of what is resident on every stage
@@ -189,9 +191,3 @@ def test_a_failing_sink_never_fails_a_request():
     stored = BlockStored((1,), None, (0, 1, 2, 3), BS)
     assert feed.publish([StageEvents(0, [stored])]) == [stored]
     assert (feed.sink_failures, feed.published_batches) == (1, 0)
-
-
-def test_a_feed_refuses_stages_whose_pools_buffer_no_events():
-    engine = engine_with_events((16, 16), None)
-    with pytest.raises(InvariantError, match="stage 0's block pool does not buffer KV events"):
-        KVEventFeed.for_stages(engine.stages, print)

@@ -71,7 +71,7 @@ def decode():
 
 @pytest.fixture(scope="module")
 def engine():
-    config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=6)
+    config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=8)
     engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, SHIPPING)
     yield engine
     wait_idle(engine)
@@ -93,7 +93,7 @@ def test_push_generation_equals_monolithic_greedy(engine, decode):
         CONFIG, WEIGHTS, prompt, NEW_TOKENS
     )
     streamed = [(stage, end) for rid, stage, end, _ in decode.kv_log()[0] if rid == "push-1"]
-    assert sorted(streamed) == [(0, 4), (0, 12), (1, 4), (1, 12)]  # chunks of 6, blocks of 4
+    assert sorted(streamed) == [(0, 8), (0, 12), (1, 8), (1, 12)]  # waves of 8, blocks of 4
     longer = prompt + prompt_of(6, seed=2)  # reuses 3 cached prefill blocks, ships them too
     tokens = push_round_trip(engine, decode, "push-2", longer)
     assert tokens == reference_greedy(CONFIG, WEIGHTS, longer, NEW_TOKENS)

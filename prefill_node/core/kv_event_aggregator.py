@@ -26,8 +26,9 @@ Feeds are read as set updates: a second ``BlockStored`` of a hash the stage alre
 or a ``BlockRemoved`` of one it does not, changes nothing (counted in ``ignored``). A stage
 that restarts empty must be reported with ``AllBlocksCleared``.
 
-Sans-IO and not thread-safe: the owner (LocalEngine under its lock; the multi-process
-leader on its loop) serialises calls and publishes the returned events in order.
+Sans-IO and not thread-safe: the owner (the leader's ``KVEventFeed``, on its result
+collector thread, in either engine) serialises calls and publishes the returned events in
+order.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ def run_round(
     """Submit ``new_requests`` and run one admission round to its end.
 
     Returns the immediate rejections of ``new_requests`` followed by the round's outcomes
-    (empty when there was nothing to do). The multi-process leader runs the same loop with
-    a broadcast of each ``RoundRequest`` and an all-gather of the ``StageReply``s. Callers:
-    the simulator (``sim/core_port.py``) and the in-process ``LocalEngine``, which admits
-    here but runs its chunks itself (not through the leader's ``WaveScheduler``).
+    (empty when there was nothing to do). Both engines' leader (``runtime/leader.py``) runs
+    the same loop over its rounds plane: a broadcast of each ``RoundRequest`` and an
+    all-gather of the ``StageReply``s (across processes, or between threads in the
+    in-process ``LocalEngine``). Callers of this direct-call form: the simulator
+    (``sim/core_port.py``) and tests.
     """
     rejected = tuple(r for r in (coordinator.submit(spec) for spec in new_requests) if r)
     msg = coordinator.begin_round()

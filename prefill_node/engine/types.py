@@ -11,6 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for, on every engine
+
 
 @dataclass(frozen=True)
 class MemoryRegionSpec:

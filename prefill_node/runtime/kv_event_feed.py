@@ -1,13 +1,11 @@
 """Publishes a pipeline's KV events: per-stage batches in, aggregated events out to a sink.
 
 The glue between the stages' block pools and whoever tells the router (``KVEventHub.publish``
-for ``wavepp serve``). Both engines use it the same way:
+for ``wavepp serve``). Both engines use it the same way, through ``LeaderEngine``:
 
-- ``LocalEngine`` (all stages in this process) calls ``publish_from_stages(stages)`` after
-  every request, under its request lock, which drains each stage's pool.
-- The multi-process leader (prefill_node/runtime/) cannot see the stages' pools. Each stage
-  process drains its own pool (``StageAdmission.drain_events()``, pool built with
-  ``events=True``) once per wave, AFTER completing the wave's finished requests (their new
+- The leader does not read the stages' pools. Each stage drains its own pool
+  (``StageAdmission.drain_events()``, pool built with ``events=True``) once per wave,
+  AFTER completing the wave's finished requests (their new
   blocks are cached then) and before forwarding the header, and appends
   ``(stage, tuple(events))`` to the wave's header (a field like ``WaveHeader.manifests``);
   the last stage copies the accumulated tuples into its ``WaveResult`` and the leader calls
@@ -26,14 +24,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from prefill_node.core.kv_event_aggregator import PipelineKVEventAggregator, StageEvents
 from prefill_node.core.kv_events import KVEvent
-from prefill_node.errors import InvariantError
-
-if TYPE_CHECKING:
-    from prefill_node.runtime.stage_executor import StageExecutor
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +54,3 @@ class KVEventFeed:
                 self.sink_failures += 1
                 log.exception("the KV event sink failed; %d events not delivered", len(events))
         return events
-
-    @classmethod
-    def for_stages(cls, stages: Sequence[StageExecutor], sink: KVEventSink) -> KVEventFeed:
-        """A feed over in-process stages; each pool must buffer events
-        (``StageExecutor(..., events=True)``), else InvariantError."""
-        for stage in stages:
-            if not stage.pool.events_enabled:
-                raise InvariantError(f"stage {stage.stage}'s block pool does not buffer KV events")
-        return cls(len(stages), sink)
-
-    def publish_from_stages(self, stages: Sequence[StageExecutor]) -> list[KVEvent]:
-        """Drain every stage's pool (stage order) and publish."""
-        if len(stages) != self.aggregator.num_stages:
-            raise InvariantError(
-                f"{len(stages)} stages for a feed of {self.aggregator.num_stages} stages"
-            )
-        return self.publish(StageEvents(s.stage, s.drain_events()) for s in stages)

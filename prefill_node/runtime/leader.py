@@ -30,11 +30,14 @@ class LeaderConfig:
 class Leader:
     """Drives the pipeline from stage 0; the only owner of ``LeaderCore`` and its lock.
 
+    Transport-agnostic: ``planes`` are torch.distributed groups (``PipelineEngine``) or
+    in-process queues (``LocalEngine``, local_planes.py); both engines run this class.
+
     Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
     round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
     the policy's ring) and, under ``lockstep``, runs the rounds itself first; the
     collector receives each wave's result from the last stage. All core calls happen under
-    ``self.lock``; no collective is ever made while holding it.
+    ``self._lock``; no collective is ever made while holding it.
 
     The engine reaches the core only through ``submit`` / ``abort`` / ``check_fits`` /
     ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
@@ -53,8 +56,8 @@ class Leader:
         on_dead: Callable[[str], None],
     ):
         self.config = config
-        self.core = core
-        self.lock = threading.Condition()
+        self._core = core
+        self._lock = threading.Condition()
         self._planes = planes
         self._answer_local = answer_local
         self._on_result = on_result
@@ -78,8 +81,8 @@ class Leader:
 
     def wake(self) -> None:
         """Something changed (new request, abort, capacity): re-check round and wave work."""
-        with self.lock:
-            self.lock.notify_all()
+        with self._lock:
+            self._lock.notify_all()
 
     # -- the engine's calls (any thread) -------------------------------------------------------
     def submit(
@@ -92,23 +95,25 @@ class Leader:
     ) -> None:
         """Queue a request for admission (``LeaderCore.submit``: NeverFitsError or
         DuplicateRequestError raise here)."""
-        with self.lock:
-            self.core.submit(request_id, token_ids, salt, top_k, kv_destination)
-            self.lock.notify_all()
+        with self._lock:
+            self._core.submit(request_id, token_ids, salt, top_k, kv_destination)
+            self._lock.notify_all()
 
-    def abort(self, request_id: str) -> None:
-        """Drop the request from the schedule (deferred while a chunk of it is in flight)."""
-        with self.lock:
-            self.core.abort(request_id)
-            self.lock.notify_all()
+    def abort(self, request_id: str) -> bool:
+        """Drop the request from the schedule (deferred while a chunk of it is in flight);
+        True when it had been admitted, False when it was still queued."""
+        with self._lock:
+            admitted = self._core.abort(request_id)
+            self._lock.notify_all()
+        return admitted
 
     def check_fits(self, num_tokens: int) -> None:
-        with self.lock:
-            self.core.check_fits(num_tokens)
+        with self._lock:
+            self._core.check_fits(num_tokens)
 
     def counts(self) -> CoreCounts:
-        with self.lock:
-            return self.core.counts()
+        with self._lock:
+            return self._core.counts()
 
     def control(self, message: RoundMessage) -> Future[list[Any]]:
         """Run a non-admission round (stats, integrity, KV dump) on every stage; all replies."""
@@ -119,9 +124,9 @@ class Leader:
 
     def stop(self) -> None:
         """Ask the threads to finish: a STOP wave and a STOP round go out once the ring drains."""
-        with self.lock:
+        with self._lock:
             self._stopping = True
-            self.lock.notify_all()
+            self._lock.notify_all()
 
     def join(self, timeout: float) -> None:
         for t in (self._wave_thread, self._collector):
@@ -147,27 +152,27 @@ class Leader:
 
     def _admission_round(self) -> bool:
         """One admission round (all its phases) if the core has work; True when one ran."""
-        with self.lock:
-            message = self.core.begin_round()
+        with self._lock:
+            message = self._core.begin_round()
         if message is None:
             return False
         verdicts: list[AdmissionVerdict] = []
         t0 = time.monotonic()
         while message is not None:
             replies = self._round(RoundMessage(RoundKind.ADMIT, message))
-            with self.lock:
-                message, verdicts = self.core.finish_phase(replies)
-        with self.lock:
-            self.lock.notify_all()
+            with self._lock:
+                message, verdicts = self._core.finish_phase(replies)
+        with self._lock:
+            self._lock.notify_all()
         if verdicts:
             self._on_verdicts(verdicts, time.monotonic() - t0)
         return True
 
     def _wait_for_round_work(self) -> bool:
         """Block until there is round work or the tick elapses; False when stopping."""
-        with self.lock:
-            self.lock.wait_for(
-                lambda: self._stopping or self.core.has_round_work() or not self._controls.empty(),
+        with self._lock:
+            self._lock.wait_for(
+                lambda: self._stopping or self._core.has_round_work() or not self._controls.empty(),
                 timeout=self.config.tick_s,
             )
             return not self._stopping
@@ -202,16 +207,16 @@ class Leader:
                 elif time.monotonic() - last_round >= self.config.tick_s:
                     self._round(RoundMessage(RoundKind.TICK))
                     last_round = time.monotonic()
-            with self.lock:
-                if self._stopping and (self.core.waves_in_flight == 0 or self._dead):
+            with self._lock:
+                if self._stopping and (self._core.waves_in_flight == 0 or self._dead):
                     break
                 if not self._stopping:  # the core keeps the ring (policy.ring_size)
-                    header = self.core.next_wave()
+                    header = self._core.next_wave()
                     if header is not None:
                         return header
-                if lockstep and self.core.has_round_work():
+                if lockstep and self._core.has_round_work():
                     continue
-                self.lock.wait(timeout=0.05 if lockstep else self.config.tick_s)
+                self._lock.wait(timeout=0.05 if lockstep else self.config.tick_s)
         if lockstep and not self._dead:
             self._serve_controls()
             self._round(RoundMessage(RoundKind.STOP))
@@ -219,18 +224,18 @@ class Leader:
 
     def mark_dead(self) -> None:
         """The pipeline is broken: stop waiting for in-flight waves."""
-        with self.lock:
+        with self._lock:
             self._dead = True
             self._stopping = True
-            self.lock.notify_all()
+            self._lock.notify_all()
 
     # -- results (collector thread, or stage 0's LOOP when P = 1) ----------------------------
     def handle_result(self, result: WaveResult) -> None:
         if result.stop:
             return
-        with self.lock:
-            self.core.wave_done(result)
-            self.lock.notify_all()
+        with self._lock:
+            self._core.wave_done(result)
+            self._lock.notify_all()
         self._on_result(result)
 
     def _collect(self) -> None:

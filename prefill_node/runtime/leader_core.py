@@ -150,11 +150,15 @@ class LeaderCore:
                 self._destinations.pop(out.request_id, None)
         return None, verdicts
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Stop scheduling the request (stage cleanup waits for its chunks in flight); True
+        when it had been admitted, False when it was still queued (or unknown)."""
         self._dirty = True
+        admitted = request_id in self._scheduler
         if self._scheduler.abort(request_id):
             self._forget(request_id)
             self._coordinator.abort(request_id)
+        return admitted
 
     def _forget(self, request_id: str) -> None:
         self._top_k.pop(request_id, None)

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
@@ -58,10 +60,13 @@ class WaveHeader:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """The last stage's product for one finished request: the last position's top logprobs."""
+    """The last stage's product for one finished request: the last position's top logprobs,
+    and its fp32 logits [vocab] where the stage keeps them (in-process pipelines only: they
+    never cross a process boundary)."""
 
     request_id: str
     top_logprobs: tuple[tuple[int, float], ...]
+    logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class PipelineSpec:
     expire or kill a stage under it deterministically.
     """
 
-    model: ModelSource
+    model: ModelSource | None  # None: the stages' models are built in-process (LocalEngine)
     layer_ranges: tuple[tuple[int, int], ...]
     stage_blocks: tuple[int, ...]
     block_size: int = 16
@@ -142,7 +142,7 @@ class PipelineSpec:
     @classmethod
     def from_json(cls, text: str) -> PipelineSpec:
         d = json.loads(text)
-        d["model"] = ModelSource(**d["model"])
+        d["model"] = ModelSource(**d["model"]) if d["model"] is not None else None
         d["layer_ranges"] = tuple(tuple(r) for r in d["layer_ranges"])
         d["stage_blocks"] = tuple(d["stage_blocks"])
         return cls(**d)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.core.admission_messages import RoundRequest, StageReply
-from prefill_node.core.block_pool import PoolStats
+from prefill_node.core.block_pool import BlockPool, PoolStats
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.types import KVPushDestination, StageKVManifest
+from prefill_node.engine.types import KVPushDestination, StageKVManifest, StageLoad
 from prefill_node.errors import InvariantError
 from prefill_node.kv_shipping.shipper import KVHeld, KVShippingConfig
 from prefill_node.kv_shipping.stage_shipping import (
@@ -84,6 +84,8 @@ def kv_manifest(
 
 def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
     """This stage's slice of the model named by ``spec.model`` (only its own weights)."""
+    if spec.model is None:
+        raise InvariantError("a spec without a model source cannot load a stage")
     a, b = spec.layer_ranges[stage]
     layer_range = LayerRange(a, b)
     dtype = _DTYPES[spec.dtype]
@@ -123,8 +125,12 @@ class PipelineStageCompute:
         stage: int,
         model: StageModel,
         kv_shipping: KVShippingConfig | None = None,
+        *,
+        keep_logits: bool = False,
     ):
+        """``keep_logits``: the last stage's outputs carry the fp32 logits (in-process)."""
         self.stage = stage
+        self.keep_logits = keep_logits
         self.spec = spec
         self.model = model
         self.model_config = model.config
@@ -181,9 +187,11 @@ class PipelineStageCompute:
         return self.shipping.held() if self.shipping is not None else KVHeld()
 
     def close(self) -> None:
-        """Stop shipping (WRITEs aborted, leases revoked, pins dropped); idempotent."""
-        if self.shipping is not None:
-            self.shipping.close()
+        """Stop shipping (WRITEs aborted, leases revoked, pins dropped); idempotent. The
+        stage stays checkable afterwards (``check``)."""
+        shipping, self.shipping = self.shipping, None
+        if shipping is not None:
+            shipping.close()
 
     # -- WAVE thread ---------------------------------------------------------------------------
     def admit(self, message: RoundRequest) -> StageReply:
@@ -205,6 +213,27 @@ class PipelineStageCompute:
     def occupancy(self) -> PoolStats:
         with self._lock:
             return self.admission.load()
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.admission.pool
+
+    def load(self) -> StageLoad:
+        """Block counts, where ``used`` includes the victims escrowed for a running request:
+        they are its capacity from admission on, although it materialises them chunk by
+        chunk. Safe to call from any thread."""
+        with self._lock:
+            stats = self.pool.stats()
+            escrowed = [self.pool.block(i) for i in range(stats.total)]
+            escrowed = [b for b in escrowed if b.claimed_by is not None and b.ref_cnt == 0]
+        cached = sum(b.is_cached for b in escrowed)
+        return StageLoad(
+            self.stage,
+            stats.free - (len(escrowed) - cached),
+            stats.cached - cached,
+            stats.in_use + len(escrowed),
+            stats.total,
+        )
 
     # -- LOOP thread ---------------------------------------------------------------------------
     def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
@@ -306,7 +335,8 @@ class PipelineStageCompute:
             k = min(max(1, chunk.top_logprobs), logprobs.shape[-1])
             values, ids = torch.topk(logprobs[i], k)
             pairs = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-            outputs.append(RequestOutput(chunk.request_id, pairs))
+            kept = logits[i].float() if self.keep_logits else None
+            outputs.append(RequestOutput(chunk.request_id, pairs, kept))
         return tuple(outputs)
 
     def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prefill_node.engine.types import (
+    MAX_TOP_LOGPROBS,
     EngineLoad,
     PipelineLoad,
     PrefillOptions,
@@ -28,7 +29,6 @@ from prefill_node.server.kv_convert import (
 )
 from wavepp_proto.prefill.v1 import prefill_pb2
 
-MAX_TOP_LOGPROBS = 20
 MAX_ID_CHARS = 256
 
 

@@ -1,15 +1,14 @@
 """Builds the Engine a ``wavepp serve`` process fronts: the one switch between engine kinds.
 
 ``engine="pipeline"`` (default, stages > 1) starts the multi-process pipeline of
-prefill_node/runtime/ (this process becomes stage 0, the leader; its submit only enqueues, so
-the server calls it inline). ``engine="local"`` (or one stage) builds the in-process
-``LocalEngine`` (P stages simulated in one process; its submit computes, so the server calls
-it on a worker thread). Both sit behind the same Engine protocol.
+prefill_node/runtime/ (this process becomes stage 0, the leader). ``engine="local"`` (or one
+stage) builds the in-process ``LocalEngine`` (the same leader and stages as threads of this
+process). Both sit behind the same Engine protocol, and both only enqueue in ``submit``, so
+the server calls it inline.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -21,7 +20,6 @@ from prefill_node.runtime.kv_event_feed import KVEventSink
 if TYPE_CHECKING:
     from prefill_node.kv_shipping.shipper import KVShippingConfig
 
-log = logging.getLogger(__name__)
 
 POLICIES = ("wave", "lockstep")
 ENGINES = ("pipeline", "local")
@@ -67,7 +65,7 @@ class ServedEngine(NamedTuple):
     """A started engine and how the server must call it."""
 
     engine: Engine
-    blocking_submit: bool  # True: submit computes inline (LocalEngine); see ServerConfig
+    blocking_submit: bool  # True: submit may compute inline; see ServerConfig
 
 
 def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> ServedEngine:
@@ -95,12 +93,6 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
 
     from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
-    if spec.policy != "wave":
-        log.warning(
-            "policy %r has no effect on the in-process engine (one request at a time); "
-            "it applies to the multi-process pipeline",
-            spec.policy,
-        )
     config = LocalEngineConfig(
         num_stages=spec.stages,
         num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
@@ -109,8 +101,10 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         max_model_len=spec.max_model_len,
         dtype=getattr(torch, spec.dtype),
         device=spec.device,
+        policy=spec.policy,
+        debug_wave_delay_s=spec.debug_wave_delay_s,
     )
     engine = LocalEngine.from_model_dir(
         spec.model_dir, config, spec.kv_shipping, kv_events=kv_events
     )
-    return ServedEngine(engine, blocking_submit=True)
+    return ServedEngine(engine, blocking_submit=False)

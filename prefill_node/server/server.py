@@ -71,8 +71,8 @@ class ServerConfig:
     grace_s: float = 5.0
     tls: TLSConfig | None = None
     model_name: str = ""  # reported by GetServerInfo
-    # True: engine.submit may block (LocalEngine computes inside it), so it runs on a thread
-    # pool; False: submit only enqueues (the multi-process pipeline) and is called inline.
+    # True: engine.submit may block (an engine that computes inside it), so it runs on a
+    # thread pool; False: submit only enqueues (both wavepp engines) and is called inline.
     blocking_submit: bool = True
     # Serve wavepp.prefill.v1.DebugService (CheckIntegrity); the engine must be checkable.
     debug_service: bool = False

@@ -252,8 +252,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self, token_ids: tuple[int, ...], options: PrefillOptions
     ) -> PrefillResult:
         """With ``blocking_submit`` (the default) ``submit`` runs on the submit pool: an engine
-        may compute inside it (LocalEngine does), which must never stall the event loop. An
-        engine whose submit only enqueues (the pipeline) is called inline, saving a thread hop.
+        may compute inside it, which must never stall the event loop. An engine whose submit
+        only enqueues (both wavepp engines) is called inline, saving a thread hop.
         Completions reach the loop through the LoopBridge (one wakeup per burst).
         """
         loop = asyncio.get_running_loop()

@@ -1,12 +1,13 @@
 """The simulator's handle on the real admission core: one coordinator, one StageAdmission per stage.
 
 Nothing here models the core: every call goes to ``AdmissionCoordinator``,
-``StageAdmission`` and ``round_driver.run_round``, the calls the in-process ``LocalEngine``
-makes to admit (the simulator's waves come from the core's ``WaveScheduler``, as the
-runtime leader's do). The port only adds what a simulation needs: seeding prefixes into
-every stage's cache before the measured run, and turning a ``StageStateMismatch`` (which in the
-real runtime fails the request) into an ``InvariantError``, because the simulator never
-sends a chunk the leader did not schedule, so a mismatch here is a bug.
+``StageAdmission`` and ``round_driver.run_round`` (the leader's admission round with direct
+calls instead of a rounds plane; the simulator's waves come from the core's
+``WaveScheduler``, as both engines' leader's do). The port only adds what a simulation
+needs: seeding prefixes into every stage's cache before the measured run, and turning a
+``StageStateMismatch`` (which in the real runtime fails the request) into an
+``InvariantError``, because the simulator never sends a chunk the leader did not schedule,
+so a mismatch here is a bug.
 
 Token scale (see ``workloads.py``): the core sees one id per ``token_scale`` real tokens
 and blocks of ``block_size / token_scale`` ids; the port converts chunk positions and

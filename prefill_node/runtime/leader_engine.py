@@ -1,0 +1,411 @@
+"""LeaderEngine: the Engine protocol on stage 0 of a pipeline, whatever carries its planes.
+
+Both engines are this class plus a transport: ``PipelineEngine`` (one process per stage,
+torch.distributed planes, a launcher and heartbeats) and ``LocalEngine`` (P stages as threads
+of one process, in-process planes). The transport builds stage 0's compute and planes and
+calls ``_start_leader``; everything a request meets after ``submit`` is here and shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from prefill_node.core.hashing import model_cache_id
+from prefill_node.core.kv_event_aggregator import StageEvents
+from prefill_node.engine.types import (
+    CacheIdentity,
+    EngineHealth,
+    EngineLoad,
+    PrefillOptions,
+    PrefillResult,
+    StageKVManifest,
+    StageLoad,
+)
+from prefill_node.errors import (
+    DeadlineExceededError,
+    InvalidKVDestinationError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvariantError,
+    KVHandoffError,
+    RequestAbortedError,
+    StageStateError,
+    UnavailableError,
+    WaveppError,
+)
+from prefill_node.runtime.kv_event_feed import KVEventFeed, KVEventSink
+from prefill_node.runtime.leader import Leader, LeaderConfig
+from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
+from prefill_node.runtime.leader_handoff import LeaderHandoffs
+from prefill_node.runtime.leader_request import LeaderRequest, settle_future
+from prefill_node.runtime.messages import RoundKind, RoundMessage, StageStats, WaveResult
+from prefill_node.runtime.planes import Planes
+from prefill_node.runtime.spec import PipelineSpec
+from prefill_node.runtime.stage_worker import StageCompute, StageWorker
+
+if TYPE_CHECKING:
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
+
+log = logging.getLogger(__name__)
+
+
+class LeaderEngine:
+    """Stage 0 of a P-stage pipeline and the Engine API on top of it. Thread-safe.
+
+    A dead stage (a transport error, or whatever the transport reports through
+    ``_on_dead``) turns the engine not ready and not live and fails every unfinished request
+    with UnavailableError at once; the engine never hangs a caller.
+
+    KV hand-off (``kv_shipping`` given): every stage ships its layers of a request with a
+    ``kv_destination`` as soon as the request's last chunk left it (push streamed chunk by
+    chunk before that when ``KVShippingConfig.stream``, stage_shipping.py); the answer
+    waits for every stage's outcome (leader_handoff.py). KV events (``kv_events`` given):
+    every stage drains its pool once per wave, the batches ride the wave to the leader and a
+    ``KVEventFeed`` publishes the pipeline-level events to the sink (collector thread).
+    Deadlines (``PrefillOptions.deadline_s``): a request still unanswered then is aborted on
+    every stage and fails with DeadlineExceededError.
+    """
+
+    # the most alternatives a request may ask for; None: the whole vocabulary (the reference
+    # tests compare full distributions); the gRPC API caps requests at MAX_TOP_LOGPROBS
+    max_top_logprobs: int | None = None
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        kv_shipping: KVShippingConfig | None = None,
+        kv_events: KVEventSink | None = None,
+    ):
+        self.spec = spec
+        self._kv_shipping = kv_shipping
+        self._feed = KVEventFeed(spec.num_stages, kv_events) if kv_events is not None else None
+        self._handoffs: LeaderHandoffs | None = None
+        self._lock = threading.Lock()
+        self._requests: dict[str, LeaderRequest] = {}
+        self._dead: str | None = None
+        self._closed = False
+        self._leader: Leader | None = None
+        self._worker: StageWorker | None = None
+        self._last_stats: list[StageStats] = []
+        self.model_config: Any = None
+
+    def _start_leader(self, planes: Planes, compute: StageCompute, world_size: int) -> None:
+        """Build and start the leader's threads over stage 0's ``planes`` and ``compute``
+        (``self.model_config`` must be set): the rounds, stage 0's loop, the
+        result collector and the KV hand-off / deadline thread."""
+        core = LeaderCore(self.spec, self.model_config)
+        self._leader = Leader(
+            LeaderConfig(self.spec.scheduling_policy.kind, world_size, self.spec.tick_s),
+            planes,
+            core,
+            answer_local=lambda m: self._worker.answer(m),  # type: ignore[union-attr]
+            on_result=self._on_result,
+            on_verdicts=self._on_verdicts,
+            on_dead=self._on_dead,
+        )
+        self._worker = StageWorker(
+            0,
+            world_size,
+            planes,
+            compute,
+            lockstep=self.spec.policy == "lockstep",
+            wave_source=self._leader.next_wave,
+            result_sink=self._leader.handle_result,
+            on_error=self._on_dead,
+        )
+        wait_limit = self._kv_shipping.wait_limit_s + 2.0 if self._kv_shipping else 60.0
+        self._handoffs = LeaderHandoffs(
+            world_size,
+            wait_limit,
+            collect=lambda: self._control(RoundKind.KV_COLLECT, timeout_s=10.0),
+            cancel=self._cancel_shipping,
+            settle=self._settle_handoff,
+            on_deadline=self._expire,
+        )
+        self._leader.start()
+        self._worker.start()
+        self._handoffs.start()
+
+    def _stop_leader(self, graceful: bool) -> None:
+        """Stop the hand-off thread, then drain the ring: a STOP wave and a STOP round go
+        out once the waves in flight are back (``graceful``: wait for them)."""
+        if self._handoffs is not None:
+            self._handoffs.stop()
+        if self._leader is not None:
+            self._leader.stop()
+        if graceful and self._worker is not None and self._leader is not None:
+            self._worker.join(timeout=10.0)
+            self._leader.join(timeout=10.0)
+
+    # -- failure -------------------------------------------------------------------------------
+    def _dead_reason(self, reason: str) -> str:
+        """The transport's fuller account of a failure (e.g. which process exited)."""
+        return reason
+
+    def _on_dead(self, reason: str) -> None:
+        if not (self._dead or self._closed):
+            reason = self._dead_reason(reason)
+        with self._lock:
+            if self._dead is not None or self._closed:
+                return
+            self._dead = reason
+        log.error("pipeline unavailable: %s", reason)
+        if self._leader is not None:
+            self._leader.mark_dead()
+        self._fail_all(UnavailableError(f"pipeline unavailable: {reason}"))
+
+    def _fail_all(self, error: WaveppError) -> None:
+        with self._lock:
+            pending = list(self._requests.values())
+            self._requests.clear()
+        if self._handoffs is not None:
+            self._handoffs.clear()
+        for req in pending:
+            settle_future(req.future, error=error)
+
+    # -- Engine API ----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        limit = int(self.model_config.max_position_embeddings)
+        return limit if self.spec.max_model_len is None else min(limit, self.spec.max_model_len)
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity(
+            model_cache_id(self.model_config.name, self.spec.dtype),
+            self.spec.block_size,
+            self.model_config.snapshot_interval_blocks,
+        )
+
+    def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
+        """Validate (raising InvalidRequestError / NeverFitsError) and queue the request; the
+        future settles with its result or its typed error."""
+        tokens = self.validate(token_ids, options)
+        rid = options.request_id or uuid.uuid4().hex
+        fut: Future[PrefillResult] = Future()
+        fut.set_running_or_notify_cancel()
+        if options.deadline_s is not None and time.monotonic() >= options.deadline_s:
+            settle_future(
+                fut, error=DeadlineExceededError(f"request {rid!r}: deadline already passed")
+            )
+            return fut
+        with self._lock:
+            if self._dead is not None or self._closed:
+                reason = self._dead or "the pipeline is shut down"
+                settle_future(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
+                return fut
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight; use a new id")
+            self._requests[rid] = LeaderRequest(rid, tokens, options, fut, time.monotonic())
+        handoffs = self._handoffs
+        if handoffs is not None:
+            if options.kv_destination is not None:
+                handoffs.expect(rid)
+            if options.deadline_s is not None:
+                handoffs.watch(rid, options.deadline_s)
+        top_k = max(1, options.top_logprobs)
+        self._running_leader().submit(
+            rid, tokens, options.cache_salt, top_k, options.kv_destination
+        )
+        return fut
+
+    def validate(self, token_ids: Sequence[int], options: PrefillOptions) -> tuple[int, ...]:
+        """The prompt as a tuple of ints; InvalidRequestError / NeverFitsError saying why not."""
+        try:
+            ids = tuple(operator.index(t) for t in token_ids)
+        except TypeError as exc:
+            raise InvalidPromptError(f"token ids must be integers: {exc}") from None
+        if not ids:
+            raise InvalidPromptError("the prompt is empty; send at least one token")
+        for pos, tok in enumerate(ids):
+            if not 0 <= tok < self.vocab_size:
+                raise InvalidPromptError(
+                    f"token id {tok} at position {pos} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        if len(ids) > self.max_model_len:
+            raise InvalidPromptError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
+            )
+        limit = self.max_top_logprobs or self.vocab_size
+        if not 0 <= options.top_logprobs <= limit:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {limit}], got {options.top_logprobs}"
+            )
+        if options.kv_destination is not None and self._kv_shipping is None:
+            raise InvalidKVDestinationError(
+                "this engine has no KV shipping configured; omit kv_destination or start it "
+                "with a KVShippingConfig"
+            )
+        self._check_fits(len(ids))
+        return ids
+
+    def _check_fits(self, num_tokens: int) -> None:
+        """NeverFitsError if a prompt of ``num_tokens`` exceeds some stage's whole cache."""
+        self._running_leader().check_fits(num_tokens)
+
+    def _running_leader(self) -> Leader:
+        if self._leader is None:
+            raise UnavailableError("the pipeline has not started")
+        return self._leader
+
+    def abort(self, request_id: str) -> bool:
+        """Stop ``request_id``: its future fails with RequestAbortedError at once and every
+        stage drops it once none of its chunks is in flight. False: no such request."""
+        return self._abort(request_id, None)
+
+    def _expire(self, request_id: str) -> None:
+        error = DeadlineExceededError(
+            f"request {request_id!r} missed its deadline and was aborted; raise the deadline "
+            "or send a shorter prompt"
+        )
+        self._abort(request_id, error)
+
+    def _abort(self, request_id: str, error: WaveppError | None) -> bool:
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        admitted = self._running_leader().abort(request_id)
+        if error is None:
+            where = "after admission" if admitted else "before it started"
+            error = RequestAbortedError(f"request {request_id!r} was aborted {where}")
+        settle_future(req.future, error=error)
+        if self._handoffs is not None:
+            self._handoffs.forget(request_id)
+        return True
+
+    def health(self) -> EngineHealth:
+        if self._closed:
+            return EngineHealth(live=False, ready=False, detail="engine shut down")
+        if self._dead is not None:  # no way back (its planes are broken): not live,
+            # so a supervisor (kubelet's liveness probe) restarts the pipeline
+            return EngineHealth(live=False, ready=False, detail=self._dead)
+        return EngineHealth(live=True, ready=True)
+
+    def load(self) -> EngineLoad:
+        c = self._running_leader().counts()
+        stages = self._stage_loads()
+        return EngineLoad(c.queue_depth, c.inflight_requests, c.inflight_tokens, stages)
+
+    def _stage_loads(self) -> tuple[StageLoad, ...]:
+        """Every stage's block counts, from a STATS round (stale figures if it times out)."""
+        with contextlib.suppress(WaveppError, TimeoutError):
+            self._last_stats = self.stage_stats(timeout_s=2.0)
+        return tuple(
+            StageLoad(s.stage, s.pool.free, s.pool.cached, s.pool.in_use, s.pool.total,
+                      busy_fraction=s.busy_s / s.uptime_s if s.uptime_s > 0 else 0.0)
+            for s in self._last_stats
+        )  # fmt: skip
+
+    # -- debug / stats rounds --------------------------------------------------------------
+    def _control(self, kind: RoundKind, payload: Any = None, timeout_s: float = 30.0) -> list[Any]:
+        if self._dead is not None or self._closed or self._leader is None:
+            raise UnavailableError(f"pipeline unavailable: {self._dead or 'shut down'}")
+        return self._leader.control(RoundMessage(kind, payload)).result(timeout=timeout_s)
+
+    def stage_stats(self, timeout_s: float = 30.0) -> list[StageStats]:
+        """Busy time, wave count and cache occupancy of every stage."""
+        return list(self._control(RoundKind.STATS, timeout_s=timeout_s))
+
+    def debug_check_integrity(self) -> None:
+        """Run check_integrity() on every stage; InvariantError names each failing stage."""
+        errors = [e for e in self._control(RoundKind.CHECK) if e is not None]
+        if errors:
+            raise InvariantError("; ".join(errors))
+
+    def debug_dump_kv(self, request_id: str) -> list[Any]:
+        """Per stage, the KV captured when ``request_id`` completed (spec.capture_kv only)."""
+        return self._control(RoundKind.DUMP_KV, request_id)
+
+    # -- callbacks from the leader threads -----------------------------------------------------
+    def _on_verdicts(self, verdicts: list[AdmissionVerdict], round_s: float) -> None:
+        """Admission results: refusals fail at once; admitted requests record their round."""
+        now = time.monotonic()
+        for out in verdicts:
+            with self._lock:
+                req = self._requests.get(out.request_id)
+                if req is not None and out.error is not None:
+                    del self._requests[out.request_id]
+            if req is None:
+                continue
+            if out.error is not None:
+                settle_future(req.future, error=out.error)
+            else:
+                req.t_admitted = now
+                req.admission_s = round_s
+                req.cached_tokens = out.cached_tokens
+
+    def _on_result(self, result: WaveResult) -> None:
+        now = time.monotonic()
+        if self._feed is not None and result.kv_events:
+            self._feed.publish(StageEvents(s, ev) for s, ev in result.kv_events)
+        shipping: list[str] = []
+        with self._lock:
+            for rid, manifest in result.manifests:
+                req = self._requests.get(rid)
+                if req is not None:
+                    req.manifests[manifest.stage] = manifest
+            finished = []
+            for o in result.outputs:
+                req = self._requests.get(o.request_id)
+                if req is not None and req.options.kv_destination is not None:
+                    req.output = o  # answered once every stage shipped
+                    req.t_logits = now
+                    shipping.append(o.request_id)
+                else:
+                    finished.append((o, self._requests.pop(o.request_id, None)))
+            failed = [(m, self._requests.pop(rid, None)) for rid, m in result.failed]
+        for rid in shipping:
+            if self._handoffs is not None:
+                self._handoffs.logits_ready(rid)
+        for msg, req in failed:
+            if req is not None:
+                if self._handoffs is not None:
+                    self._handoffs.forget(req.request_id)
+                settle_future(req.future, error=StageStateError(msg))
+        for out, req in finished:
+            if req is None and self._handoffs is not None:  # aborted or failed meanwhile
+                self._handoffs.late_output(out.request_id)
+            if req is not None:
+                manifests = tuple(req.manifests[s] for s in sorted(req.manifests))
+                settle_future(req.future, result=req.result(out, now, manifests))
+
+    # -- KV hand-off callbacks (LeaderHandoffs' thread) ----------------------------------------
+    def _settle_handoff(
+        self,
+        request_id: str,
+        manifests: tuple[StageKVManifest, ...] | None,
+        error: WaveppError | None,
+    ) -> None:
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is None:
+            return  # aborted or failed meanwhile
+        if error is not None or manifests is None or req.output is None:
+            settle_future(
+                req.future, error=error or KVHandoffError(f"{request_id}: no KV hand-off")
+            )
+            leader = self._leader
+            if leader is not None:  # stop scheduling its remaining chunks
+                leader.abort(request_id)
+            return
+        settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
+
+    def _cancel_shipping(self, request_ids: tuple[str, ...]) -> None:
+        """Every stage gives these requests' hand-offs up (fire and forget)."""
+        leader = self._leader
+        if leader is not None and self._dead is None and not self._closed:
+            leader.control(RoundMessage(RoundKind.KV_CANCEL, request_ids))
