@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from prefill_node.model.attention import AttentionPath
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig
 from prefill_node.model.latent_cache import stage_cache
@@ -218,6 +219,11 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--family", choices=["llama", *SMALL_FAMILIES], default="llama")
     ap.add_argument("--random-weights", action="store_true", help="skip the real default model")
+    ap.add_argument(
+        "--attention",
+        choices=[p.value for p in AttentionPath],
+        help="our GQA attention path (default: the device's, see model/attention.py)",
+    )
     args = ap.parse_args()
     if args.runs < 3:
         ap.error("--runs must be >= 3 (the result is a median)")
@@ -226,9 +232,14 @@ def main() -> None:
     config, weights, source = load_model(args.family, args.random_weights)
     ours = StageModel(config, LayerRange(0, config.num_layers), dtype)
     ours.load_weights(weights)
+    if args.attention is not None:
+        ours.attention_path = AttentionPath(args.attention)
     hf = build_hf(config, weights, dtype)
     del weights
-    print(f"model: {config.name} ({source}), {args.dtype}, {args.threads} thread(s)")
+    print(
+        f"model: {config.name} ({source}), {args.dtype}, {args.threads} thread(s), "
+        f"attention {ours.attention_path.value}"
+    )
 
     rows = []
     cells = [(c, x) for x in args.contexts for c in args.chunks]
@@ -256,6 +267,7 @@ def main() -> None:
                 "weights": "random" if "random" in source else "real",
                 "dtype": args.dtype,
                 "threads": args.threads,
+                "attention": ours.attention_path.value,
                 **cell_row(chunk, context, ours_t, hf_t),
                 "max_abs_logit_diff": max_diff,
             }
