@@ -17,8 +17,9 @@ two chunks of one sequence share a batch. Two paths compute the same thing
 - MASKED (the reference, and every other device): one SDPA over [0, e) gathered from the
   cache with a bottom-right-aligned additive mask (query row i sits at position s + i and
   sees keys 0..s + i); a chunk starting at 0 uses the fresh K/V with ``is_causal``. GQA goes
-  through SDPA's ``enable_gqa``. Its mask makes the kernel score every (row, key) pair of
-  the chunk, including the masked upper triangle, and add the mask to each.
+  through SDPA's ``enable_gqa``. Torch 2.13 runs this through the same fused kernel on
+  CPU; what SPLIT saves is the per-forward masks, adding a mask to every score, and
+  re-reading the chunk's own K/V from the cache (docs/models.md has the measurements).
 """
 
 from __future__ import annotations
