@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefill_node.errors import InvariantError
 from prefill_node.model.attention import AttentionPath, AttentionPlan, paged_attention
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.paged_kv import PagedKVCache
@@ -143,3 +144,11 @@ def test_split_is_the_cpu_default_and_builds_no_masks():
     assert all(cp.mask is None for cp in plan.chunks)
     masked = AttentionPlan.build(case.batch, kv, torch.float32, AttentionPath.MASKED)
     assert [cp.mask is not None for cp in masked.chunks] == [c.start > 0 for c in case.batch.chunks]
+
+
+def test_split_off_the_cpu_is_refused():
+    kv = PagedKVCache(LayerRange(0, 1), 4, 4, 2, 8, torch.float32, device="meta")
+    batch = ChunkBatch((ChunkSpec(0, 3, (0,)),))
+    assert AttentionPath.default_for(kv.device) is AttentionPath.MASKED
+    with pytest.raises(InvariantError, match="CPU only"):
+        AttentionPlan.build(batch, kv, torch.float32, AttentionPath.SPLIT)

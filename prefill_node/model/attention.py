@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch
 from prefill_node.model.paged_kv import PagedKVCache
 
@@ -80,9 +81,11 @@ class AttentionPlan:
     ) -> AttentionPlan:
         """``path`` None: ``AttentionPath.default_for(kv.device)``. Masks (MASKED path only)
         are additive in ``dtype`` (the activations'), so SDPA need not convert a boolean mask
-        in every layer. InvariantError (from ``check_block_tables``) if a table does not
-        cover its chunk."""
+        in every layer. InvariantError if a table does not cover its chunk
+        (``check_block_tables``) or SPLIT is asked for off the CPU."""
         path = AttentionPath.default_for(kv.device) if path is None else path
+        if path is AttentionPath.SPLIT and kv.device.type != "cpu":
+            raise InvariantError(f"the SPLIT attention path runs on CPU only, not {kv.device}")
         batch.check_block_tables(kv.block_size, kv.num_blocks)
         device = kv.device
         slots = []
