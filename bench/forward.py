@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from prefill_node.model.attention import AttentionPath
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig
 from prefill_node.model.latent_cache import stage_cache
@@ -260,6 +261,11 @@ def main() -> None:
         default="onednn",
         help="our fp32 matmul: oneDNN on prepacked weights (default) or F.linear",
     )
+    ap.add_argument(
+        "--attention",
+        choices=[p.value for p in AttentionPath],
+        help="our GQA attention path (default: the device's, see model/attention.py)",
+    )
     args = ap.parse_args()
     set_onednn_matmul(args.matmul == "onednn")
     if args.runs < 3:
@@ -269,9 +275,14 @@ def main() -> None:
     config, weights, source = load_model(args.family, args.random_weights)
     ours = StageModel(config, LayerRange(0, config.num_layers), dtype)
     ours.load_weights(weights)
+    if args.attention is not None:
+        ours.attention_path = AttentionPath(args.attention)
     hf = build_hf(config, weights, dtype)
     del weights
-    print(f"model: {config.name} ({source}), {args.dtype}, {args.threads} thread(s)")
+    print(
+        f"model: {config.name} ({source}), {args.dtype}, {args.threads} thread(s), "
+        f"attention {ours.attention_path.value}"
+    )
 
     rows = []
     cells = [(c, x) for x in args.contexts for c in args.chunks]
@@ -300,6 +311,7 @@ def main() -> None:
                 "dtype": args.dtype,
                 "threads": args.threads,
                 "matmul": args.matmul,
+                "attention": ours.attention_path.value,
                 **cell_row(chunk, context, ours_t, hf_t),
                 "max_abs_logit_diff": max_diff,
             }

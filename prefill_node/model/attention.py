@@ -1,28 +1,54 @@
 """Causal attention of a chunk batch over the paged KV cache (chunked prefill at any offset).
 
 ``AttentionPlan.build`` turns a ChunkBatch into device tensors once per forward (write slots,
-block tables, offset-causal masks); every layer of the stage reuses it. Per layer,
-``paged_attention`` first writes the batch's new K/V into the cache, then each chunk
-[s, e) attends to its sequence's positions [0, e): a chunk starting at 0 uses the fresh
-K/V directly with ``is_causal`` (no cache read); a chunk with a cached prefix gathers
-[0, e) from its blocks and uses a bottom-right-aligned causal mask (query row i sits at
-position s + i and sees keys 0..s + i). Writing before reading is what lets two chunks of
-one sequence share a batch. GQA goes through SDPA's ``enable_gqa`` (no repeated K/V).
+block tables, and for the masked path offset-causal masks); every layer of the stage reuses
+it. Per layer, ``paged_attention`` first writes the batch's new K/V into the cache, then each
+chunk [s, e) attends to its sequence's positions [0, e). Writing before reading is what lets
+two chunks of one sequence share a batch. Two paths compute the same thing
+(``AttentionPath``):
+
+- SPLIT (the default on CPU): the chunk's queries attend (a) to the cached context [0, s),
+  read from its blocks, with no mask, and (b) to the chunk's own fresh K/V with
+  ``is_causal`` (square, so top-left and bottom-right alignment agree). Each part is one call
+  of torch's fused CPU flash kernel, which also returns every row's log-sum-exp; the two
+  partial outputs are merged exactly: ``o = o_b + sigmoid(lse_a - lse_b) * (o_a - o_b)``.
+  GQA shares a K/V head among a group of query heads without copying it: queries are viewed
+  as ``[kv_heads, group, L, head_dim]`` and K/V expanded over the group with stride 0.
+- MASKED (the reference, and every other device): one SDPA over [0, e) gathered from the
+  cache with a bottom-right-aligned additive mask (query row i sits at position s + i and
+  sees keys 0..s + i); a chunk starting at 0 uses the fresh K/V with ``is_causal``. GQA goes
+  through SDPA's ``enable_gqa``. Torch 2.13 runs this through the same fused kernel on
+  CPU; what SPLIT saves is the per-forward masks, adding a mask to every score, and
+  re-reading the chunk's own K/V from the cache (docs/models.md has the measurements).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from prefill_node.errors import InvariantError
 from prefill_node.model.batch import ChunkBatch
 from prefill_node.model.paged_kv import PagedKVCache
 
 if TYPE_CHECKING:
     from prefill_node.model.latent_cache import StageCache
+
+
+class AttentionPath(enum.Enum):
+    """How ``paged_attention`` computes a chunk (see the module docstring)."""
+
+    SPLIT = "split"
+    MASKED = "masked"
+
+    @classmethod
+    def default_for(cls, device: torch.device) -> AttentionPath:
+        """SPLIT where torch's fused flash kernel with log-sum-exp exists (CPU), else MASKED."""
+        return cls.SPLIT if device.type == "cpu" else cls.MASKED
 
 
 @dataclass(frozen=True)
@@ -34,7 +60,7 @@ class ChunkPlan:
     start: int
     end: int
     table: torch.Tensor | None  # LongTensor of the blocks covering [0, end); None if start == 0
-    mask: torch.Tensor | None  # additive [end - start, end]: 0 = may attend, -inf = masked
+    mask: torch.Tensor | None  # MASKED path only: additive [end - start, end], 0 or -inf
 
 
 @dataclass(frozen=True)
@@ -44,12 +70,23 @@ class AttentionPlan:
     k_slots: torch.Tensor  # LongTensor [T]: flat K slot of every row (see PagedKVCache)
     chunks: tuple[ChunkPlan, ...]
     batch: ChunkBatch  # what the plan was built from (recurrent layers read its block tables)
+    path: AttentionPath = AttentionPath.MASKED
 
     @classmethod
-    def build(cls, batch: ChunkBatch, kv: StageCache, dtype: torch.dtype) -> AttentionPlan:
-        """Masks are additive in ``dtype`` (the activations'), so SDPA need not convert a
-        boolean mask in every layer. InvariantError (from ``check_block_tables``) if a table
-        does not cover its chunk."""
+    def build(
+        cls,
+        batch: ChunkBatch,
+        kv: StageCache,
+        dtype: torch.dtype,
+        path: AttentionPath | None = None,
+    ) -> AttentionPlan:
+        """``path`` None: ``AttentionPath.default_for(kv.device)``. Masks (MASKED path only)
+        are additive in ``dtype`` (the activations'), so SDPA need not convert a boolean mask
+        in every layer. InvariantError if a table does not cover its chunk
+        (``check_block_tables``) or SPLIT is asked for off the CPU."""
+        path = AttentionPath.default_for(kv.device) if path is None else path
+        if path is AttentionPath.SPLIT and kv.device.type != "cpu":
+            raise InvariantError(f"the SPLIT attention path runs on CPU only, not {kv.device}")
         batch.check_block_tables(kv.block_size, kv.num_blocks)
         device = kv.device
         slots = []
@@ -62,13 +99,15 @@ class AttentionPlan:
             slots.append(kv.slot_index(table, pos))
             if c.start == 0:
                 plans.append(ChunkPlan(offsets[i], offsets[i + 1], 0, c.end, None, None))
-            else:
+                continue
+            mask = None
+            if path is AttentionPath.MASKED:
                 keys = torch.arange(c.end, device=device)
                 mask = torch.zeros(c.length, c.end, dtype=dtype, device=device)
                 mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
-                plans.append(ChunkPlan(offsets[i], offsets[i + 1], c.start, c.end, table, mask))
+            plans.append(ChunkPlan(offsets[i], offsets[i + 1], c.start, c.end, table, mask))
         k_slots = slots[0] if len(slots) == 1 else torch.cat(slots)
-        return cls(k_slots=k_slots, chunks=tuple(plans), batch=batch)
+        return cls(k_slots=k_slots, chunks=tuple(plans), batch=batch, path=path)
 
 
 def paged_attention(
@@ -84,19 +123,20 @@ def paged_attention(
     Side effect: the rows' K/V are stored in ``kv`` for ``global_layer`` at the plan's slots.
     """
     kv.write_slots(global_layer, plan.k_slots, k, v)
+    chunk_attention = _split_attention if plan.path is AttentionPath.SPLIT else _masked_attention
     num_rows, num_heads, head_dim = q.shape
     if len(plan.chunks) == 1:
-        return _chunk_attention(q, k, v, plan.chunks[0], kv, global_layer).reshape(
+        return chunk_attention(q, k, v, plan.chunks[0], kv, global_layer).reshape(
             num_rows, num_heads * head_dim
         )
     out = torch.empty(num_rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for cp in plan.chunks:
         rows = slice(cp.row_start, cp.row_end)
-        out[rows] = _chunk_attention(q[rows], k[rows], v[rows], cp, kv, global_layer)
+        out[rows] = chunk_attention(q[rows], k[rows], v[rows], cp, kv, global_layer)
     return out.view(num_rows, num_heads * head_dim)
 
 
-def _chunk_attention(
+def _masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -104,7 +144,7 @@ def _chunk_attention(
     kv: PagedKVCache,
     global_layer: int,
 ) -> torch.Tensor:
-    """One chunk's attention output [L, heads, head_dim]."""
+    """One chunk's attention output [L, heads, head_dim], MASKED path."""
     if cp.table is None:
         keys, values, mask = k, v, None
     else:
@@ -120,3 +160,44 @@ def _chunk_attention(
         enable_gqa=q.shape[1] != keys.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _split_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ChunkPlan,
+    kv: PagedKVCache,
+    global_layer: int,
+) -> torch.Tensor:
+    """One chunk's attention output [L, heads, head_dim], SPLIT path (CPU)."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    grouped_q = q.transpose(0, 1).unflatten(0, (kv_heads, group))  # [kv_heads, group, L, d]
+    out, lse = _flash(grouped_q, k, v, group, causal=True)
+    if cp.table is not None:
+        keys, values = kv.gather(global_layer, cp.table, cp.start)
+        out_ctx, lse_ctx = _flash(
+            grouped_q, keys.to(q.dtype), values.to(q.dtype), group, causal=False
+        )
+        weight = torch.sigmoid(lse_ctx - lse).unsqueeze(-1)  # share of the context part
+        out = torch.lerp(out.float(), out_ctx.float(), weight).to(q.dtype)
+    # [kv_heads, group, L, d] -> [L, heads, d]
+    return out.permute(2, 0, 1, 3).reshape(rows, heads, head_dim)
+
+
+def _flash(
+    grouped_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention of queries [kv_heads, group, L, d] over k/v [S, kv_heads, d] -> output
+    [kv_heads, group, L, d] and fp32 log-sum-exp [kv_heads, group, L]. ``causal`` needs
+    S == L. The kernel reads K/V through strides, so the group expansion copies nothing."""
+
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
+
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        grouped_q, expand(k), expand(v), 0.0, causal
+    )
+    return out, lse

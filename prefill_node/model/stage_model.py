@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.errors import InvariantError, MissingTensorError
-from prefill_node.model.attention import AttentionPlan
+from prefill_node.model.attention import AttentionPath, AttentionPlan
 from prefill_node.model.batch import ChunkBatch
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import StageCache
@@ -63,6 +63,9 @@ class StageModel(nn.Module):
             tied_here = config.tie_word_embeddings and self.embed is not None
             self.lm_head = self.embed if tied_here else param(vocab_shape)
         self.rotary = RotaryEmbedding(config, self.device)
+        # which computation GQA attention uses; both are exact (attention.py), MASKED is the
+        # reference a benchmark or test may select
+        self.attention_path = AttentionPath.default_for(self.device)
         self._loaded = False
 
     @property
@@ -118,7 +121,7 @@ class StageModel(nn.Module):
         the previous stage. Returns the residual stream [T, hidden] in this stage's dtype."""
         self._check_call(inputs, batch, kv)
         x = F.embedding(inputs, self.embed) if self.embed is not None else inputs.to(self.dtype)
-        plan = AttentionPlan.build(batch, kv, self.dtype)
+        plan = AttentionPlan.build(batch, kv, self.dtype, self.attention_path)
         cos, sin = self.rotary.cos_sin(batch.positions(self.device), self.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, plan, kv)

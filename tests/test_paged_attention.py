@@ -1,0 +1,154 @@
+"""Paged attention over chunk batches: the SPLIT path (context part + causal chunk part,
+merged by log-sum-exp) and the MASKED reference path both equal attention computed
+directly in float64 from the whole sequences, in fp32 and in bf16, for GQA / MQA / MHA, odd
+lengths and block sizes, and batches mixing chunks with and without cached context
+(including two chunks of one sequence in one batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefill_node.errors import InvariantError
+from prefill_node.model.attention import AttentionPath, AttentionPlan, paged_attention
+from prefill_node.model.batch import ChunkBatch, ChunkSpec
+from prefill_node.model.paged_kv import PagedKVCache
+from prefill_node.model.partition import LayerRange
+
+LAYER = 2
+
+# (sequence length, chunks as (start, length) in batch order): sequence 0 has 13 cached
+# positions; sequence 1 none; sequence 2 two chunks in the same batch; sequence 3 one query
+# after 37 cached positions.
+SEQUENCES = (
+    (30, ((13, 17),)),
+    (9, ((0, 9),)),
+    (20, ((0, 11), (11, 9))),
+    (38, ((37, 1),)),
+)
+
+
+class Case:
+    """Random whole-sequence q/k/v, the cached context written into a paged cache, and the
+    batch's rows; ``expected`` is float64 causal attention over each whole sequence."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, block: int, dtype, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.heads, self.kv_heads, self.dtype = heads, kv_heads, dtype
+        self.seqs = [
+            tuple(torch.randn(n, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+            for n, _ in SEQUENCES
+        ]
+        blocks_per_seq = [-(-n // block) for n, _ in SEQUENCES]
+        ids = torch.randperm(sum(blocks_per_seq) + 3, generator=g).tolist()
+        self.tables = []
+        for n in blocks_per_seq:
+            self.tables.append(tuple(ids[:n]))
+            ids = ids[n:]
+        num_blocks = sum(blocks_per_seq) + 3
+        self.kv_args = (LayerRange(0, LAYER + 1), num_blocks, block, kv_heads, head_dim, dtype)
+        specs, rows = [], []
+        self.reads_cached_context = []  # per chunk: attends to positions cached before the call
+        for qkv, table, (_, chunks) in zip(self.seqs, self.tables, SEQUENCES, strict=True):
+            for start, length in chunks:
+                specs.append(ChunkSpec(start, length, table))
+                rows.append([t[start : start + length] for t in qkv])
+                self.reads_cached_context.append(start > 0 and start == chunks[0][0])
+        self.batch = ChunkBatch(tuple(specs))
+        self.q, self.k, self.v = (torch.cat([r[i] for r in rows]).to(dtype) for i in range(3))
+
+    def cache(self) -> PagedKVCache:
+        """A cache holding each sequence's positions before its first chunk of the batch."""
+        kv = PagedKVCache(*self.kv_args)
+        for (_, k, v), table, (_, chunks) in zip(self.seqs, self.tables, SEQUENCES, strict=True):
+            if chunks[0][0]:
+                kv.write(LAYER, table, 0, k[: chunks[0][0]], v[: chunks[0][0]])
+        return kv
+
+    def run(self, path: AttentionPath) -> torch.Tensor:
+        kv = self.cache()
+        plan = AttentionPlan.build(self.batch, kv, self.dtype, path)
+        out = paged_attention(self.q, self.k, self.v, plan, kv, LAYER)
+        assert out.dtype == self.dtype
+        return out.view(-1, self.heads, self.q.shape[-1]).double()
+
+    def expected(self) -> torch.Tensor:
+        """Float64 attention of every batch row over its sequence's positions [0, pos], from
+        the inputs as rounded to ``dtype`` (what both paths see)."""
+        outs = []
+        for (q, k, v), (_, chunks) in zip(self.seqs, SEQUENCES, strict=True):
+            q, k, v = (t.to(self.dtype).double() for t in (q, k, v))
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+            n = q.shape[0]
+            scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+            full = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+            outs += [full[start : start + length] for start, length in chunks]
+        return torch.cat(outs)
+
+
+SHAPES = [(6, 2, 16, 4), (8, 1, 32, 7), (4, 4, 8, 5), (9, 3, 64, 16)]
+
+
+@pytest.mark.parametrize("path", list(AttentionPath))
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", SHAPES)
+def test_fp32_paths_equal_direct_attention(path, heads, kv_heads, head_dim, block):
+    case = Case(heads, kv_heads, head_dim, block, torch.float32, seed=heads * 100 + head_dim)
+    torch.testing.assert_close(case.run(path), case.expected(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", SHAPES)
+def test_fp32_split_equals_masked(heads, kv_heads, head_dim, block):
+    case = Case(heads, kv_heads, head_dim, block, torch.float32, seed=7)
+    split, masked = case.run(AttentionPath.SPLIT), case.run(AttentionPath.MASKED)
+    torch.testing.assert_close(split, masked, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", SHAPES)
+def test_bf16_split_within_bf16_of_fp64_and_no_worse_than_masked(heads, kv_heads, head_dim, block):
+    case = Case(heads, kv_heads, head_dim, block, torch.bfloat16, seed=heads + head_dim)
+    expected = case.expected()
+    split, masked = case.run(AttentionPath.SPLIT), case.run(AttentionPath.MASKED)
+    torch.testing.assert_close(split, expected, atol=2e-2, rtol=1.6e-2)
+    # the merge rounds two partial outputs to bf16 before combining them: its error stays
+    # of the order of the single-pass kernel's (a few bf16 ulps of values of size ~1)
+    split_err = (split - expected).abs().max().item()
+    masked_err = (masked - expected).abs().max().item()
+    assert split_err <= 2 * masked_err + 8e-3, (split_err, masked_err)
+
+
+def test_context_changes_the_output():
+    """Guard against a merge that ignores a part: dropping the cached context (a cache
+    without it) changes the rows of chunks that have context, and only those."""
+    case = Case(6, 2, 16, 4, torch.float32, seed=3)
+    with_ctx = case.run(AttentionPath.SPLIT)
+    kv = PagedKVCache(*case.kv_args)  # context never written: zeros
+    plan = AttentionPlan.build(case.batch, kv, torch.float32, AttentionPath.SPLIT)
+    without = paged_attention(case.q, case.k, case.v, plan, kv, LAYER).view_as(with_ctx)
+    diff = (with_ctx - without.double()).abs().amax(dim=(1, 2))
+    offsets = case.batch.row_offsets
+    # sequence 2's second chunk reads its first chunk's K/V, written by this same call
+    assert case.reads_cached_context == [True, False, False, False, True]
+    for i, reads in enumerate(case.reads_cached_context):
+        rows = diff[offsets[i] : offsets[i + 1]]
+        assert (rows > 1e-3).all() if reads else (rows < 1e-6).all(), (i, rows)
+
+
+def test_split_is_the_cpu_default_and_builds_no_masks():
+    case = Case(6, 2, 16, 4, torch.float32, seed=5)
+    kv = case.cache()
+    assert AttentionPath.default_for(kv.device) is AttentionPath.SPLIT
+    plan = AttentionPlan.build(case.batch, kv, torch.float32)
+    assert plan.path is AttentionPath.SPLIT
+    assert all(cp.mask is None for cp in plan.chunks)
+    masked = AttentionPlan.build(case.batch, kv, torch.float32, AttentionPath.MASKED)
+    assert [cp.mask is not None for cp in masked.chunks] == [c.start > 0 for c in case.batch.chunks]
+
+
+def test_split_off_the_cpu_is_refused():
+    kv = PagedKVCache(LayerRange(0, 1), 4, 4, 2, 8, torch.float32, device="meta")
+    batch = ChunkBatch((ChunkSpec(0, 3, (0,)),))
+    assert AttentionPath.default_for(kv.device) is AttentionPath.MASKED
+    with pytest.raises(InvariantError, match="CPU only"):
+        AttentionPlan.build(batch, kv, torch.float32, AttentionPath.SPLIT)
