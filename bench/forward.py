@@ -27,7 +27,9 @@ import argparse
 import copy
 import inspect
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from prefill_node.mkl_vendor import SHIM_ENV, reexec_with_shim
 from prefill_node.model.attention import AttentionPath
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig
@@ -245,6 +248,19 @@ def cell_row(chunk: int, context: int, ours: list[Timing], hf: list[Timing]) -> 
     return row
 
 
+def use_mkl_shim(on: bool) -> None:
+    """Restart this process with the MKL vendor shim preloaded (``on``) or without it."""
+    if on:
+        reexec_with_shim()
+        return
+    if os.environ.get(SHIM_ENV) != "0":
+        env = dict(os.environ, **{SHIM_ENV: "0"})
+        env["LD_PRELOAD"] = ":".join(
+            p for p in env.get("LD_PRELOAD", "").split(":") if p and "wavepp_mkl" not in p
+        )
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, type=Path, help="write the result rows here")
@@ -266,7 +282,15 @@ def main() -> None:
         choices=[p.value for p in AttentionPath],
         help="our GQA attention path (default: the device's, see model/attention.py)",
     )
+    ap.add_argument(
+        "--mkl-shim",
+        choices=["on", "off"],
+        default="on",
+        help="run with MKL's vendor check answered 'Intel' on AMD CPUs, as wavepp does "
+        "(prefill_node/mkl_vendor.py; both sides get it), or without",
+    )
     args = ap.parse_args()
+    use_mkl_shim(args.mkl_shim == "on")  # may restart this process
     set_onednn_matmul(args.matmul == "onednn")
     if args.runs < 3:
         ap.error("--runs must be >= 3 (the result is a median)")
@@ -311,6 +335,7 @@ def main() -> None:
                 "dtype": args.dtype,
                 "threads": args.threads,
                 "matmul": args.matmul,
+                "mkl_shim": args.mkl_shim,
                 "attention": ours.attention_path.value,
                 **cell_row(chunk, context, ours_t, hf_t),
                 "max_abs_logit_diff": max_diff,
