@@ -36,7 +36,8 @@ def _inputs(seq: int, per_channel: bool, seed: int):
     q, k, v = rnd(seq, HEADS, DK), rnd(seq, HEADS, DK), rnd(seq, HEADS, DV)
     beta = torch.sigmoid(rnd(seq, HEADS))
     decay_shape = (seq, HEADS, DK) if per_channel else (seq, HEADS)
-    g = -torch.rand(HEADS).mul(4).exp().mul(0.1) * F.softplus(rnd(*decay_shape))
+    rate = torch.rand(HEADS, generator=gen).mul(4).exp().mul(0.1)  # per head, as A_log gives
+    g = -(rate[:, None] if per_channel else rate) * F.softplus(rnd(*decay_shape))
     state = rnd(HEADS, DK, DV) * 0.3
     return q, k, v, g, beta, state
 

@@ -124,6 +124,8 @@ def causal_conv1d(
             f"tail {tuple(tail.shape)} do not fit"
         )
     full = torch.cat([tail.to(weight.dtype), x.to(weight.dtype)])
+    if x.shape[0] == 0:
+        return x.clone(), full.clone()
     y = F.conv1d(full.T.unsqueeze(0), weight.unsqueeze(1), groups=width)[0].T
     return y.to(x.dtype), full[full.shape[0] - (kernel - 1) :].clone()
 
