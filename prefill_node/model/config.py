@@ -26,8 +26,24 @@ from prefill_node.model.family_config import (
     reject_unsupported_glm,
     reject_unsupported_minimax,
 )
+from prefill_node.model.kimi_config import (
+    KdaConfig,
+    kda_of,
+    kimi_mla_of,
+    kimi_moe_of,
+    kimi_to_hf,
+    reject_unsupported_kimi,
+)
 
-__all__ = ["MlaConfig", "ModelConfig", "ModelFamily", "MoeConfig", "QkNorm", "RopeScaling"]
+__all__ = [
+    "KdaConfig",
+    "MlaConfig",
+    "ModelConfig",
+    "ModelFamily",
+    "MoeConfig",
+    "QkNorm",
+    "RopeScaling",
+]
 
 
 class ModelFamily(enum.Enum):
@@ -35,12 +51,15 @@ class ModelFamily(enum.Enum):
     MINIMAX_M2 (MiniMax-M2) has RMSNorm over the whole q and k projections, partial RoPE
     and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``); GLM_MOE_DSA (GLM-5)
     has MLA with a sparse-attention indexer (``ModelConfig.mla``), interleaved RoPE, and a
-    grouped-routing MoE with a shared expert after a few dense layers."""
+    grouped-routing MoE with a shared expert after a few dense layers; KIMI_LINEAR (Kimi
+    Linear) interleaves KDA linear-attention layers (``ModelConfig.kda``) with MLA layers
+    without indexer, q LoRA or RoPE, and has a grouped MoE with shared experts."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
     MINIMAX_M2 = "minimax_m2"
     GLM_MOE_DSA = "glm_moe_dsa"
+    KIMI_LINEAR = "kimi_linear"
 
 
 class QkNorm(enum.Enum):
@@ -57,8 +76,10 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
     "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
     "GlmMoeDsaForCausalLM": ModelFamily.GLM_MOE_DSA,
+    "KimiLinearForCausalLM": ModelFamily.KIMI_LINEAR,
 }
-_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA)
+_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA, ModelFamily.KIMI_LINEAR)
+_MLA_FAMILIES = (ModelFamily.GLM_MOE_DSA, ModelFamily.KIMI_LINEAR)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
@@ -124,6 +145,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
     partial_rotary_factor: float = 1.0
     mla: MlaConfig | None = None
+    kda: KdaConfig | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -148,12 +170,20 @@ class ModelConfig:
             raise InvalidModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
-        for part, families in (("moe", _MOE_FAMILIES), ("mla", (ModelFamily.GLM_MOE_DSA,))):
+        for part, families in (
+            ("moe", _MOE_FAMILIES),
+            ("mla", _MLA_FAMILIES),
+            ("kda", (ModelFamily.KIMI_LINEAR,)),
+        ):
             if (getattr(self, part) is None) is (self.family in families):
                 raise InvalidModelConfigError(
                     f"family {self.family.value} "
                     f"{'needs' if self.family in families else 'has no'} {part} settings"
                 )
+        if self.kda is not None and self.kda.layers and self.kda.layers[-1] >= self.num_layers:
+            raise InvalidModelConfigError(
+                f"KDA layers {list(self.kda.layers)} exceed {self.num_layers} layers"
+            )
         if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
             raise InvalidModelConfigError(
                 "with MLA, head_dim is the rotated width qk_rope_head_dim"
@@ -208,17 +238,25 @@ class ModelConfig:
         layer's router, its ``top_k`` routed experts and its shared experts. The per-layer
         cost shape the router's and any simulator's FLOP counts should share."""
         h = self.hidden_size
-        if self.mla is None:
+        if self.kda is not None and self.kda.is_kda(layer):
+            k = self.kda
+            # q/k/v/o, beta, and the low-rank forget and output gates (a -> head_dim -> all)
+            attn = 4 * h * k.qkv_dim + h * k.num_heads + 2 * (h + k.qkv_dim) * k.head_dim
+        elif self.mla is None:
             attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         else:
             m, heads = self.mla, self.num_heads
+            q = (
+                h * heads * m.qk_head_dim
+                if m.q_lora_rank is None
+                else h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+            )
             attn = (
-                h * m.q_lora_rank
-                + m.q_lora_rank * heads * m.qk_head_dim
+                q
                 + h * (m.kv_lora_rank + m.qk_rope_head_dim)
                 + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
                 + heads * m.v_head_dim * h
-                + m.q_lora_rank * m.index_n_heads * m.index_head_dim
+                + (m.q_lora_rank or 0) * m.index_n_heads * m.index_head_dim
                 + h * (m.index_head_dim + m.index_n_heads)
             )
         moe = self.moe
@@ -245,6 +283,7 @@ class ModelConfig:
         family = _family_of(d)
         _reject_unsupported_options(d, family)
         glm = family is ModelFamily.GLM_MOE_DSA
+        kimi = family is ModelFamily.KIMI_LINEAR
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -254,9 +293,13 @@ class ModelConfig:
                 moe = minimax_moe_of(d)
             elif glm:
                 moe = glm_moe_of(d, layers)
+            elif kimi:
+                moe = kimi_moe_of(d, layers)
             rope_params = dict(d.get("rope_parameters") or {})
             rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-            scaling_d = d.get("rope_scaling") or rope_params
+            # Kimi Linear's MLA has no RoPE: its rope settings change nothing
+            scaling_d = None if kimi else d.get("rope_scaling") or rope_params
+            max_positions = int(d.get("max_position_embeddings", d.get("model_max_length", 2048)))
             eos = d.get("eos_token_id")
             eos_ids = (
                 ()
@@ -272,21 +315,20 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d["qk_rope_head_dim"])
-                if glm
+                if glm or kimi
                 else int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
-                rope_scaling=_rope_scaling_of(
-                    scaling_d, int(d.get("max_position_embeddings", 2048))
-                ),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rope_scaling=_rope_scaling_of(scaling_d, max_positions),
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
                 name=name,
                 moe=moe,
                 partial_rotary_factor=_partial_rotary_of(d),
-                mla=glm_mla_of(d) if glm else None,
+                mla=glm_mla_of(d) if glm else kimi_mla_of(d) if kimi else None,
+                kda=kda_of(d, layers) if kimi else None,
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -322,9 +364,11 @@ class ModelConfig:
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
         glm = self.family is ModelFamily.GLM_MOE_DSA
-        if self.moe is not None:
+        if self.kda is not None and self.moe is not None and self.mla is not None:
+            d.update(kimi_to_hf(self.moe, self.mla, self.kda, self.num_layers))
+        elif self.moe is not None:
             d.update(moe_to_hf(self.moe, glm))
-        if self.mla is not None:
+        if self.mla is not None and self.kda is None:
             d.update(mla_to_hf(self.mla))
         if self.partial_rotary_factor != 1.0:
             d["rotary_dim"] = self.rotary_dim
@@ -358,6 +402,8 @@ def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> No
         reject_unsupported_minimax(d)
     if family is ModelFamily.GLM_MOE_DSA:
         reject_unsupported_glm(d)
+    if family is ModelFamily.KIMI_LINEAR:
+        reject_unsupported_kimi(d)
 
 
 def _partial_rotary_of(d: Mapping[str, Any]) -> float:

@@ -2,8 +2,9 @@
 
 Names are the checkpoint-file keys (``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` state-dict
 keys; MiniMax-M2's released per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` layout, which
-transformers fuses on load), so a random model saved as a checkpoint loads into transformers
-unchanged for parity tests. Each tensor is
+transformers fuses on load; Kimi Linear's released layout likewise, with separate q/k/v short
+convolutions and the KDA forget gate's tensors directly under ``self_attn``), so a random
+model saved as a checkpoint loads into transformers unchanged for parity tests. Each tensor is
 drawn from its own generator seeded by (seed, name): a stage generating only its slice gets
 exactly the tensors a whole-model generation would, so multi-process pipelines built from
 the same seed agree with a single-process reference.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
+from prefill_node.model.config import MlaConfig, ModelConfig, ModelFamily, QkNorm
 from prefill_node.model.partition import LayerRange
 
 EMBED = "model.embed_tokens.weight"
@@ -58,10 +59,24 @@ GLM_MOE = MoeNames(
     down="down_proj",
     shared="mlp.shared_experts.",
 )
+# Kimi Linear's released layout: MiniMax-M2's per-expert names plus shared experts.
+KIMI_MOE = MoeNames(
+    router="block_sparse_moe.gate.weight",
+    bias="block_sparse_moe.gate.e_score_correction_bias",
+    expert="block_sparse_moe.experts.{expert}.",
+    gate="w1",
+    up="w3",
+    down="w2",
+    shared="block_sparse_moe.shared_experts.",
+)
+# The KDA tensors a layer's ``self_attn.`` holds besides its projections (see kda_shapes).
+KDA_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 
 
 def moe_names(config: ModelConfig) -> MoeNames:
-    return GLM_MOE if config.family is ModelFamily.GLM_MOE_DSA else MINIMAX_MOE
+    return {ModelFamily.GLM_MOE_DSA: GLM_MOE, ModelFamily.KIMI_LINEAR: KIMI_MOE}.get(
+        config.family, MINIMAX_MOE
+    )
 
 
 def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ...]]:
@@ -72,24 +87,65 @@ def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ..
     }
 
 
-def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    h, a = config.hidden_size, p + "self_attn."
-    if config.mla is not None:
-        m, heads = config.mla, config.num_heads
-        return {
-            a + "q_a_proj.weight": (m.q_lora_rank, h),
-            a + "q_a_layernorm.weight": (m.q_lora_rank,),
-            a + "q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank),
+def kda_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Suffix (under ``self_attn.``) -> shape of every tensor of a KDA layer."""
+    if config.kda is None:
+        return {}
+    h, k = config.hidden_size, config.kda
+    d, heads, qkv = k.head_dim, k.num_heads, k.qkv_dim
+    shapes = {s: (qkv, h) for s in ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
+    shapes.update({s: (qkv, 1, k.conv_kernel) for s in KDA_CONVS})
+    shapes.update(
+        {
+            "f_a_proj.weight": (d, h),
+            "f_b_proj.weight": (qkv, d),
+            "A_log": (1, 1, heads, 1),
+            "dt_bias": (qkv,),
+            "b_proj.weight": (heads, h),
+            "g_a_proj.weight": (d, h),
+            "g_b_proj.weight": (qkv, d),
+            "o_norm.weight": (d,),
+            "o_proj.weight": (h, qkv),
+        }
+    )
+    return shapes
+
+
+def _mla_shapes(m: MlaConfig, heads: int, h: int, a: str) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (heads * m.qk_head_dim, h)
+    else:
+        shapes[a + "q_a_proj.weight"] = (m.q_lora_rank, h)
+        shapes[a + "q_a_layernorm.weight"] = (m.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+    shapes.update(
+        {
             a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
             a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
             a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
             a + "o_proj.weight": (h, heads * m.v_head_dim),
-            a + "indexer.wq_b.weight": (m.index_n_heads * m.index_head_dim, m.q_lora_rank),
-            a + "indexer.wk.weight": (m.index_head_dim, h),
-            a + "indexer.k_norm.weight": (m.index_head_dim,),
-            a + "indexer.k_norm.bias": (m.index_head_dim,),
-            a + "indexer.weights_proj.weight": (m.index_n_heads, h),
         }
+    )
+    if m.has_indexer:
+        shapes.update(
+            {
+                a + "indexer.wq_b.weight": (m.index_n_heads * m.index_head_dim, m.q_lora_rank or 0),
+                a + "indexer.wk.weight": (m.index_head_dim, h),
+                a + "indexer.k_norm.weight": (m.index_head_dim,),
+                a + "indexer.k_norm.bias": (m.index_head_dim,),
+                a + "indexer.weights_proj.weight": (m.index_n_heads, h),
+            }
+        )
+    return shapes
+
+
+def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    h, a = config.hidden_size, p + "self_attn."
+    if config.kda is not None and config.kda.is_kda(layer):
+        return {a + suffix: shape for suffix, shape in kda_shapes(config).items()}
+    if config.mla is not None:
+        return _mla_shapes(config.mla, config.num_heads, h, a)
     shapes = {
         a + "q_proj.weight": (config.q_size, h),
         a + "k_proj.weight": (config.kv_size, h),
@@ -112,7 +168,7 @@ def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int,
     p = f"model.layers.{layer}."
     h = config.hidden_size
     shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    shapes.update(_attention_shapes(config, p))
+    shapes.update(_attention_shapes(config, p, layer))
     moe = config.moe
     if moe is None or not moe.is_sparse(layer):
         shapes.update(_mlp_shapes(p + "mlp.", config.intermediate_size, h))
@@ -166,7 +222,9 @@ def random_weights(
     Scales keep activations O(1) through the stack and attention non-uniform (so masking
     and position errors show in the output): linear layers N(0, 1/fan_in), embeddings
     N(0, 1), norm weights 1 + N(0, 0.1^2). A MoE router's correction bias is N(0, 0.1^2),
-    large enough next to the sigmoid scores to change some tokens' expert choices.
+    large enough next to the sigmoid scores to change some tokens' expert choices. A KDA
+    layer's ``A_log`` is N(0, 0.5^2) and its ``dt_bias`` -2 + N(0, 0.5^2), so the per-channel
+    decays span slow and fast forgetting and a state carries over dozens of tokens.
     """
     out = {}
     for name, shape in weight_shapes(config, layer_range).items():
@@ -176,6 +234,10 @@ def random_weights(
             t = 1.0 + 0.1 * t
         elif name.endswith("e_score_correction_bias"):
             t = 0.1 * t
+        elif name.endswith("A_log"):
+            t = 0.5 * t
+        elif name.endswith("dt_bias"):
+            t = 0.5 * t - 2.0
         elif name != EMBED:
             t = t / shape[-1] ** 0.5
         out[name] = t.to(dtype)
