@@ -18,7 +18,7 @@ import torch
 from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
 from prefill_node.model.attention import AttentionPlan
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
-from prefill_node.model.config import KdaConfig, ModelConfig, ModelFamily, MoeConfig
+from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig, RecurrentConfig
 from prefill_node.model.kda import KdaAttention
 from prefill_node.model.latent_cache import PagedLatentCache
 from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
@@ -126,7 +126,7 @@ def mla_plan(start: int, end: int, table: tuple[int, ...], cache: PagedLatentCac
 
 def test_kimi_mla_layer_matches_transformers_in_one_shot_and_chunked():
     layer = 2
-    assert not CONFIG.kda.is_kda(layer)
+    assert not CONFIG.is_linear_layer(layer)
     hf = kimi_hf.KimiLinearAttention(hf_config(), layer).eval()
     p = f"model.layers.{layer}.self_attn."
     hf.load_state_dict({n[len(p) :]: t for n, t in WEIGHTS.items() if n.startswith(p)})
@@ -150,7 +150,14 @@ def test_kimi_mla_layer_matches_transformers_in_one_shot_and_chunked():
 
 def test_release_style_config_parses_and_round_trips():
     assert CONFIG.family is ModelFamily.KIMI_LINEAR
-    assert CONFIG.kda == KdaConfig(num_heads=4, head_dim=8, conv_kernel=4, layers=(0, 1, 3))
+    assert CONFIG.recurrent == RecurrentConfig(
+        layers=(0, 1, 3),
+        num_key_heads=4,
+        num_value_heads=4,
+        key_head_dim=8,
+        value_head_dim=8,
+        conv_kernel=4,
+    )
     assert CONFIG.moe == MoeConfig(
         num_experts=8,
         top_k=2,
@@ -172,7 +179,7 @@ def test_release_style_config_parses_and_round_trips():
     assert (hf.num_local_experts, hf.num_experts_per_tok, hf.n_group) == (8, 2, 2)
     # transformers' own layer_types (what its save_pretrained writes) win over linear_attn_config
     saved = {**TINY_KIMI_HF, "layer_types": hf.layer_types[::-1]}
-    assert ModelConfig.from_hf_config(saved).kda.layers == (0, 2, 3)
+    assert ModelConfig.from_hf_config(saved).recurrent.layers == (0, 2, 3)
 
 
 @pytest.mark.parametrize(
@@ -201,7 +208,7 @@ def test_release_style_config_parses_and_round_trips():
         (
             {"linear_attn_config": {**TINY_KIMI_HF["linear_attn_config"], "num_heads": 0}},
             InvalidModelConfigError,
-            "num_heads",
+            "heads must be a positive int",
         ),
     ],
 )

@@ -1,5 +1,6 @@
 """Real multi-process pipelines (gloo on loopback) against the single-process reference
-(transformers for GLM-5, whose MLA the reference does not implement)."""
+(transformers for GLM-5 and Qwen3-Next, whose MLA / linear attention the reference does not
+implement)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
-from tests.tiny_models import TINY_GLM5_HF, TINY_MINIMAX_M2_HF
+from tests.tiny_models import TINY_GLM5_HF, TINY_MINIMAX_M2_HF, TINY_QWEN3_NEXT_HF
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,10 +52,13 @@ MOE_HF_CONFIG = {**TINY_MINIMAX_M2_HF, "vocab_size": VOCAB}
 MOE_MODEL = ModelConfig.from_hf_config(MOE_HF_CONFIG, name="tiny-minimax-m2")
 MLA_HF_CONFIG = {**TINY_GLM5_HF, "vocab_size": VOCAB, "num_hidden_layers": 4}
 MLA_MODEL = ModelConfig.from_hf_config(MLA_HF_CONFIG, name="tiny-glm_moe_dsa")
+HYBRID_HF_CONFIG = {**TINY_QWEN3_NEXT_HF, "vocab_size": VOCAB}
+HYBRID_MODEL = ModelConfig.from_hf_config(HYBRID_HF_CONFIG, name="tiny-qwen3_next")
 FAMILIES = {
     "qwen3": (HF_CONFIG, MODEL, WEIGHTS),
     "minimax-m2": (MOE_HF_CONFIG, MOE_MODEL, random_weights(MOE_MODEL, SEED)),
     "glm-5": (MLA_HF_CONFIG, MLA_MODEL, random_weights(MLA_MODEL, SEED)),
+    "qwen3-next": (HYBRID_HF_CONFIG, HYBRID_MODEL, random_weights(HYBRID_MODEL, SEED)),
 }
 
 
@@ -69,15 +73,24 @@ def _transformers_model(family: str):
 
 def _expected(family: str, prompt: list[int]):
     """Last-token logits and, per layer, the cache planes a stage must hold: K and V, or
-    (GLM-5) one plane of [latent | rotated key | indexer key] entries."""
+    (GLM-5) one plane of [latent | rotated key | indexer key] entries, or (a recurrent
+    layer) its final state and conv tail."""
     _, model, weights = FAMILIES[family]
-    if model.mla is None:
+    if model.mla is None and model.recurrent is None:
         return reference_forward(model, weights, prompt)
     with torch.no_grad():
         out = _transformers_model(family)(torch.tensor([prompt]), use_cache=True)
+    layers = out.past_key_values.layers
+    if model.recurrent is not None:
+        entries = [
+            (c.recurrent_states[0][0], c.conv_states[0][0, :, 1:].T)
+            if model.is_linear_layer(i)
+            else (c.keys[0].transpose(0, 1), c.values[0].transpose(0, 1))
+            for i, c in enumerate(layers)
+        ]
+        return out.logits[0, -1], entries
     entries = [
-        (torch.cat((c.keys[0, 0], c.values[0, 0], c.indexer_keys[0]), dim=-1),)
-        for c in out.past_key_values.layers
+        (torch.cat((c.keys[0, 0], c.values[0, 0], c.indexer_keys[0]), dim=-1),) for c in layers
     ]
     return out.logits[0, -1], entries
 
@@ -159,6 +172,7 @@ CASES = [
     pytest.param("qwen3", ((0, 1), (1, 3), (3, 4)), (64, 30, 45), id="P3-uneven"),
     pytest.param("minimax-m2", ((0, 2), (2, 4)), (48, 40), id="P2-minimax-m2-moe"),
     pytest.param("glm-5", ((0, 2), (2, 4)), (48, 40), id="P2-glm-5-mla-dsa"),
+    pytest.param("qwen3-next", ((0, 2), (2, 4)), (48, 40), id="P2-qwen3-next-hybrid"),
 ]
 
 

@@ -115,6 +115,43 @@ def tiny_glm5(name: str = "tiny-glm5", **overrides: Any) -> ModelConfig:
     return ModelConfig.from_hf_config({**TINY_GLM5_HF, **overrides}, name=name)
 
 
+# A 4-layer Qwen3-Next: linear (GatedDeltaNet: 2 key heads of 8 shared by 4 value heads of 6,
+# conv kernel 4), linear, gated full attention (4 heads of 8 over 2 KV heads, half of each
+# head rotated), linear; a softmax-routed MoE of 8 experts (2 per token) plus a sigmoid-gated
+# shared expert in every layer.
+TINY_QWEN3_NEXT_HF: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 6,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 24,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_qwen3_next(name: str = "tiny-qwen3-next", **overrides: Any) -> ModelConfig:
+    """The tiny Qwen3-Next as a ModelConfig."""
+    return ModelConfig.from_hf_config({**TINY_QWEN3_NEXT_HF, **overrides}, name=name)
+
+
 # A 4-layer Kimi Linear: KDA layers 0, 1 and 3 (4 heads of 8, conv width 4) and an MLA layer 2
 # without q LoRA, indexer or RoPE (latent 16, "rope" part 8, nope 12, v 12); 1 dense layer,
 # then a MoE of 8 experts in 2 groups (1 chosen), 2 per token, scaled by 2.5, plus a shared

@@ -27,7 +27,12 @@ from kv_transfer.messages import TransferOutcome
 from kv_transfer.progress import KVProgress
 from kv_transfer.receiver import KVReceiver, ReceiverConfig
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
-from prefill_node.errors import InvalidRequestError, InvariantError, KVHandoffError
+from prefill_node.errors import (
+    InvalidRequestError,
+    InvariantError,
+    KVHandoffError,
+    UnsupportedArchitectureError,
+)
 from prefill_node.kv_shipping.kv_wire import engine_push_destination, wire_manifest
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
@@ -62,6 +67,11 @@ class DecodeWorker:
     ) -> None:
         if not (model.is_first and model.is_last):
             raise InvalidRequestError("the decode worker needs the whole model (all layers)")
+        if model.config.recurrent is not None:
+            raise UnsupportedArchitectureError(
+                "the decode worker cannot receive recurrent-layer state yet (model family "
+                f"{model.config.family.value})"
+            )
         self.model = model
         cfg = model.config
         self.kv = stage_cache(

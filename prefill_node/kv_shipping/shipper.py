@@ -48,9 +48,10 @@ from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
-from prefill_node.errors import InvalidRequestError
+from prefill_node.errors import InvalidRequestError, UnsupportedArchitectureError
 from prefill_node.kv_shipping.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.model.latent_cache import StageCache
+from prefill_node.model.recurrent_cache import RecurrentStateCache
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,11 @@ class StageKVShipper:
         agent_name: str | None = None,
         unpin_streamed: Callable[[Sequence[KVBlock]], None] | None = None,
     ) -> None:
+        if isinstance(kv, RecurrentStateCache):
+            raise UnsupportedArchitectureError(
+                "KV hand-off of models with recurrent layers (their state regions) is not "
+                "implemented yet; serve them without a KV destination"
+            )
         self.stage = stage
         self.config = config
         self._unpin = unpin

@@ -43,6 +43,7 @@ class AttentionPlan:
 
     k_slots: torch.Tensor  # LongTensor [T]: flat K slot of every row (see PagedKVCache)
     chunks: tuple[ChunkPlan, ...]
+    batch: ChunkBatch  # what the plan was built from (recurrent layers read its block tables)
 
     @classmethod
     def build(cls, batch: ChunkBatch, kv: StageCache, dtype: torch.dtype) -> AttentionPlan:
@@ -67,7 +68,7 @@ class AttentionPlan:
                 mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
                 plans.append(ChunkPlan(offsets[i], offsets[i + 1], c.start, c.end, table, mask))
         k_slots = slots[0] if len(slots) == 1 else torch.cat(slots)
-        return cls(k_slots=k_slots, chunks=tuple(plans))
+        return cls(k_slots=k_slots, chunks=tuple(plans), batch=batch)
 
 
 def paged_attention(

@@ -26,22 +26,29 @@ from prefill_node.model.family_config import (
     reject_unsupported_glm,
     reject_unsupported_minimax,
 )
+from prefill_node.model.hybrid_config import (
+    RecurrentConfig,
+    qwen3_next_moe_of,
+    qwen3_next_recurrent_of,
+    qwen3_next_to_hf,
+    reject_unsupported_qwen3_next,
+)
 from prefill_node.model.kimi_config import (
-    KdaConfig,
-    kda_of,
+    kda_active_params,
     kimi_mla_of,
     kimi_moe_of,
+    kimi_recurrent_of,
     kimi_to_hf,
     reject_unsupported_kimi,
 )
 
 __all__ = [
-    "KdaConfig",
     "MlaConfig",
     "ModelConfig",
     "ModelFamily",
     "MoeConfig",
     "QkNorm",
+    "RecurrentConfig",
     "RopeScaling",
 ]
 
@@ -51,14 +58,18 @@ class ModelFamily(enum.Enum):
     MINIMAX_M2 (MiniMax-M2) has RMSNorm over the whole q and k projections, partial RoPE
     and a sigmoid-routed MoE in place of the MLP (``ModelConfig.moe``); GLM_MOE_DSA (GLM-5)
     has MLA with a sparse-attention indexer (``ModelConfig.mla``), interleaved RoPE, and a
-    grouped-routing MoE with a shared expert after a few dense layers; KIMI_LINEAR (Kimi
-    Linear) interleaves KDA linear-attention layers (``ModelConfig.kda``) with MLA layers
-    without indexer, q LoRA or RoPE, and has a grouped MoE with shared experts."""
+    grouped-routing MoE with a shared expert after a few dense layers. QWEN3_NEXT
+    (Qwen3-Next) interleaves gated-delta-rule linear-attention layers (``ModelConfig.
+    recurrent``) with gated full attention (an output gate, per-head q/k norm, partial RoPE),
+    zero-centred RMSNorm weights, and a softmax-routed MoE with a sigmoid-gated shared expert.
+    KIMI_LINEAR interleaves KDA layers (``recurrent``, per-key-channel decay) with MLA without
+    indexer, q LoRA or RoPE, and has GLM-5's kind of MoE."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
     MINIMAX_M2 = "minimax_m2"
     GLM_MOE_DSA = "glm_moe_dsa"
+    QWEN3_NEXT = "qwen3_next"
     KIMI_LINEAR = "kimi_linear"
 
 
@@ -76,10 +87,17 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
     "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
     "GlmMoeDsaForCausalLM": ModelFamily.GLM_MOE_DSA,
+    "Qwen3NextForCausalLM": ModelFamily.QWEN3_NEXT,
     "KimiLinearForCausalLM": ModelFamily.KIMI_LINEAR,
 }
-_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA, ModelFamily.KIMI_LINEAR)
 _MLA_FAMILIES = (ModelFamily.GLM_MOE_DSA, ModelFamily.KIMI_LINEAR)
+_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.QWEN3_NEXT, *_MLA_FAMILIES)
+_PARTIAL_ROPE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.QWEN3_NEXT)
+_RECURRENT_OF = {
+    ModelFamily.QWEN3_NEXT: qwen3_next_recurrent_of,
+    ModelFamily.KIMI_LINEAR: kimi_recurrent_of,
+}
+_RECURRENT_FAMILIES = tuple(_RECURRENT_OF)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
@@ -145,7 +163,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
     partial_rotary_factor: float = 1.0
     mla: MlaConfig | None = None
-    kda: KdaConfig | None = None
+    recurrent: RecurrentConfig | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -173,22 +191,24 @@ class ModelConfig:
         for part, families in (
             ("moe", _MOE_FAMILIES),
             ("mla", _MLA_FAMILIES),
-            ("kda", (ModelFamily.KIMI_LINEAR,)),
+            ("recurrent", _RECURRENT_FAMILIES),
         ):
             if (getattr(self, part) is None) is (self.family in families):
                 raise InvalidModelConfigError(
                     f"family {self.family.value} "
                     f"{'needs' if self.family in families else 'has no'} {part} settings"
                 )
-        if self.kda is not None and self.kda.layers and self.kda.layers[-1] >= self.num_layers:
-            raise InvalidModelConfigError(
-                f"KDA layers {list(self.kda.layers)} exceed {self.num_layers} layers"
-            )
         if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
             raise InvalidModelConfigError(
                 "with MLA, head_dim is the rotated width qk_rope_head_dim"
             )
-        if self.partial_rotary_factor != 1.0 and self.family is not ModelFamily.MINIMAX_M2:
+        if self.recurrent is not None and any(
+            layer >= self.num_layers for layer in self.recurrent.layers
+        ):
+            raise InvalidModelConfigError(
+                f"linear layers {self.recurrent.layers} exceed {self.num_layers} layers"
+            )
+        if self.partial_rotary_factor != 1.0 and self.family not in _PARTIAL_ROPE_FAMILIES:
             raise UnsupportedArchitectureError(
                 f"partial_rotary_factor={self.partial_rotary_factor} is not supported for "
                 f"{self.family.value} (only 1.0)"
@@ -204,8 +224,32 @@ class ModelConfig:
         """Where attention RMS-normalises q and k before RoPE."""
         return {
             ModelFamily.QWEN3: QkNorm.PER_HEAD,
+            ModelFamily.QWEN3_NEXT: QkNorm.PER_HEAD,
             ModelFamily.MINIMAX_M2: QkNorm.PER_LAYER,
         }.get(self.family, QkNorm.NONE)
+
+    @property
+    def attention_output_gate(self) -> bool:
+        """Full attention multiplies its output by sigmoid(gate), the gate projected with q
+        (``q_proj`` is twice as wide: per head, q then gate) (Qwen3-Next)."""
+        return self.family is ModelFamily.QWEN3_NEXT
+
+    @property
+    def norm_weight_offset(self) -> float:
+        """Added to stored RMSNorm weights: Qwen3-Next stores them zero-centred (scale by
+        1 + w); its gated norm inside linear attention is not."""
+        return 1.0 if self.family is ModelFamily.QWEN3_NEXT else 0.0
+
+    @property
+    def snapshot_interval_blocks(self) -> int | None:
+        """For models with recurrent layers, 1: every block carries a state snapshot (see
+        ``HybridKVCache``), so any full-block prefix whose blocks every stage holds is
+        reusable; None for models without (the admission core's ``StageConfig`` field)."""
+        return 1 if self.recurrent is not None else None
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a recurrent (linear-attention) layer."""
+        return self.recurrent is not None and self.recurrent.is_linear(layer)
 
     @property
     def rope_interleaved(self) -> bool:
@@ -227,10 +271,24 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, num_layers: int, dtype: Any) -> int:
         """Bytes of K plus V (with MLA: latent, rotated key part and indexer key) one token
-        occupies in ``num_layers`` layers stored as ``dtype`` (a torch dtype, or anything
-        with ``itemsize``)."""
+        occupies in ``num_layers`` attention layers stored as ``dtype`` (a torch dtype, or
+        anything with ``itemsize``). Recurrent layers hold no per-token entries: see
+        ``cache_bytes_per_block``."""
         per_layer = 2 * self.kv_size if self.mla is None else self.mla.entry_width
         return num_layers * per_layer * int(dtype.itemsize)
+
+    def cache_bytes_per_block(self, layers: Any, block_size: int, dtype: Any) -> int:
+        """Bytes one cache block occupies across decoder ``layers`` (an iterable of layer
+        indices, e.g. a stage's LayerRange): ``block_size`` tokens' entries per attention
+        layer plus, per recurrent layer, the state snapshot each block carries. What a stage
+        sizes its block count by, so escrow (which counts blocks) charges snapshots too."""
+        layers = list(layers)
+        linear = [layer for layer in layers if self.is_linear_layer(layer)]
+        attention = len(layers) - len(linear)
+        size = block_size * self.kv_bytes_per_token(attention, dtype)
+        if self.recurrent is not None:
+            size += len(linear) * self.recurrent.snapshot_bytes(int(dtype.itemsize))
+        return size
 
     def active_params_per_token(self, layer: int) -> int:
         """Weights one token multiplies through in decoder layer ``layer``: the attention
@@ -238,32 +296,21 @@ class ModelConfig:
         layer's router, its ``top_k`` routed experts and its shared experts. The per-layer
         cost shape the router's and any simulator's FLOP counts should share."""
         h = self.hidden_size
-        if self.kda is not None and self.kda.is_kda(layer):
-            k = self.kda
-            # q/k/v/o, beta, and the low-rank forget and output gates (a -> head_dim -> all)
-            attn = 4 * h * k.qkv_dim + h * k.num_heads + 2 * (h + k.qkv_dim) * k.head_dim
+        r = self.recurrent
+        if r is not None and r.is_linear(layer) and self.family is ModelFamily.KIMI_LINEAR:
+            attn = kda_active_params(r, h)
+        elif r is not None and r.is_linear(layer):
+            attn = h * (r.conv_width + r.value_dim + 2 * r.num_value_heads) + r.value_dim * h
         elif self.mla is None:
-            attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+            gate = self.q_size if self.attention_output_gate else 0
+            attn = h * (self.q_size + gate) + 2 * h * self.kv_size + self.q_size * h
         else:
-            m, heads = self.mla, self.num_heads
-            q = (
-                h * heads * m.qk_head_dim
-                if m.q_lora_rank is None
-                else h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
-            )
-            attn = (
-                q
-                + h * (m.kv_lora_rank + m.qk_rope_head_dim)
-                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
-                + heads * m.v_head_dim * h
-                + (m.q_lora_rank or 0) * m.index_n_heads * m.index_head_dim
-                + h * (m.index_head_dim + m.index_n_heads)
-            )
+            attn = self.mla.active_params(h, self.num_heads)
         moe = self.moe
         if moe is None or not moe.is_sparse(layer):
             return attn + 3 * h * self.intermediate_size
-        experts = moe.top_k + moe.num_shared_experts
-        return attn + h * moe.num_experts + 3 * h * moe.expert_intermediate_size * experts
+        widths = moe.top_k * moe.expert_intermediate_size + moe.shared_width
+        return attn + h * (moe.num_experts + int(moe.gated_shared)) + 3 * h * widths
 
     def attention_flops_per_pair(self) -> int:
         """FLOPs of one (query, key) pair in one layer: QK^T and PV over every head (MLA:
@@ -283,6 +330,7 @@ class ModelConfig:
         family = _family_of(d)
         _reject_unsupported_options(d, family)
         glm = family is ModelFamily.GLM_MOE_DSA
+        qwen3_next = family is ModelFamily.QWEN3_NEXT
         kimi = family is ModelFamily.KIMI_LINEAR
         try:
             hidden = int(d["hidden_size"])
@@ -293,6 +341,8 @@ class ModelConfig:
                 moe = minimax_moe_of(d)
             elif glm:
                 moe = glm_moe_of(d, layers)
+            elif qwen3_next:
+                moe = qwen3_next_moe_of(d)
             elif kimi:
                 moe = kimi_moe_of(d, layers)
             rope_params = dict(d.get("rope_parameters") or {})
@@ -326,9 +376,9 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 name=name,
                 moe=moe,
-                partial_rotary_factor=_partial_rotary_of(d),
+                partial_rotary_factor=_partial_rotary_of(d, 0.25 if qwen3_next else 1.0),
                 mla=glm_mla_of(d) if glm else kimi_mla_of(d) if kimi else None,
-                kda=kda_of(d, layers) if kimi else None,
+                recurrent=_RECURRENT_OF[family](d) if family in _RECURRENT_OF else None,
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -364,13 +414,16 @@ class ModelConfig:
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
         glm = self.family is ModelFamily.GLM_MOE_DSA
-        if self.kda is not None and self.moe is not None and self.mla is not None:
-            d.update(kimi_to_hf(self.moe, self.mla, self.kda, self.num_layers))
+        kimi = self.family is ModelFamily.KIMI_LINEAR
+        if kimi and self.recurrent is not None and self.moe is not None and self.mla is not None:
+            d.update(kimi_to_hf(self.moe, self.mla, self.recurrent, self.num_layers))
+        elif self.recurrent is not None and self.moe is not None:
+            d.update(qwen3_next_to_hf(self.recurrent, self.moe, self.num_layers))
         elif self.moe is not None:
             d.update(moe_to_hf(self.moe, glm))
-        if self.mla is not None and self.kda is None:
+        if self.mla is not None and not kimi:
             d.update(mla_to_hf(self.mla))
-        if self.partial_rotary_factor != 1.0:
+        if self.partial_rotary_factor != 1.0 or self.family is ModelFamily.QWEN3_NEXT:
             d["rotary_dim"] = self.rotary_dim
             d["partial_rotary_factor"] = self.partial_rotary_factor
         return d
@@ -402,13 +455,15 @@ def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> No
         reject_unsupported_minimax(d)
     if family is ModelFamily.GLM_MOE_DSA:
         reject_unsupported_glm(d)
+    if family is ModelFamily.QWEN3_NEXT:
+        reject_unsupported_qwen3_next(d)
     if family is ModelFamily.KIMI_LINEAR:
         reject_unsupported_kimi(d)
 
 
-def _partial_rotary_of(d: Mapping[str, Any]) -> float:
+def _partial_rotary_of(d: Mapping[str, Any], default: float) -> float:
     """``partial_rotary_factor`` (top level or in ``rope_parameters``), else MiniMax-M2's
-    legacy ``rotary_dim`` over ``head_dim``, else 1.0."""
+    legacy ``rotary_dim`` over ``head_dim``, else the family's default."""
     rope_params = d.get("rope_parameters") or {}
     factor = d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
     if factor is not None:
@@ -416,7 +471,7 @@ def _partial_rotary_of(d: Mapping[str, Any]) -> float:
     if d.get("rotary_dim") is not None:
         head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
         return int(d["rotary_dim"]) / head_dim
-    return 1.0
+    return default
 
 
 def _rope_scaling_of(s: Mapping[str, Any] | None, max_positions: int) -> RopeScaling | None:

@@ -9,6 +9,7 @@ checkpoint asks for numerics this backend does not compute.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,16 +24,29 @@ def _positive(owner: object, *names: str) -> None:
             raise InvalidModelConfigError(f"{name} must be a positive int, got {value!r}")
 
 
+class MoeScoring(enum.Enum):
+    """How a MoE router scores experts. SIGMOID_BIAS (MiniMax-M2, GLM-5): sigmoid scores, the
+    choice steered by a correction bias within expert groups. SOFTMAX (Qwen3-Next): softmax
+    over the router logits, the top-k renormalised."""
+
+    SIGMOID_BIAS = "sigmoid_bias"
+    SOFTMAX = "softmax"
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """A sparse MoE block replacing the MLP of layers ``first_dense_layers`` onwards:
     ``num_experts`` SwiGLU experts of width ``expert_intermediate_size``, each token routed
-    to ``top_k`` of them, plus ``num_shared_experts`` experts' worth of an always-on SwiGLU.
+    to ``top_k`` of them, plus an always-on shared SwiGLU of width ``shared_width``
+    (``num_shared_experts`` experts' worth, or ``shared_intermediate_size`` when set; with
+    SOFTMAX scoring its output is scaled by a sigmoid gate, as in Qwen3-Next).
 
-    Routing: sigmoid scores in fp32; the choice uses score + ``e_score_correction_bias`` (a
-    per-expert checkpoint tensor), restricted to the ``topk_groups`` best of ``num_groups``
-    expert groups (a group's score: the sum of its two best); the weights are the chosen raw
-    scores renormalised to sum to 1, times ``routed_scaling_factor``."""
+    SIGMOID_BIAS routing: sigmoid scores in fp32; the choice uses score +
+    ``e_score_correction_bias`` (a per-expert checkpoint tensor), restricted to the
+    ``topk_groups`` best of ``num_groups`` expert groups (a group's score: the sum of its two
+    best); the weights are the chosen raw scores renormalised to sum to 1, times
+    ``routed_scaling_factor``. SOFTMAX routing: softmax in fp32, the top-k probabilities
+    renormalised to sum to 1."""
 
     num_experts: int
     top_k: int
@@ -42,6 +56,8 @@ class MoeConfig:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
     first_dense_layers: int = 0
+    scoring: MoeScoring = MoeScoring.SIGMOID_BIAS
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         _positive(self, "num_experts", "top_k", "expert_intermediate_size", "num_groups")
@@ -55,8 +71,22 @@ class MoeConfig:
                 f"{self.num_experts} experts cannot form {self.num_groups} groups with "
                 f"{self.topk_groups} chosen"
             )
-        if self.num_shared_experts < 0 or self.first_dense_layers < 0:
-            raise InvalidModelConfigError("num_shared_experts and first_dense_layers are >= 0")
+        if min(self.num_shared_experts, self.first_dense_layers, self.shared_intermediate_size) < 0:
+            raise InvalidModelConfigError(
+                "num_shared_experts, first_dense_layers and shared_intermediate_size are >= 0"
+            )
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the always-on shared SwiGLU (0: none)."""
+        return (
+            self.shared_intermediate_size or self.expert_intermediate_size * self.num_shared_experts
+        )
+
+    @property
+    def gated_shared(self) -> bool:
+        """Whether a sigmoid gate (``shared_expert_gate``) scales the shared expert's output."""
+        return self.scoring is MoeScoring.SOFTMAX and self.shared_width > 0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has the MoE block (else a dense MLP)."""
@@ -112,6 +142,24 @@ class MlaConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def active_params(self, hidden: int, heads: int) -> int:
+        """Weights one token multiplies through in the attention projections: q (LoRA or
+        not), the KV latent and its expansion, the output, and the indexer's."""
+        h, q_lora = hidden, self.q_lora_rank
+        q = (
+            h * heads * self.qk_head_dim
+            if q_lora is None
+            else (h + heads * self.qk_head_dim) * q_lora
+        )
+        return (
+            q
+            + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            + heads * self.v_head_dim * h
+            + (q_lora or 0) * self.index_n_heads * self.index_head_dim
+            + h * (self.index_head_dim + self.index_n_heads)
+        )
 
     @property
     def entry_width(self) -> int:

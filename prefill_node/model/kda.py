@@ -5,7 +5,8 @@ rule's ``[heads, head_dim, head_dim]`` fp32 matrix and the last ``conv_kernel - 
 q/k/v rows the short convolutions still need. ``KdaAttention.run_sequence`` takes a chunk of one
 sequence and the state before it and returns the output and the state after it (plus the
 states after any offsets asked for, which is what block-boundary snapshots need); where states
-live is the stage cache's business, not this module's.
+live is the stage cache's business: ``forward`` (the token mixers' common signature) runs a
+batch's chunks over a ``RecurrentStateCache``, resuming each from its block's snapshot.
 
 Numerics follow transformers' ``KimiLinearDeltaAttention``: q/k/v projections through depthwise
 causal convolutions (one per projection, fused here into one ``[3 * qkv, K]`` weight) and SiLU;
@@ -25,13 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.errors import InvariantError
-from prefill_node.model.config import ModelConfig
+from prefill_node.model.attention import AttentionPlan
+from prefill_node.model.config import ModelConfig, ModelFamily
 from prefill_node.model.recurrent import (
     causal_conv1d,
     conv_tails,
     gated_delta_rule_states,
     l2_normalize,
 )
+from prefill_node.model.recurrent_cache import RecurrentStateCache, snapshot_ends
 from prefill_node.model.tensor_ops import Getter, param
 from prefill_node.model.weights import KDA_CONVS
 
@@ -58,12 +61,12 @@ class KdaAttention(nn.Module):
         self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        k = config.kda
-        if k is None or not k.is_kda(layer):
+        r = config.recurrent
+        if r is None or not r.is_linear(layer) or config.family is not ModelFamily.KIMI_LINEAR:
             raise InvariantError(f"layer {layer} is not a KDA layer of this config")
         self.layer, self.eps = layer, config.rms_norm_eps
-        self.heads, self.head_dim, self.qkv = k.num_heads, k.head_dim, k.qkv_dim
-        self.kernel = k.conv_kernel
+        self.heads, self.head_dim, self.qkv = r.num_value_heads, r.key_head_dim, r.key_dim
+        self.kernel = r.conv_kernel
         h = config.hidden_size
         # fused rows: q, k, v (the conv's input), beta, forget-gate and output-gate LoRA-a
         self.splits = [3 * self.qkv, self.heads, self.head_dim, self.head_dim]
@@ -96,6 +99,33 @@ class KdaAttention(nn.Module):
             torch.zeros(self.heads, self.head_dim, self.head_dim, device=device),
             torch.zeros(self.kernel - 1, 3 * self.qkv, dtype=self.in_proj.dtype, device=device),
         )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        kv: RecurrentStateCache,
+    ) -> torch.Tensor:
+        """Normed rows x [T, hidden] of a batch -> [T, hidden]. Each chunk resumes from the
+        state its cache holds for its start and stores the states after every block boundary
+        it crosses and after its end (``snapshot_ends``); chunks run in row order, so two
+        chunks of one sequence may share a batch. (cos / sin: the token mixers' common
+        signature; KDA has no RoPE.)"""
+        out = torch.empty_like(x)
+        for cp, chunk in zip(plan.chunks, plan.batch.chunks, strict=True):
+            rows = slice(cp.row_start, cp.row_end)
+            state = KdaState(*kv.state_before(self.layer, chunk.block_table, chunk.start))
+            ends = snapshot_ends(chunk.start, chunk.end, kv.block_size)
+            offsets = [e - chunk.start for e in ends[:-1]]
+            result = self.run_sequence(x[rows], state, offsets)
+            snaps = [*result.snapshots, result.state]
+            states = torch.stack([s.recurrent for s in snaps])
+            tails = torch.stack([s.conv_tail for s in snaps])
+            kv.store_states(self.layer, chunk.block_table, ends, states, tails)
+            out[rows] = result.out
+        return out
 
     def run_sequence(
         self, x: torch.Tensor, state: KdaState, offsets: Sequence[int] = ()

@@ -1,4 +1,4 @@
-"""Kimi Linear (``kimi_linear``) config parts: which layers are KDA, their shape, and the
+"""Kimi Linear (``kimi_linear``) config parts: the KDA layers (a ``RecurrentConfig``) and the
 config.json parsing and checks of the family (its MLA and MoE reuse ``MlaConfig`` /
 ``MoeConfig``).
 
@@ -16,45 +16,21 @@ raise ``UnsupportedArchitectureError`` naming the option.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
 from prefill_node.model.family_config import MlaConfig, MoeConfig, reject_mlp_pattern
+from prefill_node.model.hybrid_config import RecurrentConfig
 
 
-@dataclass(frozen=True)
-class KdaConfig:
-    """The Kimi Delta Attention layers of a Kimi Linear model: ``num_heads`` heads of
-    ``head_dim`` for q, k and v alike, a depthwise causal convolution of width
-    ``conv_kernel`` on each of q, k and v, and ``layers`` (0-based) that are KDA; every other
-    layer is MLA. Per sequence a KDA layer's state is a ``[num_heads, head_dim, head_dim]``
-    fp32 matrix plus the last ``conv_kernel - 1`` projected q/k/v rows."""
-
-    num_heads: int
-    head_dim: int
-    conv_kernel: int
-    layers: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        for name in ("num_heads", "head_dim", "conv_kernel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidModelConfigError(
-                    f"linear_attn_config {name} must be a positive int, got {value!r}"
-                )
-        if list(self.layers) != sorted(set(self.layers)) or any(i < 0 for i in self.layers):
-            raise InvalidModelConfigError(
-                f"KDA layers must be distinct and >= 0, got {list(self.layers)}"
-            )
-
-    @property
-    def qkv_dim(self) -> int:
-        """Width of each of the q, k and v projections (all heads)."""
-        return self.num_heads * self.head_dim
-
-    def is_kda(self, layer: int) -> bool:
-        return layer in self.layers
+def kda_active_params(r: RecurrentConfig, hidden: int) -> int:
+    """Weights one token multiplies through in a KDA layer: q/k/v/o, beta, and the low-rank
+    forget and output gates (hidden -> head_dim -> all heads)."""
+    return (
+        4 * hidden * r.key_dim
+        + hidden * r.num_value_heads
+        + 2 * (hidden + r.key_dim) * r.key_head_dim
+    )
 
 
 # Options of Kimi-family configs whose presence (with a value other than the one given)
@@ -111,11 +87,14 @@ def _first(d: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
-def kda_of(d: Mapping[str, Any], num_layers: int) -> KdaConfig:
-    """``layer_types`` wins over ``linear_attn_config``'s 1-based ``kda_layers`` /
+def kimi_recurrent_of(d: Mapping[str, Any]) -> RecurrentConfig:
+    """The KDA layers: ``num_heads`` heads of ``head_dim`` for q, k and v alike (so key and
+    value heads coincide), a conv of ``short_conv_kernel_size`` on each of q, k and v.
+    ``layer_types`` wins over ``linear_attn_config``'s 1-based ``kda_layers`` /
     ``full_attn_layers``; with neither, transformers' default (every 4th layer from layer 4
     is MLA)."""
     lin = d.get("linear_attn_config") or {}
+    num_layers = int(d["num_hidden_layers"])
     if d.get("layer_types"):
         types = list(d["layer_types"])
         if len(types) != num_layers:
@@ -134,13 +113,17 @@ def kda_of(d: Mapping[str, Any], num_layers: int) -> KdaConfig:
         layers = tuple(kda)
     else:
         layers = tuple(i for i in range(num_layers) if not (i and i % 4 == 0))
-    return KdaConfig(
-        num_heads=int(_first(lin, "num_heads", default=d.get("linear_num_heads", 32))),
-        head_dim=int(_first(lin, "head_dim", default=d.get("linear_head_dim", 128))),
+    heads = int(_first(lin, "num_heads", default=d.get("linear_num_heads", 32)))
+    head_dim = int(_first(lin, "head_dim", default=d.get("linear_head_dim", 128)))
+    return RecurrentConfig(
+        layers=layers,
+        num_key_heads=heads,
+        num_value_heads=heads,
+        key_head_dim=head_dim,
+        value_head_dim=head_dim,
         conv_kernel=int(
             _first(lin, "short_conv_kernel_size", default=d.get("linear_conv_kernel_dim", 4))
         ),
-        layers=layers,
     )
 
 
@@ -169,7 +152,9 @@ def kimi_mla_of(d: Mapping[str, Any]) -> MlaConfig:
     )
 
 
-def kimi_to_hf(moe: MoeConfig, mla: MlaConfig, kda: KdaConfig, num_layers: int) -> dict:
+def kimi_to_hf(
+    moe: MoeConfig, mla: MlaConfig, kda: RecurrentConfig, num_layers: int
+) -> dict[str, Any]:
     """The family's config.json fields, spelled as the released checkpoint spells them."""
     return {
         "num_experts": moe.num_experts,
@@ -192,10 +177,10 @@ def kimi_to_hf(moe: MoeConfig, mla: MlaConfig, kda: KdaConfig, num_layers: int) 
         "mla_use_nope": True,
         "pad_token_id": None,  # transformers' default (163839) is outside a small vocabulary
         "linear_attn_config": {
-            "num_heads": kda.num_heads,
-            "head_dim": kda.head_dim,
+            "num_heads": kda.num_value_heads,
+            "head_dim": kda.value_head_dim,
             "short_conv_kernel_size": kda.conv_kernel,
             "kda_layers": [i + 1 for i in kda.layers],
-            "full_attn_layers": [i + 1 for i in range(num_layers) if not kda.is_kda(i)],
+            "full_attn_layers": [i + 1 for i in range(num_layers) if not kda.is_linear(i)],
         },
     }

@@ -1,10 +1,12 @@
-"""Sparse MoE block (MiniMax-M2, GLM-5): sigmoid router with correction bias, top-k SwiGLU experts.
+"""Sparse MoE block (MiniMax-M2, GLM-5, Qwen3-Next): a router, top-k SwiGLU experts, a shared one.
 
 Routing follows transformers' ``minimax_m2`` / ``glm_moe_dsa`` exactly: router logits (in
 the weights' dtype for MiniMax-M2, fp32 for GLM-5), sigmoid scores in fp32, experts chosen
 by score + ``e_score_correction_bias`` (the bias only steers the choice) within the best
 expert groups, weights = the chosen raw scores renormalised to sum to 1, times the routed
-scaling factor; GLM-5 adds an always-on shared SwiGLU. Per-expert gate / up checkpoint
+scaling factor; GLM-5 adds an always-on shared SwiGLU. Qwen3-Next (``MoeScoring.SOFTMAX``)
+follows ``qwen3_next``: softmax over the router logits in fp32, the top-k renormalised, plus a
+shared SwiGLU scaled by ``sigmoid(shared_expert_gate . x)``. Per-expert gate / up checkpoint
 tensors are fused at load time into one ``[experts, 2 * width, hidden]`` tensor, the downs
 stacked into ``[experts, hidden, width]``. The forward groups rows by expert (one sort), so
 each expert that any row chose runs two matmuls over exactly its rows; experts no row chose
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.model.config import MoeConfig
+from prefill_node.model.family_config import MoeScoring
 from prefill_node.model.weights import MoeNames
 
 
@@ -52,19 +55,24 @@ class SparseMoe(nn.Module):
             return nn.Parameter(torch.empty(shape, dtype=dt, device=device), False)
 
         self.router = param((e, hidden), torch.float32 if fp32_router else dtype)
-        self.bias = param((e,), torch.float32)  # routing stays fp32 whatever the weights' dtype
+        # routing stays fp32 whatever the weights' dtype
+        self.bias = param((e,), torch.float32) if names.bias else None
         self.gate_up = param((e, 2 * w, hidden))
         self.down = param((e, hidden, w))
-        shared = w * moe.num_shared_experts
+        shared = moe.shared_width
         self.shared_gate_up = param((2 * shared, hidden)) if shared else None
         self.shared_down = param((hidden, shared)) if shared else None
+        self.shared_gate = param((1, hidden)) if moe.gated_shared else None
 
     @torch.no_grad()
     def load(self, get: Callable[[str], torch.Tensor]) -> None:
         """``get(suffix)`` returns the layer's checkpoint tensor (shape already checked)."""
         n = self.names
         self.router.copy_(get(n.router))
-        self.bias.copy_(get(n.bias))
+        if self.bias is not None:
+            self.bias.copy_(get(n.bias))
+        if self.shared_gate is not None:
+            self.shared_gate.copy_(get(n.shared_gate))
         for e in range(self.num_experts):
             self.gate_up[e, : self.width].copy_(get(n.expert_tensor(e, n.gate)))
             self.gate_up[e, self.width :].copy_(get(n.expert_tensor(e, n.up)))
@@ -77,7 +85,12 @@ class SparseMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows x [T, hidden] -> (expert ids LongTensor [T, top_k], fp32 weights [T, top_k])."""
         moe = self.moe
-        scores = torch.sigmoid(F.linear(x.to(self.router.dtype), self.router).float())
+        logits = F.linear(x.to(self.router.dtype), self.router).float()
+        if moe.scoring is MoeScoring.SOFTMAX or self.bias is None:
+            probs = torch.softmax(logits, dim=-1)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            return experts, weights / weights.sum(dim=-1, keepdim=True)
+        scores = torch.sigmoid(logits)
         choice = scores + self.bias
         if moe.num_groups > 1:
             grouped = choice.view(x.shape[0], moe.num_groups, -1)
@@ -96,7 +109,10 @@ class SparseMoe(nn.Module):
         """x [T, hidden] (already post-attention-normed) -> the block's output [T, hidden]."""
         out = self._routed(x)
         if self.shared_gate_up is not None and self.shared_down is not None:
-            out = out + swiglu(x, self.shared_gate_up, self.shared_down)
+            shared = swiglu(x, self.shared_gate_up, self.shared_down)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + shared
         return out
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,9 @@ class PagedBlocks:
     """What every stage cache shares: one ``[num_blocks, planes, block_size, heads, width]``
     tensor per local layer, allocated once, with block-level addressing (``layer``,
     ``copy_block``, ``bytes_per_block``). ``PagedKVCache`` (K and V) and the MLA
-    ``PagedLatentCache`` (one plane of whole token entries) add their reads and writes."""
+    ``PagedLatentCache`` (one plane of whole token entries) add their reads and writes.
+    ``layers``: the global layers that have a tensor, in order (default: every layer of
+    ``layer_range``; a hybrid stage's recurrent layers have none)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class PagedBlocks:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layers: tuple[int, ...] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise InvariantError(f"need >= 1 block of >= 1 token, got {num_blocks}x{block_size}")
@@ -52,21 +55,29 @@ class PagedBlocks:
         self.entry_parts: tuple[int, ...] = ()  # only an MLA cache splits its entries
         self.dtype = dtype
         self.device = torch.device(device)
+        self.layers = tuple(layer_range) if layers is None else layers
+        if any(layer not in layer_range for layer in self.layers):
+            raise InvariantError(f"layers {self.layers} are not all in {layer_range}")
+        self._slot = {layer: i for i, layer in enumerate(self.layers)}
         shape = (num_blocks, planes, block_size, num_kv_heads, head_dim)
         self.tensors: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in layer_range
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers
         ]
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies in ONE layer (every plane of all its tokens)."""
-        return self.tensors[0][0].numel() * self.tensors[0].element_size()
+        numbers = self.planes * self.block_size * self.num_kv_heads * self.head_dim
+        return numbers * self.dtype.itemsize
 
     def layer(self, global_layer: int) -> torch.Tensor:
         """The tensor of ``global_layer``; InvariantError if this stage does not hold it."""
-        if global_layer not in self.layer_range:
-            raise InvariantError(f"layer {global_layer} is not on this stage {self.layer_range}")
-        return self.tensors[global_layer - self.layer_range.start]
+        slot = self._slot.get(global_layer)
+        if slot is None:
+            raise InvariantError(
+                f"layer {global_layer} has no paged tensor on this stage {self.layer_range}"
+            )
+        return self.tensors[slot]
 
     def _table(self, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
         """``block_table`` as a LongTensor on this cache's device, checked to hold
@@ -100,10 +111,11 @@ class PagedKVCache(PagedBlocks):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layers: tuple[int, ...] | None = None,
     ) -> None:
         # planes 2: K and V (an MLA PagedLatentCache has one)
         super().__init__(
-            layer_range, num_blocks, block_size, 2, num_kv_heads, head_dim, dtype, device
+            layer_range, num_blocks, block_size, 2, num_kv_heads, head_dim, dtype, device, layers
         )
 
     @classmethod

@@ -105,7 +105,8 @@ class StageModel(nn.Module):
         for layer in self.layers:
             layer.load(weights, shapes)
         if self.norm is not None and self.lm_head is not None:
-            self.norm.copy_(take(weights, FINAL_NORM, shapes[FINAL_NORM]))
+            final_norm = take(weights, FINAL_NORM, shapes[FINAL_NORM]).float()
+            self.norm.copy_(final_norm + self.config.norm_weight_offset)
             if self.lm_head is not self.embed:
                 head = LM_HEAD if LM_HEAD in shapes else EMBED
                 self.lm_head.copy_(take(weights, head, shapes[head]))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefill_node.errors import InvariantError
 from prefill_node.model.config import MlaConfig, ModelConfig, ModelFamily, QkNorm
 from prefill_node.model.partition import LayerRange
 
@@ -36,6 +37,7 @@ class MoeNames:
     up: str
     down: str
     shared: str = ""  # prefix of the shared experts' gate_proj/up_proj/down_proj
+    shared_gate: str = ""  # the shared expert's sigmoid gate [1, hidden] (Qwen3-Next)
 
     def expert_tensor(self, expert: int, proj: str) -> str:
         return self.expert.format(expert=expert) + proj + ".weight"
@@ -59,6 +61,16 @@ GLM_MOE = MoeNames(
     down="down_proj",
     shared="mlp.shared_experts.",
 )
+QWEN3_NEXT_MOE = MoeNames(
+    router="mlp.gate.weight",
+    bias="",  # softmax routing has no correction bias
+    expert="mlp.experts.{expert}.",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+    shared="mlp.shared_expert.",
+    shared_gate="mlp.shared_expert_gate.weight",
+)
 # Kimi Linear's released layout: MiniMax-M2's per-expert names plus shared experts.
 KIMI_MOE = MoeNames(
     router="block_sparse_moe.gate.weight",
@@ -69,14 +81,36 @@ KIMI_MOE = MoeNames(
     down="w2",
     shared="block_sparse_moe.shared_experts.",
 )
-# The KDA tensors a layer's ``self_attn.`` holds besides its projections (see kda_shapes).
+# A KDA layer's three short convolutions (transformers stacks them into one conv1d on load).
 KDA_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 
 
 def moe_names(config: ModelConfig) -> MoeNames:
-    return {ModelFamily.GLM_MOE_DSA: GLM_MOE, ModelFamily.KIMI_LINEAR: KIMI_MOE}.get(
-        config.family, MINIMAX_MOE
-    )
+    return {
+        ModelFamily.GLM_MOE_DSA: GLM_MOE,
+        ModelFamily.QWEN3_NEXT: QWEN3_NEXT_MOE,
+        ModelFamily.KIMI_LINEAR: KIMI_MOE,
+    }.get(config.family, MINIMAX_MOE)
+
+
+def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next GatedDeltaNet: q/k/v/z and b/a projections grouped by key head, the depthwise
+    conv over q, k, v, per-value-head decay parameters, the gated norm, the output. Kimi
+    Linear's KDA: see ``kda_shapes``."""
+    r, h, a = config.recurrent, config.hidden_size, p + "linear_attn."
+    if r is None:
+        raise InvariantError(f"{p} is not a linear-attention layer of {config.family.value}")
+    if config.family is ModelFamily.KIMI_LINEAR:
+        return {p + "self_attn." + suffix: shape for suffix, shape in kda_shapes(config).items()}
+    return {
+        a + "in_proj_qkvz.weight": (2 * r.key_dim + 2 * r.value_dim, h),
+        a + "in_proj_ba.weight": (2 * r.num_value_heads, h),
+        a + "conv1d.weight": (r.conv_width, 1, r.conv_kernel),
+        a + "dt_bias": (r.num_value_heads,),
+        a + "A_log": (r.num_value_heads,),
+        a + "norm.weight": (r.value_head_dim,),
+        a + "out_proj.weight": (h, r.value_dim),
+    }
 
 
 def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ...]]:
@@ -89,10 +123,10 @@ def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ..
 
 def kda_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Suffix (under ``self_attn.``) -> shape of every tensor of a KDA layer."""
-    if config.kda is None:
-        return {}
-    h, k = config.hidden_size, config.kda
-    d, heads, qkv = k.head_dim, k.num_heads, k.qkv_dim
+    h, k = config.hidden_size, config.recurrent
+    if k is None:
+        raise InvariantError(f"{config.family.value} has no KDA layers")
+    d, heads, qkv = k.key_head_dim, k.num_value_heads, k.key_dim
     shapes = {s: (qkv, h) for s in ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
     shapes.update({s: (qkv, 1, k.conv_kernel) for s in KDA_CONVS})
     shapes.update(
@@ -140,14 +174,13 @@ def _mla_shapes(m: MlaConfig, heads: int, h: int, a: str) -> dict[str, tuple[int
     return shapes
 
 
-def _attention_shapes(config: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     h, a = config.hidden_size, p + "self_attn."
-    if config.kda is not None and config.kda.is_kda(layer):
-        return {a + suffix: shape for suffix, shape in kda_shapes(config).items()}
     if config.mla is not None:
         return _mla_shapes(config.mla, config.num_heads, h, a)
+    gate = config.q_size if config.attention_output_gate else 0
     shapes = {
-        a + "q_proj.weight": (config.q_size, h),
+        a + "q_proj.weight": (config.q_size + gate, h),
         a + "k_proj.weight": (config.kv_size, h),
         a + "v_proj.weight": (config.kv_size, h),
         a + "o_proj.weight": (h, config.q_size),
@@ -168,20 +201,26 @@ def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int,
     p = f"model.layers.{layer}."
     h = config.hidden_size
     shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    shapes.update(_attention_shapes(config, p, layer))
+    if config.is_linear_layer(layer):
+        shapes.update(_linear_attention_shapes(config, p))
+    else:
+        shapes.update(_attention_shapes(config, p))
     moe = config.moe
     if moe is None or not moe.is_sparse(layer):
         shapes.update(_mlp_shapes(p + "mlp.", config.intermediate_size, h))
         return shapes
     names, ei = moe_names(config), moe.expert_intermediate_size
     shapes[p + names.router] = (moe.num_experts, h)
-    shapes[p + names.bias] = (moe.num_experts,)
+    if names.bias:
+        shapes[p + names.bias] = (moe.num_experts,)
     for e in range(moe.num_experts):
         shapes[p + names.expert_tensor(e, names.gate)] = (ei, h)
         shapes[p + names.expert_tensor(e, names.down)] = (h, ei)
         shapes[p + names.expert_tensor(e, names.up)] = (ei, h)
-    if moe.num_shared_experts:
-        shapes.update(_mlp_shapes(p + names.shared, ei * moe.num_shared_experts, h))
+    if moe.shared_width:
+        shapes.update(_mlp_shapes(p + names.shared, moe.shared_width, h))
+    if moe.gated_shared:
+        shapes[p + names.shared_gate] = (1, h)
     return shapes
 
 
@@ -222,21 +261,25 @@ def random_weights(
     Scales keep activations O(1) through the stack and attention non-uniform (so masking
     and position errors show in the output): linear layers N(0, 1/fan_in), embeddings
     N(0, 1), norm weights 1 + N(0, 0.1^2). A MoE router's correction bias is N(0, 0.1^2),
-    large enough next to the sigmoid scores to change some tokens' expert choices. A KDA
-    layer's ``A_log`` is N(0, 0.5^2) and its ``dt_bias`` -2 + N(0, 0.5^2), so the per-channel
-    decays span slow and fast forgetting and a state carries over dozens of tokens.
+    large enough next to the sigmoid scores to change some tokens' expert choices.
+    Zero-centred norm weights (``ModelConfig.norm_weight_offset``) are drawn as N(0, 0.1^2),
+    so the scale is the same 1 + N(0, 0.1^2). A KDA layer's ``A_log`` is N(0, 0.5^2) and its
+    ``dt_bias`` -2 + N(0, 0.5^2), so its per-channel decays span slow and fast forgetting.
     """
     out = {}
+    centre = 1.0 - config.norm_weight_offset
     for name, shape in weight_shapes(config, layer_range).items():
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         t = torch.randn(shape, generator=g, dtype=torch.float32)
-        if name.endswith("norm.weight"):
+        if name.endswith("linear_attn.norm.weight"):  # the gated norm is not zero-centred
             t = 1.0 + 0.1 * t
+        elif name.endswith("norm.weight"):
+            t = centre + 0.1 * t
         elif name.endswith("e_score_correction_bias"):
             t = 0.1 * t
-        elif name.endswith("A_log"):
+        elif name.endswith("self_attn.A_log"):  # KDA's (Qwen3-Next's live under linear_attn)
             t = 0.5 * t
-        elif name.endswith("dt_bias"):
+        elif name.endswith("self_attn.dt_bias"):
             t = 0.5 * t - 2.0
         elif name != EMBED:
             t = t / shape[-1] ** 0.5

@@ -43,7 +43,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True)
 class CapturedKV:
     """A finished request's KV on one stage (``capture_kv`` only): per local layer, K and V
-    [num_tokens, kv_heads, head_dim], in global layer order from ``layer_start``."""
+    [num_tokens, kv_heads, head_dim], in global layer order from ``layer_start`` (a
+    recurrent layer: its final state as k and its conv tail as v)."""
 
     stage: int
     layer_start: int
@@ -133,6 +134,7 @@ class PipelineStageCompute:
                 num_blocks=spec.stage_blocks[stage],
                 block_size=spec.block_size,
                 num_layers=len(model.layer_range),
+                snapshot_interval_blocks=model.config.snapshot_interval_blocks,
                 headroom_blocks=spec.headroom_blocks(stage),
                 enable_kv_events=spec.kv_events,
             )

@@ -105,6 +105,7 @@ class StageExecutor:
                 num_blocks=num_blocks,
                 block_size=block_size,
                 num_layers=len(model.layer_range),
+                snapshot_interval_blocks=model.config.snapshot_interval_blocks,
                 enable_kv_events=events,
             )
         )
