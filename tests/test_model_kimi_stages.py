@@ -210,3 +210,23 @@ def test_cache_bytes_per_block_include_snapshots():
     assert CONFIG.recurrent.snapshot_bytes(4) == snapshot
     latent = BLOCK * (16 + 8) * 4
     assert CONFIG.cache_bytes_per_block(range(4), BLOCK, torch.float32) == 3 * snapshot + latent
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_bf16_runs_close_to_fp32(hf_model, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    stages = []
+    for lr in split_layers(CONFIG.num_layers, 2):
+        stage = StageModel(CONFIG, lr, dtype=torch.bfloat16, device=device)
+        stage.load_weights(WEIGHTS)
+        stages.append((stage, stage_cache(CONFIG, lr, NUM_BLOCKS, BLOCK, torch.bfloat16, device)))
+    for start, end in ((0, 29), (29, len(TOKENS))):  # 29 is mid-block: the live state carries
+        x = torch.tensor(TOKENS[start:end], device=device)
+        for stage, cache in stages:
+            x = stage(x, ChunkBatch((ChunkSpec(start, end - start, TABLE),)), cache)
+    assert x.dtype == torch.bfloat16 and stages[0][1].recurrent.states[0].dtype == torch.float32
+    logits = stages[-1][0].compute_logits(x[-1:])[0].cpu()
+    ref = hf_run(hf_model, TOKENS).logits[0, -1]
+    assert torch.isfinite(logits).all()
+    assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
