@@ -9,7 +9,9 @@ are interleaved so background load hits both alike. ``--family llama`` (default)
 SmolLM2-135M (converted real weights when ``prefill_node.model.default_model`` can provide
 them, else random weights with its config; the output says which); ``--family minimax-m2``
 is a small random MiniMax-M2-class MoE and ``--family glm-5`` a small random GLM-5-class
-model (MLA + sparse-attention indexer keeping 256 positions + MoE with a shared expert);
+model (MLA + sparse-attention indexer keeping 256 positions + MoE with a shared expert),
+``--family qwen3-next`` a small random Qwen3-Next-class hybrid (gated-delta-rule linear
+attention in 3 of every 4 layers, the context resumed from the cache's block snapshot);
 transformers loads those from a checkpoint directory written here. Each cell reports
 tokens/s from the median wall-clock time and, because a shared machine's load swings wall
 time by 2x, also from the median CPU time of the (single) compute thread.
@@ -111,7 +113,38 @@ GLM5_SMALL = ModelConfig.from_hf_config(
     },
     name="GLM-5-small-random",
 )
-SMALL_FAMILIES = {"minimax-m2": MINIMAX_M2_SMALL, "glm-5": GLM5_SMALL}
+# Qwen3-Next's shape shrunk: 3 linear-attention layers (GatedDeltaNet, 4 q/k heads shared by
+# 8 value heads) per gated full-attention layer, 32 experts (8 active) + a gated shared one.
+QWEN3_NEXT_SMALL = ModelConfig.from_hf_config(
+    {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 8192,
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 32,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10_000_000.0,
+    },
+    name="Qwen3-Next-small-random",
+)
+SMALL_FAMILIES = {
+    "minimax-m2": MINIMAX_M2_SMALL,
+    "glm-5": GLM5_SMALL,
+    "qwen3-next": QWEN3_NEXT_SMALL,
+}
 
 
 def load_model(family: str, force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:

@@ -172,7 +172,9 @@ class RouterEngine:
 
     # -- LinkListener --------------------------------------------------------------------------
     def link_identified(self, link: PipelineLink, info: RemoteServerInfo) -> str | None:
-        identity = CacheIdentity(info.cache_model_id, info.block_size)
+        identity = CacheIdentity(
+            info.cache_model_id, info.block_size, info.snapshot_interval_blocks or None
+        )
         with self._lock:
             if info.router or not info.block_size or not info.kv_events:
                 why = "not a pipeline publishing KV events (a router, or a server without them)"
@@ -397,6 +399,7 @@ class RouterEngine:
             capacity_blocks=capacity,
             inflight_requests=own_requests,
             resident_blocks=self._index.num_blocks(link.pid) if indexed else 0,
+            snapshot_interval_blocks=info.snapshot_interval_blocks or None if info else None,
         )
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:

@@ -214,6 +214,35 @@ def test_engine_reuses_prefixes_up_to_a_snapshot_and_matches_transformers(hf_mod
     engine.check_integrity()
 
 
+def test_evicted_blocks_shrink_the_reused_prefix_and_never_give_a_wrong_state(hf_model):
+    """A 7-block stage cache: a second prompt evicts the tail of the first one's chain, so
+    repeating the first reuses only its leading blocks (their snapshots came with them)."""
+    config = LocalEngineConfig(num_stages=2, num_blocks=7, block_size=BLOCK, max_chunk_tokens=16)
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
+    first, other = TOKENS[:40], TOKENS[30:70]
+    outs = [engine.prefill(p, PrefillOptions()) for p in (first, other, first)]
+    cached = outs[2].result.cached_tokens
+    assert 0 < cached < 32 and cached % BLOCK == 0, cached
+    for prompt, out in zip((first, other, first), outs, strict=True):
+        want = hf_run(hf_model, prompt).logits[0, -1]
+        torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
+    engine.check_integrity()
+
+
+def test_the_server_reports_the_snapshot_interval_to_routers():
+    from prefill_node.client.remote_engine import RemoteEngine
+    from tests.grpc_harness import ServerThread
+
+    config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=BLOCK)
+    with ServerThread(LocalEngine.from_weights(CONFIG, WEIGHTS, config)) as srv:
+        remote = RemoteEngine(srv.target)
+        try:
+            assert remote.info.snapshot_interval_blocks == 1
+            assert remote.cache_identity.snapshot_interval_blocks == 1
+        finally:
+            remote.shutdown()
+
+
 def test_one_token_steps_from_the_cache_continue_like_transformers_generate(hf_model):
     """Decode-style continuation: single-token chunks resuming from the live state in the
     partial last block give transformers' greedy tokens (its own single-token recurrent path)."""

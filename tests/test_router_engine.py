@@ -10,10 +10,10 @@ from prefill_router.discovery import StaticDiscovery
 from prefill_router.router_engine import RouterConfig, RouterEngine
 
 
-def info(model_id="tiny|float32", block_size=16, *, kv_events=True, router=False):
+def info(model_id="tiny|float32", block_size=16, *, kv_events=True, router=False, snap=0):
     return RemoteServerInfo(
         "tiny", 64, 512, 2, False, "0.1.0", False, "inst", block_size, model_id, "p",
-        kv_events, router,
+        kv_events, router, snap,
     )  # fmt: skip
 
 
@@ -45,3 +45,14 @@ def test_without_a_model_name_any_first_model_is_accepted():
     engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
     assert engine.link_identified(link("a"), info(model_id="other|float32")) is None
     assert engine.cache_identity.model_id == "other|float32"
+
+
+def test_a_recurrent_models_snapshot_interval_reaches_the_identity():
+    """Pipelines of a model with recurrent layers report their snapshot interval; the
+    router's identity (and so its own ServerInfo and reuse predictions) carries it."""
+    engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
+    assert engine.link_identified(link("a"), info(snap=1)) is None
+    assert engine.cache_identity.snapshot_interval_blocks == 1
+    plain = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
+    assert plain.link_identified(link("a"), info()) is None
+    assert plain.cache_identity.snapshot_interval_blocks is None

@@ -58,6 +58,7 @@ class RemoteServerInfo(NamedTuple):
     pipeline_id: str = ""
     kv_events: bool = False  # SubscribeKvEvents is served
     router: bool = False
+    snapshot_interval_blocks: int = 0  # > 0: recurrent layers (CacheIdentity)
 
 
 def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
@@ -75,6 +76,7 @@ def _info(msg: prefill_pb2.ServerInfo) -> RemoteServerInfo:
         msg.pipeline_id,
         msg.kv_events,
         msg.router,
+        msg.snapshot_interval_blocks,
     )
 
 

@@ -79,7 +79,11 @@ class RemoteEngine:
 
     @property
     def cache_identity(self) -> CacheIdentity:
-        return CacheIdentity(self.info.cache_model_id, self.info.block_size)
+        return CacheIdentity(
+            self.info.cache_model_id,
+            self.info.block_size,
+            self.info.snapshot_interval_blocks or None,
+        )
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """Send one Prefill call; ``options.deadline_s`` (monotonic) becomes the call deadline."""

@@ -173,10 +173,13 @@ class EngineHealth:
 @dataclass(frozen=True)
 class CacheIdentity:
     """What decides whether two servers' block hashes can be compared: the model identity
-    hashed into every block (``ExtraKeys.model_id``) and the block size in tokens."""
+    hashed into every block (``ExtraKeys.model_id``) and the block size in tokens; and how
+    far a cached prefix is reusable: ``snapshot_interval_blocks`` (models with recurrent
+    layers) makes reuse stop at a snapshot boundary, before the prompt's last token."""
 
     model_id: str
     block_size: int
+    snapshot_interval_blocks: int | None = None
 
 
 class Engine(Protocol):

@@ -247,7 +247,11 @@ class LocalEngine:
 
     @property
     def cache_identity(self) -> CacheIdentity:
-        return CacheIdentity(self.model_id, self.config.block_size)
+        return CacheIdentity(
+            self.model_id,
+            self.config.block_size,
+            self.model_config.snapshot_interval_blocks,
+        )
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """Validate (raising), run the prefill now, return a completed future."""

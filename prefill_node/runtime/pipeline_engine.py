@@ -287,7 +287,9 @@ class PipelineEngine:
     @property
     def cache_identity(self) -> CacheIdentity:
         return CacheIdentity(
-            model_cache_id(self.config.name, self.spec.dtype), self.spec.block_size
+            model_cache_id(self.config.name, self.spec.dtype),
+            self.spec.block_size,
+            self.config.snapshot_interval_blocks,
         )
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:

@@ -223,6 +223,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             pipeline_id=self._kv_events.pipeline_id if self._kv_events is not None else "",
             kv_events=self._kv_events is not None,
             router=self._forward is not None,  # a forwarder sits in front of pipelines
+            snapshot_interval_blocks=identity.snapshot_interval_blocks or 0,
         )
 
     async def SubscribeKvEvents(

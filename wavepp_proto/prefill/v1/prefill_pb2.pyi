@@ -180,7 +180,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version", "chat_template", "instance_id", "block_size", "cache_model_id", "pipeline_id", "kv_events", "router")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "num_stages", "text_prompts", "server_version", "chat_template", "instance_id", "block_size", "cache_model_id", "pipeline_id", "kv_events", "router", "snapshot_interval_blocks")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class ServerInfo(_message.Message):
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_INTERVAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -207,4 +208,5 @@ class ServerInfo(_message.Message):
     pipeline_id: str
     kv_events: bool
     router: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ..., chat_template: _Optional[bool] = ..., instance_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_model_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., kv_events: _Optional[bool] = ..., router: _Optional[bool] = ...) -> None: ...
+    snapshot_interval_blocks: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_stages: _Optional[int] = ..., text_prompts: _Optional[bool] = ..., server_version: _Optional[str] = ..., chat_template: _Optional[bool] = ..., instance_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_model_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., kv_events: _Optional[bool] = ..., router: _Optional[bool] = ..., snapshot_interval_blocks: _Optional[int] = ...) -> None: ...
