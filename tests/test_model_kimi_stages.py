@@ -186,6 +186,21 @@ def test_engine_reuses_prefixes_up_to_a_snapshot_and_matches_transformers(hf_mod
     engine.check_integrity()
 
 
+def test_evicted_blocks_shrink_the_reused_prefix_and_never_give_a_wrong_state(hf_model):
+    """A 7-block stage cache: a second prompt evicts the tail of the first one's chain, so
+    repeating the first reuses only its leading blocks (their snapshots came with them)."""
+    config = LocalEngineConfig(num_stages=2, num_blocks=7, block_size=BLOCK, max_chunk_tokens=16)
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
+    first, other = TOKENS[:40], TOKENS[30:70]
+    outs = [engine.prefill(p, PrefillOptions()) for p in (first, other, first)]
+    cached = outs[2].result.cached_tokens
+    assert 0 < cached < 32 and cached % BLOCK == 0, cached
+    for prompt, out in zip((first, other, first), outs, strict=True):
+        want = hf_run(hf_model, prompt).logits[0, -1]
+        torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
+    engine.check_integrity()
+
+
 def test_moe_routes_within_the_best_group_in_fp32():
     stage = StageModel(CONFIG, LayerRange(0, 2))
     stage.load_weights(WEIGHTS)
