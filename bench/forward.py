@@ -16,7 +16,9 @@ attention in 3 of every 4 layers, the context resumed from the cache's block sna
 MLA without RoPE or indexer in the rest, grouped MoE with a shared expert);
 transformers loads those from a checkpoint directory written here. Each cell reports
 tokens/s from the median wall-clock time and, because a shared machine's load swings wall
-time by 2x, also from the median CPU time of the (single) compute thread.
+time by 2x, also from the median CPU time of the (single) compute thread. ``--matmul``
+picks our fp32 matmul: oneDNN on prepacked weights (the default, ``model/tensor_ops.linear``)
+or F.linear (what transformers runs; MKL here) to see what the packing buys.
 
     python bench/forward.py --json /tmp/forward.json [--family minimax-m2] [--runs 3]
 """
@@ -42,6 +44,7 @@ from prefill_node.model.latent_cache import stage_cache
 from prefill_node.model.loader_hf import load_hf_config, load_hf_weights, save_hf_checkpoint
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
+from prefill_node.model.tensor_ops import set_onednn_matmul
 from prefill_node.model.weights import random_weights
 
 SMOLLM2_135M = ModelConfig(
@@ -295,7 +298,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--family", choices=["llama", *SMALL_FAMILIES], default="llama")
     ap.add_argument("--random-weights", action="store_true", help="skip the real default model")
+    ap.add_argument(
+        "--matmul",
+        choices=["onednn", "f-linear"],
+        default="onednn",
+        help="our fp32 matmul: oneDNN on prepacked weights (default) or F.linear",
+    )
     args = ap.parse_args()
+    set_onednn_matmul(args.matmul == "onednn")
     if args.runs < 3:
         ap.error("--runs must be >= 3 (the result is a median)")
     torch.set_num_threads(args.threads)
@@ -333,6 +343,7 @@ def main() -> None:
                 "weights": "random" if "random" in source else "real",
                 "dtype": args.dtype,
                 "threads": args.threads,
+                "matmul": args.matmul,
                 **cell_row(chunk, context, ours_t, hf_t),
                 "max_abs_logit_diff": max_diff,
             }

@@ -54,8 +54,11 @@ from peer_vllm_cases import DEFAULT, QUICK, Case, estimate_seconds, make_cases
 from peer_vllm_report import PEERS, SYSTEMS, first_token_agreement, plot, rates, summarise
 from peer_vllm_report import table as markdown_table
 from router_cluster import BLOCK, Cluster, warm_pipeline, warm_router
-from router_workload import Request, run_closed_loop, token_stats
+from router_workload import run_closed_loop, token_stats
 from tqdm import tqdm
+
+from prefill_node.mkl_vendor import preload_env
+from prefill_node.sim.tenants import TenantRequest
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "peer_vllm_driver.py"
@@ -75,6 +78,8 @@ class VllmPeer:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
                    VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, args.cpus)))  # fmt: skip
         env.pop("PYTHONPATH", None)  # nothing of ours in there
+        # the same MKL vendor shim our processes run with (the same torch wheel links MKL)
+        env = preload_env(env)
         self.cpus = args.cpus
         self.log = logs / f"vllm-{mode}.log"
         argv = [str(args.peer_python), str(DRIVER), "--model", str(model_dir), "--dtype",
@@ -145,9 +150,9 @@ class OursTier:
     def measure(self, seed: list[list[int]], prompts: list[list[int]]) -> dict:
         bar, self._calls = tqdm(disable=True), self._calls + 1
         if seed:
-            seeds = [Request(0, "", tuple(p)) for p in seed]
+            seeds = [TenantRequest(0, "", tuple(p)) for p in seed]
             run_closed_loop(self.address, seeds, 1, f"seed{self._calls}", bar)
-        requests = [Request(0, "", tuple(p)) for p in prompts]
+        requests = [TenantRequest(0, "", tuple(p)) for p in prompts]
         outcomes, wall_s = run_closed_loop(
             self.address, requests, len(requests), f"timed{self._calls}", bar
         )

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the console script, not a call from Python: torch is not loaded yet
+        from prefill_node.mkl_vendor import reexec_with_shim
+
+        reexec_with_shim()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

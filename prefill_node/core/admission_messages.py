@@ -42,6 +42,9 @@ class ReserveStatus(Enum):
     NO_CAPACITY = "no_capacity"  # not enough free or evictable blocks right now
     ADMISSION_CAP = "admission_cap"  # would eat into the stage's lease headroom
     FCFS_BLOCKED = "fcfs_blocked"  # an earlier request of the round is waiting
+    # (coordinator only, never a stage's answer) the next blocks it needs are being computed
+    # by an admitted request: it waits for them to be cached instead of computing them again
+    PREFIX_IN_FLIGHT = "prefix_in_flight"
 
 
 @dataclass(frozen=True)

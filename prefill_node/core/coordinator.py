@@ -21,7 +21,8 @@ from prefill_node.core.admission_messages import (
     StageReservation,
     Wait,
 )
-from prefill_node.core.request import RequestSpec, blocks_needed, reused_tokens
+from prefill_node.core.hashing import BlockHash
+from prefill_node.core.request import PromptBlocks, RequestSpec, blocks_needed, reused_tokens
 from prefill_node.errors import InvalidRequestError, InvariantError
 
 
@@ -36,6 +37,9 @@ class CoordinatorConfig:
     block_size: int
     stage_num_blocks: tuple[int, ...]
     max_requests_per_round: int = 16
+    # wait for a prefix an admitted request is computing (``AdmissionCoordinator``); a
+    # driver that turns this on calls ``finished`` when each admitted request completes
+    share_inflight_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or not self.stage_num_blocks or self.max_requests_per_round <= 0:
@@ -55,6 +59,7 @@ class _Round:
     round_id: int
     phase: Phase
     request_ids: list[str]
+    reserving: list[str] = field(default_factory=list)  # request_ids less the deferred ones
     candidates: dict[str, int] = field(default_factory=dict)
     committing: dict[str, int] = field(default_factory=dict)  # request id -> boundary
     outcomes: dict[str, AdmissionOutcome] = field(default_factory=dict)
@@ -86,6 +91,9 @@ class AdmissionCoordinator:
         self._aborted: set[str] = set()
         self._round: _Round | None = None
         self._next_round_id = 0
+        self._hashes: dict[str, tuple[BlockHash, ...]] = {}  # queued, share_inflight_prefix
+        self._producer: dict[BlockHash, str] = {}  # block being computed -> its request
+        self._produces: dict[str, tuple[BlockHash, ...]] = {}  # request -> those blocks
 
     @property
     def num_queued(self) -> int:
@@ -123,6 +131,16 @@ class AdmissionCoordinator:
             self._queue[spec.request_id] = spec
         return rejected
 
+    def finished(self, request_id: str) -> bool:
+        """An admitted request completed or failed on every stage: the blocks it computed
+        are cached now (or never will be). True if requests may be waiting for them (run a
+        round). Needed only with ``share_inflight_prefix``; unknown ids are ignored."""
+        produced = self._produces.pop(request_id, ())
+        for h in produced:
+            if self._producer.get(h) == request_id:
+                del self._producer[h]
+        return bool(produced)
+
     def abort(self, request_id: str) -> bool:
         """Stop admitting a request; True if it was queued (it will never be admitted).
 
@@ -135,8 +153,10 @@ class AdmissionCoordinator:
             self._aborted.add(request_id)  # forgotten once the round ends
             return queued
         self._queue.pop(request_id, None)
+        self._hashes.pop(request_id, None)
         self._sent.discard(request_id)
         self._forgets.append(request_id)
+        self.finished(request_id)
         return queued
 
     # ---- phases ------------------------------------------------------------------------
@@ -187,13 +207,43 @@ class AdmissionCoordinator:
             for hint in reply.hints:
                 old = rnd.candidates.get(hint.request_id, hint.blocks)
                 rnd.candidates[hint.request_id] = min(old, hint.blocks)
-        orders = tuple(ReserveOrder(rid, rnd.candidates[rid]) for rid in rnd.request_ids)
+        rnd.reserving = list(rnd.request_ids)
+        if self.config.share_inflight_prefix:
+            self._defer_inflight_prefixes(rnd)
+        if not rnd.reserving:
+            return self._finish(rnd)
+        orders = tuple(ReserveOrder(rid, rnd.candidates[rid]) for rid in rnd.reserving)
         return self._message(Phase.RESERVE, reserves=orders)
 
+    def _defer_inflight_prefixes(self, rnd: _Round) -> None:
+        """Take out of the round (``Wait(PREFIX_IN_FLIGHT)``) each request whose next
+        uncached blocks an admitted request, or an earlier one of this round, computes."""
+        claimed = set(self._producer)
+        bs = self.config.block_size
+        for rid in rnd.request_ids:
+            hashes = self._hashes_of(rid)
+            start = rnd.candidates[rid]
+            run = 0
+            while start + run < len(hashes) and hashes[start + run] in claimed:
+                run += 1
+            if run and 2 * run * bs >= self._queue[rid].num_tokens - start * bs:
+                rnd.outcomes[rid] = Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
+                rnd.reserving.remove(rid)
+            else:
+                claimed.update(hashes[start:])
+
+    def _hashes_of(self, request_id: str) -> tuple[BlockHash, ...]:
+        hashes = self._hashes.get(request_id)
+        if hashes is None:
+            spec = self._queue[request_id]
+            hashes = PromptBlocks(spec, self.config.block_size).hashes
+            self._hashes[request_id] = hashes
+        return hashes
+
     def _after_reserve(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
-        by_request: dict[str, list[Reserved]] = {rid: [] for rid in rnd.request_ids}
+        by_request: dict[str, list[Reserved]] = {rid: [] for rid in rnd.reserving}
         for reply in sorted(replies, key=lambda r: r.stage):
-            _check_items(rnd, reply, [i.request_id for i in reply.reserved], rnd.request_ids)
+            _check_items(rnd, reply, [i.request_id for i in reply.reserved], rnd.reserving)
             for item in reply.reserved:
                 by_request[item.request_id].append(item)
         releases: list[str] = []
@@ -234,9 +284,19 @@ class AdmissionCoordinator:
             spec = self._queue[rid]
             cached = reused_tokens(spec.num_tokens, bs, boundary)
             rnd.outcomes[rid] = Admitted(rid, spec.num_tokens, cached, reservations)
+            if self.config.share_inflight_prefix:
+                self._claim(rid, boundary)
         if releases:
             return self._message(Phase.RELEASE, releases=tuple(releases))
         return self._finish(rnd)
+
+    def _claim(self, request_id: str, boundary: int) -> None:
+        """Record the full blocks an admitted request computes (those nobody else does)."""
+        mine = tuple(h for h in self._hashes_of(request_id)[boundary:] if h not in self._producer)
+        for h in mine:
+            self._producer[h] = request_id
+        if mine:
+            self._produces[request_id] = mine
 
     def _finish(self, rnd: _Round) -> RoundResult:
         outcomes: list[AdmissionOutcome] = []
@@ -245,10 +305,13 @@ class AdmissionCoordinator:
             if rid in self._aborted:
                 outcome = Aborted(rid)
                 self._queue.pop(rid, None)
+                self._hashes.pop(rid, None)
                 self._sent.discard(rid)
                 self._forgets.append(rid)
+                self.finished(rid)
             elif isinstance(outcome, Admitted):
                 del self._queue[rid]
+                self._hashes.pop(rid, None)
                 self._sent.discard(rid)
             if outcome is None:
                 raise InvariantError(f"round {rnd.round_id}: no outcome for {rid!r}")

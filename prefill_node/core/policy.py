@@ -55,6 +55,9 @@ class Policy:
     pipelined_chunks: bool  # may a request have chunks in several in-flight waves
     fragment_rule: bool
     max_round_requests: int = 32
+    # admission waits for a prefix an admitted request is computing (CoordinatorConfig);
+    # an admission mechanism, not WavePP's: both policies have it
+    share_inflight_prefix: bool = True
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.ring_size < 1 or self.max_round_requests < 1:

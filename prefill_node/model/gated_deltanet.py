@@ -29,7 +29,7 @@ from prefill_node.model.recurrent import (
     l2_normalize,
 )
 from prefill_node.model.recurrent_cache import HybridKVCache, snapshot_ends
-from prefill_node.model.tensor_ops import Getter, param
+from prefill_node.model.tensor_ops import Getter, linear, param
 
 
 def gated_rms_norm(
@@ -93,9 +93,9 @@ class GatedDeltaNet(nn.Module):
         (cos / sin: the token mixers' common signature; no RoPE here.)"""
         r = self.r
         rows = x.shape[0]
-        proj = F.linear(x, self.qkvz)
+        proj = linear(x, self.qkvz)
         mixed, z = proj[:, : r.conv_width], proj[:, r.conv_width :]
-        b, a = F.linear(x, self.ba).split(r.num_value_heads, dim=-1)
+        b, a = linear(x, self.ba).split(r.num_value_heads, dim=-1)
         beta = torch.sigmoid(b)
         g = -self.a_log.exp() * F.softplus(a.to(torch.float32) + self.dt_bias)
         core = torch.empty(
@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
             sl = slice(cp.row_start, cp.row_end)
             core[sl] = self._chunk(mixed[sl], g[sl], beta[sl], chunk.start, chunk.block_table, kv)
         normed = gated_rms_norm(core, z.view(rows, r.num_value_heads, -1), self.norm, self.eps)
-        return F.linear(normed.reshape(rows, r.value_dim), self.out)
+        return linear(normed.reshape(rows, r.value_dim), self.out)
 
     def _chunk(
         self,

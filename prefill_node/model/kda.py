@@ -35,7 +35,7 @@ from prefill_node.model.recurrent import (
     l2_normalize,
 )
 from prefill_node.model.recurrent_cache import RecurrentStateCache, snapshot_ends
-from prefill_node.model.tensor_ops import Getter, param
+from prefill_node.model.tensor_ops import Getter, linear, param
 from prefill_node.model.weights import KDA_CONVS
 
 _SOFTPLUS_LINEAR_ABOVE = 20.0  # transformers' softplus is x itself above 20
@@ -134,26 +134,24 @@ class KdaAttention(nn.Module):
         and the state after the chunk; ``offsets`` (in [0, L]) ask for the states after that
         many of the chunk's rows too (e.g. at block boundaries)."""
         rows = x.shape[0]
-        mixed, beta, f_a, g_a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        mixed, beta, f_a, g_a = linear(x, self.in_proj).split(self.splits, dim=-1)
         conv_in = mixed
         mixed, tail = causal_conv1d(mixed, self.conv, state.conv_tail)
         shape = (rows, self.heads, self.head_dim)
         q, k, v = (t.reshape(shape) for t in F.silu(mixed).split(self.qkv, dim=-1))
-        g = F.linear(f_a, self.f_b).float() + self.dt_bias
+        g = linear(f_a, self.f_b).float() + self.dt_bias
         g = -self.decay_rate * _softplus(g.view(shape))
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
         marks = [*offsets, rows]
         core, states = gated_delta_rule_states(
             q, k, v, g, torch.sigmoid(beta), state.recurrent, marks
         )
-        gate = F.linear(g_a, self.g_b).view(shape)
+        gate = linear(g_a, self.g_b).view(shape)
         normed = F.rms_norm(core.float(), (self.head_dim,), eps=self.eps) * self.o_norm.float()
         out = (normed * torch.sigmoid(gate.float())).to(x.dtype)
         tails = conv_tails(conv_in, state.conv_tail, offsets) if offsets else ()
         snapshots = tuple(KdaState(s, t) for s, t in zip(states[:-1], tails, strict=True))
-        return KdaResult(
-            F.linear(out.view(rows, -1), self.o), KdaState(states[-1], tail), snapshots
-        )
+        return KdaResult(linear(out.view(rows, -1), self.o), KdaState(states[-1], tail), snapshots)
 
 
 def _softplus(x: torch.Tensor) -> torch.Tensor:

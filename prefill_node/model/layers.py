@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.model.attention import AttentionPlan, paged_attention
@@ -28,7 +27,7 @@ from prefill_node.model.mla import MlaAttention
 from prefill_node.model.moe import SparseMoe, swiglu
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.rope import apply_rotary
-from prefill_node.model.tensor_ops import Getter, param, rms_norm, take
+from prefill_node.model.tensor_ops import Getter, linear, param, rms_norm, take
 from prefill_node.model.weights import moe_names
 
 __all__ = ["DecoderLayer", "GqaAttention", "rms_norm", "take"]
@@ -81,7 +80,7 @@ class GqaAttention(nn.Module):
     ) -> torch.Tensor:
         """Normed rows x [T, hidden] -> attention output [T, hidden]; stores K/V in ``kv``."""
         rows = x.shape[0]
-        qkv = F.linear(x, self.qkv)
+        qkv = linear(x, self.qkv)
         q = qkv[:, : self.q_width]
         gate = None
         if self.output_gate:  # per head: q then gate
@@ -101,7 +100,7 @@ class GqaAttention(nn.Module):
         out = paged_attention(q, k, v, plan, kv, self.layer)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o)
+        return linear(out, self.o)
 
 
 class DecoderLayer(nn.Module):

@@ -29,7 +29,7 @@ from prefill_node.model.attention import AttentionPlan, ChunkPlan
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import PagedLatentCache
 from prefill_node.model.rope import apply_rotary_interleaved
-from prefill_node.model.tensor_ops import Getter, param, rms_norm
+from prefill_node.model.tensor_ops import Getter, linear, param, rms_norm
 
 LATENT_EPS = 1e-6  # transformers builds q_a / kv_a norms with their default eps, not the config's
 
@@ -99,12 +99,12 @@ class MlaAttention(nn.Module):
         cache entry (latent, rotated key, indexer key) in ``cache`` first."""
         m, rows = self.m, x.shape[0]
         if self.q is not None:
-            q_resid, q = None, F.linear(x, self.q)
+            q_resid, q = None, linear(x, self.q)
         else:
-            q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, LATENT_EPS)
-            q = F.linear(q_resid, self.q_b)
+            q_resid = rms_norm(linear(x, self.q_a), self.q_a_norm, LATENT_EPS)
+            q = linear(q_resid, self.q_b)
         q = q.view(rows, self.heads, m.qk_head_dim)
-        latent, k_rot = F.linear(x, self.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        latent, k_rot = linear(x, self.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         latent = rms_norm(latent, self.kv_a_norm, LATENT_EPS)
         if m.rotary:
             q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
@@ -115,7 +115,7 @@ class MlaAttention(nn.Module):
         if q_resid is not None and self.idx_w is not None:
             iq, ik = self._indexer_q_k(x, q_resid, cos, sin)
             parts.append(ik)
-            iw = F.linear(x, self.idx_w).float() * m.index_n_heads**-0.5
+            iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
         entries = torch.cat(parts, dim=-1)
         cache.write_slots(self.layer, plan.k_slots, entries)
         out = torch.empty(rows, self.heads, m.v_head_dim, dtype=x.dtype, device=x.device)
@@ -124,7 +124,7 @@ class MlaAttention(nn.Module):
             ent = entries[r] if cp.table is None else cache.gather(self.layer, cp.table, cp.end)
             allowed = None if iq is None or iw is None else (iq[r], iw[r])
             out[r] = self._chunk(q[r], allowed, cache.split(ent.to(x.dtype)), cp)
-        return F.linear(out.view(rows, -1), self.o)
+        return linear(out.view(rows, -1), self.o)
 
     def _indexer_q_k(
         self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -134,11 +134,11 @@ class MlaAttention(nn.Module):
         if self.idx_q is None or self.idx_k is None:
             raise InvariantError("an MLA layer without an indexer has no indexer queries")
         rope, rest = m.qk_rope_head_dim, m.index_head_dim - m.qk_rope_head_dim
-        iq = F.linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
+        iq = linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
         iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
         iq = torch.cat((apply_rotary_interleaved(iq_rot, cos, sin), iq_pass), dim=-1)
         ik = F.layer_norm(
-            F.linear(x, self.idx_k), (m.index_head_dim,), self.idx_k_norm, self.idx_k_bias, 1e-6
+            linear(x, self.idx_k), (m.index_head_dim,), self.idx_k_norm, self.idx_k_bias, 1e-6
         )
         ik_rot, ik_pass = ik[:, None, :].split([rope, rest], dim=-1)
         ik = torch.cat((apply_rotary_interleaved(ik_rot, cos, sin), ik_pass), dim=-1)[:, 0]
@@ -177,7 +177,7 @@ class MlaAttention(nn.Module):
             mask.masked_fill_(~allowed, float("-inf"))
         else:
             mask = cp.mask  # None for a chunk from position 0: plain causal
-        kv = F.linear(latent, self.kv_b).view(cp.end, self.heads, -1)
+        kv = linear(latent, self.kv_b).view(cp.end, self.heads, -1)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)
         out = F.scaled_dot_product_attention(

@@ -23,14 +23,15 @@ from torch import nn
 
 from prefill_node.model.config import MoeConfig
 from prefill_node.model.family_config import MoeScoring
+from prefill_node.model.tensor_ops import linear
 from prefill_node.model.weights import MoeNames
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP with fused ``gate_up`` [2 * width, hidden] and ``down`` [hidden, width]."""
-    h = F.linear(x, gate_up)
+    h = linear(x, gate_up)
     width = down.shape[1]
-    return F.linear(F.silu(h[:, :width]).mul_(h[:, width:]), down)
+    return linear(F.silu(h[:, :width]).mul_(h[:, width:]), down)
 
 
 class SparseMoe(nn.Module):
@@ -85,7 +86,7 @@ class SparseMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows x [T, hidden] -> (expert ids LongTensor [T, top_k], fp32 weights [T, top_k])."""
         moe = self.moe
-        logits = F.linear(x.to(self.router.dtype), self.router).float()
+        logits = linear(x.to(self.router.dtype), self.router).float()
         if moe.scoring is MoeScoring.SOFTMAX or self.bias is None:
             probs = torch.softmax(logits, dim=-1)
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -111,7 +112,7 @@ class SparseMoe(nn.Module):
         if self.shared_gate_up is not None and self.shared_down is not None:
             shared = swiglu(x, self.shared_gate_up, self.shared_down)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+                shared = torch.sigmoid(linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
 

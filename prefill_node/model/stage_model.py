@@ -27,7 +27,7 @@ from prefill_node.model.latent_cache import StageCache
 from prefill_node.model.layers import DecoderLayer
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.rope import RotaryEmbedding
-from prefill_node.model.tensor_ops import rms_norm, take
+from prefill_node.model.tensor_ops import linear, rms_norm, take
 from prefill_node.model.weights import EMBED, FINAL_NORM, LM_HEAD, random_weights, weight_shapes
 
 
@@ -131,7 +131,7 @@ class StageModel(nn.Module):
         if self.norm is None or self.lm_head is None:
             raise InvariantError(f"compute_logits called on a non-last stage {self.layer_range}")
         normed = rms_norm(hidden_rows.to(self.dtype), self.norm, self.config.rms_norm_eps)
-        return F.linear(normed, self.lm_head).float()
+        return linear(normed, self.lm_head).float()
 
     def _check_call(self, inputs: torch.Tensor, batch: ChunkBatch, kv: StageCache) -> None:
         if not self._loaded:

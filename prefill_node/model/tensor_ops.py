@@ -1,4 +1,5 @@
-"""Tensor helpers shared by the layer modules: RMSNorm, parameter allocation, checked loads."""
+"""Tensor helpers shared by the layer modules: RMSNorm, the matmul, parameter allocation,
+checked loads."""
 
 from __future__ import annotations
 
@@ -16,6 +17,41 @@ Getter = Callable[[str], torch.Tensor]
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
+
+
+# oneDNN's matmul on a weight reordered once into its blocked layout ("prepacked", as vLLM's
+# CPU build and torch's inductor do) runs fp32 at about twice the speed of F.linear, which on
+# this CPU goes to MKL (measured ~200 vs ~90 GFLOP/s per thread on an AMD EPYC, 512 rows of
+# SmolLM2's shapes: bench/forward.py --matmul both). bf16 F.linear already goes to oneDNN.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACKED = "_wavepp_onednn"  # attribute on the weight Parameter: (its _version, packed weight)
+_use_onednn = _ONEDNN
+
+
+def set_onednn_matmul(enabled: bool) -> None:
+    """Choose the fp32 matmul: oneDNN on prepacked weights (default where torch has it) or
+    F.linear (for comparison: bench/forward.py --matmul)."""
+    global _use_onednn
+    _use_onednn = enabled and _ONEDNN
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``. A float32 CPU weight Parameter is packed for oneDNN on first use and
+    repacked whenever it was written since (its ``_version``); anything else (views such as
+    one expert's slice, other dtypes or devices) goes to F.linear."""
+    if not (
+        _use_onednn
+        and isinstance(weight, nn.Parameter)
+        and weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and weight.device.type == "cpu"
+    ):
+        return F.linear(x, weight)
+    cached = getattr(weight, _PACKED, None)
+    if cached is None or cached[0] != weight._version:
+        cached = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        setattr(weight, _PACKED, cached)
+    return torch.ops.mkldnn._linear_pointwise(x, cached[1], None, "none", [], "")
 
 
 def param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from prefill_node.mkl_vendor import preload_env
 from prefill_node.runtime.dist_env import DistEnv
 
 STAGE_CPU_ENV = "WAVEPP_STAGE_CPU"
@@ -73,7 +74,7 @@ class LocalLauncher:
     def start(self) -> None:
         cpus = stage_cpus(self._env.world_size) if self._pin_cpus else None
         for rank in range(1, self._env.world_size):
-            env = dict(os.environ)
+            env = preload_env(dict(os.environ))  # MKL's fast kernels on AMD (mkl_vendor.py)
             env.update(self._env.with_rank(rank).to_env())
             env["OMP_NUM_THREADS"] = "1"
             env.pop(STAGE_CPU_ENV, None)

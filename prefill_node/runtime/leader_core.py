@@ -66,7 +66,12 @@ class LeaderCore:
     def __init__(self, spec: PipelineSpec, model_config: Any):
         policy = spec.scheduling_policy
         self._coordinator = AdmissionCoordinator(
-            CoordinatorConfig(spec.block_size, spec.stage_blocks, policy.max_round_requests)
+            CoordinatorConfig(
+                spec.block_size,
+                spec.stage_blocks,
+                policy.max_round_requests,
+                share_inflight_prefix=policy.share_inflight_prefix,
+            )
         )
         planner = WavePlanner(
             policy.planner_config(
@@ -177,6 +182,7 @@ class LeaderCore:
             self._coordinator.abort(rid)
         for rid in done.finished:
             self._forget(rid)
+            self._coordinator.finished(rid)
         if done.dropped or done.finished:
             self._dirty = True  # capacity freed: waiting requests may fit now
 

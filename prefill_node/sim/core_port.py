@@ -48,6 +48,7 @@ class CorePort:
         stage_headroom_blocks: Sequence[int],
         max_round_requests: int,
         enable_kv_events: bool = False,
+        share_inflight_prefix: bool = False,
     ) -> None:
         if token_scale < 1 or block_size % token_scale:
             raise InvariantError(f"token_scale {token_scale} must divide block_size {block_size}")
@@ -74,6 +75,7 @@ class CorePort:
                 block_size=core_block,
                 stage_num_blocks=tuple(stage_num_blocks),
                 max_requests_per_round=max_round_requests,
+                share_inflight_prefix=share_inflight_prefix,
             )
         )
 
@@ -118,6 +120,8 @@ class CorePort:
         done = self.stages[stage].complete(request_id)
         if isinstance(done, StageStateMismatch):
             raise InvariantError(f"simulated completion refused: {done.to_error()}")
+        if stage == len(self.stages) - 1:  # cached on every stage now
+            self.coordinator.finished(request_id)
 
     def seed(self, request_id: str, tokens: Sequence[int]) -> None:
         """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned."""

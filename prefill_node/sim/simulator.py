@@ -89,6 +89,7 @@ class Simulator(TrtllmLockstepIssue):
                 policy.headroom_blocks(n, p.block_size, p.max_wave_tokens) for n in capacities
             ],
             max_round_requests=policy.max_round_requests,
+            share_inflight_prefix=policy.share_inflight_prefix,
         )
         self.workload = Workload(spec, cache_tokens=min(capacities) * p.block_size)
         cfg = policy.planner_config(

@@ -1,0 +1,98 @@
+"""Admission with ``share_inflight_prefix``: a request whose next blocks an admitted request
+(or an earlier one of the same round) is computing waits for them to be cached and then
+reuses them, instead of computing them twice; a short shared head is not worth the wait;
+completion, failure and abort all release the wait."""
+
+from __future__ import annotations
+
+from prefill_node.core.admission_messages import Admitted, ReserveStatus, Wait
+from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.round_driver import run_round
+from prefill_node.core.stage_admission import StageAdmission, StageConfig
+from tests.test_admission import B, check_all, run_to_completion, spec
+
+SYSTEM = list(range(100, 132))  # 8 full blocks
+
+
+def make(capacities=(64, 64), share=True):
+    stages = [StageAdmission(StageConfig(s, n, B)) for s, n in enumerate(capacities)]
+    config = CoordinatorConfig(B, tuple(capacities), share_inflight_prefix=share)
+    return AdmissionCoordinator(config), stages
+
+
+def waits_for_prefix(out, rid) -> bool:
+    return out == Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once():
+    coord, stages = make()
+    burst = [spec(r, SYSTEM + [i, i]) for i, r in enumerate("abc")]
+    a, b, c = run_round(coord, stages, burst)
+    assert isinstance(a, Admitted) and a.cached_len == 0
+    assert waits_for_prefix(b, "b") and waits_for_prefix(c, "c")
+    assert coord.queued_ids() == ["b", "c"]
+    assert run_round(coord, stages) == (b, c)  # still computing: still waiting
+    run_to_completion(stages, "a", 34)
+    assert coord.finished("a") is True
+    b2, c2 = run_round(coord, stages)
+    assert isinstance(b2, Admitted) and b2.cached_len == len(SYSTEM)
+    assert isinstance(c2, Admitted) and c2.cached_len == len(SYSTEM)
+    check_all(stages)
+
+
+def test_without_the_option_every_request_computes_the_prefix():
+    coord, stages = make(share=False)
+    outs = run_round(coord, stages, [spec(r, SYSTEM + [i]) for i, r in enumerate("ab")])
+    assert [type(o) for o in outs] == [Admitted, Admitted]
+    assert [o.cached_len for o in outs] == [0, 0]
+
+
+def test_a_short_shared_head_is_not_worth_waiting_for():
+    coord, stages = make()
+    head = SYSTEM[:8]  # 2 blocks shared, then 10 blocks of its own
+    a, b = run_round(coord, stages, [spec("a", SYSTEM), spec("b", head + list(range(40)))])
+    assert isinstance(a, Admitted) and isinstance(b, Admitted) and b.cached_len == 0
+
+
+def test_a_request_that_waits_does_not_block_later_unrelated_ones():
+    coord, stages = make()
+    a, b, c = run_round(
+        coord, stages, [spec("a", SYSTEM + [1]), spec("b", SYSTEM + [2]), spec("c", [7] * 9)]
+    )
+    assert isinstance(a, Admitted) and waits_for_prefix(b, "b") and isinstance(c, Admitted)
+
+
+def test_the_wait_starts_after_what_is_already_cached():
+    coord, stages = make()
+    run_round(coord, stages, [spec("old", SYSTEM[:16])])
+    run_to_completion(stages, "old", 16)
+    coord.finished("old")
+    # a computes blocks 4..7 of SYSTEM; b needs those too after its 4 cached blocks
+    a, b = run_round(coord, stages, [spec("a", SYSTEM + [1]), spec("b", SYSTEM + [2])])
+    assert isinstance(a, Admitted) and a.cached_len == 16 and waits_for_prefix(b, "b")
+
+
+def test_failure_and_abort_release_the_waiters():
+    coord, stages = make()
+    a, b = run_round(coord, stages, [spec("a", SYSTEM + [1]), spec("b", SYSTEM + [2])])
+    assert waits_for_prefix(b, "b")
+    coord.abort("a")  # the producer is dropped: b computes the prefix itself
+    (b2,) = run_round(coord, stages)
+    assert isinstance(b2, Admitted) and b2.cached_len == 0
+    (c,) = run_round(coord, stages, [spec("c", SYSTEM + [3])])
+    assert waits_for_prefix(c, "c")
+    assert coord.finished("b") is True  # b failed: nothing of it will be cached
+    (c2,) = run_round(coord, stages)
+    assert isinstance(c2, Admitted) and c2.cached_len == 0
+    assert coord.finished("nobody") is False
+
+
+def test_an_aborted_waiter_leaves_the_queue():
+    coord, stages = make()
+    run_round(coord, stages, [spec("a", SYSTEM + [1]), spec("b", SYSTEM + [2])])
+    assert coord.abort("b") is True
+    assert coord.queued_ids() == []
+    run_to_completion(stages, "a", 33)
+    coord.finished("a")
+    assert run_round(coord, stages) == ()
+    check_all(stages)
