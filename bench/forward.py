@@ -11,7 +11,9 @@ them, else random weights with its config; the output says which); ``--family mi
 is a small random MiniMax-M2-class MoE and ``--family glm-5`` a small random GLM-5-class
 model (MLA + sparse-attention indexer keeping 256 positions + MoE with a shared expert),
 ``--family qwen3-next`` a small random Qwen3-Next-class hybrid (gated-delta-rule linear
-attention in 3 of every 4 layers, the context resumed from the cache's block snapshot);
+attention in 3 of every 4 layers, the context resumed from the cache's block snapshot) and
+``--family kimi-linear`` a small random Kimi-Linear-class hybrid (KDA in 3 of every 4 layers,
+MLA without RoPE or indexer in the rest, grouped MoE with a shared expert);
 transformers loads those from a checkpoint directory written here. Each cell reports
 tokens/s from the median wall-clock time and, because a shared machine's load swings wall
 time by 2x, also from the median CPU time of the (single) compute thread. ``--matmul``
@@ -147,10 +149,45 @@ QWEN3_NEXT_SMALL = ModelConfig.from_hf_config(
     },
     name="Qwen3-Next-small-random",
 )
+# Kimi Linear's shape shrunk: KDA (6 heads of 64) in 3 of every 4 layers, MLA (no q LoRA, no
+# RoPE) in the rest; 1 dense layer, then 32 experts (8 active) + a shared one.
+KIMI_LINEAR_SMALL = ModelConfig.from_hf_config(
+    {
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": 8192,
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": None,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "num_heads": 6,
+            "head_dim": 64,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 3, 5, 6, 7],
+            "full_attn_layers": [4, 8],
+        },
+        "num_experts": 32,
+        "num_experts_per_token": 8,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 128,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.446,
+        "model_max_length": 8192,
+    },
+    name="Kimi-Linear-small-random",
+)
 SMALL_FAMILIES = {
     "minimax-m2": MINIMAX_M2_SMALL,
     "glm-5": GLM5_SMALL,
     "qwen3-next": QWEN3_NEXT_SMALL,
+    "kimi-linear": KIMI_LINEAR_SMALL,
 }
 
 
@@ -209,8 +246,15 @@ class Cell:
             with torch.inference_mode():
                 out = hf(self.tokens[None, :context], use_cache=True, logits_to_keep=1)
             self.hf_cache = getattr(out, "cache", None) or out.past_key_values
+        # a recurrent layer's chunk overwrites the snapshot it resumes from (the live state in
+        # its partial first block): keep the context's snapshots to restore before each run
+        snaps = getattr(self.kv, "recurrent", None)
+        self.snapshots = [] if snaps is None else [*snaps.states, *snaps.tails]
+        self.saved = [t.clone() for t in self.snapshots]
 
     def run_ours(self) -> tuple[Timing, torch.Tensor]:
+        for t, saved in zip(self.snapshots, self.saved, strict=True):
+            t.copy_(saved)
         t0, c0 = time.perf_counter(), time.thread_time()
         hidden = self.ours(self.tokens[self.context :], self.batch, self.kv)
         logits = self.ours.compute_logits(hidden[-1:])

@@ -190,8 +190,8 @@ def test_sharded_checkpoint_missing_shard(tmp_path):
     assert issubclass(ModelFileNotFoundError, ModelLoadError)
 
 
-# GLM-5 and Qwen3-Next need MLA / recurrent settings: their round trips are in their own tests
-OWN_TESTS = (ModelFamily.GLM_MOE_DSA, ModelFamily.QWEN3_NEXT)
+# GLM-5, Qwen3-Next and Kimi Linear need MLA / recurrent settings: round trips in own tests
+OWN_TESTS = (ModelFamily.GLM_MOE_DSA, ModelFamily.QWEN3_NEXT, ModelFamily.KIMI_LINEAR)
 
 
 @pytest.mark.parametrize("family", [f for f in ModelFamily if f not in OWN_TESTS])

@@ -27,6 +27,7 @@ from tests.tiny_models import (
     TINY_LLAMA_HF,
     TINY_MINIMAX_M2_HF,
     tiny_glm5,
+    tiny_kimi,
     tiny_llama,
     tiny_minimax_m2,
     tiny_qwen3_next,
@@ -109,7 +110,7 @@ def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
     torch.testing.assert_close(stage.compute_logits(x[-1:])[0], expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "minimax-m2", "glm-5", "qwen3-next"])
+@pytest.mark.parametrize("family", ["llama", "minimax-m2", "glm-5", "qwen3-next", "kimi-linear"])
 def test_active_params_match_the_weights_a_token_touches(family):
     """The router's per-layer cost shape is counted from the same tensor shapes the backend
     loads: every matrix of a layer, except the experts a token is not routed to."""
@@ -118,6 +119,7 @@ def test_active_params_match_the_weights_a_token_touches(family):
         "minimax-m2": tiny_minimax_m2,
         "glm-5": tiny_glm5,
         "qwen3-next": tiny_qwen3_next,
+        "kimi-linear": tiny_kimi,
     }[family]()
     for layer in range(config.num_layers):
         shapes = layer_weight_shapes(config, layer)

@@ -1,6 +1,6 @@
 """Real multi-process pipelines (gloo on loopback) against the single-process reference
-(transformers for GLM-5 and Qwen3-Next, whose MLA / linear attention the reference does not
-implement)."""
+(transformers for GLM-5, Qwen3-Next and Kimi Linear, whose MLA / linear attention the
+reference does not implement)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
-from tests.tiny_models import TINY_GLM5_HF, TINY_MINIMAX_M2_HF, TINY_QWEN3_NEXT_HF
+from tests.tiny_models import (
+    TINY_GLM5_HF,
+    TINY_KIMI_HF,
+    TINY_MINIMAX_M2_HF,
+    TINY_QWEN3_NEXT_HF,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,11 +59,14 @@ MLA_HF_CONFIG = {**TINY_GLM5_HF, "vocab_size": VOCAB, "num_hidden_layers": 4}
 MLA_MODEL = ModelConfig.from_hf_config(MLA_HF_CONFIG, name="tiny-glm_moe_dsa")
 HYBRID_HF_CONFIG = {**TINY_QWEN3_NEXT_HF, "vocab_size": VOCAB}
 HYBRID_MODEL = ModelConfig.from_hf_config(HYBRID_HF_CONFIG, name="tiny-qwen3_next")
+KIMI_HF_CONFIG = {**TINY_KIMI_HF, "vocab_size": VOCAB}
+KIMI_MODEL = ModelConfig.from_hf_config(KIMI_HF_CONFIG, name="tiny-kimi_linear")
 FAMILIES = {
     "qwen3": (HF_CONFIG, MODEL, WEIGHTS),
     "minimax-m2": (MOE_HF_CONFIG, MOE_MODEL, random_weights(MOE_MODEL, SEED)),
     "glm-5": (MLA_HF_CONFIG, MLA_MODEL, random_weights(MLA_MODEL, SEED)),
     "qwen3-next": (HYBRID_HF_CONFIG, HYBRID_MODEL, random_weights(HYBRID_MODEL, SEED)),
+    "kimi-linear": (KIMI_HF_CONFIG, KIMI_MODEL, random_weights(KIMI_MODEL, SEED)),
 }
 
 
@@ -86,6 +94,8 @@ def _expected(family: str, prompt: list[int]):
             (c.recurrent_states[0][0], c.conv_states[0][0, :, 1:].T)
             if model.is_linear_layer(i)
             else (c.keys[0].transpose(0, 1), c.values[0].transpose(0, 1))
+            if model.mla is None
+            else (torch.cat((c.keys[0, 0], c.values[0, 0]), dim=-1),)  # Kimi: latent | key part
             for i, c in enumerate(layers)
         ]
         return out.logits[0, -1], entries
@@ -173,6 +183,7 @@ CASES = [
     pytest.param("minimax-m2", ((0, 2), (2, 4)), (48, 40), id="P2-minimax-m2-moe"),
     pytest.param("glm-5", ((0, 2), (2, 4)), (48, 40), id="P2-glm-5-mla-dsa"),
     pytest.param("qwen3-next", ((0, 2), (2, 4)), (48, 40), id="P2-qwen3-next-hybrid"),
+    pytest.param("kimi-linear", ((0, 2), (2, 4)), (48, 40), id="P2-kimi-linear-kda-mla"),
 ]
 
 

@@ -150,3 +150,53 @@ TINY_QWEN3_NEXT_HF: dict[str, Any] = {
 def tiny_qwen3_next(name: str = "tiny-qwen3-next", **overrides: Any) -> ModelConfig:
     """The tiny Qwen3-Next as a ModelConfig."""
     return ModelConfig.from_hf_config({**TINY_QWEN3_NEXT_HF, **overrides}, name=name)
+
+
+# A 4-layer Kimi Linear: KDA layers 0, 1 and 3 (4 heads of 8, conv width 4) and an MLA layer 2
+# without q LoRA, indexer or RoPE (latent 16, "rope" part 8, nope 12, v 12); 1 dense layer,
+# then a MoE of 8 experts in 2 groups (1 chosen), 2 per token, scaled by 2.5, plus a shared
+# expert. Spelled as the released config.json spells it.
+TINY_KIMI_HF: dict[str, Any] = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "num_expert_group": 2,
+    "topk_group": 1,
+    "use_grouped_topk": True,
+    "routed_scaling_factor": 2.5,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "mla_use_nope": True,
+    "linear_attn_config": {
+        "num_heads": 4,
+        "head_dim": 8,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 4],
+        "full_attn_layers": [3],
+    },
+    "model_max_length": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_kimi(name: str = "tiny-kimi", **overrides: Any) -> ModelConfig:
+    """The tiny Kimi Linear as a ModelConfig."""
+    return ModelConfig.from_hf_config({**TINY_KIMI_HF, **overrides}, name=name)

@@ -51,7 +51,7 @@ from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidRequestError, UnsupportedArchitectureError
 from prefill_node.kv_shipping.kv_wire import engine_manifest, stage_push_destination
 from prefill_node.model.latent_cache import StageCache
-from prefill_node.model.recurrent_cache import HybridKVCache
+from prefill_node.model.recurrent_cache import RecurrentStateCache
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class StageKVShipper:
         agent_name: str | None = None,
         unpin_streamed: Callable[[Sequence[KVBlock]], None] | None = None,
     ) -> None:
-        if isinstance(kv, HybridKVCache):
+        if isinstance(kv, RecurrentStateCache):
             raise UnsupportedArchitectureError(
                 "KV hand-off of models with recurrent layers (their state regions) is not "
                 "implemented yet; serve them without a KV destination"

@@ -33,6 +33,14 @@ from prefill_node.model.hybrid_config import (
     qwen3_next_to_hf,
     reject_unsupported_qwen3_next,
 )
+from prefill_node.model.kimi_config import (
+    kda_active_params,
+    kimi_mla_of,
+    kimi_moe_of,
+    kimi_recurrent_of,
+    kimi_to_hf,
+    reject_unsupported_kimi,
+)
 
 __all__ = [
     "MlaConfig",
@@ -53,13 +61,16 @@ class ModelFamily(enum.Enum):
     grouped-routing MoE with a shared expert after a few dense layers. QWEN3_NEXT
     (Qwen3-Next) interleaves gated-delta-rule linear-attention layers (``ModelConfig.
     recurrent``) with gated full attention (an output gate, per-head q/k norm, partial RoPE),
-    zero-centred RMSNorm weights, and a softmax-routed MoE with a sigmoid-gated shared expert."""
+    zero-centred RMSNorm weights, and a softmax-routed MoE with a sigmoid-gated shared expert.
+    KIMI_LINEAR interleaves KDA layers (``recurrent``, per-key-channel decay) with MLA without
+    indexer, q LoRA or RoPE, and has GLM-5's kind of MoE."""
 
     LLAMA = "llama"
     QWEN3 = "qwen3"
     MINIMAX_M2 = "minimax_m2"
     GLM_MOE_DSA = "glm_moe_dsa"
     QWEN3_NEXT = "qwen3_next"
+    KIMI_LINEAR = "kimi_linear"
 
 
 class QkNorm(enum.Enum):
@@ -77,9 +88,16 @@ _ARCHITECTURES = {
     "MiniMaxM2ForCausalLM": ModelFamily.MINIMAX_M2,
     "GlmMoeDsaForCausalLM": ModelFamily.GLM_MOE_DSA,
     "Qwen3NextForCausalLM": ModelFamily.QWEN3_NEXT,
+    "KimiLinearForCausalLM": ModelFamily.KIMI_LINEAR,
 }
-_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.GLM_MOE_DSA, ModelFamily.QWEN3_NEXT)
+_MLA_FAMILIES = (ModelFamily.GLM_MOE_DSA, ModelFamily.KIMI_LINEAR)
+_MOE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.QWEN3_NEXT, *_MLA_FAMILIES)
 _PARTIAL_ROPE_FAMILIES = (ModelFamily.MINIMAX_M2, ModelFamily.QWEN3_NEXT)
+_RECURRENT_OF = {
+    ModelFamily.QWEN3_NEXT: qwen3_next_recurrent_of,
+    ModelFamily.KIMI_LINEAR: kimi_recurrent_of,
+}
+_RECURRENT_FAMILIES = tuple(_RECURRENT_OF)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
@@ -172,8 +190,8 @@ class ModelConfig:
             raise InvalidModelConfigError("rms_norm_eps and rope_theta must be > 0")
         for part, families in (
             ("moe", _MOE_FAMILIES),
-            ("mla", (ModelFamily.GLM_MOE_DSA,)),
-            ("recurrent", (ModelFamily.QWEN3_NEXT,)),
+            ("mla", _MLA_FAMILIES),
+            ("recurrent", _RECURRENT_FAMILIES),
         ):
             if (getattr(self, part) is None) is (self.family in families):
                 raise InvalidModelConfigError(
@@ -279,22 +297,15 @@ class ModelConfig:
         cost shape the router's and any simulator's FLOP counts should share."""
         h = self.hidden_size
         r = self.recurrent
-        if r is not None and r.is_linear(layer):
+        if r is not None and r.is_linear(layer) and self.family is ModelFamily.KIMI_LINEAR:
+            attn = kda_active_params(r, h)
+        elif r is not None and r.is_linear(layer):
             attn = h * (r.conv_width + r.value_dim + 2 * r.num_value_heads) + r.value_dim * h
         elif self.mla is None:
             gate = self.q_size if self.attention_output_gate else 0
             attn = h * (self.q_size + gate) + 2 * h * self.kv_size + self.q_size * h
         else:
-            m, heads = self.mla, self.num_heads
-            attn = (
-                h * m.q_lora_rank
-                + m.q_lora_rank * heads * m.qk_head_dim
-                + h * (m.kv_lora_rank + m.qk_rope_head_dim)
-                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
-                + heads * m.v_head_dim * h
-                + m.q_lora_rank * m.index_n_heads * m.index_head_dim
-                + h * (m.index_head_dim + m.index_n_heads)
-            )
+            attn = self.mla.active_params(h, self.num_heads)
         moe = self.moe
         if moe is None or not moe.is_sparse(layer):
             return attn + 3 * h * self.intermediate_size
@@ -320,6 +331,7 @@ class ModelConfig:
         _reject_unsupported_options(d, family)
         glm = family is ModelFamily.GLM_MOE_DSA
         qwen3_next = family is ModelFamily.QWEN3_NEXT
+        kimi = family is ModelFamily.KIMI_LINEAR
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -331,9 +343,13 @@ class ModelConfig:
                 moe = glm_moe_of(d, layers)
             elif qwen3_next:
                 moe = qwen3_next_moe_of(d)
+            elif kimi:
+                moe = kimi_moe_of(d, layers)
             rope_params = dict(d.get("rope_parameters") or {})
             rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-            scaling_d = d.get("rope_scaling") or rope_params
+            # Kimi Linear's MLA has no RoPE: its rope settings change nothing
+            scaling_d = None if kimi else d.get("rope_scaling") or rope_params
+            max_positions = int(d.get("max_position_embeddings", d.get("model_max_length", 2048)))
             eos = d.get("eos_token_id")
             eos_ids = (
                 ()
@@ -349,22 +365,20 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d["qk_rope_head_dim"])
-                if glm
+                if glm or kimi
                 else int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
-                rope_scaling=_rope_scaling_of(
-                    scaling_d, int(d.get("max_position_embeddings", 2048))
-                ),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rope_scaling=_rope_scaling_of(scaling_d, max_positions),
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
                 name=name,
                 moe=moe,
                 partial_rotary_factor=_partial_rotary_of(d, 0.25 if qwen3_next else 1.0),
-                mla=glm_mla_of(d) if glm else None,
-                recurrent=qwen3_next_recurrent_of(d) if qwen3_next else None,
+                mla=glm_mla_of(d) if glm else kimi_mla_of(d) if kimi else None,
+                recurrent=_RECURRENT_OF[family](d) if family in _RECURRENT_OF else None,
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -400,11 +414,14 @@ class ModelConfig:
         if self.family is ModelFamily.QWEN3:
             d["use_sliding_window"] = False
         glm = self.family is ModelFamily.GLM_MOE_DSA
-        if self.recurrent is not None and self.moe is not None:
+        kimi = self.family is ModelFamily.KIMI_LINEAR
+        if kimi and self.recurrent is not None and self.moe is not None and self.mla is not None:
+            d.update(kimi_to_hf(self.moe, self.mla, self.recurrent, self.num_layers))
+        elif self.recurrent is not None and self.moe is not None:
             d.update(qwen3_next_to_hf(self.recurrent, self.moe, self.num_layers))
         elif self.moe is not None:
             d.update(moe_to_hf(self.moe, glm))
-        if self.mla is not None:
+        if self.mla is not None and not kimi:
             d.update(mla_to_hf(self.mla))
         if self.partial_rotary_factor != 1.0 or self.family is ModelFamily.QWEN3_NEXT:
             d["rotary_dim"] = self.rotary_dim
@@ -440,6 +457,8 @@ def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> No
         reject_unsupported_glm(d)
     if family is ModelFamily.QWEN3_NEXT:
         reject_unsupported_qwen3_next(d)
+    if family is ModelFamily.KIMI_LINEAR:
+        reject_unsupported_kimi(d)
 
 
 def _partial_rotary_of(d: Mapping[str, Any], default: float) -> float:

@@ -1,5 +1,6 @@
-"""Family-specific parts of a model config: MoE routing (MiniMax-M2, GLM-5) and MLA with a
-sparse-attention indexer (GLM-5), plus the config.json parsing and checks of those families.
+"""Family-specific parts of a model config: MoE routing (MiniMax-M2, GLM-5, Kimi Linear) and
+MLA with or without a sparse-attention indexer (GLM-5, Kimi Linear), plus the config.json
+parsing and checks of those families (Kimi Linear's own parsing is in ``kimi_config``).
 
 Torch-free, like ``config``. Each ``*_of`` parser reads only the keys of its family; the
 ``reject_unsupported_*`` checks name the option (and the value we implement) whenever a
@@ -94,38 +95,75 @@ class MoeConfig:
 
 @dataclass(frozen=True)
 class MlaConfig:
-    """Multi-head latent attention with a DeepSeek-style sparse-attention indexer (GLM-5).
+    """Multi-head latent attention, optionally with a DeepSeek-style sparse-attention indexer
+    (GLM-5 has one; Kimi Linear has none, no q LoRA and no RoPE).
 
     Per token and layer the cache holds the normalised KV latent (``kv_lora_rank``), the
-    shared rotated key part (``qk_rope_head_dim``) and the indexer's key
-    (``index_head_dim``): ``entry_width`` numbers, never the expanded per-head K/V. A query
-    attends to the ``index_topk`` earlier positions the indexer scores highest (all of them
-    while there are fewer)."""
+    shared "rope" key part (``qk_rope_head_dim``; rotated unless ``rotary`` is False) and
+    the indexer's key (``index_head_dim``, 0 without an indexer): ``entry_width`` numbers,
+    never the expanded per-head K/V. With an indexer a query attends to the ``index_topk``
+    earlier positions it scores highest (all of them while there are fewer); without one,
+    to every earlier position. ``q_lora_rank`` None: queries come from one ``q_proj``."""
 
-    q_lora_rank: int
+    q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    rotary: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, *self.__dataclass_fields__)
-        if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
+        _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.q_lora_rank is not None:
+            _positive(self, "q_lora_rank")
+        if self.has_indexer:
+            _positive(self, "index_n_heads", "index_head_dim", "index_topk")
+            if self.q_lora_rank is None:
+                raise InvalidModelConfigError("the sparse-attention indexer needs a q LoRA")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                raise InvalidModelConfigError(
+                    f"index_head_dim ({self.index_head_dim}) must be at least "
+                    f"qk_rope_head_dim ({self.qk_rope_head_dim})"
+                )
+        elif self.index_head_dim or self.index_topk:
+            raise InvalidModelConfigError("an indexer needs index_n_heads > 0")
+        if self.qk_rope_head_dim % 2:
             raise InvalidModelConfigError(
-                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and at most "
-                f"index_head_dim ({self.index_head_dim})"
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even"
             )
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_n_heads > 0
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def active_params(self, hidden: int, heads: int) -> int:
+        """Weights one token multiplies through in the attention projections: q (LoRA or
+        not), the KV latent and its expansion, the output, and the indexer's."""
+        h, q_lora = hidden, self.q_lora_rank
+        q = (
+            h * heads * self.qk_head_dim
+            if q_lora is None
+            else (h + heads * self.qk_head_dim) * q_lora
+        )
+        return (
+            q
+            + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            + heads * self.v_head_dim * h
+            + (q_lora or 0) * self.index_n_heads * self.index_head_dim
+            + h * (self.index_head_dim + self.index_n_heads)
+        )
+
     @property
     def entry_width(self) -> int:
-        """Numbers cached per token and layer: latent, rotated key part, indexer key."""
+        """Numbers cached per token and layer: latent, rope key part, indexer key."""
         return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
 
@@ -180,8 +218,14 @@ def reject_unsupported_glm(d: Mapping[str, Any]) -> None:
         raise UnsupportedArchitectureError(
             "MLA without a q LoRA (q_lora_rank null) is not implemented"
         )
+    reject_mlp_pattern(d, int(d.get("first_k_dense_replace", 3)))
+    if not d.get("norm_topk_prob", True):
+        raise UnsupportedArchitectureError("norm_topk_prob=false is not implemented")
+
+
+def reject_mlp_pattern(d: Mapping[str, Any], first_dense: int) -> None:
+    """``mlp_layer_types``, when given, must be ``first_dense`` dense layers then sparse."""
     mlp_types = d.get("mlp_layer_types")
-    first_dense = int(d.get("first_k_dense_replace", 3))
     if mlp_types is not None and list(mlp_types) != (
         ["dense"] * first_dense + ["sparse"] * (len(mlp_types) - first_dense)
     ):
@@ -189,8 +233,6 @@ def reject_unsupported_glm(d: Mapping[str, Any]) -> None:
             f"mlp_layer_types {mlp_types} is not 'first_k_dense_replace dense layers, then "
             "sparse'; other patterns are not implemented"
         )
-    if not d.get("norm_topk_prob", True):
-        raise UnsupportedArchitectureError("norm_topk_prob=false is not implemented")
 
 
 def glm_moe_of(d: Mapping[str, Any], num_layers: int) -> MoeConfig:
@@ -242,4 +284,5 @@ def moe_to_hf(moe: MoeConfig, glm: bool) -> dict[str, Any]:
 
 
 def mla_to_hf(mla: MlaConfig) -> dict[str, Any]:
-    return {name: getattr(mla, name) for name in mla.__dataclass_fields__}
+    """GLM-5's MLA fields (with the indexer's)."""
+    return {name: getattr(mla, name) for name in mla.__dataclass_fields__ if name != "rotary"}

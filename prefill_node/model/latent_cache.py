@@ -9,7 +9,9 @@ hashing count, pin, hash and evict MLA blocks exactly like GQA blocks. Allocated
 once and never reallocated; a transfer engine registers ``tensors`` like ``PagedKVCache``'s
 and describes them with ``planes = 1``, ``num_kv_heads = 1``, ``head_dim = entry_width``
 (the KV manifest / ``KvLayout`` fields), so shipping moves whole token entries. The cache
-only holds memory; block ownership is the block pool's.
+only holds memory; block ownership is the block pool's. A Kimi Linear stage's cache
+(``HybridLatentCache``) holds such entries for its MLA layers only, plus recurrent-state
+snapshots per block for its KDA layers (``RecurrentStateCache``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from prefill_node.errors import InvariantError
 from prefill_node.model.paged_kv import PagedBlocks, PagedKVCache
 from prefill_node.model.partition import LayerRange
-from prefill_node.model.recurrent_cache import HybridKVCache
+from prefill_node.model.recurrent_cache import (
+    HybridKVCache,
+    RecurrentSnapshots,
+    RecurrentStateCache,
+)
 
 if TYPE_CHECKING:
     from prefill_node.model.config import MlaConfig, ModelConfig
@@ -40,9 +47,11 @@ class PagedLatentCache(PagedBlocks):
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layers: tuple[int, ...] | None = None,
     ) -> None:
         # one plane of one "head" per token, as wide as the whole entry
-        super().__init__(layer_range, num_blocks, block_size, 1, 1, mla.entry_width, dtype, device)
+        width = mla.entry_width
+        super().__init__(layer_range, num_blocks, block_size, 1, 1, width, dtype, device, layers)
         self.mla = mla
         self.entry_parts = (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.index_head_dim)
 
@@ -78,6 +87,28 @@ class PagedLatentCache(PagedBlocks):
         return entries.split(list(self.entry_parts), dim=-1)
 
 
+class HybridLatentCache(RecurrentStateCache, PagedLatentCache):
+    """The cache of a stage of a hybrid model with MLA attention (Kimi Linear): latent
+    entries for its MLA layers plus ``recurrent`` snapshots for its KDA layers."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_range: LayerRange,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if config.mla is None:
+            raise InvariantError(f"{config.family.value} has no MLA layers")
+        attention, linear = self.split_layers(config, layer_range)
+        super().__init__(
+            config.mla, layer_range, num_blocks, block_size, dtype, device, layers=attention
+        )
+        self.recurrent = RecurrentSnapshots(config, linear, num_blocks, dtype, self.device)
+
+
 StageCache = PagedKVCache | PagedLatentCache
 
 
@@ -91,6 +122,8 @@ def stage_cache(
 ) -> StageCache:
     """The paged cache a stage of ``config`` needs: MLA latent blocks, GQA K/V blocks, or
     (hybrid models) K/V blocks for the attention layers plus recurrent-state snapshots."""
+    if config.recurrent is not None and config.mla is not None:
+        return HybridLatentCache(config, layer_range, num_blocks, block_size, dtype, device)
     if config.recurrent is not None:
         return HybridKVCache(config, layer_range, num_blocks, block_size, dtype, device)
     if config.mla is not None:

@@ -1,5 +1,5 @@
 """One pre-norm decoder layer: RMSNorm, a token mixer (GQA, MLA or a linear-attention
-GatedDeltaNet), RMSNorm, SwiGLU MLP or MoE.
+GatedDeltaNet / KDA), RMSNorm, SwiGLU MLP or MoE.
 
 Weights arrive under Hugging Face names and are fused at load time: q/k/v into one
 ``[q + 2 kv, hidden]`` matrix and gate/up into one ``[2 * intermediate, hidden]`` matrix,
@@ -21,6 +21,7 @@ from torch import nn
 from prefill_node.model.attention import AttentionPlan, paged_attention
 from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
 from prefill_node.model.gated_deltanet import GatedDeltaNet
+from prefill_node.model.kda import KdaAttention
 from prefill_node.model.latent_cache import StageCache
 from prefill_node.model.mla import MlaAttention
 from prefill_node.model.moe import SparseMoe, swiglu
@@ -116,17 +117,21 @@ class DecoderLayer(nn.Module):
         self.input_norm = param((h,), dtype, device)
         self.post_norm = param((h,), dtype, device)
         self.linear = config.is_linear_layer(layer)
+        kimi = config.family is ModelFamily.KIMI_LINEAR
+        self.mixer_prefix = "linear_attn." if self.linear and not kimi else "self_attn."
         self.attn: nn.Module
-        if self.linear:
+        if self.linear and kimi:
+            self.attn = KdaAttention(config, layer, dtype, device)
+        elif self.linear:
             self.attn = GatedDeltaNet(config, layer, dtype, device)
         elif config.mla is None:
             self.attn = GqaAttention(config, layer, dtype, device)
         else:
             self.attn = MlaAttention(config, layer, dtype, device)
         moe = config.moe
-        glm = config.family is ModelFamily.GLM_MOE_DSA
+        fp32_router = config.family in (ModelFamily.GLM_MOE_DSA, ModelFamily.KIMI_LINEAR)
         self.moe = (
-            SparseMoe(moe, moe_names(config), h, dtype, device, fp32_router=glm)
+            SparseMoe(moe, moe_names(config), h, dtype, device, fp32_router=fp32_router)
             if moe is not None and moe.is_sparse(layer)
             else None
         )
@@ -144,8 +149,7 @@ class DecoderLayer(nn.Module):
             return take(weights, p + suffix, shapes[p + suffix])
 
         self.input_norm.copy_(get("input_layernorm.weight").float() + self.norm_offset)
-        mixer = "linear_attn." if self.linear else "self_attn."
-        self.attn.load(lambda suffix: get(mixer + suffix))
+        self.attn.load(lambda suffix: get(self.mixer_prefix + suffix))
         self.post_norm.copy_(get("post_attention_layernorm.weight").float() + self.norm_offset)
         if self.moe is not None:
             self.moe.load(get)

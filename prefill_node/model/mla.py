@@ -1,4 +1,5 @@
-"""Multi-head latent attention with a sparse-attention indexer (GLM-5 / DeepSeek-V3.2 DSA).
+"""Multi-head latent attention, with a sparse-attention indexer (GLM-5 / DeepSeek-V3.2 DSA) or
+without (Kimi Linear: no indexer, no q LoRA, no RoPE).
 
 Per token the layer caches only ``[latent | rotated key | indexer key]`` (see
 ``PagedLatentCache``): the normalised KV latent (``kv_lora_rank``), the rotated key part
@@ -8,7 +9,9 @@ rotated part) and V, so the cache never holds expanded K/V. The indexer scores e
 (query, earlier position) pair - ``sum_h w_h(x) * relu(q_h . k)`` - and each query attends
 only to its ``index_topk`` best-scoring causal positions (all of them while there are fewer),
 which is exactly transformers' ``glm_moe_dsa`` selection: a row's choice depends only on its
-own causal keys, so chunk boundaries cannot change it.
+own causal keys, so chunk boundaries cannot change it. Without an indexer every query attends
+to all its causal positions, and the entry has no indexer key. Without RoPE (``rotary``
+False) the "rope" parts of q and the shared key are used as projected.
 
 Numerics follow transformers: q/kv latents RMS-normalised with eps 1e-6, interleaved RoPE
 on the rotated parts (the indexer's rotated part leads its head, attention's trails), the
@@ -43,26 +46,31 @@ class MlaAttention(nn.Module):
             raise InvariantError("MlaAttention needs ModelConfig.mla")
         self.m, self.layer, self.heads = m, layer, config.num_heads
         h, heads = config.hidden_size, config.num_heads
-        self.q_a = param((m.q_lora_rank, h), dtype, device)
-        self.q_a_norm = param((m.q_lora_rank,), dtype, device)
-        self.q_b = param((heads * m.qk_head_dim, m.q_lora_rank), dtype, device)
+        q_lora = m.q_lora_rank
+        self.q = param((heads * m.qk_head_dim, h), dtype, device) if q_lora is None else None
+        self.q_a = None if q_lora is None else param((q_lora, h), dtype, device)
+        self.q_a_norm = None if q_lora is None else param((q_lora,), dtype, device)
+        self.q_b = None if q_lora is None else param((heads * m.qk_head_dim, q_lora), dtype, device)
         self.kv_a = param((m.kv_lora_rank + m.qk_rope_head_dim, h), dtype, device)
         self.kv_a_norm = param((m.kv_lora_rank,), dtype, device)
         self.kv_b = param(
             (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dtype, device
         )
         self.o = param((h, heads * m.v_head_dim), dtype, device)
-        self.idx_q = param((m.index_n_heads * m.index_head_dim, m.q_lora_rank), dtype, device)
-        self.idx_k = param((m.index_head_dim, h), dtype, device)
-        self.idx_k_norm = param((m.index_head_dim,), dtype, device)
-        self.idx_k_bias = param((m.index_head_dim,), dtype, device)
-        self.idx_w = param((m.index_n_heads, h), dtype, device)
+        self.idx_q = self.idx_k = self.idx_k_norm = self.idx_k_bias = self.idx_w = None
+        if m.has_indexer:
+            self.idx_q = param((m.index_n_heads * m.index_head_dim, q_lora or 0), dtype, device)
+            self.idx_k = param((m.index_head_dim, h), dtype, device)
+            self.idx_k_norm = param((m.index_head_dim,), dtype, device)
+            self.idx_k_bias = param((m.index_head_dim,), dtype, device)
+            self.idx_w = param((m.index_n_heads, h), dtype, device)
         self.scale = m.qk_head_dim**-0.5
 
     @torch.no_grad()
     def load(self, get: Getter) -> None:
         """``get(suffix)``: this layer's ``self_attn.<suffix>`` tensor, shape checked."""
         for attr, name in (
+            ("q", "q_proj.weight"),
             ("q_a", "q_a_proj.weight"),
             ("q_a_norm", "q_a_layernorm.weight"),
             ("q_b", "q_b_proj.weight"),
@@ -76,7 +84,8 @@ class MlaAttention(nn.Module):
             ("idx_k_bias", "indexer.k_norm.bias"),
             ("idx_w", "indexer.weights_proj.weight"),
         ):
-            getattr(self, attr).copy_(get(name))
+            if getattr(self, attr) is not None:
+                getattr(self, attr).copy_(get(name))
 
     def forward(
         self,
@@ -89,22 +98,32 @@ class MlaAttention(nn.Module):
         """Normed rows x [T, hidden] -> attention output [T, hidden]; stores every row's
         cache entry (latent, rotated key, indexer key) in ``cache`` first."""
         m, rows = self.m, x.shape[0]
-        q_resid = rms_norm(linear(x, self.q_a), self.q_a_norm, LATENT_EPS)
-        q = linear(q_resid, self.q_b).view(rows, self.heads, m.qk_head_dim)
-        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q = torch.cat((q_nope, apply_rotary_interleaved(q_rot, cos, sin)), dim=-1)
+        if self.q is not None:
+            q_resid, q = None, linear(x, self.q)
+        else:
+            q_resid = rms_norm(linear(x, self.q_a), self.q_a_norm, LATENT_EPS)
+            q = linear(q_resid, self.q_b)
+        q = q.view(rows, self.heads, m.qk_head_dim)
         latent, k_rot = linear(x, self.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         latent = rms_norm(latent, self.kv_a_norm, LATENT_EPS)
-        k_rot = apply_rotary_interleaved(k_rot[:, None, :], cos, sin)[:, 0]
-        iq, ik = self._indexer_q_k(x, q_resid, cos, sin)
-        entries = torch.cat((latent, k_rot, ik), dim=-1)
+        if m.rotary:
+            q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            q = torch.cat((q_nope, apply_rotary_interleaved(q_rot, cos, sin)), dim=-1)
+            k_rot = apply_rotary_interleaved(k_rot[:, None, :], cos, sin)[:, 0]
+        parts = [latent, k_rot]
+        iq = iw = None
+        if q_resid is not None and self.idx_w is not None:
+            iq, ik = self._indexer_q_k(x, q_resid, cos, sin)
+            parts.append(ik)
+            iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
+        entries = torch.cat(parts, dim=-1)
         cache.write_slots(self.layer, plan.k_slots, entries)
-        iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
         out = torch.empty(rows, self.heads, m.v_head_dim, dtype=x.dtype, device=x.device)
         for cp in plan.chunks:
             r = slice(cp.row_start, cp.row_end)
             ent = entries[r] if cp.table is None else cache.gather(self.layer, cp.table, cp.end)
-            out[r] = self._chunk(q[r], iq[r], iw[r], cache.split(ent.to(x.dtype)), cp)
+            allowed = None if iq is None or iw is None else (iq[r], iw[r])
+            out[r] = self._chunk(q[r], allowed, cache.split(ent.to(x.dtype)), cp)
         return linear(out.view(rows, -1), self.o)
 
     def _indexer_q_k(
@@ -112,6 +131,8 @@ class MlaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer queries [T, index_heads, index_dim] and keys [T, index_dim], rotated."""
         m, rows = self.m, x.shape[0]
+        if self.idx_q is None or self.idx_k is None:
+            raise InvariantError("an MLA layer without an indexer has no indexer queries")
         rope, rest = m.qk_rope_head_dim, m.index_head_dim - m.qk_rope_head_dim
         iq = linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
         iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
@@ -141,25 +162,30 @@ class MlaAttention(nn.Module):
     def _chunk(
         self,
         q: torch.Tensor,
-        iq: torch.Tensor,
-        iw: torch.Tensor,
+        indexer: tuple[torch.Tensor, torch.Tensor] | None,
         parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cp: ChunkPlan,
     ) -> torch.Tensor:
-        """One chunk's attention output [L, heads, v_head_dim] over positions [0, end)."""
+        """One chunk's attention output [L, heads, v_head_dim] over positions [0, end).
+        ``indexer``: the chunk's indexer queries and head weights (None: no indexer, every
+        causal position is attended)."""
         m = self.m
         latent, k_rot, index_keys = parts
-        allowed = self.selection(iq, iw, index_keys, cp)
+        if indexer is not None:
+            allowed = self.selection(indexer[0], indexer[1], index_keys, cp)
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(~allowed, float("-inf"))
+        else:
+            mask = cp.mask  # None for a chunk from position 0: plain causal
         kv = linear(latent, self.kv_b).view(cp.end, self.heads, -1)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~allowed, float("-inf"))
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
             v.transpose(0, 1),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
         )
         return out.transpose(0, 1)

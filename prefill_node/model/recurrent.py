@@ -67,6 +67,9 @@ def gated_delta_rule_states(
     starts, lengths = _chunks(seq, offsets, chunk_size)
     if not starts:
         return v.to(dtype), s.unsqueeze(0).expand(len(offsets), -1, -1, -1).clone()
+    # pad every chunk to the longest one, not to chunk_size: offsets at every block boundary
+    # cut a prompt into block-sized chunks, and the intra-chunk work grows with size^2
+    chunk_size = max(lengths)
     idx = _gather_index(starts, lengths, chunk_size, seq, q.device)
     valid = idx < seq
     qc, kc, vc, gc, bc = (_chunked(t, idx) for t in (q, k, v, g, beta))

@@ -78,33 +78,23 @@ class RecurrentSnapshots:
             t[dst].copy_(t[src])
 
 
-class HybridKVCache(PagedKVCache):
-    """The cache of a stage of a hybrid model: ``PagedKVCache`` over its attention layers
-    (``layers``) plus ``recurrent`` snapshots for its recurrent layers. Not thread-safe: the
-    stage loop owns it."""
+class RecurrentStateCache:
+    """What a hybrid stage cache adds to its paged blocks (mixed in before a ``PagedBlocks``
+    class holding the attention layers): ``recurrent`` snapshots for its recurrent layers,
+    read and written by block id. ``HybridKVCache`` (GQA attention) and the MLA
+    ``HybridLatentCache`` (Kimi Linear) are the two. Not thread-safe: the stage loop owns it."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_range: LayerRange,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        attention = tuple(layer for layer in layer_range if not config.is_linear_layer(layer))
+    recurrent: RecurrentSnapshots
+    layers: tuple[int, ...]
+    block_size: int
+    bytes_per_block: int
+    device: torch.device
+
+    @staticmethod
+    def split_layers(config: ModelConfig, layer_range: LayerRange) -> tuple[tuple[int, ...], ...]:
+        """(attention layers, recurrent layers) of ``layer_range``."""
         linear = tuple(layer for layer in layer_range if config.is_linear_layer(layer))
-        super().__init__(
-            layer_range,
-            num_blocks,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            dtype,
-            device,
-            layers=attention,
-        )
-        self.recurrent = RecurrentSnapshots(config, linear, num_blocks, dtype, self.device)
+        return tuple(layer for layer in layer_range if layer not in linear), linear
 
     @property
     def block_bytes(self) -> int:
@@ -114,7 +104,7 @@ class HybridKVCache(PagedKVCache):
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of a shared block: its K/V and its snapshots."""
-        super().copy_block(src, dst)
+        super().copy_block(src, dst)  # type: ignore[misc]
         if src != dst:
             self.recurrent.copy_block(src, dst)
 
@@ -162,7 +152,34 @@ class HybridKVCache(PagedKVCache):
         (state, conv tail) after them."""
         if global_layer in self.recurrent.layers:
             return self.read_state(global_layer, block_table, num_tokens)
-        return super().read_planes(global_layer, block_table, num_tokens)
+        return super().read_planes(global_layer, block_table, num_tokens)  # type: ignore[misc]
+
+
+class HybridKVCache(RecurrentStateCache, PagedKVCache):
+    """The cache of a stage of a hybrid model with GQA attention: ``PagedKVCache`` over its
+    attention layers (``layers``) plus ``recurrent`` snapshots for its recurrent layers."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_range: LayerRange,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        attention, linear = self.split_layers(config, layer_range)
+        super().__init__(
+            layer_range,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype,
+            device,
+            layers=attention,
+        )
+        self.recurrent = RecurrentSnapshots(config, linear, num_blocks, dtype, self.device)
 
 
 def snapshot_ends(start: int, end: int, block_size: int) -> list[int]:

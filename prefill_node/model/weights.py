@@ -2,8 +2,9 @@
 
 Names are the checkpoint-file keys (``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` state-dict
 keys; MiniMax-M2's released per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` layout, which
-transformers fuses on load), so a random model saved as a checkpoint loads into transformers
-unchanged for parity tests. Each tensor is
+transformers fuses on load; Kimi Linear's released layout likewise, with separate q/k/v short
+convolutions and the KDA forget gate's tensors directly under ``self_attn``), so a random
+model saved as a checkpoint loads into transformers unchanged for parity tests. Each tensor is
 drawn from its own generator seeded by (seed, name): a stage generating only its slice gets
 exactly the tensors a whole-model generation would, so multi-process pipelines built from
 the same seed agree with a single-process reference.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.errors import InvariantError
-from prefill_node.model.config import ModelConfig, ModelFamily, QkNorm
+from prefill_node.model.config import MlaConfig, ModelConfig, ModelFamily, QkNorm
 from prefill_node.model.partition import LayerRange
 
 EMBED = "model.embed_tokens.weight"
@@ -70,21 +71,37 @@ QWEN3_NEXT_MOE = MoeNames(
     shared="mlp.shared_expert.",
     shared_gate="mlp.shared_expert_gate.weight",
 )
+# Kimi Linear's released layout: MiniMax-M2's per-expert names plus shared experts.
+KIMI_MOE = MoeNames(
+    router="block_sparse_moe.gate.weight",
+    bias="block_sparse_moe.gate.e_score_correction_bias",
+    expert="block_sparse_moe.experts.{expert}.",
+    gate="w1",
+    up="w3",
+    down="w2",
+    shared="block_sparse_moe.shared_experts.",
+)
+# A KDA layer's three short convolutions (transformers stacks them into one conv1d on load).
+KDA_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 
 
 def moe_names(config: ModelConfig) -> MoeNames:
     return {
         ModelFamily.GLM_MOE_DSA: GLM_MOE,
         ModelFamily.QWEN3_NEXT: QWEN3_NEXT_MOE,
+        ModelFamily.KIMI_LINEAR: KIMI_MOE,
     }.get(config.family, MINIMAX_MOE)
 
 
 def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     """Qwen3-Next GatedDeltaNet: q/k/v/z and b/a projections grouped by key head, the depthwise
-    conv over q, k, v, per-value-head decay parameters, the gated norm, the output."""
+    conv over q, k, v, per-value-head decay parameters, the gated norm, the output. Kimi
+    Linear's KDA: see ``kda_shapes``."""
     r, h, a = config.recurrent, config.hidden_size, p + "linear_attn."
     if r is None:
         raise InvariantError(f"{p} is not a linear-attention layer of {config.family.value}")
+    if config.family is ModelFamily.KIMI_LINEAR:
+        return {p + "self_attn." + suffix: shape for suffix, shape in kda_shapes(config).items()}
     return {
         a + "in_proj_qkvz.weight": (2 * r.key_dim + 2 * r.value_dim, h),
         a + "in_proj_ba.weight": (2 * r.num_value_heads, h),
@@ -104,24 +121,63 @@ def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ..
     }
 
 
-def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    h, a = config.hidden_size, p + "self_attn."
-    if config.mla is not None:
-        m, heads = config.mla, config.num_heads
-        return {
-            a + "q_a_proj.weight": (m.q_lora_rank, h),
-            a + "q_a_layernorm.weight": (m.q_lora_rank,),
-            a + "q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank),
+def kda_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Suffix (under ``self_attn.``) -> shape of every tensor of a KDA layer."""
+    h, k = config.hidden_size, config.recurrent
+    if k is None:
+        raise InvariantError(f"{config.family.value} has no KDA layers")
+    d, heads, qkv = k.key_head_dim, k.num_value_heads, k.key_dim
+    shapes = {s: (qkv, h) for s in ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
+    shapes.update({s: (qkv, 1, k.conv_kernel) for s in KDA_CONVS})
+    shapes.update(
+        {
+            "f_a_proj.weight": (d, h),
+            "f_b_proj.weight": (qkv, d),
+            "A_log": (1, 1, heads, 1),
+            "dt_bias": (qkv,),
+            "b_proj.weight": (heads, h),
+            "g_a_proj.weight": (d, h),
+            "g_b_proj.weight": (qkv, d),
+            "o_norm.weight": (d,),
+            "o_proj.weight": (h, qkv),
+        }
+    )
+    return shapes
+
+
+def _mla_shapes(m: MlaConfig, heads: int, h: int, a: str) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (heads * m.qk_head_dim, h)
+    else:
+        shapes[a + "q_a_proj.weight"] = (m.q_lora_rank, h)
+        shapes[a + "q_a_layernorm.weight"] = (m.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+    shapes.update(
+        {
             a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
             a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
             a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
             a + "o_proj.weight": (h, heads * m.v_head_dim),
-            a + "indexer.wq_b.weight": (m.index_n_heads * m.index_head_dim, m.q_lora_rank),
-            a + "indexer.wk.weight": (m.index_head_dim, h),
-            a + "indexer.k_norm.weight": (m.index_head_dim,),
-            a + "indexer.k_norm.bias": (m.index_head_dim,),
-            a + "indexer.weights_proj.weight": (m.index_n_heads, h),
         }
+    )
+    if m.has_indexer:
+        shapes.update(
+            {
+                a + "indexer.wq_b.weight": (m.index_n_heads * m.index_head_dim, m.q_lora_rank or 0),
+                a + "indexer.wk.weight": (m.index_head_dim, h),
+                a + "indexer.k_norm.weight": (m.index_head_dim,),
+                a + "indexer.k_norm.bias": (m.index_head_dim,),
+                a + "indexer.weights_proj.weight": (m.index_n_heads, h),
+            }
+        )
+    return shapes
+
+
+def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, a = config.hidden_size, p + "self_attn."
+    if config.mla is not None:
+        return _mla_shapes(config.mla, config.num_heads, h, a)
     gate = config.q_size if config.attention_output_gate else 0
     shapes = {
         a + "q_proj.weight": (config.q_size + gate, h),
@@ -207,7 +263,8 @@ def random_weights(
     N(0, 1), norm weights 1 + N(0, 0.1^2). A MoE router's correction bias is N(0, 0.1^2),
     large enough next to the sigmoid scores to change some tokens' expert choices.
     Zero-centred norm weights (``ModelConfig.norm_weight_offset``) are drawn as N(0, 0.1^2),
-    so the scale is the same 1 + N(0, 0.1^2).
+    so the scale is the same 1 + N(0, 0.1^2). A KDA layer's ``A_log`` is N(0, 0.5^2) and its
+    ``dt_bias`` -2 + N(0, 0.5^2), so its per-channel decays span slow and fast forgetting.
     """
     out = {}
     centre = 1.0 - config.norm_weight_offset
@@ -220,6 +277,10 @@ def random_weights(
             t = centre + 0.1 * t
         elif name.endswith("e_score_correction_bias"):
             t = 0.1 * t
+        elif name.endswith("self_attn.A_log"):  # KDA's (Qwen3-Next's live under linear_attn)
+            t = 0.5 * t
+        elif name.endswith("self_attn.dt_bias"):
+            t = 0.5 * t - 2.0
         elif name != EMBED:
             t = t / shape[-1] ** 0.5
         out[name] = t.to(dtype)
