@@ -100,14 +100,20 @@ class AttentionPlan:
             if c.start == 0:
                 plans.append(ChunkPlan(offsets[i], offsets[i + 1], 0, c.end, None, None))
                 continue
-            mask = None
-            if path is AttentionPath.MASKED:
-                keys = torch.arange(c.end, device=device)
-                mask = torch.zeros(c.length, c.end, dtype=dtype, device=device)
-                mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+            mask = (
+                causal_mask(c.start, c.end, dtype, device) if path is AttentionPath.MASKED else None
+            )
             plans.append(ChunkPlan(offsets[i], offsets[i + 1], c.start, c.end, table, mask))
         k_slots = slots[0] if len(slots) == 1 else torch.cat(slots)
         return cls(k_slots=k_slots, chunks=tuple(plans), batch=batch, path=path)
+
+
+def causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [end - start, end] mask: query position p sees keys 0..p (0), not later (-inf)."""
+    pos = torch.arange(start, end, device=device)
+    keys = torch.arange(end, device=device)
+    mask = torch.zeros(end - start, end, dtype=dtype, device=device)
+    return mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
 
 
 def paged_attention(
