@@ -4,6 +4,7 @@ once, a switch that turns it off, and torch's results unchanged with it loaded."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,10 @@ import pytest
 
 from prefill_node import mkl_vendor
 
-needs_amd = pytest.mark.skipif(not mkl_vendor.applies(), reason="not an AMD x86-64 Linux CPU")
+needs_amd = pytest.mark.skipif(
+    not mkl_vendor.applies() or shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="not an AMD x86-64 Linux CPU, or no C compiler",
+)
 
 SCRIPT = """
 import os, sys
