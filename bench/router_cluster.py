@@ -121,28 +121,35 @@ def _proxy_main(upstream: str, conn) -> None:
 
 
 def _front_main(upstream: str, conn) -> None:
-    """The FRONT child: the router's own gRPC front (PrefillServer: typed servicer, request
-    validation, health, reflection, metrics) over an engine that forwards every request to
-    ``upstream`` unrouted - the router minus routing, to split its hop into front + routing."""
+    """The FRONT child: the router's own gRPC front (PrefillServer: servicer, request
+    validation, health, reflection, metrics, Prefill's bytes passed through) over an engine
+    that forwards every request to ``upstream`` unrouted - the router minus routing, to split
+    its hop into front + routing."""
     import grpc
 
     from prefill_node.engine.types import CacheIdentity, EngineHealth, EngineLoad
     from prefill_node.server.server import PrefillServer, ServerConfig
-    from wavepp_proto.prefill.v1 import prefill_pb2_grpc
+    from prefill_node.server.servicer import Relayed
+    from wavepp_proto.prefill.v1 import prefill_pb2
 
-    class Forwarder:  # a ResponseForwarder: the pipeline's response, passed on
+    class Forwarder:  # a ResponseForwarder: the request's and the pipeline's bytes, passed on
         vocab_size, max_model_len = VOCAB, MODEL_HF["max_position_embeddings"]
         cache_identity = CacheIdentity("", 0)
 
         def __init__(self) -> None:
-            self.stub = None
+            self.prefill = None
 
-        async def forward(self, request, parsed):
-            if self.stub is None:  # aio channels bind to the serving loop
-                self.stub = prefill_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(upstream))
-            response = await self.stub.Prefill(request, timeout=parsed.timeout_s)
-            response.served_by = upstream
-            return response
+        async def forward(self, request, parsed, raw):
+            if self.prefill is None:  # aio channels bind to the serving loop
+                channel = grpc.aio.insecure_channel(upstream)
+                self.prefill = channel.unary_unary(PREFILL_METHOD, _registered_method=True)
+            request_id = parsed.options.request_id
+            if raw is None:
+                raw = request.SerializeToString()
+            if request.request_id != request_id:
+                raw += prefill_pb2.PrefillRequest(request_id=request_id).SerializeToString()
+            data = await self.prefill(raw, timeout=parsed.timeout_s)
+            return Relayed(data, prefill_pb2.PrefillResponse.FromString(data), upstream)
 
         def health(self) -> EngineHealth:
             return EngineHealth(live=True, ready=True, detail="")

@@ -104,6 +104,10 @@ class GlobalPrefixIndex:
         """Pipelines in the order they were added."""
         return tuple(self._pipelines)
 
+    def __contains__(self, pid: object) -> bool:
+        """True while ``pid`` is in the index (O(1), unlike ``pipelines``)."""
+        return pid in self._pipelines
+
     def add_pipeline(self, pid: PipelineId) -> None:
         """Register a pipeline with no entries, awaiting its first sequence-1 batch."""
         if pid in self._pipelines:

@@ -16,7 +16,7 @@ Two threads per link, both owned here and stopped by ``stop``:
 Contract: the listener's methods run on these threads and must not block for long; the
 link's public attributes (``ready``, ``info``, ``load``) are plain reads of immutable
 values, safe from any thread. Forwarded Prefill calls go over a grpc.aio channel of the
-calling event loop (``aio_stub``: one channel per loop, since aio channels are loop-bound).
+calling event loop (``aio_prefill``: one channel per loop, since aio channels are loop-bound).
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import EngineLoad
 from prefill_node.server.kv_convert import event_from_proto
 from prefill_router.discovery import PipelineEndpoint
-from wavepp_proto.prefill.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+PREFILL_METHOD = "/wavepp.prefill.v1.PrefillService/Prefill"
+_RawCall = grpc.aio.UnaryUnaryMultiCallable  # bytes in, bytes out
 
 
 class LinkListener(Protocol):
@@ -101,7 +103,7 @@ class PipelineLink:
         self._recheck_identity = threading.Event()  # GetServerInfo on the next poll
         self._stream = None  # the live SubscribeKvEvents call (cancel() ends it)
         self._lock = threading.Lock()
-        self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, object]] = {}
+        self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, _RawCall]] = {}
         name = endpoint.id
         self._monitor = threading.Thread(target=self._run_monitor, name=f"link-{name}", daemon=True)
         self._events = threading.Thread(target=self._run_events, name=f"events-{name}", daemon=True)
@@ -129,8 +131,9 @@ class PipelineLink:
                 asyncio.run_coroutine_threadsafe(channel.close(), loop)
         self._aio.clear()
 
-    def aio_stub(self) -> prefill_pb2_grpc.PrefillServiceStub:
-        """The PrefillService stub of this pipeline on the running event loop."""
+    def aio_prefill(self) -> _RawCall:
+        """This pipeline's Prefill on the running event loop, bytes both ways: the router
+        passes requests and answers on as encoded."""
         loop = asyncio.get_running_loop()
         entry = self._aio.get(loop)
         if entry is None:
@@ -141,8 +144,9 @@ class PipelineLink:
                 if tls is None
                 else grpc.aio.secure_channel(address, tls.credentials(), options=options)
             )
-            entry = self._aio[loop] = (channel, prefill_pb2_grpc.PrefillServiceStub(channel))
-        return entry[1]  # type: ignore[return-value]
+            prefill = channel.unary_unary(PREFILL_METHOD, _registered_method=True)
+            entry = self._aio[loop] = (channel, prefill)
+        return entry[1]
 
     # -- monitor ------------------------------------------------------------------------------
     def _run_monitor(self) -> None:

@@ -6,8 +6,9 @@ loop of the router's own for callers without one): hash the prompt with the
 node's own code and the cluster's cache identity + the request's ``cache_salt``, look up
 every pipeline's leading cached blocks in the global index, score the ready candidates
 (``Scorer``), record the prompt's blocks as pending on the chosen pipeline, and forward the
-request there as a Prefill call (token ids; KV destinations pass through untouched, so the
-stages still ship straight to decode). The answer comes back unchanged.
+request there as a Prefill call: the bytes the router received, as they are (token ids; KV
+destinations pass through untouched, so the stages still ship straight to decode). The
+answer comes back as the pipeline's bytes; the router reads its cached tokens only.
 
 Failover: a call the pipeline refused BEFORE admitting anything (UNAVAILABLE "not ready", or
 no connection at all) is retried once on the next best pipeline; any other failure is the
@@ -48,7 +49,7 @@ from prefill_node.engine.types import (
 )
 from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
 from prefill_node.server.convert import ParsedRequest, result_from_proto
-from prefill_node.server.servicer import NOT_READY
+from prefill_node.server.servicer import NOT_READY, Relayed
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
 from prefill_router.pipeline_link import LinkConfig, PipelineLink
@@ -204,7 +205,7 @@ class RouterEngine:
             if self._links.get(link.pid) is not link:
                 return
             if ready:
-                if link.pid not in self._index.pipelines:
+                if link.pid not in self._index:
                     self._index.add_pipeline(link.pid)  # entries come with its snapshot
             else:
                 self._drop_index(link.pid)
@@ -225,7 +226,7 @@ class RouterEngine:
 
     def link_stream_lost(self, link: PipelineLink, reason: str) -> None:
         with self._lock:
-            if self._links.get(link.pid) is not link or link.pid not in self._index.pipelines:
+            if self._links.get(link.pid) is not link or link.pid not in self._index:
                 return
             self._drop_index(link.pid)
             if link.ready:
@@ -235,7 +236,7 @@ class RouterEngine:
 
     def _drop_index(self, pid: str) -> None:
         """Caller holds the lock."""
-        if pid in self._index.pipelines:
+        if pid in self._index:
             self._index.drop_pipeline(pid)
 
     # -- Engine protocol -----------------------------------------------------------------------
@@ -272,39 +273,48 @@ class RouterEngine:
                                 cache_salt=options.cache_salt or "",
                                 top_logprobs=options.top_logprobs,
                                 kv_destination=options.kv_destination)  # fmt: skip
-        return result_from_proto(await self._forward(request, tokens, options))
+        relayed = await self._forward(request.SerializeToString(), tokens, options)
+        relayed.response.served_by = relayed.served_by
+        return result_from_proto(relayed.response)
 
     async def forward(
-        self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest
-    ) -> prefill_pb2.PrefillResponse:
-        """The server's path (``ResponseForwarder``): the request as received goes on to the
-        chosen pipeline (its text replaced by the ids tokenised here) and the pipeline's
-        response comes back as is, with ``served_by`` set: no re-encoding either way."""
-        options = parsed.options
-        request.request_id = options.request_id or request.request_id
-        if parsed.from_text:
-            request.token_ids.ids[:] = parsed.token_ids  # the oneof drops the text
-        return await self._forward(request, parsed.token_ids, options)
+        self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest, raw: bytes | None
+    ) -> Relayed:
+        """The server's path (``ResponseForwarder``): the request's bytes as received go on
+        to the chosen pipeline, and the pipeline's answer comes back as its bytes. A text
+        prompt is re-encoded with the ids tokenised here; a request id the server made up
+        is appended (the later field wins)."""
+        request_id = parsed.options.request_id or ""
+        if raw is None or parsed.from_text:
+            request.request_id = request_id
+            if parsed.from_text:
+                request.token_ids.ids[:] = parsed.token_ids  # the oneof drops the text
+            raw = request.SerializeToString()
+        elif request.request_id != request_id:
+            raw += prefill_pb2.PrefillRequest(request_id=request_id).SerializeToString()
+        return await self._forward(raw, parsed.token_ids, parsed.options)
 
     async def _forward(
-        self, request: prefill_pb2.PrefillRequest, tokens: Sequence[int], options: PrefillOptions
-    ) -> prefill_pb2.PrefillResponse:
+        self, request: bytes, tokens: Sequence[int], options: PrefillOptions
+    ) -> Relayed:
+        """Route the encoded ``request`` (``tokens``: its prompt) and forward it, retrying
+        once elsewhere when a pipeline refused it before admission."""
         identity = self._identity  # set once, never reset: no lock needed to read it
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
         hashes = hash_block_tokens(tokens, identity.block_size,
                                    self._extra_keys(identity, options.cache_salt))  # fmt: skip
-        request_id = request.request_id
+        request_id = options.request_id or ""
         tried: tuple[str, ...] = ()
         while True:
             link, routed = self._route(tokens, hashes, request_id, tried)
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
-            call = link.aio_stub().Prefill(request, timeout=timeout)
+            call = link.aio_prefill()(request, timeout=timeout)
             routed.call, routed.loop = call, asyncio.get_running_loop()
             try:
-                response = await call
+                data = await call
             except asyncio.CancelledError:
                 call.cancel()
                 if routed.aborted:  # Abort(request_id), not the caller going away
@@ -320,9 +330,9 @@ class RouterEngine:
                 raise error_from_rpc(exc) from None
             finally:
                 self._forget(request_id, routed)
+            response = prefill_pb2.PrefillResponse.FromString(data)
             self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
-            response.served_by = routed.pid
-            return response
+            return Relayed(data, response, routed.pid)
 
     def _extra_keys(self, identity: CacheIdentity, salt: str | None) -> ExtraKeys:
         """The cluster's ExtraKeys for ``salt``, made once per salt (their digest is the
@@ -390,7 +400,7 @@ class RouterEngine:
         load, info = link.load, link.info
         others = max(0, load.inflight_tokens - own_tokens) if load is not None else 0
         capacity = min((s.total_blocks for s in load.stages), default=1 << 40) if load else 1 << 40
-        indexed = link.pid in self._index.pipelines
+        indexed = link.pid in self._index
         return PipelineView(
             pid=link.pid,
             ready=link.ready and indexed,
@@ -463,4 +473,4 @@ class RouterEngine:
     def index_snapshot(self, pid: str) -> int:
         """Confirmed blocks the index holds for ``pid`` (0 when it has none)."""
         with self._lock:
-            return self._index.num_blocks(pid) if pid in self._index.pipelines else 0
+            return self._index.num_blocks(pid) if pid in self._index else 0

@@ -105,14 +105,26 @@ def test_salts_never_share_and_a_burst_sticks_to_one_pipeline(cluster):
 def test_results_through_the_router_equal_the_pipelines_own(cluster):
     client, addresses = cluster["client"], cluster["addresses"]
     prompt = [(11 * i + 7) % 64 for i in range(37)]
-    via_router = client.prefill(prompt, cache_salt="eq-router", top_logprobs=5).result
-    with PrefillClient(addresses[0]) as direct:
-        own = direct.prefill(prompt, cache_salt="eq-direct", top_logprobs=5).result
-    assert via_router.first_token_id == own.first_token_id
-    assert [t for t, _ in via_router.top_logprobs] == [t for t, _ in own.top_logprobs]
-    for (_, a), (_, b) in zip(via_router.top_logprobs, own.top_logprobs, strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
+    request = build_request(prompt, request_id="eq", cache_salt="eq-router", top_logprobs=5)
+    via_router = client._stub.Prefill(request, timeout=30)  # the router's fast path: bytes
+    assert via_router.served_by in addresses and via_router.request_id == "eq"
+    assert via_router.timings.server_seconds > 0  # the router's own, merged in
+    with PrefillClient(via_router.served_by) as direct:  # the same pipeline, a fresh salt
+        request.cache_salt = "eq-direct"
+        own = direct._stub.Prefill(request, timeout=30)
     assert (via_router.prompt_tokens, via_router.cached_tokens) == (37, 0)
+    for field in ("first_token_id", "prompt_tokens", "cached_tokens", "computed_tokens"):
+        assert getattr(via_router, field) == getattr(own, field), field
+    assert [e.token_id for e in via_router.top_logprobs] == [e.token_id for e in own.top_logprobs]
+    for a, b in zip(via_router.top_logprobs, own.top_logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    # manifests: everything but the block ids (a fresh salt allocates other blocks)
+    assert len(via_router.stage_manifests) == len(own.stage_manifests) == 2
+    for a, b in zip(via_router.stage_manifests, own.stage_manifests, strict=True):
+        assert len(a.block_ids) == len(b.block_ids) > 0
+        a.ClearField("block_ids")
+        b.ClearField("block_ids")
+        assert a == b
     # bad input gets the pipeline's typed status through the router
     with pytest.raises(grpc.RpcError) as err:
         client.prefill([64])  # vocab is 64

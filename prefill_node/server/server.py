@@ -23,8 +23,8 @@ from prefill_node.server.convert import PromptTokenizer
 from prefill_node.server.debug_servicer import DebugServicer, IntegrityCheckable
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.metrics import ServerMetrics
-from prefill_node.server.servicer import PrefillServicer
-from wavepp_proto.prefill.v1 import debug_pb2, debug_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prefill_node.server.servicer import PrefillServicer, method_handlers
+from wavepp_proto.prefill.v1 import debug_pb2, debug_pb2_grpc, prefill_pb2
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,11 @@ class PrefillServer:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)
+        handlers = method_handlers(self.servicer)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME]  # fmt: skip

@@ -19,9 +19,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from prefill_node import __version__
 from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult
@@ -55,17 +56,30 @@ NOT_READY = "the pipeline is not ready"
 T = TypeVar("T")
 
 
+class Relayed(NamedTuple):
+    """A pipeline's answer as a forwarder passes it on: ``data`` the response's bytes as the
+    pipeline sent them, ``response`` the same parsed (read, never re-encoded), ``served_by``
+    the pipeline that answered."""
+
+    data: bytes
+    response: prefill_pb2.PrefillResponse
+    served_by: str
+
+
 @runtime_checkable
 class ResponseForwarder(Protocol):
-    """An engine that answers with a ready PrefillResponse (a router passing on its
-    pipeline's), awaited on the server's loop: no PrefillResult round trip. ``forward`` gets
-    the request as received and as parsed (token ids: text is already tokenised here);
-    cancelling it cancels the request. Errors are the engine's typed errors. Such an engine
-    is a router: GetServerInfo says ``router`` and SubscribeKvEvents points at its pipelines."""
+    """An engine that passes a request on to a pipeline and its answer back (a router),
+    awaited on the server's loop: no PrefillResult round trip, no re-encoding. ``forward``
+    gets the request as received and as parsed (token ids: text is already tokenised here)
+    and ``raw``, the request's bytes as received (None: encode ``request`` instead); the
+    request goes on with ``parsed.options.request_id`` and ``parsed.token_ids``. Cancelling
+    it cancels the request. Errors are the engine's typed errors. Such an engine is a
+    router: the server answers its Prefill calls as bytes (``PrefillBytes``), GetServerInfo
+    says ``router`` and SubscribeKvEvents points at its pipelines."""
 
     async def forward(
-        self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest
-    ) -> prefill_pb2.PrefillResponse: ...
+        self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest, raw: bytes | None
+    ) -> Relayed: ...
 
 
 class RequestFailure(Exception):
@@ -93,6 +107,29 @@ def _failure(request_id: str, exc: BaseException) -> RequestFailure:
         grpc.StatusCode.INTERNAL,
         f"internal error in request {request_id} ({type(exc).__name__}); see the server log",
     )
+
+
+class _Registration:
+    """Stands in for a server to collect the generated registration's method handlers."""
+
+    handlers: dict[str, grpc.RpcMethodHandler]
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers come to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        self.handlers = dict(handlers)
+
+
+def method_handlers(servicer: PrefillServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The PrefillService's method handlers, as generated, except that a forwarder's
+    Prefill is served as bytes both ways (``PrefillBytes``)."""
+    registration = _Registration()
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, registration)
+    handlers = registration.handlers
+    if servicer.forwards:
+        handlers["Prefill"] = grpc.unary_unary_rpc_method_handler(servicer.PrefillBytes)
+    return handlers
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -127,17 +164,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._kv_events = kv_events
         self._max_stream_inflight = max_stream_inflight
         self._bridge: LoopBridge | None = None  # engine futures -> the serving loop
+        self._last_limits = ModelLimits(0, 0)
         self.ready = True
         self.not_ready_detail = ""
 
     @property
+    def forwards(self) -> bool:
+        """True when the engine is a ResponseForwarder (a router)."""
+        return self._forward is not None
+
+    @property
     def _limits(self) -> ModelLimits:
-        """Read per request: a router learns its pipelines' limits after it starts."""
-        return ModelLimits(self._engine.vocab_size, self._engine.max_model_len)
+        """Read per request: a router learns its pipelines' limits after it starts (made
+        anew only when they change)."""
+        vocab_size, max_model_len = self._engine.vocab_size, self._engine.max_model_len
+        limits = self._last_limits
+        if limits.vocab_size != vocab_size or limits.max_model_len != max_model_len:
+            limits = self._last_limits = ModelLimits(vocab_size, max_model_len)
+        return limits
 
     async def Prefill(self, request, context):
         try:
             return await self._prefill(request, context.time_remaining())
+        except RequestFailure as f:
+            await context.abort(f.code, f.message)
+
+    async def PrefillBytes(self, data: bytes, context) -> bytes:
+        """Prefill of a forwarder (a router), served without (de)serialisers
+        (``method_handlers``): the request is parsed once here and goes on as the bytes
+        received; the pipeline's answer comes back as its bytes with this server's fields
+        appended (a serialised message merges field by field into the one before it)."""
+        try:
+            request = prefill_pb2.PrefillRequest.FromString(data)
+        except DecodeError as exc:
+            self._metrics.observe_failure("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid PrefillRequest: {exc}")  # fmt: skip
+        try:
+            return await self._prefill(request, context.time_remaining(), data)
         except RequestFailure as f:
             await context.abort(f.code, f.message)
 
@@ -273,9 +337,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self._submit_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _prefill(
-        self, req: prefill_pb2.PrefillRequest, call_remaining_s: float | None
-    ) -> prefill_pb2.PrefillResponse:
-        """Run one request to its response, or raise RequestFailure (metrics recorded)."""
+        self,
+        req: prefill_pb2.PrefillRequest,
+        call_remaining_s: float | None,
+        raw: bytes | None = None,
+    ) -> prefill_pb2.PrefillResponse | bytes:
+        """Run one request to its response, or raise RequestFailure (metrics recorded). A
+        forwarder's answer is bytes when ``raw`` (the request's bytes) is given."""
         started = time.perf_counter()
         request_id = req.request_id or uuid.uuid4().hex
         try:
@@ -296,7 +364,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             except Exception as exc:
                 raise _failure(request_id, exc) from exc
             if self._forward is not None:  # a router: the pipeline's response, passed on
-                resp = await self._await_engine(parsed, self._forward(req, parsed))
+                relayed = await self._await_engine(parsed, self._forward(req, parsed, raw))
             else:
                 result = await self._await_engine(
                     parsed, self._run_engine(parsed.token_ids, parsed.options)
@@ -309,13 +377,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         server_s = time.perf_counter() - started
         echo = parsed.token_ids if parsed.from_text else ()
-        if self._forward is not None:
-            self._metrics.observe_response(resp, server_s)
-            resp.prompt_token_ids[:] = echo
-            resp.timings.server_seconds = server_s
-            return resp
-        self._metrics.observe_success(result, server_s)
-        return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
+        if self._forward is None:
+            self._metrics.observe_success(result, server_s)
+            return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
+        self._metrics.observe_response(relayed.response, server_s)
+        tail = prefill_pb2.PrefillResponse(served_by=relayed.served_by, prompt_token_ids=echo)
+        tail.timings.server_seconds = server_s
+        data = relayed.data + tail.SerializeToString()  # merges into the pipeline's fields
+        return data if raw is not None else prefill_pb2.PrefillResponse.FromString(data)
 
     async def _await_engine(self, parsed: ParsedRequest, run: Awaitable[T]) -> T:
         """``run``'s outcome; aborts the request in the engine (its blocks freed on every
