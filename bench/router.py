@@ -34,7 +34,7 @@ reported (one pipeline: its throughput is not comparable). Goal: prefix_cached_o
 
 OVERHEAD: one pipeline (every core), a router in front of it alone (prefix), a bare
 grpc.aio pass-through proxy (a generic handler forwarding PrefillService/Prefill as bytes, in
-a child process) and the FRONT: the router's own gRPC server (typed servicer, validation,
+a child process) and the FRONT: the router's own gRPC server (servicer, validation,
 health, metrics) forwarding every request unrouted (a child process) - so the router's hop
 splits into front (front - proxy) and routing (router - front); the same cached 128-token
 prompt (112 tokens cached, 16 computed) direct and through each hop, at c = 1 and 32, the
