@@ -188,6 +188,8 @@ class GlobalPrefixIndex:
         expiry = now + self.pending_ttl_s
         pending, holders, bit, confirmed = p.pending, self._pending_holders, p.bit, p.blocks
         hashes = [h for h in hashes if h not in confirmed]
+        if not hashes:  # all held already (a cached prompt): nothing to expire later
+            return
         for h in hashes:
             if h not in pending:
                 holders[h] = holders.get(h, 0) | bit

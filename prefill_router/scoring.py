@@ -240,6 +240,8 @@ class Scorer:
             self._last_round_robin = chosen.pid
             reason = RouteReason.ONLY_CANDIDATE if len(eligible) == 1 else RouteReason.ROUND_ROBIN
             return chosen, reason
+        if len(eligible) == 1:  # every other policy's minimum over one candidate
+            return eligible[0], RouteReason.ONLY_CANDIDATE
         if policy is RoutingPolicy.PREFIX and self.affinity_slack > 0:
             limit = min(s.score for s in eligible) * (1 + self.affinity_slack)
             near = [s for s in eligible if s.score <= limit]
@@ -250,8 +252,6 @@ class Scorer:
             chosen = min(eligible, key=lambda s: (-s.cached_tokens, *_load(s)))
         else:
             chosen = min(eligible, key=_load)
-        if len(eligible) == 1:
-            return chosen, RouteReason.ONLY_CANDIDATE
         most = max(s.cached_tokens for s in eligible)
         least = min(s.cached_tokens for s in eligible)
         if policy is not RoutingPolicy.LEAST_LOADED and chosen.cached_tokens == most > least:
