@@ -289,6 +289,9 @@ def test_kv_shipping_flags_build_the_stages_shipping_config() -> None:
     assert config.metadata_host == "0.0.0.0"  # each stage advertises its own pod IP
     assert config.progress.value == "poll"
     assert config.allow == type(config.allow).parse(allow[:2], allow[2:])
+    assert config.stream  # streamed push by default
+    at_end = render({"pipelines": {"kvShipping": {"stream": False}}})
+    assert not _kv_shipping(parse(at_end.pods_of("leader")[0].container())).stream
     off = render({"pipelines": {"kvShipping": {"enabled": False}}})
     assert _kv_shipping(parse(off.pods_of("leader")[0].container())) is None
 
@@ -337,6 +340,7 @@ def test_the_bundled_model_is_prepared_in_every_pod_under_its_cache() -> None:
         ({"pipelines": {"port": 70000}}, "port"),
         ({"router": {"policy": "random"}}, "policy"),
         ({"pipelines": {"kvShipping": {"progress": "spin"}}}, "progress"),
+        ({"pipelines": {"kvShipping": {"stream": "on"}}}, "stream"),
         ({"pipeline": {"stages": 2}}, "pipeline"),
         ({"model": {"source": "pvc"}}, "claimName"),
         ({"model": {"source": "hostPath", "hostPath": "models"}}, "hostPath"),

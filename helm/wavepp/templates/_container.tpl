@@ -35,6 +35,7 @@ args:
   {{- end }}
   - --kv-metadata-host={{ $p.kvShipping.metadataHost }}
   - --kv-progress={{ $p.kvShipping.progress }}
+  - --kv-stream={{ ternary "on" "off" $p.kvShipping.stream }}
   - --kv-transfer-timeout={{ $p.kvShipping.transferTimeoutSeconds }}
   - --kv-lease-ttl={{ $p.kvShipping.leaseTtlSeconds }}
   {{- else }}
