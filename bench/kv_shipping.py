@@ -14,11 +14,14 @@ arrived (outside the timed region).
 Streamed vs at-end hand-off (``--kv-stream both``, the default): the engine is started
 twice in this one run, once per ``KVShippingConfig.stream`` setting, each serving the same
 OFF / ON passes. For every ON request, the tail: from its last chunk finishing on the last
-stage (the logits reaching the leader; local: the last stage's forward done) to its KV being
-complete on decode (the decode process's receiver outcome; one monotonic clock on this
-host), and the engine's ``handoff_s`` (logits -> every stage's WRITE confirmed). Default
-prompts span 16 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's
-transfer time; streamed ON throughput / at-end ON throughput >= 0.95.
+stage (pipeline: the forward's end there, dated on the leader's clock as the result's arrival
+less the stage's ``WaveResult.held_s``, so late by the result's transit; local: after the
+last stage's logits) to its KV being complete on decode (when the decode process's receiver
+saw every stage's "done"; it polls every ``--decode-poll-us`` while a reception is live; one
+monotonic clock on this host), and the engine's ``handoff_s`` (the same start -> every
+stage's WRITE confirmed, seen by the leader's KV_COLLECT round). Default prompts span 16
+chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's transfer time;
+streamed ON throughput / at-end ON throughput >= 0.95.
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
 hits the prefix cache of an earlier one (same compute in every pass). Modes alternate order
@@ -27,7 +30,7 @@ run by run; one untimed warm-up pass per mode (NIXL connects on the first push).
 
     PYTHONPATH=. python bench/kv_shipping.py --json out/kv_shipping.json [--runs 3]
         [--prompts 6] [--tokens 1024] [--max-chunk-tokens 64] [--kv-stream both|on|off]
-        [--model DIR] [--threads 1] [--engine pipeline|local]
+        [--model DIR] [--threads 1] [--engine pipeline|local] [--decode-poll-us 200]
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import uuid
 from pathlib import Path
 
 from tqdm import tqdm
+
+from prefill_node.decode.worker_process import BUSY_POLL_S
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,6 +71,12 @@ def parse_args() -> argparse.Namespace:
         help="push streamed per chunk (on), at the end (off) or both, one engine each",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--decode-poll-us",
+        type=float,
+        default=1e6 * BUSY_POLL_S,
+        help="the decode worker's receiver poll period while a reception is live",
+    )
     args = p.parse_args()
     if args.runs < 3:
         p.error("--runs must be >= 3 (median of at least three)")
@@ -110,7 +121,8 @@ class Bench:
 
     def run_pass(self, ship: bool, progress: tqdm) -> tuple[float, float, list, list]:
         """Prefill every prompt once: (wall seconds, CPU seconds) summed over the requests,
-        and per ON request its tail (logits -> KV complete on decode) and ``handoff_s``."""
+        and per ON request its tail (last chunk done -> KV complete on decode) and
+        ``handoff_s``."""
         from prefill_node.engine.types import PrefillOptions
 
         salt = next(self._salts)
@@ -130,7 +142,8 @@ class Bench:
                 raise RuntimeError(f"pass hit the prefix cache ({result.cached_tokens} cached)")
             if ship:  # the KV really arrived: decode yields the first token only after it did
                 t = result.timings
-                logits_at[request_id] = m0 + t.total_s - t.handoff_s  # a lower bound
+                # the last chunk's end (m0 <= the engine's t_submit: a lower bound)
+                logits_at[request_id] = m0 + t.total_s - t.handoff_s
                 handoff.append(t.handoff_s)
                 list(self.decode.generate(request_id, result.first_token_id, 1))
                 self.decode.release(request_id)
@@ -173,6 +186,7 @@ def run_engine(args, model_dir: Path, decode, stream: bool, bar: tqdm) -> list[d
                         "tok_per_s": round(tokens / wall, 1),
                         "tail_ms_median": _ms(tails),
                         "handoff_ms_median": _ms(handoff),
+                        "decode_poll_us": args.decode_poll_us,
                     }
                 )
     finally:
@@ -200,6 +214,7 @@ def summarise(rows: list[dict], stream: str, runs: int) -> dict:
         "cpu_ratio_on_over_off": round(cpu_on / cpu_off, 4),
         "tail_ms_median": statistics.median(r["tail_ms_median"] for r in mine["shipping_on"]),
         "handoff_ms_median": statistics.median(r["handoff_ms_median"] for r in mine["shipping_on"]),
+        "decode_poll_us": rows[0]["decode_poll_us"],
         "runs": runs,
     }
 
@@ -222,6 +237,7 @@ def main() -> None:
             model_dir=str(model_dir),
             num_blocks=-(-args.tokens // args.block_size) + 4,
             block_size=args.block_size,
+            busy_poll_s=args.decode_poll_us / 1e6,
         )
     )
     rows: list[dict] = []

@@ -233,6 +233,8 @@ class KVSender:
         outcomes: list[TransferOutcome] = []
         self._finish_handshakes(outcomes)
         now = self._clock()
+        # ranges that landed are seen before ``_post_ready``: a final push waiting on them
+        # goes in this same poll, not one poll interval later
         for part in list(self._parts.values()):
             error: KVTransferError | None = None
             try:
@@ -261,6 +263,7 @@ class KVSender:
                 )
             if error is not None:
                 self._end(request_id, error, outcomes)
+        self._post_ready(outcomes)
         self._serve_notifications()
         self.leases.expire()
         for outcome in outcomes:
@@ -293,15 +296,24 @@ class KVSender:
                     self._end_part(part, exc)
                 for push in [p for p in self._pushes.values() if p.dest.endpoint == endpoint]:
                     self._end(push.dest.request_id, exc, outcomes)
+
+    def _post_ready(self, outcomes: list[TransferOutcome]) -> None:
+        """Post every WRITE whose peer is known; a final push only once its request's
+        streamed ranges all landed (its "done" must come after their data)."""
         streaming = {p.dest.request_id for p in self._parts.values()}
         for push in [*self._parts.values(), *self._pushes.values()]:
             if push.transfer is not None or (push.part < 0 and push.dest.request_id in streaming):
                 continue  # running, or a final push waiting for its streamed ranges to land
             peer = self._peers.get(push.dest.endpoint)
-            if peer is not None:
-                self._start(push, peer, outcomes)
-            else:  # its peer was dropped after another push to it failed
+            if peer is None:  # its peer was dropped after another push to it failed
                 self._ensure_handshake(push.dest.endpoint)
+                continue
+            self._start(push, peer, outcomes)
+            if push.transfer is not None and push.transfer.done:  # nothing to move: ends now
+                if push.part >= 0:
+                    self._end_part(push, None)
+                elif self._pushes.get(push.dest.request_id) is push:
+                    self._end(push.dest.request_id, None, outcomes)
 
     def _start(self, push: _Push, peer: PeerInfo, outcomes: list[TransferOutcome]) -> None:
         request_id = push.dest.request_id

@@ -6,7 +6,8 @@ the tokens decode lacks (its cached prefix skipped); decode is not "ready" befor
 push; the in-flight bound queues and coalesces ranges (and the final push carries a queue
 still waiting); every block reference handed over comes back exactly once; ``cancel``
 mid-stream tells decode the attempt failed, later calls for that id are dropped until
-``revive``, and the retry (a new transfer id) is exact.
+``revive``, and the retry (a new transfer id) is exact; the poll that sees a request's last
+range land posts its final push (no poll interval lost on the tail).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,7 +53,7 @@ class StreamStages:
     """Two stage shippers (layers [0, 2) and [2, 4)); counts every block reference handed
     to them and every one they give back."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: KVShippingConfig = CONFIG, tag: str = "") -> None:
         gen = torch.Generator().manual_seed(1)
         self.pools = []
         for s in range(2):
@@ -65,7 +67,7 @@ class StreamStages:
         self.handed: Counter[int] = Counter()
         self.returned: Counter[int] = Counter()
         self.shippers = [
-            StageKVShipper(s, 2, self.pools[s], CONFIG, self._give_back, f"stream-stage{s}")
+            StageKVShipper(s, 2, self.pools[s], config, self._give_back, f"stream{tag}-stage{s}")
             for s in range(2)
         ]
 
@@ -228,3 +230,41 @@ def test_cancel_mid_stream_fails_decodes_attempt_and_a_retry_is_exact(decode, st
     assert stages.balanced()
     for shipper in stages.shippers:
         shipper.check_integrity()
+
+
+def test_the_poll_that_sees_the_last_range_land_posts_the_final_push(decode):
+    """The last range landed (NIXL's progress thread moved it) while the final push was
+    already queued: the one poll that sees the range end must post the push too. No poll
+    follows it, so decode hears "done" only if it did (the sender's progress thread carries
+    the WRITE on)."""
+    stages = StreamStages(replace(CONFIG, progress=KVProgress.EVENT), tag="-event")
+    num_tokens, pool = 21, "direct"
+    try:
+        for attempt, seed in (("warm", 40), ("tail", 41)):  # the first one connects
+            src = prefill_blocks(num_tokens, seed=seed)
+            rid = f"stream-{attempt}"
+            dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
+            stream_ranges(stages, rid, src, dest, num_tokens, [(0, 16)])
+            if attempt == "warm":
+                push_final(stages, rid, src, dest, num_tokens)
+                assert all(r.ok for r in stages.results(rid))
+                assert decode.call("wait", pool, rid) == (None, 0)
+                continue
+            for shipper in stages.shippers:
+                shipper.poll()  # posts the range (the peer is known)
+            push_final(stages, rid, src, dest, num_tokens)  # queued behind the range
+            for shipper in stages.shippers:
+                back = sum(stages.returned.values())
+                deadline = time.monotonic() + 5.0
+                while sum(stages.returned.values()) - back < 16 // PREFILL_BS:
+                    assert time.monotonic() < deadline, "the streamed range never landed"
+                    shipper.poll()  # the last poll of this shipper: it saw the range end
+                    time.sleep(0.001)
+            assert decode.call("wait", pool, rid) == (None, 0)
+            assert all(r.ok for r in stages.results(rid))
+            assert_shipped(decode, stages, pool, dest.block_ids, 0, num_tokens, src)
+        assert stages.balanced()
+    finally:
+        for shipper in stages.shippers:
+            shipper.check_integrity()
+            shipper.close()

@@ -161,8 +161,11 @@ class DecodeWorker:
                 while len(self.ready_at) > 4096:
                     self.ready_at.popitem(last=False)
 
-    def wait_kv(self, request_id: str, timeout_s: float = 30.0) -> DecodeSequence:
-        """Block (bounded) until the prompt's KV arrived; KVHandoffError if it failed."""
+    def wait_kv(
+        self, request_id: str, timeout_s: float = 30.0, poll_s: float = 0.0005
+    ) -> DecodeSequence:
+        """Block (bounded) until the prompt's KV arrived, polling every ``poll_s``;
+        KVHandoffError if it failed."""
         seq = self._sequences[request_id]
         deadline = time.monotonic() + timeout_s
         while request_id not in self._outcomes:
@@ -170,7 +173,7 @@ class DecodeWorker:
                 self.receiver.cancel(request_id)
                 raise KVHandoffError(f"KV of {request_id} did not arrive within {timeout_s}s")
             self.pump()
-            time.sleep(0.0005)
+            time.sleep(poll_s)
         outcome = self._outcomes.pop(request_id)
         if outcome.error is not None:
             raise KVHandoffError(

@@ -1,9 +1,10 @@
 """DecodeWorkerProcess: a DecodeWorker in its own OS process, driven over a pipe.
 
 The child owns the NIXL agent, the model and the KV pool; between commands it polls its
-receiver (every millisecond while a reception is live, so pushes from prefill stages land
-while the parent is busy prefilling; every ``IDLE_POLL_S`` otherwise, so an idle worker
-idles: a command wakes it at once). The
+receiver (every ``DecodeWorkerSpec.busy_poll_s`` while a reception is live, so pushes from
+prefill stages land while the parent is busy prefilling, and a request's "done" is seen that
+soon after it arrived: NIXL offers no wake-up on a notification; every ``IDLE_POLL_S``
+otherwise, so an idle worker idles: a command wakes it at once). The
 parent handle turns replies back into typed errors; every wait on the child is bounded.
 Tokens of ``generate`` stream back one message per token.
 """
@@ -27,7 +28,7 @@ from prefill_node.errors import (
 )
 from prefill_node.model.config import ModelConfig
 
-BUSY_POLL_S = 0.001
+BUSY_POLL_S = 0.0002
 IDLE_POLL_S = 0.05
 
 _ERRORS: dict[str, type[WaveppError]] = {
@@ -48,10 +49,13 @@ class DecodeWorkerSpec:
     block_size: int = 16
     timeout_s: float = 30.0
     kv_progress: KVProgress = KVProgress.EVENT
+    busy_poll_s: float = BUSY_POLL_S  # receiver poll period while a reception is live
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.model_config is None):
             raise InvalidRequestError("give exactly one of model_dir and model_config")
+        if not 0 < self.busy_poll_s <= IDLE_POLL_S:
+            raise InvalidRequestError(f"busy_poll_s must be in (0, {IDLE_POLL_S}]")
 
     def build(self) -> Any:
         from kv_transfer.receiver import ReceiverConfig
@@ -86,7 +90,7 @@ def serve(conn: Any, spec: DecodeWorkerSpec) -> None:
     conn.send(("ready", worker.endpoint, worker.agent_name))
     try:
         while True:
-            if not conn.poll(BUSY_POLL_S if worker.receiver.busy else IDLE_POLL_S):
+            if not conn.poll(spec.busy_poll_s if worker.receiver.busy else IDLE_POLL_S):
                 worker.pump()
                 continue
             cmd, *args = conn.recv()
@@ -102,7 +106,7 @@ def serve(conn: Any, spec: DecodeWorkerSpec) -> None:
                     request_id, first, max_new, stop_ids = args
                     try:
                         started = time.monotonic()
-                        worker.wait_kv(request_id, spec.timeout_s)
+                        worker.wait_kv(request_id, spec.timeout_s, spec.busy_poll_s)
                         conn.send(("kv", time.monotonic() - started))
                         for token in worker.generate(request_id, first, max_new, stop_ids):
                             conn.send(("token", token))

@@ -105,7 +105,7 @@ class PrefillTimings:
     admission_s: float = 0.0  # admission rounds (lookup, lease, escrow)
     compute_s: float = 0.0  # first chunk start -> last chunk done on the last stage
     total_s: float = 0.0  # submit -> result
-    handoff_s: float = 0.0  # KV push: logits back -> every stage's WRITE landed (the tail)
+    handoff_s: float = 0.0  # KV: last chunk done on the last stage -> every stage shipped
 
 
 @dataclass(frozen=True)

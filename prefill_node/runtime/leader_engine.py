@@ -363,7 +363,7 @@ class LeaderEngine:
                 req = self._requests.get(o.request_id)
                 if req is not None and req.options.kv_destination is not None:
                     req.output = o  # answered once every stage shipped
-                    req.t_logits = now
+                    req.t_last_chunk = now - result.held_s  # the last chunk's end there
                     shipping.append(o.request_id)
                 else:
                     finished.append((o, self._requests.pop(o.request_id, None)))

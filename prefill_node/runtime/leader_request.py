@@ -34,7 +34,9 @@ class LeaderRequest:
     cached_tokens: int = 0
     manifests: dict[int, StageKVManifest] = field(default_factory=dict)
     output: RequestOutput | None = None
-    t_logits: float = 0.0  # when ``output`` arrived (requests with a KV hand-off)
+    # requests with a KV hand-off: when the last chunk's forward ended on the last stage
+    # (``output``'s arrival less the stage's ``WaveResult.held_s``)
+    t_last_chunk: float = 0.0
 
     def result(
         self, out: RequestOutput, now: float, manifests: tuple[StageKVManifest, ...]
@@ -45,7 +47,7 @@ class LeaderRequest:
             admission_s=self.admission_s,
             compute_s=now - self.t_admitted,
             total_s=now - self.t_submit,
-            handoff_s=now - self.t_logits if self.t_logits else 0.0,
+            handoff_s=now - self.t_last_chunk if self.t_last_chunk else 0.0,
         )
         return PrefillResult(
             request_id=self.request_id,

@@ -71,7 +71,10 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class WaveResult:
-    """Last stage -> leader after each wave: finished requests and failures along the way."""
+    """Last stage -> leader after each wave: finished requests and failures along the way.
+    ``held_s``: how long the last stage held the result after the wave's forward ended (the
+    logits, and the KV hand-off started before them); the leader dates the chunk's end by it
+    on its own clock (stage clocks may differ), short by the result's transit."""
 
     wave_id: int
     outputs: tuple[RequestOutput, ...] = ()
@@ -79,6 +82,7 @@ class WaveResult:
     manifests: tuple[tuple[str, StageKVManifest], ...] = ()
     stop: bool = False
     kv_events: tuple[StageEventBatch, ...] = ()
+    held_s: float = 0.0
 
 
 class RoundKind(enum.Enum):

@@ -108,11 +108,14 @@ class PipelineStageCompute:
 
     Failure: a chunk whose local state does not match (StageStateMismatch) fails its request
     (reported to the leader in the wave's ``failed``); an exception in the forward fails every
-    request of that wave; the stage keeps serving either way.
+    request of that wave, one in the logits the requests finishing in it; the stage keeps
+    serving either way.
 
     KV hand-off (``kv_shipping`` given): a request whose last chunk carries a destination is
     completed with its blocks kept pinned and handed to the stage's ``StageShipping``, whose
-    thread drops the pins (``_release_shipped``) when the WRITE ended or the lease did.
+    thread drops the pins (``_release_shipped``) when the WRITE ended or the lease did. That
+    happens right after the forward, before the last stage computes the logits, so the last
+    WRITE overlaps the LM head.
     Streaming (push, ``KVShippingConfig.stream``): after each earlier chunk, the blocks that
     became full are pinned once more for the shipper and WRITten at once (``_stream``).
     KV events (``spec.kv_events``): the pool buffers them; each wave drains them after its
@@ -267,7 +270,6 @@ class PipelineStageCompute:
             time.sleep(self.spec.debug_wave_delay_s)
         try:
             hidden_ok = self._forward(tables, hidden)
-            outputs = self._logits(tables, hidden_ok) if self.model.is_last else ()
         except Exception as exc:  # a bug in one wave must not take the stage down
             log.exception("stage %d: wave %d failed", self.stage, header.wave_id)
             with self._lock:
@@ -276,11 +278,15 @@ class PipelineStageCompute:
             msg = f"stage {self.stage}: wave {header.wave_id} failed: {exc!r}"
             failed.extend((chunk.request_id, msg) for _, chunk, _ in tables)
             return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
+        computed_at = time.monotonic()
+        # the KV is final: ship it before the logits, so the last WRITE overlaps the LM head
         self._stream(tables)
         manifests = self._complete(tables, failed)
-        events = self._drain_events()
         if self.model.is_last:
-            return StepOutput(None, outputs, tuple(failed), manifests, events)
+            outputs = self._outputs(header, tables, hidden_ok, failed)
+            events = self._drain_events()
+            return StepOutput(None, outputs, tuple(failed), manifests, events, computed_at)
+        events = self._drain_events()
         if out is None:
             raise InvariantError("a non-last stage without an output buffer")
         offset = 0
@@ -288,6 +294,23 @@ class PipelineStageCompute:
             out[row : row + chunk.length] = hidden_ok[offset : offset + chunk.length]
             offset += chunk.length
         return StepOutput(out, (), tuple(failed), manifests, events)
+
+    def _outputs(
+        self,
+        header: WaveHeader,
+        tables: list[tuple[int, WaveChunk, BlockTable]],
+        hidden: torch.Tensor,
+        failed: list[tuple[str, str]],
+    ) -> tuple[RequestOutput, ...]:
+        """The finished requests' logits. They run after ``_complete``: a failure here fails
+        only those requests (their KV is complete; the leader cancels their hand-off)."""
+        try:
+            return self._logits(tables, hidden)
+        except Exception as exc:  # a bug in one wave must not take the stage down
+            log.exception("stage %d: logits of wave %d failed", self.stage, header.wave_id)
+            msg = f"stage {self.stage}: wave {header.wave_id} failed: {exc!r}"
+            failed.extend((c.request_id, msg) for _, c, _ in tables if c.is_last)
+            return ()
 
     def _drain_events(self) -> tuple[StageEventBatch, ...]:
         if not self.spec.kv_events:
@@ -345,18 +368,20 @@ class PipelineStageCompute:
         shipping = self.shipping
         if shipping is None or not shipping.config.stream:
             return
-        synced = False
         for _, chunk, _ in tables:
             dest = chunk.kv_destination
             if chunk.is_last or not isinstance(dest, KVPushDestination):
                 continue
-            if self.model.device.type == "cuda" and not synced:  # the KV is written
-                torch.cuda.current_stream(self.model.device).synchronize()
-                synced = True
+            self._kv_written()
             end = chunk.start + chunk.length
             stream_final_blocks(
                 shipping, self.admission, self._lock, chunk.request_id, chunk.start, end, dest
             )
+
+    def _kv_written(self) -> None:
+        """Before a WRITE reads this wave's KV: on CUDA, wait for the forward's kernels."""
+        if self.model.device.type == "cuda":
+            torch.cuda.current_stream(self.model.device).synchronize()
 
     def _complete(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], failed: list[tuple[str, str]]
@@ -375,6 +400,7 @@ class PipelineStageCompute:
                 continue
             manifest = kv_manifest(self.stage, self.kv, done.block_ids, table.end)
             if dest is not None and self.shipping is not None:
+                self._kv_written()
                 blocks = [self.admission.pool.block(b) for b in done.block_ids]
                 self.shipping.ship(chunk.request_id, blocks, manifest, dest)
             manifests.append((chunk.request_id, manifest))

@@ -37,6 +37,7 @@ class StepOutput:
     ``hidden``: activations for the next stage (None on the last stage). ``outputs``: finished
     requests' logprobs (last stage only). ``failed``: requests this stage could not run.
     ``kv_events``: this stage's KV event batch drained after the wave (empty when off).
+    ``computed_at``: ``time.monotonic()`` when the wave's forward ended (0: not run).
     """
 
     hidden: torch.Tensor | None
@@ -44,6 +45,7 @@ class StepOutput:
     failed: tuple[tuple[str, str], ...] = ()
     manifests: tuple[tuple[str, StageKVManifest], ...] = ()
     kv_events: tuple[StageEventBatch, ...] = ()
+    computed_at: float = 0.0
 
 
 class StageCompute(Protocol):
@@ -177,7 +179,10 @@ class StageWorker:
             if header.stop:
                 self._planes.data.drain()
             return
-        result = WaveResult(header.wave_id, step.outputs, failed, manifests, header.stop, events)
+        held_s = time.monotonic() - step.computed_at if step.computed_at else 0.0
+        result = WaveResult(
+            header.wave_id, step.outputs, failed, manifests, header.stop, events, held_s
+        )
         if self.rank == 0:
             if self._result_sink is None:
                 raise InvariantError("a one-stage pipeline needs a result sink")
