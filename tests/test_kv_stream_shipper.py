@@ -233,10 +233,8 @@ def test_cancel_mid_stream_fails_decodes_attempt_and_a_retry_is_exact(decode, st
 
 
 def test_the_poll_that_sees_the_last_range_land_posts_the_final_push(decode):
-    """The last range landed (NIXL's progress thread moved it) while the final push was
-    already queued: the one poll that sees the range end must post the push too. No poll
-    follows it, so decode hears "done" only if it did (the sender's progress thread carries
-    the WRITE on)."""
+    """The last range landed (NIXL moved it) while the final push was already queued: the
+    one poll that sees the range end posts the push too, instead of the next poll."""
     stages = StreamStages(replace(CONFIG, progress=KVProgress.EVENT), tag="-event")
     num_tokens, pool = 21, "direct"
     try:
@@ -245,23 +243,21 @@ def test_the_poll_that_sees_the_last_range_land_posts_the_final_push(decode):
             rid = f"stream-{attempt}"
             dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
             stream_ranges(stages, rid, src, dest, num_tokens, [(0, 16)])
-            if attempt == "warm":
-                push_final(stages, rid, src, dest, num_tokens)
-                assert all(r.ok for r in stages.results(rid))
-                assert decode.call("wait", pool, rid) == (None, 0)
-                continue
-            for shipper in stages.shippers:
-                shipper.poll()  # posts the range (the peer is known)
+            if attempt == "tail":
+                for shipper in stages.shippers:
+                    shipper.poll()  # posts the range (the peer is known)
             push_final(stages, rid, src, dest, num_tokens)  # queued behind the range
             for shipper in stages.shippers:
-                back = sum(stages.returned.values())
+                back, posted = sum(stages.returned.values()), shipper.sender.writes_posted
                 deadline = time.monotonic() + 5.0
                 while sum(stages.returned.values()) - back < 16 // PREFILL_BS:
                     assert time.monotonic() < deadline, "the streamed range never landed"
-                    shipper.poll()  # the last poll of this shipper: it saw the range end
+                    shipper.poll()
                     time.sleep(0.001)
-            assert decode.call("wait", pool, rid) == (None, 0)
+                if attempt == "tail":  # the range's end seen, and the final push posted
+                    assert shipper.sender.writes_posted == posted + 1
             assert all(r.ok for r in stages.results(rid))
+            assert decode.call("wait", pool, rid) == (None, 0)
             assert_shipped(decode, stages, pool, dest.block_ids, 0, num_tokens, src)
         assert stages.balanced()
     finally:
