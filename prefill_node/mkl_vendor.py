@@ -1,12 +1,12 @@
 """MKL's CPU-vendor check, answered "Intel" on AMD CPUs (torch-free; read before torch loads).
 
 torch's CPU wheel links MKL, and MKL picks its kernels by CPU vendor as well as by CPU
-features: on an AMD EPYC with AVX-512 it runs fp32 GEMM at ~85-90 GFLOP/s per thread
-instead of ~200. torch's fused CPU attention calls those GEMMs in fp32 and in bf16, so
-attention-heavy prefill runs about half speed. (Linear layers avoid MKL already: fp32 goes
-to oneDNN, ``model/tensor_ops.linear``, bf16 F.linear does too.) The long-known remedy is
-a two-function library, preloaded, that answers MKL's internal vendor query with "Intel";
-MKL then dispatches on the CPU's real features (AVX-512 here, AVX2 on CPUs without it).
+features: on an AMD EPYC with AVX-512 it runs slower kernels. torch's fused CPU attention
+calls those GEMMs in fp32 and in bf16, so attention-heavy prefill runs slower
+(``bench/forward.py --mkl-shim on|off`` measures it). Linear layers avoid MKL already: fp32
+goes to oneDNN (``model/tensor_ops.linear``), and so does bf16 F.linear. The long-known
+remedy is a two-function library, preloaded, that answers MKL's internal vendor query with
+"Intel"; MKL then dispatches on the CPU's real features.
 
 ``shim_path`` builds that library once with the system C compiler into
 ``$WAVEPP_CACHE_DIR/native`` (``~/.cache/wavepp/native``); ``preload_env`` adds it to a

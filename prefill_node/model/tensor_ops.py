@@ -20,9 +20,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # oneDNN's matmul on a weight reordered once into its blocked layout ("prepacked", as vLLM's
-# CPU build and torch's inductor do) runs fp32 at about twice the speed of F.linear, which on
-# this CPU goes to MKL (measured ~200 vs ~90 GFLOP/s per thread on an AMD EPYC, 512 rows of
-# SmolLM2's shapes: bench/forward.py --matmul both). bf16 F.linear already goes to oneDNN.
+# CPU build and torch's inductor do) runs fp32 at about 1.7x the speed of F.linear, which on
+# this CPU goes to MKL, whose non-Intel kernels are slower on an AMD EPYC (SmolLM2-135M, one
+# thread: bench/forward.py --matmul onednn|f-linear). bf16 F.linear already goes to oneDNN.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACKED = "_wavepp_onednn"  # attribute on the weight Parameter: (its _version, packed weight)
 _use_onednn = _ONEDNN
