@@ -2,7 +2,8 @@
 
 Shared by every family with a recurrent state (Qwen3-Next's GatedDeltaNet, per-head decay;
 Kimi Linear's KDA, per-key-channel decay). One sequence at a time, no batch dimension; the
-delta rule computes in fp32 whatever the input dtype and keeps its state in fp32.
+delta rule computes in fp64 for fp32 inputs (see ``gated_delta_rule_states``) and in fp32
+for lower precisions, and keeps its state in fp32.
 
 The delta rule runs in chunks (the UT-transform form of transformers' torch reference): chunk
 boundaries fall on every requested offset, so the state after any prefix the caller asks for
@@ -61,12 +62,16 @@ def gated_delta_rule_states(
     ``state`` itself, offset T the final state. Offsets must lie in [0, T]."""
     seq, heads, dk = _check(q, k, v, g, beta, state, offsets)
     dtype = q.dtype
-    q, k, v, g, beta = (t.to(torch.float32) for t in (q, k, v, g, beta))
-    s = state.to(torch.float32)
+    # fp32 models compute in fp64: the chunked form (triangular solves, exp of cumulative
+    # decays) amplifies rounding, so in fp32 its result would depend on where a wave's chunks
+    # start by more than 1e-4; lower-precision models compute in fp32
+    work = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+    q, k, v, g, beta = (t.to(work) for t in (q, k, v, g, beta))
+    s = state.to(work)
     q = q * dk**-0.5
     starts, lengths = _chunks(seq, offsets, chunk_size)
     if not starts:
-        return v.to(dtype), s.unsqueeze(0).expand(len(offsets), -1, -1, -1).clone()
+        return v.to(dtype), s.unsqueeze(0).expand(len(offsets), -1, -1, -1).to(torch.float32)
     # pad every chunk to the longest one, not to chunk_size: offsets at every block boundary
     # cut a prompt into block-sized chunks, and the intra-chunk work grows with size^2
     chunk_size = max(lengths)
@@ -108,7 +113,7 @@ def gated_delta_rule_states(
         if starts[i] + lengths[i] in wanted:
             after[starts[i] + lengths[i]] = s
     out = outs.permute(0, 2, 1, 3).reshape(-1, heads, v.shape[-1])[valid.reshape(-1)]
-    return out.to(dtype), torch.stack([after[o] for o in offsets])
+    return out.to(dtype), torch.stack([after[o] for o in offsets]).to(torch.float32)
 
 
 def causal_conv1d(
