@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefill_node.decode.decode_worker import DecodeWorker
-from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import UnsupportedArchitectureError
 from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
@@ -25,7 +24,7 @@ from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from tests.hybrid_checks import check_eviction_shrinks_reuse, check_reuse_up_to_a_snapshot
 from tests.tiny_models import tiny_kimi
 
 transformers = pytest.importorskip("transformers")
@@ -173,32 +172,17 @@ def test_prefix_reuse_from_a_snapshot_equals_full_recompute(num_stages):
 
 
 def test_engine_reuses_prefixes_up_to_a_snapshot_and_matches_transformers(hf_model):
-    """Through the admission core (2 stages, 20-token chunks ending mid-block): a prompt
-    sharing 36 tokens reuses 4 blocks (the snapshot boundary at 32)."""
-    config = LocalEngineConfig(num_stages=2, num_blocks=32, block_size=BLOCK, max_chunk_tokens=20)
-    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
-    prompts = [TOKENS[:40], TOKENS[:36] + TOKENS[60:70], TOKENS[:40]]
-    outs = [engine.prefill(p, PrefillOptions()) for p in prompts]
-    assert [o.result.cached_tokens for o in outs] == [0, 32, 32]
-    for prompt, out in zip(prompts, outs, strict=True):
-        want = hf_run(hf_model, prompt).logits[0, -1]
-        torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
-    engine.check_integrity()
+    def want(prompt):
+        return hf_run(hf_model, prompt).logits[0, -1]
+
+    check_reuse_up_to_a_snapshot(CONFIG, WEIGHTS, TOKENS, BLOCK, want, ATOL)
 
 
 def test_evicted_blocks_shrink_the_reused_prefix_and_never_give_a_wrong_state(hf_model):
-    """A 7-block stage cache: a second prompt evicts the tail of the first one's chain, so
-    repeating the first reuses only its leading blocks (their snapshots came with them)."""
-    config = LocalEngineConfig(num_stages=2, num_blocks=7, block_size=BLOCK, max_chunk_tokens=16)
-    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
-    first, other = TOKENS[:40], TOKENS[30:70]
-    outs = [engine.prefill(p, PrefillOptions()) for p in (first, other, first)]
-    cached = outs[2].result.cached_tokens
-    assert 0 < cached < 32 and cached % BLOCK == 0, cached
-    for prompt, out in zip((first, other, first), outs, strict=True):
-        want = hf_run(hf_model, prompt).logits[0, -1]
-        torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
-    engine.check_integrity()
+    def want(prompt):
+        return hf_run(hf_model, prompt).logits[0, -1]
+
+    check_eviction_shrinks_reuse(CONFIG, WEIGHTS, TOKENS, BLOCK, want, ATOL)
 
 
 def test_moe_routes_within_the_best_group_in_fp32():
