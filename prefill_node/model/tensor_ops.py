@@ -35,12 +35,22 @@ def set_onednn_matmul(enabled: bool) -> None:
     _use_onednn = enabled and _ONEDNN
 
 
+ROW_BUCKET = 32  # oneDNN gets row counts in multiples of this (see ``linear``)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T``. A float32 CPU weight Parameter is packed for oneDNN on first use and
     repacked whenever it was written since (its ``_version``); anything else (views such as
-    one expert's slice, other dtypes or devices) goes to F.linear."""
+    one expert's slice, other dtypes or devices) goes to F.linear.
+
+    oneDNN caches a compiled kernel per problem shape, about half a MiB each, up to 1,024 of
+    them: fed every row count a server sees, a process grew by hundreds of MiB. So it sees
+    rows in multiples of ``ROW_BUCKET`` only (zero rows padded, then dropped: a handful of
+    shapes per weight), and fewer rows than that go to F.linear."""
+    rows = x.shape[0] if x.dim() == 2 else -1
     if not (
         _use_onednn
+        and rows >= ROW_BUCKET
         and isinstance(weight, nn.Parameter)
         and weight.dtype == torch.float32
         and x.dtype == torch.float32
@@ -51,7 +61,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if cached is None or cached[0] != weight._version:
         cached = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
         setattr(weight, _PACKED, cached)
-    return torch.ops.mkldnn._linear_pointwise(x, cached[1], None, "none", [], "")
+    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+    if padded != rows:
+        x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+    out = torch.ops.mkldnn._linear_pointwise(x, cached[1], None, "none", [], "")
+    return out[:rows] if padded != rows else out
 
 
 def param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
