@@ -43,8 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     repacked whenever it was written since (its ``_version``); anything else (views such as
     one expert's slice, other dtypes or devices) goes to F.linear.
 
-    oneDNN caches a compiled kernel per problem shape, about half a MiB each, up to 1,024 of
-    them: fed every row count a server sees, a process grew by hundreds of MiB. So it sees
+    oneDNN caches a compiled kernel per problem shape, up to 1,024 of them: fed every row
+    count a server sees, a process grew by hundreds of MiB (docs/models.md). So it sees
     rows in multiples of ``ROW_BUCKET`` only (zero rows padded, then dropped: a handful of
     shapes per weight), and fewer rows than that go to F.linear."""
     rows = x.shape[0] if x.dim() == 2 else -1
