@@ -152,3 +152,18 @@ def test_split_off_the_cpu_is_refused():
     assert AttentionPath.default_for(kv.device) is AttentionPath.MASKED
     with pytest.raises(InvariantError, match="CPU only"):
         AttentionPlan.build(batch, kv, torch.float32, AttentionPath.SPLIT)
+
+
+def test_mla_caches_get_masked_plans_and_refuse_split():
+    """MLA layers attend through their own SDPA call with the plan's masks: an MLA cache's
+    plan is MASKED by default (masks built once per forward), and SPLIT, which builds none, is
+    refused for it."""
+    from prefill_node.model.latent_cache import PagedLatentCache
+    from tests.tiny_models import tiny_kimi
+
+    kv = PagedLatentCache(tiny_kimi().mla, LayerRange(0, 1), 4, 4)
+    batch = ChunkBatch((ChunkSpec(2, 3, (0, 1)),))
+    plan = AttentionPlan.build(batch, kv, torch.float32)
+    assert plan.path is AttentionPath.MASKED and plan.chunks[0].mask is not None
+    with pytest.raises(InvariantError, match="GQA caches"):
+        AttentionPlan.build(batch, kv, torch.float32, AttentionPath.SPLIT)

@@ -46,9 +46,11 @@ class AttentionPath(enum.Enum):
     MASKED = "masked"
 
     @classmethod
-    def default_for(cls, device: torch.device) -> AttentionPath:
-        """SPLIT where torch's fused flash kernel with log-sum-exp exists (CPU), else MASKED."""
-        return cls.SPLIT if device.type == "cpu" else cls.MASKED
+    def default_for(cls, device: torch.device, gqa: bool = True) -> AttentionPath:
+        """SPLIT where torch's fused flash kernel with log-sum-exp exists (CPU) and the
+        attention is GQA over a ``PagedKVCache``; else MASKED (MLA layers compute their own
+        attention from the plan's masks)."""
+        return cls.SPLIT if gqa and device.type == "cpu" else cls.MASKED
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,16 @@ class AttentionPlan:
         dtype: torch.dtype,
         path: AttentionPath | None = None,
     ) -> AttentionPlan:
-        """``path`` None: ``AttentionPath.default_for(kv.device)``. Masks (MASKED path only)
+        """``path`` None: ``AttentionPath.default_for`` the cache. Masks (MASKED path only)
         are additive in ``dtype`` (the activations'), so SDPA need not convert a boolean mask
         in every layer. InvariantError if a table does not cover its chunk
-        (``check_block_tables``) or SPLIT is asked for off the CPU."""
-        path = AttentionPath.default_for(kv.device) if path is None else path
+        (``check_block_tables``), or SPLIT is asked for off the CPU or for an MLA cache."""
+        gqa = isinstance(kv, PagedKVCache)
+        path = AttentionPath.default_for(kv.device, gqa) if path is None else path
         if path is AttentionPath.SPLIT and kv.device.type != "cpu":
             raise InvariantError(f"the SPLIT attention path runs on CPU only, not {kv.device}")
+        if path is AttentionPath.SPLIT and not gqa:
+            raise InvariantError("the SPLIT attention path is for GQA caches, not MLA latents")
         batch.check_block_tables(kv.block_size, kv.num_blocks)
         device = kv.device
         slots = []

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.errors import InvariantError
-from prefill_node.model.attention import AttentionPlan, ChunkPlan, causal_mask
+from prefill_node.model.attention import AttentionPlan, ChunkPlan
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import PagedLatentCache
 from prefill_node.model.rope import apply_rotary_interleaved
@@ -175,12 +175,8 @@ class MlaAttention(nn.Module):
             allowed = self.selection(indexer[0], indexer[1], index_keys, cp)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(~allowed, float("-inf"))
-        elif cp.start == 0:
-            mask = None  # plain causal
-        else:  # the plan's mask exists on the MASKED path only
-            mask = (
-                cp.mask if cp.mask is not None else causal_mask(cp.start, cp.end, q.dtype, q.device)
-            )
+        else:
+            mask = cp.mask  # None for a chunk from position 0: plain causal (MASKED plan)
         kv = linear(latent, self.kv_b).view(cp.end, self.heads, -1)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)

@@ -65,7 +65,7 @@ class StageModel(nn.Module):
         self.rotary = RotaryEmbedding(config, self.device)
         # which computation GQA attention uses; both are exact (attention.py), MASKED is the
         # reference a benchmark or test may select
-        self.attention_path = AttentionPath.default_for(self.device)
+        self.attention_path = AttentionPath.default_for(self.device, gqa=config.mla is None)
         self._loaded = False
 
     @property
