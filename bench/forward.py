@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from prefill_node.mkl_vendor import SHIM_ENV, reexec_with_shim
+from prefill_node.mkl_vendor import SHIM_ENV, reexec_with_shim, without_shim
 from prefill_node.model.attention import AttentionPath
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig
@@ -298,10 +298,7 @@ def use_mkl_shim(on: bool) -> None:
         reexec_with_shim()
         return
     if os.environ.get(SHIM_ENV) != "0":
-        env = dict(os.environ, **{SHIM_ENV: "0"})
-        env["LD_PRELOAD"] = ":".join(
-            p for p in env.get("LD_PRELOAD", "").split(":") if p and "wavepp_mkl" not in p
-        )
+        env = without_shim(dict(os.environ))
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 

@@ -103,6 +103,15 @@ def preload_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def without_shim(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the shim turned off (``WAVEPP_MKL_VENDOR_SHIM=0``) and out of
+    ``LD_PRELOAD`` (for a comparison run without it)."""
+    env[SHIM_ENV] = "0"
+    kept = [p for p in env.get("LD_PRELOAD", "").split(":") if p and Path(p).name != _NAME]
+    env["LD_PRELOAD"] = ":".join(kept)
+    return env
+
+
 def reexec_with_shim() -> None:
     """Restart this process with the shim preloaded, if it applies and is not loaded yet.
     Call before torch is imported; returns normally when nothing needs doing."""

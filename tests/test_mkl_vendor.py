@@ -42,6 +42,8 @@ def test_built_once_and_put_first_in_ld_preload(tmp_path, monkeypatch) -> None:
     assert env["LD_PRELOAD"] == f"{path}:other.so"
     assert mkl_vendor.preload_env(env)["LD_PRELOAD"] == f"{path}:other.so"  # not twice
     assert mkl_vendor.shim_path().stat().st_mtime_ns == mtime  # not rebuilt
+    off = mkl_vendor.without_shim(dict(env))
+    assert off["LD_PRELOAD"] == "other.so" and off[mkl_vendor.SHIM_ENV] == "0"
 
 
 @needs_amd
