@@ -63,6 +63,7 @@ class Faults:
     skipped: list = field(default_factory=list)  # faults whose turn came too late
     restarts: list = field(default_factory=list)  # (t, pipeline, why)
     router_epoch: float = 0.0  # monotonic time since when the router counts for the tally
+    router_kills: list = field(default_factory=list)  # monotonic times of router SIGKILLs
     t0: float = field(default_factory=time.monotonic)
     _n: int = 0
 
@@ -171,6 +172,7 @@ class Faults:
 
     async def router_restart(self, rec: FaultRecord) -> None:
         rec.target = "router"
+        self.router_kills.append(time.monotonic())
         self.router.kill()
         self.router_epoch = time.monotonic()
         await asyncio.to_thread(self.router.restart)

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 from soak_cluster import fd_count, rss_bytes  # bench/ is on sys.path
+from soak_workload import WRITE_LOST
 
 INVARIANTS = (
     "leaked_blocks",
@@ -21,6 +22,7 @@ INVARIANTS = (
     "hung_requests",
     "internal_errors",
     "unknown_errors",
+    "unexplained_writes_lost",
     "integrity_failures",
     "double_ends",
     "index_mismatches",
@@ -30,6 +32,7 @@ INVARIANTS = (
     "faults_not_survived",
 )
 TAKE_A_PIPELINE = ("stage_kill", "stage_stop", "kv_cut")
+WRITE_LOST_WINDOW_S = 5.0  # a stream write lost this soon after a router kill is the kill's
 RSS_NOISE_BYTES = 16 * 2**20  # growth over the last half below this is noise
 FD_NOISE = 4
 
@@ -279,6 +282,17 @@ def counter_check(router, tally, faults) -> dict:
     }
 
 
+def unexplained_writes_lost(tally, faults) -> int:
+    """Streams that ended STREAM_WRITE_LOST (the client library's own INTERNAL when a write
+    fails under it) other than within WRITE_LOST_WINDOW_S after a router kill."""
+    return sum(
+        1
+        for end, _kind, code, _lat in tally.rows
+        if code == WRITE_LOST
+        and not any(0 <= end - k <= WRITE_LOST_WINDOW_S for k in faults.router_kills)
+    )
+
+
 def _phase(rows: list[dict], lo: float, hi: float) -> dict:
     if hi <= lo:
         return {"ok_per_s": None, "p50_s": None, "p95_s": None, "seconds": 0.0}
@@ -310,6 +324,8 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "hung_requests": tally.hung + len(tally.open),
         "internal_errors": tally.outcomes["INTERNAL"],
         "unknown_errors": tally.outcomes["UNKNOWN"],
+        "stream_writes_lost": tally.outcomes[WRITE_LOST],
+        "unexplained_writes_lost": unexplained_writes_lost(tally, faults),
         "integrity_failures": len(checks["integrity"]),
         "double_ends": tally.double_ends,
         "index_mismatches": checks["index"]["mismatches"],
