@@ -2,7 +2,10 @@
 
 Plain frozen dataclasses, validated once; every derived quantity (parameters per layer,
 attention FLOPs per query-key pair, KV bytes per token) is a property so a preset only
-states what a model card or a spec sheet states.
+states what a model card or a spec sheet states. A model the backend can run is described
+once, as the backend's ``ModelConfig`` (parsed from its ``config.json``), and its
+``ModelSpec`` is derived from it (``ModelSpec.from_config``) with the serving precisions
+added; ``tests/test_sim_specs.py`` pins the two cost shapes to the same numbers.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from prefill_node.errors import InvalidRequestError
+from prefill_node.model.config import ModelConfig  # torch-free
 
 
 class InvalidSpecError(InvalidRequestError):
@@ -73,6 +77,65 @@ class ModelSpec:
         if self.num_dense_layers > self.num_layers:
             raise InvalidSpecError(f"{self.name}: num_dense_layers > num_layers")
 
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        *,
+        weight_bytes: float,
+        kv_bytes: float,
+        act_bytes: float = 2.0,
+    ) -> ModelSpec:
+        """The simulator's view of a model the backend describes: ``config``'s shapes (its
+        ``name`` becomes the spec's) at the given serving precisions. Raises InvalidSpecError
+        for recurrent (linear-attention) layers, which the roofline has no cost for."""
+        if config.recurrent is not None:
+            raise InvalidSpecError(
+                f"{config.name}: the simulator's roofline has no cost for recurrent "
+                "(linear-attention) layers"
+            )
+        moe, mla = config.moe, config.mla
+        if moe is not None and moe.shared_width != moe.num_shared_experts * (
+            moe.expert_intermediate_size
+        ):
+            raise InvalidSpecError(
+                f"{config.name}: shared experts of another width than the routed ones"
+            )
+        shape: dict = dict(
+            name=config.name,
+            num_layers=config.num_layers,
+            hidden=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dense_intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            weight_bytes=weight_bytes,
+            kv_bytes=kv_bytes,
+            act_bytes=act_bytes,
+        )
+        if moe is not None:
+            shape.update(
+                num_dense_layers=moe.first_dense_layers,
+                num_experts=moe.num_experts,
+                active_experts=moe.top_k,
+                shared_experts=moe.num_shared_experts,
+                moe_intermediate=moe.expert_intermediate_size,
+            )
+        if mla is not None:
+            shape.update(
+                num_kv_heads=1,
+                head_dim=mla.qk_nope_head_dim,
+                kv_lora_rank=mla.kv_lora_rank,
+                q_lora_rank=mla.q_lora_rank or 0,
+                qk_rope_dim=mla.qk_rope_head_dim,
+                v_head_dim=mla.v_head_dim,
+                index_topk=mla.index_topk,
+                index_heads=mla.index_n_heads,
+                index_head_dim=mla.index_head_dim,
+            )
+        return cls(**shape)
+
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
@@ -90,7 +153,10 @@ class ModelSpec:
             q = h * n * self.head_dim
             kv = 2 * h * self.num_kv_heads * self.head_dim
             out = n * self.head_dim * h
-        index = h * self.index_heads * self.index_head_dim + h * self.index_head_dim
+        # the indexer: its queries from the q LoRA (the hidden state without one), its key
+        # and its per-head weights from the hidden state
+        index_q = (self.q_lora_rank or h) * self.index_heads * self.index_head_dim
+        index = index_q + h * (self.index_head_dim + self.index_heads)
         return q + kv + out + (index if self.index_topk else 0)
 
     def mlp_params(self, layer: int) -> tuple[int, int]:
