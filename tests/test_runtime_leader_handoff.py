@@ -144,6 +144,19 @@ def test_deadline_fires_once_and_forget_stops_it(stages):
     assert s.expired == ["d1"] and s.cancelled == []  # d2 never shipped: nothing to cancel
 
 
+def test_a_record_taken_out_is_neither_settled_nor_expired(stages):
+    """An abort takes the record out of the table, and that is all it has to do: the
+    hand-off thread ignores its outcomes and its deadline never fires."""
+    s, h = stages
+    s.add("gone", deadline_s=time.monotonic() + 0.05)
+    s.logits_ready("gone")
+    s.forget("gone")
+    s.report(StageHandoff("gone", 0, manifest(0)))
+    s.report(StageHandoff("gone", 1, manifest(1)))
+    time.sleep(0.15)
+    assert "gone" not in s.settled and s.expired == [] and s.cancelled == []
+
+
 def test_a_deadline_fires_while_a_collect_round_hangs_on_a_stopped_stage():
     """A KV_COLLECT round waits for every stage; a SIGSTOPped stage holds it until the
     heartbeat declares the pipeline dead. The soak saw requests answered 5 s past their
