@@ -73,7 +73,7 @@ def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -
     assert core.idle and core.counts().inflight_requests == 0
     for s in stages:
         s.check_integrity()
-        assert s.load().in_use == 0
+        assert s.pool.stats().in_use == 0
     # a second request with the same prefix reuses it on every stage
     core.submit("c", tuple(range(30)) + (7,), None)
     assert [o.cached_tokens for o in _admit_all(core, stages)] == [28]
@@ -93,13 +93,13 @@ def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
         core.submit("a", (1, 2, 3), None)  # its stage state is not cleaned up yet
     assert core.next_wave() is None  # nothing more is scheduled for it
     assert not core.has_round_work()  # and no forget goes out while its chunk is in flight
-    assert all(s.load().in_use > 0 for s in stages)
+    assert all(s.pool.stats().in_use > 0 for s in stages)
     core.wave_done(WaveResult(header.wave_id))
     assert core.has_round_work()
     assert _admit_all(core, stages) == []  # the round carries only the forget
     for s in stages:
         s.check_integrity()
-        assert s.load().in_use == 0 and s.num_reservations == 0
+        assert s.pool.stats().in_use == 0 and s.num_reservations == 0
 
 
 def test_prompt_larger_than_a_stage_never_fits() -> None:

@@ -216,7 +216,7 @@ class PipelineStageCompute:
     def occupancy(self) -> PoolStats:
         """The pool's block counts (any thread)."""
         with self._lock:
-            return self.admission.load()
+            return self.admission.pool.stats()
 
     @property
     def pool(self) -> BlockPool:
