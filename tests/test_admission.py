@@ -76,7 +76,7 @@ def test_cold_request_is_admitted_with_its_whole_prompt_escrowed():
     (out,) = run_round(coord, stages, [spec("a", range(10))])  # 3 blocks (last partial)
     assert out == Admitted("a", 10, 0, (StageReservation(0, 0, 3), StageReservation(1, 0, 3)))
     for st in stages:
-        assert st.load().claimed == 3 and st.load().in_use == 0  # nothing evicted yet
+        assert st.pool.stats().claimed == 3 and st.pool.stats().in_use == 0  # nothing evicted yet
         assert st.materialise("a", 0, 6) == BlockTable("a", (0, 1), 0, 0, 6)
         assert st.materialise("a", 6, 4) == BlockTable("a", (0, 1, 2), 0, 6, 10)
         assert st.complete("a") == Completion("a", (0, 1, 2), 2, kept_pinned=False)
@@ -95,7 +95,7 @@ def test_reuse_is_the_minimum_over_stages_and_pins_only_that_prefix():
     (out,) = run_round(coord, stages, [spec("b", PREFIX + [7, 7])])
     assert isinstance(out, Admitted) and out.cached_len == 2 * B
     assert [r.leased_blocks for r in out.reservations] == [2, 2]
-    assert stages[0].load().in_use == 2  # stage 0 pins 2 of its 4 cached blocks
+    assert stages[0].pool.stats().in_use == 2  # stage 0 pins 2 of its 4 cached blocks
     check_all(stages)
     run_to_completion(stages, "b", 18, start=8)
     check_all(stages)
@@ -114,7 +114,7 @@ def test_whole_prompt_cached_reuses_every_block_and_copies_the_last_to_recompute
     check_all(stages)
     done = stages[0].complete("b")
     assert done == Completion("b", (0, 1, 2, 4), 0, kept_pinned=False)  # nothing new cached
-    assert stages[0].load().in_use == 0
+    assert stages[0].pool.stats().in_use == 0
     check_all(stages)
 
 
@@ -133,7 +133,7 @@ def test_wait_when_a_stage_is_full_then_admitted_after_completion():
     run_round(coord, stages, [spec("a", range(20))])  # 5 blocks of stage 1's 6
     (out,) = run_round(coord, stages, [spec("b", range(500, 508))])  # 2 blocks
     assert out == Wait("b", ReserveStatus.NO_CAPACITY, 1)
-    assert stages[0].num_reservations == 1 and stages[0].load().claimed == 5  # b released
+    assert stages[0].num_reservations == 1 and stages[0].pool.stats().claimed == 5  # b released
     check_all(stages)
     assert coord.queued_ids() == ["b"]
     run_to_completion(stages, "a", 20)
@@ -307,10 +307,10 @@ def test_abort_at_any_point_returns_every_block(when):
     if when == "kept":
         st.materialise("a", 18, 7)
         assert st.complete("a", keep_pinned=True).kept_pinned
-        assert st.load().in_use == 7
+        assert st.pool.stats().in_use == 7
     assert st.abort("a") is True
     assert st.abort("a") is False
-    stats = st.load()
+    stats = st.pool.stats()
     assert (stats.in_use, stats.claimed) == (0, 0)
     assert st.pool.index.longest_prefix(hashes_of(PREFIX)) == 4  # the prefix stays cached
     st.check_integrity()
@@ -323,10 +323,10 @@ def test_keep_pinned_until_unpin():
     st.materialise("a", 0, 10)
     done = st.complete("a", keep_pinned=True)
     assert done == Completion("a", (0, 1, 2), 2, kept_pinned=True)
-    assert st.load().in_use == 3
+    assert st.pool.stats().in_use == 3
     assert st.materialise("a", 10, 1).reason is MismatchReason.NOT_COMMITTED
     assert st.unpin("a") is True and st.unpin("a") is False
-    assert st.load().in_use == 0 and st.load().cached == 2
+    assert st.pool.stats().in_use == 0 and st.pool.stats().cached == 2
     st.check_integrity()
 
 
@@ -341,12 +341,12 @@ def test_abort_through_the_coordinator_mid_round_and_after_admission():
     assert msg.outcomes == (Aborted("a"),)
     assert coord.has_work()  # the stages still hold a's reservation until the next message
     assert run_round(coord, stages) == ()
-    assert all(st.num_reservations == 0 and st.load().claimed == 0 for st in stages)
+    assert all(st.num_reservations == 0 and st.pool.stats().claimed == 0 for st in stages)
     (out,) = run_round(coord, stages, [spec("b", range(9))])
     stages[0].materialise("b", 0, 4)
     assert coord.abort("b") is False  # admitted already: only the stages hold it
     run_round(coord, stages)
-    assert all(st.load().in_use == 0 and st.load().claimed == 0 for st in stages)
+    assert all(st.pool.stats().in_use == 0 and st.pool.stats().claimed == 0 for st in stages)
     check_all(stages)
 
 

@@ -242,7 +242,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.admission_round()
         assert not self.queued and not self.admitted and not self.coord.has_work()
         for stage in self.stages:
-            stats = stage.load()
+            stats = stage.pool.stats()
             assert (stats.in_use, stats.claimed, stage.num_reservations) == (0, 0, 0)
             stage.check_integrity()
 

@@ -163,6 +163,27 @@ def test_claims_do_not_evict_and_a_hit_cancels_the_claim(pool):
     assert pool.drain_events()[-1] == BlockRemoved((hash_block_tokens(tokens, B, EXTRA)[1],))
 
 
+def test_escrowed_victims_count_as_used_and_leave_the_free_and_cached_counts(pool):
+    """``PoolStats.used`` (what GetLoad reports per stage) counts claimed victims as used
+    from the claim on, whether they still hold a cached prefix or nothing."""
+    tokens = list(range(32))
+    pool.free(compute_and_cache(pool, tokens))  # blocks 1, 0 cached at the queue's tail
+    held = pool.allocate(7)  # blocks 2..8: the head of the queue; 9, 10, 1, 0 left
+    victims = pool.claim(3, "r")  # 9, 10 (empty) and 1 (cached)
+    stats = pool.stats()
+    assert (stats.in_use, stats.claimed, stats.claimed_cached) == (7, 3, 1)
+    assert (stats.used, stats.unclaimed_free, stats.unclaimed_cached) == (10, 0, 1)
+    assert stats.used + stats.unclaimed_free + stats.unclaimed_cached == stats.total
+    pool.check_integrity()
+    pool.touch(hit_chain(pool, tokens))  # a hit on 0, 1 cancels the claim on 1
+    stats = pool.stats()
+    assert (stats.claimed, stats.claimed_cached, stats.used) == (2, 0, 11)
+    pool.check_integrity()
+    pool.take_claimed([v for v in victims if v.claimed_by == "r"], "r")
+    assert pool.stats().claimed_cached == 0 and pool.stats().used == 11
+    pool.free(held)
+
+
 def test_unclaim_returns_victims_to_the_head_in_order(pool):
     victims = pool.claim(3, "r")
     assert pool.free_queue.block_ids() == list(range(3, 11))

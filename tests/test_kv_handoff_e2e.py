@@ -48,7 +48,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 def used_blocks(engine: LocalEngine) -> list[int]:
-    return [stage.load().used_blocks for stage in engine.stages]
+    return [stage.used_blocks for stage in engine.load().stages]
 
 
 def wait_idle(engine: LocalEngine, timeout_s: float = 5.0) -> None:

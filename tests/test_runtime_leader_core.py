@@ -44,9 +44,11 @@ def _stages(spec: PipelineSpec) -> list[StageAdmission]:
 
 def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -> None:
     spec = _spec()
-    core, stages = LeaderCore(spec, _Model()), _stages(spec)
-    core.submit("a", tuple(range(30)), None, 2)
-    core.submit("b", tuple(range(100, 110)), None, 1)
+    top_k = {"a": 2, "b": 1}  # what the engine's records hold
+    core = LeaderCore(spec, _Model(), lambda rid: (top_k.get(rid, 1), None))
+    stages = _stages(spec)
+    core.submit("a", tuple(range(30)), None)
+    core.submit("b", tuple(range(100, 110)), None)
     outcomes = _admit_all(core, stages)
     assert [(o.request_id, o.cached_tokens, o.error) for o in outcomes] == [
         ("a", 0, None),
@@ -58,6 +60,7 @@ def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -
         assert header.num_tokens <= spec.max_wave_tokens
         for c in header.chunks:
             covered[c.request_id].append((c.start, c.start + c.length))
+            assert c.top_logprobs == top_k[c.request_id] and c.kv_destination is None
             for s in stages:  # what each stage's LOOP does
                 assert not hasattr(s.materialise(c.request_id, c.start, c.length), "reason")
                 if c.is_last:
@@ -70,16 +73,16 @@ def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -
     assert core.idle and core.counts().inflight_requests == 0
     for s in stages:
         s.check_integrity()
-        assert s.load().in_use == 0
+        assert s.pool.stats().in_use == 0
     # a second request with the same prefix reuses it on every stage
-    core.submit("c", tuple(range(30)) + (7,), None, 1)
+    core.submit("c", tuple(range(30)) + (7,), None)
     assert [o.cached_tokens for o in _admit_all(core, stages)] == [28]
 
 
 def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
     spec = _spec()
     core, stages = LeaderCore(spec, _Model()), _stages(spec)
-    core.submit("a", tuple(range(40)), None, 1)
+    core.submit("a", tuple(range(40)), None)
     _admit_all(core, stages)
     header = core.next_wave()
     assert header is not None and header.chunks[0].request_id == "a"
@@ -87,16 +90,16 @@ def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
         s.materialise("a", header.chunks[0].start, header.chunks[0].length)
     core.abort("a")
     with pytest.raises(DuplicateRequestError, match="still in the pipeline"):
-        core.submit("a", (1, 2, 3), None, 1)  # its stage state is not cleaned up yet
+        core.submit("a", (1, 2, 3), None)  # its stage state is not cleaned up yet
     assert core.next_wave() is None  # nothing more is scheduled for it
     assert not core.has_round_work()  # and no forget goes out while its chunk is in flight
-    assert all(s.load().in_use > 0 for s in stages)
+    assert all(s.pool.stats().in_use > 0 for s in stages)
     core.wave_done(WaveResult(header.wave_id))
     assert core.has_round_work()
     assert _admit_all(core, stages) == []  # the round carries only the forget
     for s in stages:
         s.check_integrity()
-        assert s.load().in_use == 0 and s.num_reservations == 0
+        assert s.pool.stats().in_use == 0 and s.num_reservations == 0
 
 
 def test_prompt_larger_than_a_stage_never_fits() -> None:
@@ -133,7 +136,7 @@ def test_lockstep_keeps_one_chunk_of_a_request_in_flight_wave_pipelines_them(pol
     spec = _spec(policy)
     assert spec.ring == (2 if policy == "lockstep" else 4)
     core, stages = LeaderCore(spec, _Model()), _stages(spec)
-    core.submit("a", tuple(range(40)), None, 1)  # 40 tokens: 3 chunks of <= 16
+    core.submit("a", tuple(range(40)), None)  # 40 tokens: 3 chunks of <= 16
     _admit_all(core, stages)
     first = core.next_wave()
     assert first is not None and [c.request_id for c in first.chunks] == ["a"]

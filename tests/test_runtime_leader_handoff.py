@@ -1,16 +1,19 @@
-"""LeaderHandoffs: when a hand-off resolves, how it fails, what it cancels (no processes)."""
+"""LeaderHandoffs over a real RequestTable: when a hand-off resolves, how it fails, what it
+cancels, when deadlines fire (no processes)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
-from prefill_node.engine.types import StageKVManifest
+from prefill_node.engine.types import KVPullDestination, PrefillOptions, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
 from prefill_node.kv_shipping.stage_shipping import StageHandoff
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
+from prefill_node.runtime.leader_request import LeaderRequest, RequestTable
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,9 +23,12 @@ def manifest(stage: int) -> StageKVManifest:
 
 
 class Stages:
-    """Two stages' outcome queues, as KV_COLLECT rounds would return them."""
+    """Two stages' outcome queues, as KV_COLLECT rounds would return them, and the leader's
+    request table with the engine's side of it: records come (``add``), their logits
+    arrive (``logits_ready``) and they go (``forget``: aborted)."""
 
     def __init__(self) -> None:
+        self.table = RequestTable()
         self.lock = threading.Lock()
         self.queued: list[list[StageHandoff]] = [[], []]
         self.cancelled: list[str] = []
@@ -39,9 +45,23 @@ class Stages:
             out, self.queued = self.queued, [[], []]
         return out
 
-    def settle(self, rid, manifests, error) -> None:
-        self.settled[rid] = (manifests, error)
+    def settle(self, req: LeaderRequest, manifests, error) -> None:
+        self.settled[req.request_id] = (manifests, error)
         self.done.set()
+
+    def add(self, rid: str, ships: bool = True, deadline_s: float | None = None) -> None:
+        dest = KVPullDestination() if ships else None
+        options = PrefillOptions(rid, kv_destination=dest, deadline_s=deadline_s)
+        assert self.table.add(LeaderRequest(rid, (1, 2), options, Future(), time.monotonic()))
+
+    def logits_ready(self, rid: str) -> None:
+        with self.table.cond:
+            self.table.get(rid).logits_at = time.monotonic()
+            self.table.logits_seen += 1
+            self.table.cond.notify_all()
+
+    def forget(self, rid: str) -> None:
+        self.table.pop(rid)
 
 
 @pytest.fixture
@@ -49,6 +69,7 @@ def stages():
     s = Stages()
     h = LeaderHandoffs(
         2,
+        s.table,
         0.3,
         s.collect,
         s.cancelled.extend,
@@ -71,7 +92,7 @@ def wait_for(pred, timeout_s: float = 2.0) -> None:
 
 def test_resolves_after_logits_and_every_stage_in_stage_order(stages):
     s, h = stages
-    h.expect("r")
+    s.add("r")
     s.report(StageHandoff("r", 1, manifest(1)))
     s.report(StageHandoff("r", 1, None, "late duplicate"))  # a stage's second word is ignored
     time.sleep(0.02)
@@ -79,7 +100,7 @@ def test_resolves_after_logits_and_every_stage_in_stage_order(stages):
     s.report(StageHandoff("r", 0, manifest(0)))
     time.sleep(0.02)
     assert "r" not in s.settled  # logits still missing
-    h.logits_ready("r")
+    s.logits_ready("r")
     wait_for(lambda: "r" in s.settled)
     assert s.settled["r"] == ((manifest(0), manifest(1)), None)
     assert s.cancelled == []
@@ -87,7 +108,7 @@ def test_resolves_after_logits_and_every_stage_in_stage_order(stages):
 
 def test_rejected_destination_is_the_callers_fault_and_cancels_every_stage(stages):
     s, h = stages
-    h.expect("bad")
+    s.add("bad")
     s.report(StageHandoff("bad", 1, None, "InvalidTransferRequest: x", invalid_destination=True))
     wait_for(lambda: "bad" in s.settled)
     manifests, error = s.settled["bad"]
@@ -100,11 +121,11 @@ def test_rejected_destination_is_the_callers_fault_and_cancels_every_stage(stage
 
 def test_unreachable_decode_and_missing_stage_fail_as_handoff_errors(stages):
     s, h = stages
-    h.expect("lost")
-    h.logits_ready("lost")
+    s.add("lost")
+    s.logits_ready("lost")
     s.report(StageHandoff("lost", 0, None, "DecodeUnreachable: refused"))
-    h.expect("quiet")
-    h.logits_ready("quiet")
+    s.add("quiet")
+    s.logits_ready("quiet")
     s.report(StageHandoff("quiet", 0, manifest(0)))
     wait_for(lambda: {"lost", "quiet"} <= set(s.settled))
     lost, quiet = s.settled["lost"][1], s.settled["quiet"][1]
@@ -115,12 +136,25 @@ def test_unreachable_decode_and_missing_stage_fail_as_handoff_errors(stages):
 
 def test_deadline_fires_once_and_forget_stops_it(stages):
     s, h = stages
-    h.watch("d1", time.monotonic() + 0.05)
-    h.watch("d2", time.monotonic() + 0.05)
-    h.forget("d2")
+    s.add("d1", ships=False, deadline_s=time.monotonic() + 0.05)
+    s.add("d2", ships=False, deadline_s=time.monotonic() + 0.05)
+    s.forget("d2")
     wait_for(lambda: s.expired == ["d1"])
     time.sleep(0.1)
     assert s.expired == ["d1"] and s.cancelled == []  # d2 never shipped: nothing to cancel
+
+
+def test_a_record_taken_out_is_neither_settled_nor_expired(stages):
+    """An abort takes the record out of the table, and that is all it has to do: the
+    hand-off thread ignores its outcomes and its deadline never fires."""
+    s, h = stages
+    s.add("gone", deadline_s=time.monotonic() + 0.05)
+    s.logits_ready("gone")
+    s.forget("gone")
+    s.report(StageHandoff("gone", 0, manifest(0)))
+    s.report(StageHandoff("gone", 1, manifest(1)))
+    time.sleep(0.15)
+    assert "gone" not in s.settled and s.expired == [] and s.cancelled == []
 
 
 def test_a_deadline_fires_while_a_collect_round_hangs_on_a_stopped_stage():
@@ -135,13 +169,13 @@ def test_a_deadline_fires_while_a_collect_round_hangs_on_a_stopped_stage():
         time.sleep(3.0)  # the stopped stage
         return s.collect()
 
-    h = LeaderHandoffs(2, 10.0, collect, s.cancelled.extend, s.settle, s.expired.append,
-                       poll_interval_s=0.001, slow_poll_s=0.005)  # fmt: skip
+    h = LeaderHandoffs(2, s.table, 10.0, collect, s.cancelled.extend, s.settle,
+                       s.expired.append, poll_interval_s=0.001, slow_poll_s=0.005)  # fmt: skip
     h.start()
     try:
-        h.expect("shipping")  # a hand-off in flight: the thread collects
+        s.add("shipping")  # a hand-off in flight: the thread collects
         assert hung.wait(2)
-        h.watch("tight", time.monotonic() + 0.2)
+        s.add("tight", ships=False, deadline_s=time.monotonic() + 0.2)
         t0 = time.monotonic()
         while "tight" not in s.expired and time.monotonic() - t0 < 5:
             time.sleep(0.01)

@@ -70,7 +70,7 @@ def test_cached_tokens_follow_where_each_policy_routes(policy, hits):
 def test_index_mirrors_every_pipeline_cache_through_kv_events():
     sim = _run(ClusterPolicy.PREFIX)
     for pipe in sim.pipelines:
-        stats = pipe.core.stages[0].load()
+        stats = pipe.core.stages[0].pool.stats()
         assert sim.index.num_blocks(pipe.pid) == stats.cached  # everything finished: unpinned
     # p00 holds tenant 0's 8 system blocks + 2 suffix blocks, p01 tenant 1's
     assert [sim.index.num_blocks(p.pid) for p in sim.pipelines] == [10, 10]

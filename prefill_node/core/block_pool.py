@@ -15,11 +15,18 @@ from prefill_node.errors import InvalidRequestError, InvariantError
 
 @dataclass(frozen=True)
 class PoolStats:
-    """Block counts by state; ``free + cached + in_use == total`` always holds.
+    """One stage's block counts; the one source of every occupancy figure above the pool.
 
-    ``free``: unreferenced and holding nothing; ``cached``: unreferenced but findable
-    (evictable); ``in_use``: referenced. ``claimed`` (a subset of free + cached) counts
+    By state (``free + cached + in_use == total``): ``free``: unreferenced and holding
+    nothing; ``cached``: unreferenced but findable (evictable); ``in_use``: referenced.
+    ``claimed`` (a subset of free + cached; ``claimed_cached`` of them cached) counts
     unreferenced blocks held by capacity escrows, i.e. not available to anyone else.
+
+    By who may take a block (``used + unclaimed_free + unclaimed_cached == total``):
+    ``used`` counts a running request's escrowed victims as its own from admission on,
+    although it materialises them chunk by chunk. This is what a stage's load means to
+    the router and to GetLoad (``engine.types.StageLoad``, built by
+    ``runtime.messages.StageStats.load``), whichever transport carries it.
     """
 
     total: int
@@ -27,11 +34,25 @@ class PoolStats:
     cached: int
     in_use: int
     claimed: int
+    claimed_cached: int = 0
 
     @property
     def available(self) -> int:
         """Blocks a new escrow could still claim (free or evictable, not claimed)."""
         return self.free + self.cached - self.claimed
+
+    @property
+    def used(self) -> int:
+        """Blocks referenced or escrowed for an admitted request."""
+        return self.in_use + self.claimed
+
+    @property
+    def unclaimed_free(self) -> int:
+        return self.free - (self.claimed - self.claimed_cached)
+
+    @property
+    def unclaimed_cached(self) -> int:
+        return self.cached - self.claimed_cached
 
 
 class BlockPool:
@@ -66,6 +87,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self._blocks)
         self._by_hash: dict[BlockHash, dict[int, KVBlock]] = {}
         self._num_claimed = 0
+        self._num_claimed_cached = 0  # claimed blocks still findable
         self._num_in_use = 0
         self._num_evictable = 0  # unreferenced blocks that are still cached
         self._enable_events = enable_events
@@ -94,6 +116,7 @@ class BlockPool:
             cached=self._num_evictable,
             in_use=self._num_in_use,
             claimed=self._num_claimed,
+            claimed_cached=self._num_claimed_cached,
         )
 
     def lookup(
@@ -139,6 +162,7 @@ class BlockPool:
                 if block.claimed_by is not None:
                     block.claimed_by = None
                     self._num_claimed -= 1
+                    self._num_claimed_cached -= block.block_hash is not None
                 else:
                     self.free_queue.remove(block)
                 self._num_in_use += 1
@@ -167,6 +191,7 @@ class BlockPool:
         blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in blocks:
             block.claimed_by = owner
+            self._num_claimed_cached += block.block_hash is not None
         self._num_claimed += n
         return blocks
 
@@ -175,6 +200,7 @@ class BlockPool:
         for block in reversed(blocks):
             self._check_claim(block, owner)
             block.claimed_by = None
+            self._num_claimed_cached -= block.block_hash is not None
             self.free_queue.appendleft(block)
         self._num_claimed -= len(blocks)
 
@@ -183,6 +209,7 @@ class BlockPool:
         for block in blocks:
             self._check_claim(block, owner)
             block.claimed_by = None
+            self._num_claimed_cached -= block.block_hash is not None
         self._num_claimed -= len(blocks)
         self._hand_out(blocks)
 
@@ -256,7 +283,7 @@ class BlockPool:
         """Drop every cached hash; refused (False) while any block is in use."""
         if self._num_in_use:
             return False
-        self._num_evictable = 0
+        self._num_evictable = self._num_claimed_cached = 0
         for block in self._blocks:
             if block.block_hash is not None:
                 self._uncache(block, block.block_hash)
@@ -276,7 +303,7 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise InvariantError if any counter, link, claim or index entry is inconsistent."""
         self.free_queue.check_integrity()
-        in_use = claimed = queued = evictable = 0
+        in_use = claimed = claimed_cached = queued = evictable = 0
         seen: dict[BlockHash, int] = {}
         snaps: dict[BlockHash, int] = {}
         for block in self._blocks:
@@ -290,6 +317,7 @@ class BlockPool:
             elif in_queue == (block.claimed_by is not None):
                 raise InvariantError(f"{block!r} must be either free-queued or claimed")
             claimed += block.claimed_by is not None
+            claimed_cached += block.claimed_by is not None and block.block_hash is not None
             queued += in_queue
             if block.block_hash is not None:
                 evictable += block.ref_cnt == 0
@@ -304,11 +332,13 @@ class BlockPool:
             raise InvariantError("hash map holds blocks that are not cached")
         if seen != self.index.counts() or snaps != self.index.snapshot_counts():
             raise InvariantError("hint counters disagree with the resident blocks")
-        counters = (self._num_in_use, self._num_claimed, self._num_evictable)
-        if (in_use, claimed, evictable) != counters:
+        counters = (
+            self._num_in_use, self._num_claimed, self._num_claimed_cached, self._num_evictable
+        )  # fmt: skip
+        if (in_use, claimed, claimed_cached, evictable) != counters:
             raise InvariantError(
-                f"counters (in_use, claimed, evictable)={counters}, "
-                f"actual {(in_use, claimed, evictable)}"
+                f"counters (in_use, claimed, claimed_cached, evictable)={counters}, "
+                f"actual {(in_use, claimed, claimed_cached, evictable)}"
             )
         stats = self.stats()
         if stats.free + stats.cached + stats.in_use != self.num_blocks or stats.free < 0:

@@ -17,7 +17,7 @@ from prefill_node.core.admission_messages import (
     StageReply,
 )
 from prefill_node.core.block import KVBlock
-from prefill_node.core.block_pool import BlockPool, PoolStats
+from prefill_node.core.block_pool import BlockPool
 from prefill_node.core.execution_results import (
     BlockTable,
     Completion,
@@ -303,9 +303,6 @@ class StageAdmission:
         return known or rsv is not None
 
     # ---- observation -----------------------------------------------------------------
-
-    def load(self) -> PoolStats:
-        return self.pool.stats()
 
     def prompt_blocks(self, request_id: str) -> PromptBlocks | None:
         """The registered prompt (hashes, token blocks) of a request not yet finished here."""

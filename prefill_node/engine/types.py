@@ -125,7 +125,11 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class StageLoad:
-    """Cache occupancy of one stage, in blocks."""
+    """Cache occupancy of one stage, in blocks, as GetLoad and the router see it:
+    ``free + cached + used == total``, where ``used`` counts blocks referenced or escrowed
+    for admitted requests. Built from the stage pool's ``core.block_pool.PoolStats`` (the
+    finer counts the stage's own invariants use) by ``runtime.messages.StageStats.load``;
+    a separate type because it is the engine boundary's (and the proto's) view."""
 
     stage: int
     free_blocks: int

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_node.core.policy import PolicyKind
-from prefill_node.engine.types import KVPullDestination, KVPushDestination
 from prefill_node.runtime.leader_core import AdmissionVerdict, CoreCounts, LeaderCore
 from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
 from prefill_node.runtime.planes import PlaneClosedError, Planes
@@ -42,7 +41,10 @@ class Leader:
     The engine reaches the core only through ``submit`` / ``abort`` / ``check_fits`` /
     ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
     ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
-    is stage 0's own reply to a round.
+    is stage 0's own reply to a round. Lock order: building a wave reads each request's
+    top-k and destination from the engine's ``RequestTable`` under this lock, so the
+    table's lock is only ever taken inside this one; the engine never calls in here while
+    holding the table's lock.
     """
 
     def __init__(
@@ -85,18 +87,11 @@ class Leader:
             self._lock.notify_all()
 
     # -- the engine's calls (any thread) -------------------------------------------------------
-    def submit(
-        self,
-        request_id: str,
-        token_ids: tuple[int, ...],
-        salt: str | None,
-        top_k: int,
-        kv_destination: KVPushDestination | KVPullDestination | None = None,
-    ) -> None:
+    def submit(self, request_id: str, token_ids: tuple[int, ...], salt: str | None) -> None:
         """Queue a request for admission (``LeaderCore.submit``: NeverFitsError or
         DuplicateRequestError raise here)."""
         with self._lock:
-            self._core.submit(request_id, token_ids, salt, top_k, kv_destination)
+            self._core.submit(request_id, token_ids, salt)
             self._lock.notify_all()
 
     def abort(self, request_id: str) -> bool:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_node.core.admission_messages import Aborted, Admitted, Rejected, RoundRequest
+from prefill_node.core.admission_messages import Admitted, Rejected, RoundRequest
 from prefill_node.core.coordinator import (
     AdmissionCoordinator,
     CoordinatorConfig,
@@ -19,6 +20,9 @@ from prefill_node.engine.types import KVPullDestination, KVPushDestination
 from prefill_node.errors import NeverFitsError, WaveppError
 from prefill_node.runtime.messages import WaveChunk, WaveHeader, WaveResult
 from prefill_node.runtime.spec import PipelineSpec
+
+ChunkOptions = tuple[int, KVPushDestination | KVPullDestination | None]
+"""A request's ``top_k`` and KV destination, as every one of its chunks carries them."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,10 @@ class LeaderCore:
 
     The scheduling itself (progress, waves, completion, deferred abort) is the core's, the
     same object the simulator drives; this class adds the coordinator's rounds and turns the
-    core's waves into the data plane's ``WaveHeader`` (per-request ``top_k`` and KV
-    destination ride on every chunk: stages complete and ship on the last, and may stream
-    push KV after earlier ones).
+    core's waves into the data plane's ``WaveHeader``. A request's ``top_k`` and KV
+    destination ride on every chunk (stages complete and ship on the last, and may stream
+    push KV after earlier ones); ``chunk_options(request_id)`` reads them from the
+    request's one record (``LeaderRequest``), so this class keeps no per-request copy.
 
     Sans-IO and not thread-safe: the ``Leader`` calls it under its lock. Contracts:
 
@@ -63,7 +68,12 @@ class LeaderCore:
       that a forward is writing.
     """
 
-    def __init__(self, spec: PipelineSpec, model_config: Any):
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        model_config: Any,
+        chunk_options: Callable[[str], ChunkOptions] = lambda _rid: (1, None),
+    ):
         policy = spec.scheduling_policy
         self._coordinator = AdmissionCoordinator(
             CoordinatorConfig(
@@ -83,9 +93,7 @@ class LeaderCore:
         )
         self._scheduler = WaveScheduler(policy, planner)
         self.model_id = model_cache_id(model_config.name, spec.dtype)
-        # per request, from submit until it leaves the scheduler
-        self._top_k: dict[str, int] = {}
-        self._destinations: dict[str, KVPushDestination | KVPullDestination] = {}
+        self._chunk_options = chunk_options
         self._dirty = False
 
     # -- admission -----------------------------------------------------------------------------
@@ -95,17 +103,9 @@ class LeaderCore:
         if rejected is not None:
             raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
 
-    def submit(
-        self,
-        request_id: str,
-        token_ids: tuple[int, ...],
-        salt: str | None,
-        top_k: int,
-        kv_destination: KVPushDestination | KVPullDestination | None = None,
-    ):
+    def submit(self, request_id: str, token_ids: tuple[int, ...], salt: str | None) -> None:
         """Queue a request. DuplicateRequestError while the id is still known (queued, or an
-        aborted request whose stage-side cleanup waits for its in-flight chunks).
-        ``kv_destination`` travels with the request's chunks to every stage."""
+        aborted request whose stage-side cleanup waits for its in-flight chunks)."""
         if request_id in self._scheduler:
             raise DuplicateRequestError(
                 f"request id {request_id!r} is still in the pipeline; use a fresh id"
@@ -114,9 +114,6 @@ class LeaderCore:
         rejected = self._coordinator.submit(spec)
         if rejected is not None:
             raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
-        self._top_k[request_id] = top_k
-        if kv_destination is not None:
-            self._destinations[request_id] = kv_destination
         self._dirty = True
 
     def has_round_work(self) -> bool:
@@ -142,12 +139,7 @@ class LeaderCore:
                 verdicts.append(AdmissionVerdict(out.request_id, out.cached_len))
                 self._dirty = True  # progress: try the next queued requests
             elif isinstance(out, Rejected):
-                self._top_k.pop(out.request_id, None)
-                self._destinations.pop(out.request_id, None)
                 verdicts.append(AdmissionVerdict(out.request_id, error=NeverFitsError(out.reason)))
-            elif isinstance(out, Aborted):
-                self._top_k.pop(out.request_id, None)
-                self._destinations.pop(out.request_id, None)
         return None, verdicts
 
     def abort(self, request_id: str) -> bool:
@@ -156,13 +148,8 @@ class LeaderCore:
         self._dirty = True
         admitted = request_id in self._scheduler
         if self._scheduler.abort(request_id):
-            self._forget(request_id)
             self._coordinator.abort(request_id)
         return admitted
-
-    def _forget(self, request_id: str) -> None:
-        self._top_k.pop(request_id, None)
-        self._destinations.pop(request_id, None)
 
     # -- waves ---------------------------------------------------------------------------------
     def next_wave(self) -> WaveHeader | None:
@@ -173,8 +160,7 @@ class LeaderCore:
         chunks = []
         for c in wave.chunks:
             last = self._scheduler.is_last(c)
-            top_k = self._top_k.get(c.request_id, 1)
-            dest = self._destinations.get(c.request_id)  # every chunk: stages may stream
+            top_k, dest = self._chunk_options(c.request_id)  # every chunk: stages may stream
             chunks.append(WaveChunk(c.request_id, c.start, c.length, last, top_k, dest))
         return WaveHeader(wave.wave_id, tuple(chunks))
 
@@ -182,10 +168,8 @@ class LeaderCore:
         """Account a returned wave: finished, failed and aborted requests leave the core."""
         done = self._scheduler.wave_done(result.wave_id, {rid for rid, _ in result.failed})
         for rid in done.dropped:  # aborted or failed: every stage drops what it still holds
-            self._forget(rid)
             self._coordinator.abort(rid)
         for rid in done.finished:
-            self._forget(rid)
             self._coordinator.finished(rid)
         if done.dropped or done.finished:
             self._dirty = True  # capacity freed: waiting requests may fit now

@@ -4,6 +4,13 @@ Both engines are this class plus a transport: ``PipelineEngine`` (one process pe
 torch.distributed planes, a launcher and heartbeats) and ``LocalEngine`` (P stages as threads
 of one process, in-process planes). The transport builds stage 0's compute and planes and
 calls ``_start_leader``; everything a request meets after ``submit`` is here and shared.
+
+State: one ``LeaderRequest`` per request in one ``RequestTable`` (leader_request.py), from
+``submit`` until its future settles; whoever removes it settles the future. The core's
+queue entry and token position (``LeaderCore``) are reached only through ``Leader``'s
+methods. A transport subclass starts and stops the threads (``_start_leader``,
+``_close``, ``_stop_leader``) and reads ``_dead``; it takes no lock of this class or of
+the leader and never touches the records or the core.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from prefill_node.runtime.kv_event_feed import KVEventFeed, KVEventSink
 from prefill_node.runtime.leader import Leader, LeaderConfig
 from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
-from prefill_node.runtime.leader_request import LeaderRequest, settle_future
+from prefill_node.runtime.leader_request import LeaderRequest, RequestTable, settle_future
 from prefill_node.runtime.messages import RoundKind, RoundMessage, StageStats, WaveResult
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
@@ -88,8 +95,8 @@ class LeaderEngine:
         self._kv_shipping = kv_shipping
         self._feed = KVEventFeed(spec.num_stages, kv_events) if kv_events is not None else None
         self._handoffs: LeaderHandoffs | None = None
-        self._lock = threading.Lock()
-        self._requests: dict[str, LeaderRequest] = {}
+        self._state_lock = threading.Lock()  # _dead and _closed
+        self._requests = RequestTable()
         self._dead: str | None = None
         self._closed = False
         self._leader: Leader | None = None
@@ -101,7 +108,7 @@ class LeaderEngine:
         """Build and start the leader's threads over stage 0's ``planes`` and ``compute``
         (``self.model_config`` must be set): the rounds, stage 0's loop, the
         result collector and the KV hand-off / deadline thread."""
-        core = LeaderCore(self.spec, self.model_config)
+        core = LeaderCore(self.spec, self.model_config, self._requests.chunk_options)
         self._leader = Leader(
             LeaderConfig(self.spec.scheduling_policy.kind, world_size, self.spec.tick_s),
             planes,
@@ -124,6 +131,7 @@ class LeaderEngine:
         wait_limit = self._kv_shipping.wait_limit_s + 2.0 if self._kv_shipping else 60.0
         self._handoffs = LeaderHandoffs(
             world_size,
+            self._requests,
             wait_limit,
             collect=lambda: self._control(RoundKind.KV_COLLECT, timeout_s=10.0),
             cancel=self._cancel_shipping,
@@ -153,7 +161,7 @@ class LeaderEngine:
     def _on_dead(self, reason: str) -> None:
         if not (self._dead or self._closed):
             reason = self._dead_reason(reason)
-        with self._lock:
+        with self._state_lock:
             if self._dead is not None or self._closed:
                 return
             self._dead = reason
@@ -162,13 +170,19 @@ class LeaderEngine:
             self._leader.mark_dead()
         self._fail_all(UnavailableError(f"pipeline unavailable: {reason}"))
 
+    def _close(self, reason: str) -> bool:
+        """Begin a shutdown: unfinished requests fail with UnavailableError(``reason``).
+        False when the engine was closed already (``shutdown`` is idempotent)."""
+        with self._state_lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self._fail_all(UnavailableError(reason))
+        return True
+
     def _fail_all(self, error: WaveppError) -> None:
-        with self._lock:
-            pending = list(self._requests.values())
-            self._requests.clear()
-        if self._handoffs is not None:
-            self._handoffs.clear()
-        for req in pending:
+        """Close the table for good (later submits fail at once) and fail every record."""
+        for req in self._requests.close():
             settle_future(req.future, error=error)
 
     # -- Engine API ----------------------------------------------------------------------------
@@ -192,6 +206,12 @@ class LeaderEngine:
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """Validate (raising InvalidRequestError / NeverFitsError) and queue the request; the
         future settles with its result or its typed error."""
+        return self._submit(token_ids, options)[0]
+
+    def _submit(
+        self, token_ids: Sequence[int], options: PrefillOptions, keep_logits: bool = False
+    ) -> tuple[Future[PrefillResult], LeaderRequest | None]:
+        """``submit``, also returning the request's record (None: settled at once)."""
         tokens = self.validate(token_ids, options)
         rid = options.request_id or uuid.uuid4().hex
         fut: Future[PrefillResult] = Future()
@@ -200,26 +220,18 @@ class LeaderEngine:
             settle_future(
                 fut, error=DeadlineExceededError(f"request {rid!r}: deadline already passed")
             )
-            return fut
-        with self._lock:
-            if self._dead is not None or self._closed:
-                reason = self._dead or "the pipeline is shut down"
-                settle_future(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
-                return fut
-            if rid in self._requests:
-                raise InvalidRequestError(f"request id {rid!r} is already in flight; use a new id")
-            self._requests[rid] = LeaderRequest(rid, tokens, options, fut, time.monotonic())
-        handoffs = self._handoffs
-        if handoffs is not None:
-            if options.kv_destination is not None:
-                handoffs.expect(rid)
-            if options.deadline_s is not None:
-                handoffs.watch(rid, options.deadline_s)
-        top_k = max(1, options.top_logprobs)
-        self._running_leader().submit(
-            rid, tokens, options.cache_salt, top_k, options.kv_destination
-        )
-        return fut
+            return fut, None
+        req = LeaderRequest(rid, tokens, options, fut, time.monotonic(), keep_logits)
+        if self._dead is not None or self._closed or not self._requests.add(req):
+            reason = self._dead or "the pipeline is shut down"
+            settle_future(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
+            return fut, None
+        try:
+            self._running_leader().submit(rid, tokens, options.cache_salt)
+        except BaseException:
+            self._requests.pop(rid)
+            raise
+        return fut, req
 
     def validate(self, token_ids: Sequence[int], options: PrefillOptions) -> tuple[int, ...]:
         """The prompt as a tuple of ints; InvalidRequestError / NeverFitsError saying why not."""
@@ -274,8 +286,8 @@ class LeaderEngine:
         self._abort(request_id, error)
 
     def _abort(self, request_id: str, error: WaveppError | None) -> bool:
-        with self._lock:
-            req = self._requests.pop(request_id, None)
+        """Take the record out (this settles it), stop its scheduling and any hand-off."""
+        req = self._requests.pop(request_id)
         if req is None:
             return False
         admitted = self._running_leader().abort(request_id)
@@ -283,8 +295,8 @@ class LeaderEngine:
             where = "after admission" if admitted else "before it started"
             error = RequestAbortedError(f"request {request_id!r} was aborted {where}")
         settle_future(req.future, error=error)
-        if self._handoffs is not None:
-            self._handoffs.forget(request_id)
+        if req.ships:  # its hand-off was pending: every stage gives it up
+            self._cancel_shipping((request_id,))
         return True
 
     def health(self) -> EngineHealth:
@@ -301,14 +313,11 @@ class LeaderEngine:
         return EngineLoad(c.queue_depth, c.inflight_requests, c.inflight_tokens, stages)
 
     def _stage_loads(self) -> tuple[StageLoad, ...]:
-        """Every stage's block counts, from a STATS round (stale figures if it times out)."""
+        """Every stage's ``StageStats.load()``, from a STATS round (stale figures if it
+        times out)."""
         with contextlib.suppress(WaveppError, TimeoutError):
             self._last_stats = self.stage_stats(timeout_s=2.0)
-        return tuple(
-            StageLoad(s.stage, s.pool.free, s.pool.cached, s.pool.in_use, s.pool.total,
-                      busy_fraction=s.busy_s / s.uptime_s if s.uptime_s > 0 else 0.0)
-            for s in self._last_stats
-        )  # fmt: skip
+        return tuple(s.load() for s in self._last_stats)
 
     # -- debug / stats rounds --------------------------------------------------------------
     def _control(self, kind: RoundKind, payload: Any = None, timeout_s: float = 30.0) -> list[Any]:
@@ -334,47 +343,47 @@ class LeaderEngine:
     def _on_verdicts(self, verdicts: list[AdmissionVerdict], round_s: float) -> None:
         """Admission results: refusals fail at once; admitted requests record their round."""
         now = time.monotonic()
-        for out in verdicts:
-            with self._lock:
-                req = self._requests.get(out.request_id)
-                if req is not None and out.error is not None:
-                    del self._requests[out.request_id]
-            if req is None:
-                continue
-            if out.error is not None:
-                settle_future(req.future, error=out.error)
-            else:
-                req.t_admitted = now
-                req.admission_s = round_s
-                req.cached_tokens = out.cached_tokens
+        refused = []
+        with self._requests.cond:
+            for out in verdicts:
+                if out.error is not None:
+                    refused.append((self._requests.remove(out.request_id), out.error))
+                elif (req := self._requests.get(out.request_id)) is not None:
+                    req.t_admitted = now
+                    req.admission_s = round_s
+                    req.cached_tokens = out.cached_tokens
+        for req, error in refused:
+            if req is not None:
+                settle_future(req.future, error=error)
 
     def _on_result(self, result: WaveResult) -> None:
         now = time.monotonic()
         if self._feed is not None and result.kv_events:
             self._feed.publish(StageEvents(s, ev) for s, ev in result.kv_events)
-        shipping: list[str] = []
-        with self._lock:
+        table = self._requests
+        with table.cond:
             for rid, manifest in result.manifests:
-                req = self._requests.get(rid)
+                req = table.get(rid)
                 if req is not None:
                     req.manifests[manifest.stage] = manifest
             finished = []
             for o in result.outputs:
-                req = self._requests.get(o.request_id)
-                if req is not None and req.options.kv_destination is not None:
+                req = table.get(o.request_id)
+                if req is not None and req.keep_logits:
+                    req.logits = o.logits
+                if req is not None and req.ships:
                     req.output = o  # answered once every stage shipped
                     req.t_last_chunk = now - result.held_s  # the last chunk's end there
-                    shipping.append(o.request_id)
+                    req.logits_at = now
+                    table.logits_seen += 1
+                    table.cond.notify_all()
                 else:
-                    finished.append((o, self._requests.pop(o.request_id, None)))
-            failed = [(m, self._requests.pop(rid, None)) for rid, m in result.failed]
-        for rid in shipping:
-            if self._handoffs is not None:
-                self._handoffs.logits_ready(rid)
+                    finished.append((o, table.remove(o.request_id)))
+            failed = [(m, table.remove(rid)) for rid, m in result.failed]
         for msg, req in failed:
             if req is not None:
-                if self._handoffs is not None:
-                    self._handoffs.forget(req.request_id)
+                if req.ships:
+                    self._cancel_shipping((req.request_id,))
                 settle_future(req.future, error=StageStateError(msg))
         for out, req in finished:
             if req is None and self._handoffs is not None:  # aborted or failed meanwhile
@@ -386,21 +395,18 @@ class LeaderEngine:
     # -- KV hand-off callbacks (LeaderHandoffs' thread) ----------------------------------------
     def _settle_handoff(
         self,
-        request_id: str,
+        req: LeaderRequest,
         manifests: tuple[StageKVManifest, ...] | None,
         error: WaveppError | None,
     ) -> None:
-        with self._lock:
-            req = self._requests.pop(request_id, None)
-        if req is None:
-            return  # aborted or failed meanwhile
+        """The hand-off thread took ``req`` out of the table: answer it."""
         if error is not None or manifests is None or req.output is None:
             settle_future(
-                req.future, error=error or KVHandoffError(f"{request_id}: no KV hand-off")
+                req.future, error=error or KVHandoffError(f"{req.request_id}: no KV hand-off")
             )
             leader = self._leader
             if leader is not None:  # stop scheduling its remaining chunks
-                leader.abort(request_id)
+                leader.abort(req.request_id)
             return
         settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
 

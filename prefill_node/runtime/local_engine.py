@@ -11,8 +11,8 @@ concurrent requests share waves.
 What it adds: building the stages from weights in this process (``from_weights``,
 ``from_model_dir``, ``from_stage_models``), a fit check whose message names the stage at
 fault, ``prefill`` (synchronous, with the last position's full
-logits), and direct reads of the stages it holds (``load``, ``check_integrity``,
-``kv_held_blocks``, ``stages``).
+logits), and direct reads of the stages it holds (``load``'s stage figures without a
+STATS round, ``check_integrity``, ``kv_held_blocks``, ``stages``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from prefill_node.errors import (
     InvalidRequestError,
     InvariantError,
     NeverFitsError,
-    UnavailableError,
 )
 from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.local_planes import local_planes
-from prefill_node.runtime.messages import WaveResult
 from prefill_node.runtime.spec import POLICIES, PipelineSpec
 from prefill_node.runtime.stage_compute import PipelineStageCompute
 from prefill_node.runtime.stage_worker import StageWorker
@@ -156,7 +154,6 @@ class LocalEngine(LeaderEngine):
         self.config = config
         self.model_config = stages[0].model_config
         self.model_id = model_cache_id(self.model_config.name, spec.dtype)
-        self._logits: dict[str, torch.Tensor | None] = {}  # requests ``prefill`` waits for
         planes = local_planes(config.num_stages)
         self._followers = [
             StageWorker(s, config.num_stages, planes[s], stages[s],
@@ -230,9 +227,10 @@ class LocalEngine(LeaderEngine):
         return tuple(stage.kv_held().blocks for stage in self.stages)
 
     def _stage_loads(self) -> tuple[StageLoad, ...]:
-        """Every stage's blocks, read directly (no STATS round); a stage counts the blocks
-        escrowed for admitted requests as used."""
-        return tuple(stage.load() for stage in self.stages)
+        """What a STATS round would bring back (``StageStats.load``), read from the stage
+        workers directly."""
+        workers = [self._worker, *self._followers] if self._worker is not None else []
+        return tuple(w.stats().load() for w in workers)
 
     def check_integrity(self) -> None:
         """Every stage's block pool, admission state and shipper is consistent (raises
@@ -243,11 +241,8 @@ class LocalEngine(LeaderEngine):
     def shutdown(self) -> None:
         """Drain the ring and stop every thread; unfinished requests fail with
         UnavailableError. Stops shipping (WRITEs aborted, leases revoked). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._fail_all(UnavailableError("the engine has been shut down"))
+        if not self._close("the engine has been shut down"):
+            return
         graceful = self._dead is None
         self._stop_leader(graceful)
         for worker in self._followers:  # a broken pipeline's threads may never return
@@ -270,20 +265,9 @@ class LocalEngine(LeaderEngine):
     def prefill(self, token_ids: Sequence[int], options: PrefillOptions) -> LocalPrefill:
         """``submit`` and wait: the result and the last prompt token's fp32 logits."""
         request_id = options.request_id or uuid.uuid4().hex
-        with self._lock:
-            self._logits[request_id] = None
-        try:
-            result = self.submit(token_ids, replace(options, request_id=request_id)).result()
-        finally:
-            with self._lock:
-                logits = self._logits.pop(request_id, None)
-        if logits is None:
+        options = replace(options, request_id=request_id)
+        future, req = self._submit(token_ids, options, keep_logits=True)
+        result = future.result()
+        if req is None or req.logits is None:
             raise InvariantError(f"the last stage kept no logits for {request_id!r}")
-        return LocalPrefill(result, logits)
-
-    def _on_result(self, result: WaveResult) -> None:
-        with self._lock:
-            for out in result.outputs:
-                if out.request_id in self._logits:
-                    self._logits[out.request_id] = out.logits
-        super()._on_result(result)
+        return LocalPrefill(result, req.logits)

@@ -10,7 +10,12 @@ import torch
 
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.kv_events import KVEvent
-from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
+from prefill_node.engine.types import (
+    KVPullDestination,
+    KVPushDestination,
+    StageKVManifest,
+    StageLoad,
+)
 
 StageEventBatch = tuple[int, tuple[KVEvent, ...]]
 """(stage, the events its block pool buffered since its previous wave), in that stage's order."""
@@ -108,7 +113,11 @@ class RoundMessage:
 class StageStats:
     """One stage's counters since start: wall time executing waves (``busy_s``), CPU time
     of the executing thread meanwhile (``cpu_s``; below busy_s when the core is shared),
-    waves and tokens executed, and the stage's block pool counts (``pool``)."""
+    waves and tokens executed, and the stage's block pool counts (``pool``).
+
+    The STATS round's reply; ``load`` is the part of it GetLoad reports. Both engines
+    build their ``StageLoad``s through ``load``: the multi-process one from a STATS round,
+    the in-process one from its workers directly."""
 
     stage: int
     busy_s: float
@@ -120,3 +129,12 @@ class StageStats:
     kv_held_blocks: int = 0  # block references the stage's KV shipper holds (WRITEs, leases)
     kv_pushes: int = 0  # WRITEs to decode workers in flight
     kv_leases: int = 0  # pull leases not yet released, expired or revoked
+
+    def load(self) -> StageLoad:
+        """The stage's occupancy as GetLoad reports it (``PoolStats.used``: escrowed
+        victims count as used) and its busy share of the wall time since start."""
+        p = self.pool
+        busy = self.busy_s / self.uptime_s if self.uptime_s > 0 else 0.0
+        return StageLoad(
+            self.stage, p.unclaimed_free, p.unclaimed_cached, p.used, p.total, busy_fraction=busy
+        )

@@ -122,11 +122,8 @@ class PipelineEngine(LeaderEngine):
 
     def shutdown(self) -> None:
         """Stop every stage: unfinished requests fail with UnavailableError. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._fail_all(UnavailableError("the pipeline is shutting down"))
+        if not self._close("the pipeline is shutting down"):
+            return
         self._teardown(graceful=self._dead is None)
 
     def _teardown(self, graceful: bool) -> None:

@@ -13,7 +13,7 @@ from prefill_node.core.admission_messages import RoundRequest, StageReply
 from prefill_node.core.block_pool import BlockPool, PoolStats
 from prefill_node.core.execution_results import BlockTable, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.types import KVPushDestination, StageKVManifest, StageLoad
+from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvariantError
 from prefill_node.kv_shipping.shipper import KVHeld, KVShippingConfig
 from prefill_node.kv_shipping.stage_shipping import (
@@ -214,29 +214,13 @@ class PipelineStageCompute:
         return self._captured.get(request_id)
 
     def occupancy(self) -> PoolStats:
+        """The pool's block counts (any thread)."""
         with self._lock:
-            return self.admission.load()
+            return self.admission.pool.stats()
 
     @property
     def pool(self) -> BlockPool:
         return self.admission.pool
-
-    def load(self) -> StageLoad:
-        """Block counts, where ``used`` includes the victims escrowed for a running request:
-        they are its capacity from admission on, although it materialises them chunk by
-        chunk. Safe to call from any thread."""
-        with self._lock:
-            stats = self.pool.stats()
-            escrowed = [self.pool.block(i) for i in range(stats.total)]
-            escrowed = [b for b in escrowed if b.claimed_by is not None and b.ref_cnt == 0]
-        cached = sum(b.is_cached for b in escrowed)
-        return StageLoad(
-            self.stage,
-            stats.free - (len(escrowed) - cached),
-            stats.cached - cached,
-            stats.in_use + len(escrowed),
-            stats.total,
-        )
 
     # -- LOOP thread ---------------------------------------------------------------------------
     def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:

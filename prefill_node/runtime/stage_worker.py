@@ -51,9 +51,11 @@ class StepOutput:
 class StageCompute(Protocol):
     """The model + cache side of a stage, driven by the two threads of ``StageWorker``.
 
-    Thread contract: ``run_wave`` is called only by the LOOP thread; ``admit``, ``check``,
-    ``dump_kv`` and ``occupancy`` only by the WAVE thread, concurrently with ``run_wave``.
-    The implementation serialises its own cache-core accesses (one lock, short sections).
+    Thread contract: ``run_wave`` is called only by the LOOP thread; ``admit`` and
+    ``dump_kv`` only by the WAVE thread, concurrently with ``run_wave``; ``check``,
+    ``occupancy`` and ``kv_held`` from any thread (the in-process engine reads its stages
+    directly). The implementation serialises its own cache-core accesses (one lock, short
+    sections).
     """
 
     def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput: ...

@@ -36,11 +36,12 @@ def integrity_report(engine: IntegrityCheckable) -> debug_pb2.IntegrityReport:
     except InvariantError as exc:
         report.ok, report.error = False, str(exc)
     for s in engine.stage_stats():
+        load = s.load()  # the occupancy GetLoad reports: escrowed blocks count as used
         report.stages.add(
             stage=s.stage,
-            used_blocks=s.pool.in_use,
-            cached_blocks=s.pool.cached,
-            free_blocks=s.pool.free,
+            used_blocks=load.used_blocks,
+            cached_blocks=load.cached_blocks,
+            free_blocks=load.free_blocks,
             kv_held_blocks=s.kv_held_blocks,
             kv_pushes=s.kv_pushes,
             kv_leases=s.kv_leases,
