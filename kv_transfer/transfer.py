@@ -200,7 +200,7 @@ def _start_hybrid(
     """A pool with recurrent layers: the paged layers' token runs plus, with
     ``state_slots``, one slot per recurrent-state tensor, as ONE request (its notification
     follows all of it). Byte copies only: both pools registered, one dtype."""
-    if not (local_layout.regions or local_layout.states):
+    if local_layout.paged and not local_layout.regions:
         raise LayoutMismatch("a pool with recurrent layers must be registered with NIXL")
     if local_layout.dtype != remote_layout.dtype:
         raise LayoutMismatch(

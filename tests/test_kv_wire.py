@@ -138,3 +138,41 @@ def test_hybrid_layout_names_attention_regions_and_state_slots_through_every_for
     plain = KVLayout(0, 4, 9, 8, 1, layout.head_dim, "float32", planes=1)  # no state regions
     with pytest.raises(LayoutMismatch, match="recurrent-state"):
         plain.check_compatible(layout)
+
+
+def test_hybrid_pools_move_by_byte_copy_only():
+    """A pool with recurrent layers is never staged: a bf16 decode pool (its conv tails
+    differ), or an unregistered (geometry-only) pool, is a LayoutMismatch before anything
+    is posted."""
+    from kv_transfer.plan import PageMap
+    from kv_transfer.transfer import start_transfer
+    from prefill_node.kv_shipping.kv_wire import hybrid_pool
+    from prefill_node.model.latent_cache import stage_cache
+    from prefill_node.model.partition import LayerRange
+    from tests.tiny_models import tiny_qwen3_next
+
+    config = tiny_qwen3_next()
+    kv = stage_cache(config, LayerRange(2, 4), 6, 4)
+    stage = hybrid_pool(kv).layout(2, kv.tensors)
+    whole = stage_cache(config, LayerRange(0, 4), 6, 4)
+    decode = hybrid_pool(whole).layout(0, whole.tensors)
+    half = stage_cache(config, LayerRange(0, 4), 6, 4, torch.bfloat16)
+    pages = PageMap((0, 1), 4)
+    kw = {"local_layers": kv.tensors, "local_pages": pages, "remote_pages": pages}
+    for local, remote, match in (
+        (stage, hybrid_pool(half).layout(0, half.tensors), "recurrent-state slots differ"),
+        (replace(stage, regions=()), decode, "registered"),
+    ):
+        with pytest.raises(LayoutMismatch, match=match):
+            start_transfer(
+                None,
+                "WRITE",
+                "decode",
+                b"",
+                local_layout=local,
+                remote_layout=remote,
+                start=0,
+                end=7,
+                state_slots=(1, 1),
+                **kw,
+            )
