@@ -41,6 +41,10 @@ class PageMap:
         """One past the last token position this map can hold."""
         return self.origin + len(self.block_ids) * self.block_size
 
+    def block_of(self, token: int) -> int:
+        """The block holding ``token`` (one this map covers)."""
+        return self.block_ids[(token - self.origin) // self.block_size]
+
     def check_range(self, start: int, end: int, side: str) -> None:
         if not (self.origin <= start <= end <= self.end):
             raise InvalidTransferRequest(
@@ -175,6 +179,14 @@ def state_descriptors(
             )
         )
     return Descriptors(rows[0], rows[1]) if src_is_local else Descriptors(rows[1], rows[0])
+
+
+def last_token_blocks(stage: PageMap, other: PageMap, num_tokens: int) -> tuple[int, int]:
+    """(stage block, other side's block) holding token ``num_tokens - 1``: a recurrent
+    layer's state after the prompt lives in those blocks' state slots."""
+    last = num_tokens - 1
+    other.check_range(last, num_tokens, "destination")
+    return stage.block_of(last), other.block_of(last)
 
 
 def concat(*parts: Descriptors) -> Descriptors:

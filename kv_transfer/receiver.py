@@ -31,7 +31,7 @@ from kv_transfer.errors import (
 from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer
 from kv_transfer.layout import HybridPool
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
-from kv_transfer.plan import PageMap
+from kv_transfer.plan import PageMap, last_token_blocks
 from kv_transfer.transfer import NixlTransfer, start_transfer
 
 
@@ -421,6 +421,5 @@ def _final_state_slots(
     whose state slots carry the state after it; None when there is nothing to read."""
     if not m.layout.states or m.num_tokens <= skip_tokens:
         return None
-    last = m.num_tokens - 1
-    mine = local_pages.block_ids[(last - local_pages.origin) // local_pages.block_size]
-    return m.block_ids[last // m.layout.block_size], mine
+    stage_pages = PageMap(m.block_ids, m.layout.block_size)
+    return last_token_blocks(stage_pages, local_pages, m.num_tokens)

@@ -37,7 +37,7 @@ from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer, split_en
 from kv_transfer.layout import HybridPool
 from kv_transfer.lease import Lease, LeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
-from kv_transfer.plan import PageMap
+from kv_transfer.plan import PageMap, last_token_blocks
 from kv_transfer.transfer import NixlTransfer, start_transfer
 
 # how long a final push is checked without pause right after it is posted (``_drive``)
@@ -383,10 +383,7 @@ class KVSender:
         block) holding the prompt's last token, whose state slots carry the state after it."""
         if push.part >= 0 or not self.layout.states or push.num_tokens <= push.start:
             return None
-        last = push.num_tokens - 1
-        return push.src_pages.block_ids[last // push.src_pages.block_size], dst_pages.block_ids[
-            (last - dst_pages.origin) // dst_pages.block_size
-        ]
+        return last_token_blocks(push.src_pages, dst_pages, push.num_tokens)
 
     def _end_part(self, part: _Push, error: KVTransferError | None) -> None:
         if self._parts.pop(part.part, None) is None:

@@ -98,7 +98,7 @@ def test_hybrid_layout_names_attention_regions_and_state_slots_through_every_for
     """A Kimi Linear stage [2, 4) (MLA layer 2, KDA layer 3): one paged region (layer 2) and
     layer 3's state matrix and conv tail; the layout survives dict, engine and proto forms,
     the decode pool's layout (all layers) is compatible, and a state slot maps byte-exactly."""
-    from kv_transfer.plan import state_descriptors
+    from kv_transfer.plan import PageMap, last_token_blocks, state_descriptors
     from prefill_node.kv_shipping.kv_wire import hybrid_pool
     from prefill_node.model.latent_cache import stage_cache
     from prefill_node.model.partition import LayerRange
@@ -135,6 +135,8 @@ def test_hybrid_layout_names_attention_regions_and_state_slots_through_every_for
     assert descs.local[0].tolist() == [layout.states[0].region.base_addr + slot, slot, 0]
     want = decode.states_of(2, 4)[0].region.base_addr + 5 * slot
     assert descs.remote[0].tolist() == [want, slot, 0]
+    # token 6 of a 7-token prompt: prefill's 2nd block (id 0), decode's 1st (id 3)
+    assert last_token_blocks(PageMap((4, 0), 4), PageMap((3,), 8), 7) == (0, 3)
     plain = KVLayout(0, 4, 9, 8, 1, layout.head_dim, "float32", planes=1)  # no state regions
     with pytest.raises(LayoutMismatch, match="recurrent-state"):
         plain.check_compatible(layout)
