@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kv_transfer.errors import InvalidTransferRequest, TransferFailed
-from kv_transfer.layout import KVLayout, layout_of_tensors
+from kv_transfer.layout import HybridPool, KVLayout, layout_of_tensors
 from kv_transfer.progress import EVENT_WAKEUP_US, KVProgress
 from kv_transfer.staging import StagingPool
 
@@ -52,10 +52,20 @@ class KVAgent:
         self.metadata = self.nixl.get_agent_metadata()
         self.staging = StagingPool(self.nixl.register_memory, self.nixl.deregister_memory)
 
-    def register_kv(self, layer_start: int, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
-        """Register one pool's per-layer tensors; they must stay alive until ``close``."""
-        layout = layout_of_tensors(layer_start, kv_caches)
-        self._registrations.append(self.nixl.register_memory(list(kv_caches)))
+    def register_kv(
+        self,
+        layer_start: int,
+        kv_caches: Sequence[torch.Tensor],
+        hybrid: HybridPool | None = None,
+    ) -> KVLayout:
+        """Register one pool's per-layer tensors (and a ``hybrid`` pool's recurrent-state
+        tensors); they must stay alive until ``close``."""
+        if hybrid is None:
+            layout = layout_of_tensors(layer_start, kv_caches)
+        else:
+            layout = hybrid.layout(layer_start, kv_caches)
+        tensors = [*kv_caches, *(hybrid.tensors() if hybrid is not None else ())]
+        self._registrations.append(self.nixl.register_memory(tensors))
         self.metadata = self.nixl.get_agent_metadata()
         return layout
 

@@ -7,6 +7,7 @@ other exactly, with no staging copy, as long as the dtype is the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,10 @@ class PageMap:
         """One past the last token position this map can hold."""
         return self.origin + len(self.block_ids) * self.block_size
 
+    def block_of(self, token: int) -> int:
+        """The block holding ``token`` (one this map covers)."""
+        return self.block_ids[(token - self.origin) // self.block_size]
+
     def check_range(self, start: int, end: int, side: str) -> None:
         if not (self.origin <= start <= end <= self.end):
             raise InvalidTransferRequest(
@@ -71,21 +76,22 @@ def token_runs(src: PageMap, dst: PageMap, start: int, end: int) -> np.ndarray:
     return runs
 
 
-def _layer_bases(layout: KVLayout, layers: range) -> np.ndarray:
-    if not layout.regions:
+def _layer_bases(layout: KVLayout, layers: Sequence[int]) -> np.ndarray:
+    if not layout.regions and layout.paged:
         raise InvalidTransferRequest("layout has no memory regions to address")
-    if not layout.covers(layers.start, layers.stop):
+    paged = set(layout.paged)
+    missing = [x for x in layers if x not in paged]
+    if missing:
         raise LayoutMismatch(
-            f"layers [{layers.start}, {layers.stop}) not in pool [{layout.layer_start}, "
-            f"{layout.layer_end})"
+            f"layers {missing} have no paged tensor in pool [{layout.layer_start}, "
+            f"{layout.layer_end}) (paged: {list(layout.paged)})"
         )
-    return np.array(
-        [layout.regions[layer - layout.layer_start].base_addr for layer in layers],
-        dtype=np.uint64,
-    )
+    return np.array([layout.region_of(x).base_addr for x in layers], dtype=np.uint64)
 
 
-def _addresses(layout: KVLayout, layers: range, blocks: np.ndarray, offs: np.ndarray) -> np.ndarray:
+def _addresses(
+    layout: KVLayout, layers: Sequence[int], blocks: np.ndarray, offs: np.ndarray
+) -> np.ndarray:
     """Byte addresses shaped [layer, run, plane] (K page then V page of each run)."""
     base = _layer_bases(layout, layers)[:, None, None]
     in_layer = (
@@ -109,7 +115,7 @@ class Descriptors:
 
 
 def build_descriptors(
-    runs: np.ndarray, src: KVLayout, dst: KVLayout, layers: range, src_is_local: bool
+    runs: np.ndarray, src: KVLayout, dst: KVLayout, layers: Sequence[int], src_is_local: bool
 ) -> Descriptors:
     """Descriptors moving ``runs`` of ``layers`` from ``src`` to ``dst`` (same dtype).
 
@@ -137,6 +143,57 @@ def build_descriptors(
     if src_is_local:
         return Descriptors(src_rows, dst_rows)
     return Descriptors(dst_rows, src_rows)
+
+
+def state_descriptors(
+    src: KVLayout, dst: KVLayout, layers: range, src_slot: int, dst_slot: int, src_is_local: bool
+) -> Descriptors:
+    """Descriptors moving slot ``src_slot`` of every recurrent-state tensor of ``layers`` in
+    ``src`` to slot ``dst_slot`` of the same layer's tensor in ``dst`` (one per tensor)."""
+    mine, theirs = (
+        src.states_of(layers.start, layers.stop),
+        dst.states_of(layers.start, layers.stop),
+    )
+    if [(s.layer, s.part, s.slot_bytes) for s in mine] != [
+        (s.layer, s.part, s.slot_bytes) for s in theirs
+    ]:
+        raise LayoutMismatch(
+            f"recurrent-state slots of layers [{layers.start}, {layers.stop}) differ between "
+            "the pools; the decode model must match prefill's"
+        )
+    if not mine:
+        empty = np.zeros((0, 3), dtype=np.uint64)
+        return Descriptors(empty, empty)
+    for layout, slot in ((src, src_slot), (dst, dst_slot)):
+        if not 0 <= slot < layout.num_blocks:
+            raise InvalidTransferRequest(f"state slot {slot} out of range [0, {layout.num_blocks})")
+    rows = []
+    for states, slot in ((mine, src_slot), (theirs, dst_slot)):
+        rows.append(
+            np.array(
+                [
+                    (s.region.base_addr + slot * s.slot_bytes, s.slot_bytes, s.region.device_id)
+                    for s in states
+                ],
+                dtype=np.uint64,
+            )
+        )
+    return Descriptors(rows[0], rows[1]) if src_is_local else Descriptors(rows[1], rows[0])
+
+
+def last_token_blocks(stage: PageMap, other: PageMap, num_tokens: int) -> tuple[int, int]:
+    """(stage block, other side's block) holding token ``num_tokens - 1``: a recurrent
+    layer's state after the prompt lives in those blocks' state slots."""
+    last = num_tokens - 1
+    other.check_range(last, num_tokens, "destination")
+    return stage.block_of(last), other.block_of(last)
+
+
+def concat(*parts: Descriptors) -> Descriptors:
+    """One descriptor list of several (a transfer posts them as one request)."""
+    return Descriptors(
+        np.concatenate([p.local for p in parts]), np.concatenate([p.remote for p in parts])
+    )
 
 
 def _device(layout: KVLayout) -> int:

@@ -29,8 +29,9 @@ from kv_transfer.errors import (
     TransferTimeout,
 )
 from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer
+from kv_transfer.layout import HybridPool
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
-from kv_transfer.plan import PageMap
+from kv_transfer.plan import PageMap, last_token_blocks
 from kv_transfer.transfer import NixlTransfer, start_transfer
 
 
@@ -71,17 +72,22 @@ class KVReceiver:
         config: ReceiverConfig = ReceiverConfig(),
         clock: Callable[[], float] = time.monotonic,
         registered: bool = True,
+        hybrid: HybridPool | None = None,
     ) -> None:
         """``kv_caches``: one tensor per model layer, ``[num_blocks, 2, block_size, kv_heads,
         head_dim]``. ``registered=False``: views NIXL cannot address (any strides, or K and V
         apart: convert.KVLayer; e.g. vLLM's CPU cache): pull only, each READ lands in a
-        registered staging buffer and is copied into the views when it completes."""
+        registered staging buffer and is copied into the views when it completes. ``hybrid``:
+        a model with recurrent layers: ``kv_caches`` hold its attention layers only, and
+        ``hybrid`` names them and the recurrent layers' state tensors (registered too)."""
         self.agent = agent
         self.config = config
         self.kv_caches = list(kv_caches)
         self.registered = registered
+        if hybrid is not None and not registered:
+            raise InvalidTransferRequest("a pool with recurrent layers must be registered")
         if registered:
-            self.layout = agent.register_kv(0, self.kv_caches)
+            self.layout = agent.register_kv(0, self.kv_caches, hybrid)
         else:
             self.layout = layout_of_views(0, self.kv_caches)
         self._clock = clock
@@ -286,6 +292,7 @@ class KVReceiver:
                     remote_pages=PageMap(m.block_ids, m.layout.block_size),
                     start=skip_tokens,
                     end=m.num_tokens,
+                    state_slots=_final_state_slots(m, local_pages, skip_tokens),
                 )
                 pending.reads[m.stage] = (read, m)
                 if read.num_bytes == 0:  # nothing to read rode no notification: release now
@@ -405,3 +412,14 @@ class KVReceiver:
             self.cancel(request_id)
         self._server.close()
         self.agent.close()
+
+
+def _final_state_slots(
+    m: StageManifest, local_pages: PageMap, skip_tokens: int
+) -> tuple[int, int] | None:
+    """A stage with recurrent layers: (its block, ours) holding the prompt's last token,
+    whose state slots carry the state after it; None when there is nothing to read."""
+    if not m.layout.states or m.num_tokens <= skip_tokens:
+        return None
+    stage_pages = PageMap(m.block_ids, m.layout.block_size)
+    return last_token_blocks(stage_pages, local_pages, m.num_tokens)

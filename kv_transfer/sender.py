@@ -34,9 +34,10 @@ from kv_transfer.errors import (
     TransferTimeout,
 )
 from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer, split_endpoint
+from kv_transfer.layout import HybridPool
 from kv_transfer.lease import Lease, LeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
-from kv_transfer.plan import PageMap
+from kv_transfer.plan import PageMap, last_token_blocks
 from kv_transfer.transfer import NixlTransfer, start_transfer
 
 # how long a final push is checked without pause right after it is posted (``_drive``)
@@ -93,11 +94,14 @@ class KVSender:
         on_lease_end: Callable[[Lease, ReleaseReason], None] | None = None,
         on_part_end: Callable[[str, int, KVTransferError | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        hybrid: HybridPool | None = None,
     ) -> None:
+        """``hybrid``: the stage's recurrent layers and their state tensors (a model with
+        linear-attention layers); ``kv_caches`` then hold its attention layers only."""
         self.agent = agent
         self.config = config
         self.kv_caches = list(kv_caches)
-        self.layout = agent.register_kv(layer_start, self.kv_caches)
+        self.layout = agent.register_kv(layer_start, self.kv_caches, hybrid)
         self._on_complete = on_complete or (lambda outcome: None)
         self._clock = clock
         self.leases = LeaseTable(
@@ -363,6 +367,7 @@ class KVSender:
                 remote_pages=dst_pages,
                 start=push.start,
                 end=push.num_tokens,
+                state_slots=self._final_state_slots(push, dst_pages),
             )
             if push.num_tokens > push.start:
                 self._posted[request_id] = (push.dest.endpoint, note.transfer_id)
@@ -372,6 +377,13 @@ class KVSender:
                 self._end_part(push, exc)
             else:
                 self._end(request_id, exc, outcomes)
+
+    def _final_state_slots(self, push: _Push, dst_pages: PageMap) -> tuple[int, int] | None:
+        """A final push from a pool with recurrent layers: (this stage's block, decode's
+        block) holding the prompt's last token, whose state slots carry the state after it."""
+        if push.part >= 0 or not self.layout.states or push.num_tokens <= push.start:
+            return None
+        return last_token_blocks(push.src_pages, dst_pages, push.num_tokens)
 
     def _end_part(self, part: _Push, error: KVTransferError | None) -> None:
         if self._parts.pop(part.part, None) is None:

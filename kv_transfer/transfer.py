@@ -17,7 +17,14 @@ from kv_transfer.agent import KVAgent
 from kv_transfer.convert import KVLayer, layer_device, pack_staging, torch_dtype, unpack_staging
 from kv_transfer.errors import KVTransferError, LayoutMismatch, TransferFailed
 from kv_transfer.layout import KVLayout, layout_of_tensors
-from kv_transfer.plan import PageMap, build_descriptors, staging_page_map, token_runs
+from kv_transfer.plan import (
+    PageMap,
+    build_descriptors,
+    concat,
+    staging_page_map,
+    state_descriptors,
+    token_runs,
+)
 from kv_transfer.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -97,10 +104,13 @@ def start_transfer(
     remote_pages: PageMap,
     start: int,
     end: int,
+    state_slots: tuple[int, int] | None = None,
 ) -> NixlTransfer:
     """Post a WRITE (local -> remote) or READ (remote -> local) of tokens ``[start, end)``
     of the layers both pools share, with ``notif`` delivered to ``remote_agent`` after it
-    (an empty range posts nothing and sends no notification).
+    (an empty range posts nothing and sends no notification). ``state_slots``: (stage-side
+    block, other side's block) whose recurrent-state slots of the stage's recurrent layers
+    ride along (a hybrid pool's final push / pull: the state after the prompt's last token).
 
     The stage side's layers (local for WRITE, remote for READ) must all be covered by
     the other pool. Raises a KVTransferError subclass; never leaves a half-posted request.
@@ -113,6 +123,20 @@ def start_transfer(
         raise LayoutMismatch(
             f"pool [{other.layer_start}, {other.layer_end}) lacks layers "
             f"[{stage_side.layer_start}, {stage_side.layer_end})"
+        )
+    if stage_side.hybrid or other.hybrid:
+        return _start_hybrid(
+            agent,
+            op,
+            remote_agent,
+            notif,
+            local_layout,
+            local_pages,
+            remote_layout,
+            remote_pages,
+            start,
+            end,
+            state_slots,
         )
     layers = range(stage_side.layer_start, stage_side.layer_end)
     first = layers.start - local_layout.layer_start
@@ -157,8 +181,66 @@ def start_transfer(
             raise
         raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
     transfer = NixlTransfer(agent, descs.num_bytes, handle, staging, unpack)
+    return _post(agent, op, remote_agent, transfer)
+
+
+def _start_hybrid(
+    agent: KVAgent,
+    op: str,
+    remote_agent: str,
+    notif: bytes,
+    local_layout: KVLayout,
+    local_pages: PageMap,
+    remote_layout: KVLayout,
+    remote_pages: PageMap,
+    start: int,
+    end: int,
+    state_slots: tuple[int, int] | None,
+) -> NixlTransfer:
+    """A pool with recurrent layers: the paged layers' token runs plus, with
+    ``state_slots``, one slot per recurrent-state tensor, as ONE request (its notification
+    follows all of it). Byte copies only: both pools registered, one dtype."""
+    if local_layout.paged and not local_layout.regions:
+        raise LayoutMismatch("a pool with recurrent layers must be registered with NIXL")
+    if local_layout.dtype != remote_layout.dtype:
+        raise LayoutMismatch(
+            f"a pool with recurrent layers moves by byte copy only: dtypes {local_layout.dtype}"
+            f" and {remote_layout.dtype} differ"
+        )
+    stage_side = local_layout if op == "WRITE" else remote_layout
+    paged = stage_side.paged
+    layers = range(stage_side.layer_start, stage_side.layer_end)
+    if start == end:
+        return NixlTransfer(agent, 0)
     try:
-        posted = agent.nixl.transfer(handle)
+        if op == "WRITE":
+            runs = token_runs(local_pages, remote_pages, start, end)
+            parts = [build_descriptors(runs, local_layout, remote_layout, paged, True)]
+        else:
+            runs = token_runs(remote_pages, local_pages, start, end)
+            parts = [build_descriptors(runs, remote_layout, local_layout, paged, False)]
+        if state_slots is not None:
+            src, dst = (
+                (local_layout, remote_layout) if op == "WRITE" else (remote_layout, local_layout)
+            )
+            parts.append(state_descriptors(src, dst, layers, *state_slots, op == "WRITE"))
+        descs = concat(*parts)
+        if not len(descs.local):
+            return NixlTransfer(agent, 0)  # e.g. a streamed range of a stage with no paged layer
+        local = agent.nixl.get_xfer_descs(descs.local, local_layout.mem_type)
+        remote = agent.nixl.get_xfer_descs(descs.remote, remote_layout.mem_type)
+        handle = agent.nixl.initialize_xfer(op, local, remote, remote_agent, notif)
+    except Exception as exc:
+        if isinstance(exc, KVTransferError):
+            raise
+        raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
+    return _post(agent, op, remote_agent, NixlTransfer(agent, descs.num_bytes, handle))
+
+
+def _post(agent: KVAgent, op: str, remote_agent: str, transfer: NixlTransfer) -> NixlTransfer:
+    """Post ``transfer``'s prepared request; on failure abort it (releasing its buffers)."""
+    try:
+        posted = agent.nixl.transfer(transfer._handle)
     except Exception as exc:
         transfer.abort()
         raise TransferFailed(f"posting a {op} to {remote_agent} failed: {exc!r}") from exc

@@ -92,3 +92,89 @@ def test_mla_one_plane_layout_survives_the_engine_and_proto_round_trips():
     assert manifest_from_proto(proto) == replace(
         engine, lease_expiry_unix_s=pytest.approx(engine.lease_expiry_unix_s, abs=1e-6)
     )
+
+
+def test_hybrid_layout_names_attention_regions_and_state_slots_through_every_form():
+    """A Kimi Linear stage [2, 4) (MLA layer 2, KDA layer 3): one paged region (layer 2) and
+    layer 3's state matrix and conv tail; the layout survives dict, engine and proto forms,
+    the decode pool's layout (all layers) is compatible, and a state slot maps byte-exactly."""
+    from kv_transfer.plan import PageMap, last_token_blocks, state_descriptors
+    from prefill_node.kv_shipping.kv_wire import hybrid_pool
+    from prefill_node.model.latent_cache import stage_cache
+    from prefill_node.model.partition import LayerRange
+    from tests.tiny_models import tiny_kimi
+
+    config = tiny_kimi()
+    kv = stage_cache(config, LayerRange(2, 4), 6, 4)
+    pool = hybrid_pool(kv)
+    layout = pool.layout(2, kv.tensors)
+    assert (layout.paged, layout.num_blocks, layout.planes) == ((2,), 6, 1)
+    assert [(s.layer, s.part, s.dtype) for s in layout.states] == [
+        (3, "matrix", "float32"),
+        (3, "conv", "float32"),
+    ]
+    matrix = kv.recurrent.states[0]
+    assert layout.states[0].slot_bytes == matrix[0].numel() * 4
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    wire = StageManifest("r", 1, 2, "127.0.0.1:9", "stage1", layout, (4, 0), 7, "L-1", 30.0)
+    engine = engine_manifest(wire, entry_parts=kv.entry_parts)
+    assert [r.layer for r in engine.regions] == [2] and len(engine.states) == 2
+    assert wire_manifest(engine, "r", 2).layout == layout
+    assert manifest_from_proto(manifest_to_proto(engine)) == replace(
+        engine, lease_expiry_unix_s=pytest.approx(engine.lease_expiry_unix_s, abs=1e-6)
+    )
+    first = stage_cache(config, LayerRange(0, 2), 6, 4)  # KDA layers only: no paged region
+    first_layout = hybrid_pool(first).layout(0, first.tensors)
+    assert first_layout.paged == () and first_layout.regions == ()
+    assert KVLayout.from_dict(first_layout.to_dict()) == first_layout
+    whole = stage_cache(config, LayerRange(0, 4), 9, 8)
+    decode = hybrid_pool(whole).layout(0, whole.tensors)
+    decode.check_compatible(layout)
+    descs = state_descriptors(layout, decode, range(2, 4), 1, 5, src_is_local=True)
+    slot = layout.states[0].slot_bytes
+    assert descs.local[0].tolist() == [layout.states[0].region.base_addr + slot, slot, 0]
+    want = decode.states_of(2, 4)[0].region.base_addr + 5 * slot
+    assert descs.remote[0].tolist() == [want, slot, 0]
+    # token 6 of a 7-token prompt: prefill's 2nd block (id 0), decode's 1st (id 3)
+    assert last_token_blocks(PageMap((4, 0), 4), PageMap((3,), 8), 7) == (0, 3)
+    plain = KVLayout(0, 4, 9, 8, 1, layout.head_dim, "float32", planes=1)  # no state regions
+    with pytest.raises(LayoutMismatch, match="recurrent-state"):
+        plain.check_compatible(layout)
+
+
+def test_hybrid_pools_move_by_byte_copy_only():
+    """A pool with recurrent layers is never staged: a bf16 decode pool (its conv tails
+    differ), or an unregistered (geometry-only) pool, is a LayoutMismatch before anything
+    is posted."""
+    from kv_transfer.plan import PageMap
+    from kv_transfer.transfer import start_transfer
+    from prefill_node.kv_shipping.kv_wire import hybrid_pool
+    from prefill_node.model.latent_cache import stage_cache
+    from prefill_node.model.partition import LayerRange
+    from tests.tiny_models import tiny_qwen3_next
+
+    config = tiny_qwen3_next()
+    kv = stage_cache(config, LayerRange(2, 4), 6, 4)
+    stage = hybrid_pool(kv).layout(2, kv.tensors)
+    whole = stage_cache(config, LayerRange(0, 4), 6, 4)
+    decode = hybrid_pool(whole).layout(0, whole.tensors)
+    half = stage_cache(config, LayerRange(0, 4), 6, 4, torch.bfloat16)
+    pages = PageMap((0, 1), 4)
+    kw = {"local_layers": kv.tensors, "local_pages": pages, "remote_pages": pages}
+    for local, remote, match in (
+        (stage, hybrid_pool(half).layout(0, half.tensors), "recurrent-state slots differ"),
+        (replace(stage, regions=()), decode, "registered"),
+    ):
+        with pytest.raises(LayoutMismatch, match=match):
+            start_transfer(
+                None,
+                "WRITE",
+                "decode",
+                b"",
+                local_layout=local,
+                remote_layout=remote,
+                start=0,
+                end=7,
+                state_slots=(1, 1),
+                **kw,
+            )

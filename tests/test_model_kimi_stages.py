@@ -15,9 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefill_node.decode.decode_worker import DecodeWorker
-from prefill_node.errors import UnsupportedArchitectureError
-from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.latent_cache import HybridLatentCache, stage_cache
 from prefill_node.model.loader_hf import save_hf_checkpoint
@@ -232,14 +229,3 @@ def test_bf16_runs_close_to_fp32(hf_model, device):
     ref = hf_run(hf_model, TOKENS).logits[0, -1]
     assert torch.isfinite(logits).all()
     assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
-
-
-def test_hand_off_refuses_kimi_with_a_typed_error():
-    """Shipping the KDA state regions is not implemented: the stage shipper and the decode
-    worker say so instead of shipping the MLA blocks alone."""
-    cache = stage_cache(CONFIG, LayerRange(2, 4), 4, BLOCK)
-    with pytest.raises(UnsupportedArchitectureError, match="recurrent"):
-        StageKVShipper(1, 2, cache, KVShippingConfig(), unpin=lambda blocks: None)
-    whole = StageModel(CONFIG, LayerRange(0, CONFIG.num_layers))
-    with pytest.raises(UnsupportedArchitectureError, match="recurrent"):
-        DecodeWorker(whole, num_blocks=4, block_size=BLOCK)

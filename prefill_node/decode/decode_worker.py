@@ -4,7 +4,10 @@ It owns a full-model StageModel (all layers), one paged cache for all layers reg
 a KVReceiver (the decode-side kv_transfer library), and uses the receiver's allocator as its
 block allocator. Generation is plain greedy decoding with the same torch model: each step is
 a chunk of length 1 at the next position through ``StageModel.forward`` with the sequence's
-block table, so the shipped KV is used exactly as the prefill wrote it.
+block table, so the shipped KV is used exactly as the prefill wrote it. A hybrid model's
+cache (attention blocks + recurrent-state slots per block) is registered whole: the stages
+ship each recurrent layer's state after the prompt into the slot of the block holding the
+prompt's last token, which is where the first step's recurrent layers resume from.
 
 Block contract: ``expect_push`` / ``pull`` allocate the prompt's blocks and hand them to the
 returned ``DecodeSequence``; ``generate`` adds blocks as the sequence grows; ``release``
@@ -31,9 +34,8 @@ from prefill_node.errors import (
     InvalidRequestError,
     InvariantError,
     KVHandoffError,
-    UnsupportedArchitectureError,
 )
-from prefill_node.kv_shipping.kv_wire import engine_push_destination, wire_manifest
+from prefill_node.kv_shipping.kv_wire import engine_push_destination, hybrid_pool, wire_manifest
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import stage_cache
@@ -67,11 +69,6 @@ class DecodeWorker:
     ) -> None:
         if not (model.is_first and model.is_last):
             raise InvalidRequestError("the decode worker needs the whole model (all layers)")
-        if model.config.recurrent is not None:
-            raise UnsupportedArchitectureError(
-                "the decode worker cannot receive recurrent-layer state yet (model family "
-                f"{model.config.family.value})"
-            )
         self.model = model
         cfg = model.config
         self.kv = stage_cache(
@@ -82,6 +79,7 @@ class DecodeWorker:
             KVAgent(self.agent_name, progress=kv_progress),
             self.kv.tensors,
             receiver_config or ReceiverConfig(),
+            hybrid=hybrid_pool(self.kv),  # recurrent layers: their state slots, too
         )
         self._outcomes: dict[str, TransferOutcome] = {}
         # request id -> time.monotonic() its whole prompt's KV was there (newest 4096)

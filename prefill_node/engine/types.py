@@ -26,6 +26,22 @@ class MemoryRegionSpec:
 
 
 @dataclass(frozen=True)
+class StateRegionSpec:
+    """One registered recurrent-state tensor of a recurrent (linear-attention) layer: one
+    ``slot_bytes`` slot per block id, slot b holding the state after block b's last token
+    written. ``part``: "matrix" (the recurrent state) or "conv" (the short-conv tail)."""
+
+    layer: int
+    part: str
+    address: int
+    length: int
+    slot_bytes: int
+    dtype: str  # torch dtype name
+    device_id: int = 0
+    kind: str = "dram"  # "dram" | "vram"
+
+
+@dataclass(frozen=True)
 class KVLayoutSpec:
     """Layout of a paged KV pool: per layer ``[num_blocks, planes, block_size, kv_heads,
     head_dim]``; ``planes`` 2 = K and V, 1 = whole per-token entries (MLA latent caches)."""
@@ -38,6 +54,7 @@ class KVLayoutSpec:
     block_bytes: int = 0
     regions: tuple[MemoryRegionSpec, ...] = ()
     planes: int = 2
+    states: tuple[StateRegionSpec, ...] = ()  # hybrid models: recurrent layers' state
 
 
 @dataclass(frozen=True)
@@ -95,6 +112,9 @@ class StageKVManifest:
     lease_ttl_s: float = 0.0  # pull mode: heartbeat within this to keep the lease
     planes: int = 2  # 2: K and V planes; 1: one plane of whole per-token entries (MLA)
     entry_parts: tuple[int, ...] = ()  # MLA: widths of (latent, rotated key, indexer key)
+    # hybrid models: the recurrent layers' state tensors; ``regions`` then name only the
+    # attention layers (the recurrent layers have no paged tensor)
+    states: tuple[StateRegionSpec, ...] = ()
 
 
 @dataclass(frozen=True)

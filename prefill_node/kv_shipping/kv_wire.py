@@ -3,22 +3,74 @@
 The engine boundary (and the gRPC proto) speaks ``KVPushDestination`` / ``StageKVManifest``;
 the NIXL library speaks ``PushDestination`` / ``StageManifest``. These functions are the only
 place the two meet, so neither package imports the other's types elsewhere.
+
+A hybrid model's cache (``RecurrentStateCache``: paged blocks for the attention layers,
+recurrent-state snapshot slots per block for the recurrent layers) registers as a
+``HybridPool`` (``hybrid_pool``); its manifests name the attention layers' regions and,
+per recurrent layer, its state regions (``StageKVManifest.states``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from kv_transfer.errors import InvalidTransferRequest
-from kv_transfer.layout import KVLayout, MemoryRegion
+from kv_transfer.layout import HybridPool, KVLayout, MemoryRegion, StateRegion
 from kv_transfer.messages import PushDestination, StageManifest
 from prefill_node.engine.types import (
     KVLayoutSpec,
     KVPushDestination,
     MemoryRegionSpec,
     StageKVManifest,
+    StateRegionSpec,
 )
 from prefill_node.errors import InvalidKVDestinationError
+
+if TYPE_CHECKING:
+    from prefill_node.model.latent_cache import StageCache
+
+
+def hybrid_pool(kv: StageCache) -> HybridPool | None:
+    """What a hybrid stage cache registers besides its attention layers' tensors: each
+    recurrent layer's snapshot tensors (state matrix, conv tail); None for other caches."""
+    from prefill_node.model.recurrent_cache import RecurrentStateCache  # torch: only here
+
+    if not isinstance(kv, RecurrentStateCache):
+        return None
+    snaps = kv.recurrent
+    states = tuple(
+        (layer, part, tensor)
+        for i, layer in enumerate(snaps.layers)
+        for part, tensor in (("matrix", snaps.states[i]), ("conv", snaps.tails[i]))
+    )
+    geometry = KVLayout(
+        kv.layer_range.start,
+        kv.layer_range.end,
+        kv.num_blocks,
+        kv.block_size,
+        kv.num_kv_heads,
+        kv.head_dim,
+        str(kv.dtype).removeprefix("torch."),
+        planes=kv.planes,
+    )
+    return HybridPool(kv.layer_range.end, tuple(kv.layers), states, geometry)
+
+
+def _state_specs(layout: KVLayout) -> tuple[StateRegionSpec, ...]:
+    return tuple(
+        StateRegionSpec(
+            s.layer,
+            s.part,
+            s.region.base_addr,
+            s.region.length,
+            s.slot_bytes,
+            s.dtype,
+            s.region.device_id,
+            s.region.mem_type.lower(),
+        )
+        for s in layout.states
+    )
 
 
 def stage_push_destination(
@@ -79,6 +131,7 @@ def engine_push_destination(
         num_layers=layout.num_layers,
         block_bytes=layout.block_bytes,
         planes=layout.planes,
+        states=_state_specs(layout),
     )
     return KVPushDestination(
         agent_name=agent_name,
@@ -109,11 +162,10 @@ def engine_manifest(
         agent_name=wire.agent_name,
         metadata_endpoint=wire.endpoint,
         regions=tuple(
-            MemoryRegionSpec(
-                layout.layer_start + i, r.base_addr, r.length, r.device_id, r.mem_type.lower()
-            )
-            for i, r in enumerate(layout.regions)
+            MemoryRegionSpec(layer, r.base_addr, r.length, r.device_id, r.mem_type.lower())
+            for layer, r in zip(layout.paged, layout.regions, strict=True)
         ),
+        states=_state_specs(layout),
         lease_id=wire.lease_id,
         lease_expiry_unix_s=time.time() + wire.lease_ttl_s if wire.lease_id else 0.0,
         pushed=pushed,
@@ -131,21 +183,35 @@ def wire_manifest(m: StageKVManifest, request_id: str, num_stages: int) -> Stage
     regions = tuple(
         MemoryRegion(r.address, r.length, r.device_id, r.kind.upper()) for r in m.regions
     )
-    if not regions or not m.lease_id:
+    states = tuple(
+        StateRegion(
+            s.layer,
+            s.part,
+            MemoryRegion(s.address, s.length, s.device_id, s.kind.upper()),
+            s.slot_bytes,
+            s.dtype,
+        )
+        for s in m.states
+    )
+    if not (regions or states) or not m.lease_id:
         raise InvalidTransferRequest(
             f"stage {m.stage} manifest has no memory regions or no lease: was it a pull request?"
         )
     block_bytes = m.planes * m.block_size * m.num_kv_heads * m.head_dim * _elem_size(m.dtype)
+    paged = tuple(r.layer for r in m.regions)
+    hybrid = bool(states) or paged != tuple(range(m.layer_start, m.layer_end))
     layout = KVLayout(
         m.layer_start,
         m.layer_end,
-        regions[0].length // block_bytes,
+        regions[0].length // block_bytes if regions else states[0].num_slots,
         m.block_size,
         m.num_kv_heads,
         m.head_dim,
         m.dtype,
         regions,
         m.planes,
+        paged_layers=paged if hybrid else None,
+        states=states,
     )
     return StageManifest(
         request_id=request_id,

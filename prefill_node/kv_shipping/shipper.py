@@ -48,10 +48,13 @@ from kv_transfer.progress import KVProgress
 from kv_transfer.sender import KVSender, SenderConfig
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
-from prefill_node.errors import InvalidRequestError, UnsupportedArchitectureError
-from prefill_node.kv_shipping.kv_wire import engine_manifest, stage_push_destination
+from prefill_node.errors import InvalidRequestError
+from prefill_node.kv_shipping.kv_wire import (
+    engine_manifest,
+    hybrid_pool,
+    stage_push_destination,
+)
 from prefill_node.model.latent_cache import StageCache
-from prefill_node.model.recurrent_cache import RecurrentStateCache
 
 
 @dataclass(frozen=True)
@@ -163,11 +166,6 @@ class StageKVShipper:
         agent_name: str | None = None,
         unpin_streamed: Callable[[Sequence[KVBlock]], None] | None = None,
     ) -> None:
-        if isinstance(kv, RecurrentStateCache):
-            raise UnsupportedArchitectureError(
-                "KV hand-off of models with recurrent layers (their state regions) is not "
-                "implemented yet; serve them without a KV destination"
-            )
         self.stage = stage
         self.config = config
         self._unpin = unpin
@@ -183,6 +181,7 @@ class StageKVShipper:
             on_complete=self._on_push_end,
             on_lease_end=self._on_lease_end,
             on_part_end=self._on_part_end,
+            hybrid=hybrid_pool(kv),  # a hybrid model's recurrent layers ship their state
         )
         self._pushing: dict[str, _Held] = {}  # request id -> blocks of an in-flight WRITE
         self._leased: dict[str, tuple[str, list[KVBlock]]] = {}  # lease id -> (request, blocks)

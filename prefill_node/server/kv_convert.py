@@ -19,6 +19,7 @@ from prefill_node.engine.types import (
     KVPushDestination,
     MemoryRegionSpec,
     StageKVManifest,
+    StateRegionSpec,
 )
 from prefill_node.errors import InvalidKVDestinationError
 from wavepp_proto.prefill.v1 import kv_events_pb2, kv_layout_pb2
@@ -74,6 +75,7 @@ def layout_to_proto(
         memory_order=_ORDER_OF_PLANES[layout.planes],
         block_bytes=layout.block_bytes,
         regions=[_region_to_proto(r) for r in layout.regions],
+        recurrent_states=[_state_to_proto(r) for r in layout.states],
     )
     if entry_parts:
         latent, rope, index = entry_parts
@@ -115,6 +117,7 @@ def layout_from_proto(msg: kv_layout_pb2.KvLayout) -> KVLayoutSpec:
         block_bytes=msg.block_bytes,
         regions=tuple(_region_from_proto(r) for r in msg.regions),
         planes=_planes_of(msg),
+        states=tuple(_state_from_proto(r) for r in msg.recurrent_states),
     )
 
 
@@ -133,6 +136,47 @@ def _region_from_proto(msg: kv_layout_pb2.MemoryRegion) -> MemoryRegionSpec:
         raise InvalidKVDestinationError("layout.regions[].kind must be DRAM or VRAM")
     return MemoryRegionSpec(
         msg.layer, msg.address, msg.length, msg.device_id, _KIND_NAMES[msg.kind]
+    )
+
+
+_PARTS = {
+    "matrix": kv_layout_pb2.RECURRENT_STATE_PART_MATRIX,
+    "conv": kv_layout_pb2.RECURRENT_STATE_PART_CONV,
+}
+_PART_NAMES = {v: k for k, v in _PARTS.items()}
+
+
+def _state_to_proto(state: StateRegionSpec) -> kv_layout_pb2.RecurrentStateRegion:
+    return kv_layout_pb2.RecurrentStateRegion(
+        layer=state.layer,
+        part=_PARTS[state.part],
+        address=state.address,
+        length=state.length,
+        device_id=state.device_id,
+        kind=_KINDS.get(state.kind, kv_layout_pb2.MEMORY_KIND_UNSPECIFIED),
+        slot_bytes=state.slot_bytes,
+        dtype=dtype_to_proto(state.dtype),
+    )
+
+
+def _state_from_proto(msg: kv_layout_pb2.RecurrentStateRegion) -> StateRegionSpec:
+    if msg.kind not in _KIND_NAMES or msg.part not in _PART_NAMES:
+        raise InvalidKVDestinationError(
+            "layout.recurrent_states[]: kind must be DRAM or VRAM and part MATRIX or CONV"
+        )
+    if msg.slot_bytes <= 0 or msg.length % msg.slot_bytes:
+        raise InvalidKVDestinationError(
+            "layout.recurrent_states[].length must be a positive multiple of slot_bytes"
+        )
+    return StateRegionSpec(
+        msg.layer,
+        _PART_NAMES[msg.part],
+        msg.address,
+        msg.length,
+        msg.slot_bytes,
+        dtype_from_proto(msg.dtype),
+        msg.device_id,
+        _KIND_NAMES[msg.kind],
     )
 
 
@@ -254,6 +298,7 @@ def manifest_to_proto(m: StageKVManifest) -> kv_layout_pb2.StageKvManifest:
                 num_layers=m.layer_end - m.layer_start,
                 regions=m.regions,
                 planes=m.planes,
+                states=m.states,
             ),
             m.entry_parts,
         ),
@@ -290,6 +335,7 @@ def manifest_from_proto(msg: kv_layout_pb2.StageKvManifest) -> StageKVManifest:
         agent_name=msg.agent_name,
         metadata_endpoint=msg.metadata_endpoint,
         regions=tuple(_region_from_proto(r) for r in layout.regions),
+        states=tuple(_state_from_proto(r) for r in layout.recurrent_states),
         planes=_planes_of(layout),
         entry_parts=(
             (layout.mla.kv_lora_rank, layout.mla.qk_rope_head_dim, layout.mla.index_head_dim)

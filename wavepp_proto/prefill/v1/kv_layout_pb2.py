@@ -25,33 +25,37 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'wavepp_proto/prefill/v1/kv_layout.proto\x12\x11wavepp.prefill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"X\n\x0eMlaEntryLayout\x12\x14\n\x0ckv_lora_rank\x18\x01 \x01(\r\x12\x18\n\x10qk_rope_head_dim\x18\x02 \x01(\r\x12\x16\n\x0eindex_head_dim\x18\x03 \x01(\r\"~\n\x0cMemoryRegion\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12+\n\x04kind\x18\x05 \x01(\x0e\x32\x1d.wavepp.prefill.v1.MemoryKind\"\xb4\x02\n\x08KvLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12)\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1a.wavepp.prefill.v1.KvDtype\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x36\n\x0cmemory_order\x18\x06 \x01(\x0e\x32 .wavepp.prefill.v1.KvMemoryOrder\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x30\n\x07regions\x18\x08 \x03(\x0b\x32\x1f.wavepp.prefill.v1.MemoryRegion\x12.\n\x03mla\x18\t \x01(\x0b\x32!.wavepp.prefill.v1.MlaEntryLayout\"1\n\rStageBlockIds\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\x88\x02\n\x11KvPushDestination\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x19\n\x11metadata_endpoint\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x39\n\x0fstage_block_ids\x18\x05 \x03(\x0b\x32 .wavepp.prefill.v1.StageBlockIds\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.wavepp.prefill.v1.KvLayout\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x07 \x01(\r\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\")\n\x11KvPullDestination\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\"\x83\x01\n\rKvDestination\x12\x34\n\x04push\x18\x01 \x01(\x0b\x32$.wavepp.prefill.v1.KvPushDestinationH\x00\x12\x34\n\x04pull\x18\x02 \x01(\x0b\x32$.wavepp.prefill.v1.KvPullDestinationH\x00\x42\x06\n\x04mode\"\xb5\x02\n\x0fStageKvManifest\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x19\n\x11metadata_endpoint\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12+\n\x06layout\x18\x08 \x01(\x0b\x32\x1b.wavepp.prefill.v1.KvLayout\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x30\n\x0clease_expiry\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06pushed\x18\x0b \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x0c \x01(\r*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04*\x84\x01\n\rKvMemoryOrder\x12\x1f\n\x1bKV_MEMORY_ORDER_UNSPECIFIED\x10\x00\x12+\n\'KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM\x10\x01\x12%\n!KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN\x10\x02*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'wavepp_proto/prefill/v1/kv_layout.proto\x12\x11wavepp.prefill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"X\n\x0eMlaEntryLayout\x12\x14\n\x0ckv_lora_rank\x18\x01 \x01(\r\x12\x18\n\x10qk_rope_head_dim\x18\x02 \x01(\r\x12\x16\n\x0eindex_head_dim\x18\x03 \x01(\r\"~\n\x0cMemoryRegion\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12+\n\x04kind\x18\x05 \x01(\x0e\x32\x1d.wavepp.prefill.v1.MemoryKind\"\xfa\x01\n\x14RecurrentStateRegion\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x33\n\x04part\x18\x02 \x01(\x0e\x32%.wavepp.prefill.v1.RecurrentStatePart\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12+\n\x04kind\x18\x06 \x01(\x0e\x32\x1d.wavepp.prefill.v1.MemoryKind\x12\x12\n\nslot_bytes\x18\x07 \x01(\x04\x12)\n\x05\x64type\x18\x08 \x01(\x0e\x32\x1a.wavepp.prefill.v1.KvDtype\"\xf7\x02\n\x08KvLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12)\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1a.wavepp.prefill.v1.KvDtype\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x36\n\x0cmemory_order\x18\x06 \x01(\x0e\x32 .wavepp.prefill.v1.KvMemoryOrder\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x30\n\x07regions\x18\x08 \x03(\x0b\x32\x1f.wavepp.prefill.v1.MemoryRegion\x12.\n\x03mla\x18\t \x01(\x0b\x32!.wavepp.prefill.v1.MlaEntryLayout\x12\x41\n\x10recurrent_states\x18\n \x03(\x0b\x32\'.wavepp.prefill.v1.RecurrentStateRegion\"1\n\rStageBlockIds\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\x88\x02\n\x11KvPushDestination\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x19\n\x11metadata_endpoint\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x39\n\x0fstage_block_ids\x18\x05 \x03(\x0b\x32 .wavepp.prefill.v1.StageBlockIds\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.wavepp.prefill.v1.KvLayout\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x07 \x01(\r\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\")\n\x11KvPullDestination\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\"\x83\x01\n\rKvDestination\x12\x34\n\x04push\x18\x01 \x01(\x0b\x32$.wavepp.prefill.v1.KvPushDestinationH\x00\x12\x34\n\x04pull\x18\x02 \x01(\x0b\x32$.wavepp.prefill.v1.KvPullDestinationH\x00\x42\x06\n\x04mode\"\xb5\x02\n\x0fStageKvManifest\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x19\n\x11metadata_endpoint\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12+\n\x06layout\x18\x08 \x01(\x0b\x32\x1b.wavepp.prefill.v1.KvLayout\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x30\n\x0clease_expiry\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06pushed\x18\x0b \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x0c \x01(\r*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04*\x84\x01\n\rKvMemoryOrder\x12\x1f\n\x1bKV_MEMORY_ORDER_UNSPECIFIED\x10\x00\x12+\n\'KV_MEMORY_ORDER_BLOCK_KV_TOKEN_HEAD_DIM\x10\x01\x12%\n!KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN\x10\x02*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*z\n\x12RecurrentStatePart\x12$\n RECURRENT_STATE_PART_UNSPECIFIED\x10\x00\x12\x1f\n\x1bRECURRENT_STATE_PART_MATRIX\x10\x01\x12\x1d\n\x19RECURRENT_STATE_PART_CONV\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'wavepp_proto.prefill.v1.kv_layout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=1432
-  _globals['_KVDTYPE']._serialized_end=1560
-  _globals['_KVMEMORYORDER']._serialized_start=1563
-  _globals['_KVMEMORYORDER']._serialized_end=1695
-  _globals['_MEMORYKIND']._serialized_start=1697
-  _globals['_MEMORYKIND']._serialized_end=1782
+  _globals['_KVDTYPE']._serialized_start=1752
+  _globals['_KVDTYPE']._serialized_end=1880
+  _globals['_KVMEMORYORDER']._serialized_start=1883
+  _globals['_KVMEMORYORDER']._serialized_end=2015
+  _globals['_MEMORYKIND']._serialized_start=2017
+  _globals['_MEMORYKIND']._serialized_end=2102
+  _globals['_RECURRENTSTATEPART']._serialized_start=2104
+  _globals['_RECURRENTSTATEPART']._serialized_end=2226
   _globals['_MLAENTRYLAYOUT']._serialized_start=95
   _globals['_MLAENTRYLAYOUT']._serialized_end=183
   _globals['_MEMORYREGION']._serialized_start=185
   _globals['_MEMORYREGION']._serialized_end=311
-  _globals['_KVLAYOUT']._serialized_start=314
-  _globals['_KVLAYOUT']._serialized_end=622
-  _globals['_STAGEBLOCKIDS']._serialized_start=624
-  _globals['_STAGEBLOCKIDS']._serialized_end=673
-  _globals['_KVPUSHDESTINATION']._serialized_start=676
-  _globals['_KVPUSHDESTINATION']._serialized_end=940
-  _globals['_KVPULLDESTINATION']._serialized_start=942
-  _globals['_KVPULLDESTINATION']._serialized_end=983
-  _globals['_KVDESTINATION']._serialized_start=986
-  _globals['_KVDESTINATION']._serialized_end=1117
-  _globals['_STAGEKVMANIFEST']._serialized_start=1120
-  _globals['_STAGEKVMANIFEST']._serialized_end=1429
+  _globals['_RECURRENTSTATEREGION']._serialized_start=314
+  _globals['_RECURRENTSTATEREGION']._serialized_end=564
+  _globals['_KVLAYOUT']._serialized_start=567
+  _globals['_KVLAYOUT']._serialized_end=942
+  _globals['_STAGEBLOCKIDS']._serialized_start=944
+  _globals['_STAGEBLOCKIDS']._serialized_end=993
+  _globals['_KVPUSHDESTINATION']._serialized_start=996
+  _globals['_KVPUSHDESTINATION']._serialized_end=1260
+  _globals['_KVPULLDESTINATION']._serialized_start=1262
+  _globals['_KVPULLDESTINATION']._serialized_end=1303
+  _globals['_KVDESTINATION']._serialized_start=1306
+  _globals['_KVDESTINATION']._serialized_end=1437
+  _globals['_STAGEKVMANIFEST']._serialized_start=1440
+  _globals['_STAGEKVMANIFEST']._serialized_end=1749
 # @@protoc_insertion_point(module_scope)

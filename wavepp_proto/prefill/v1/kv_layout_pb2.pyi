@@ -29,6 +29,12 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
     MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
     MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
+
+class RecurrentStatePart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECURRENT_STATE_PART_UNSPECIFIED: _ClassVar[RecurrentStatePart]
+    RECURRENT_STATE_PART_MATRIX: _ClassVar[RecurrentStatePart]
+    RECURRENT_STATE_PART_CONV: _ClassVar[RecurrentStatePart]
 KV_DTYPE_UNSPECIFIED: KvDtype
 KV_DTYPE_FLOAT32: KvDtype
 KV_DTYPE_FLOAT16: KvDtype
@@ -40,6 +46,9 @@ KV_MEMORY_ORDER_BLOCK_ENTRY_TOKEN: KvMemoryOrder
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+RECURRENT_STATE_PART_UNSPECIFIED: RecurrentStatePart
+RECURRENT_STATE_PART_MATRIX: RecurrentStatePart
+RECURRENT_STATE_PART_CONV: RecurrentStatePart
 
 class MlaEntryLayout(_message.Message):
     __slots__ = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
@@ -65,8 +74,28 @@ class MemoryRegion(_message.Message):
     kind: MemoryKind
     def __init__(self, layer: _Optional[int] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., kind: _Optional[_Union[MemoryKind, str]] = ...) -> None: ...
 
+class RecurrentStateRegion(_message.Message):
+    __slots__ = ("layer", "part", "address", "length", "device_id", "kind", "slot_bytes", "dtype")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    part: RecurrentStatePart
+    address: int
+    length: int
+    device_id: int
+    kind: MemoryKind
+    slot_bytes: int
+    dtype: KvDtype
+    def __init__(self, layer: _Optional[int] = ..., part: _Optional[_Union[RecurrentStatePart, str]] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., kind: _Optional[_Union[MemoryKind, str]] = ..., slot_bytes: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ...) -> None: ...
+
 class KvLayout(_message.Message):
-    __slots__ = ("block_size", "num_kv_heads", "head_dim", "dtype", "num_layers", "memory_order", "block_bytes", "regions", "mla")
+    __slots__ = ("block_size", "num_kv_heads", "head_dim", "dtype", "num_layers", "memory_order", "block_bytes", "regions", "mla", "recurrent_states")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +105,7 @@ class KvLayout(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
+    RECURRENT_STATES_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     num_kv_heads: int
     head_dim: int
@@ -85,7 +115,8 @@ class KvLayout(_message.Message):
     block_bytes: int
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     mla: MlaEntryLayout
-    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., memory_order: _Optional[_Union[KvMemoryOrder, str]] = ..., block_bytes: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., mla: _Optional[_Union[MlaEntryLayout, _Mapping]] = ...) -> None: ...
+    recurrent_states: _containers.RepeatedCompositeFieldContainer[RecurrentStateRegion]
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., memory_order: _Optional[_Union[KvMemoryOrder, str]] = ..., block_bytes: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., mla: _Optional[_Union[MlaEntryLayout, _Mapping]] = ..., recurrent_states: _Optional[_Iterable[_Union[RecurrentStateRegion, _Mapping]]] = ...) -> None: ...
 
 class StageBlockIds(_message.Message):
     __slots__ = ("stage", "block_ids")
