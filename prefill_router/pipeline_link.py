@@ -47,7 +47,7 @@ from prefill_node.client.prefill_client import (
     RemoteServerInfo,
 )
 from prefill_node.core.kv_events import KVEvent
-from prefill_node.engine.types import EngineLoad
+from prefill_node.engine.types import EngineLoad, PipelineLoad
 from prefill_node.server.kv_convert import event_from_proto
 from prefill_router.discovery import PipelineEndpoint
 
@@ -150,6 +150,20 @@ class PipelineLink:
     @property
     def pid(self) -> str:
         return self.endpoint.id
+
+    def described(self, inflight_requests: int, indexed_blocks: int) -> PipelineLoad:
+        """This pipeline as a router's GetLoad reports it (the counts are the router's)."""
+        load = self.load
+        return PipelineLoad(
+            pipeline_id=self.pid,
+            address=self.endpoint.address,
+            ready=self.ready and self.refused is None,
+            queue_depth=load.queue_depth if load else 0,
+            inflight_requests=inflight_requests,
+            inflight_tokens=load.inflight_tokens if load else 0,
+            indexed_blocks=indexed_blocks,
+            stages=load.stages if load else (),
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

@@ -46,7 +46,6 @@ from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
     EngineLoad,
-    PipelineLoad,
     PrefillOptions,
     PrefillResult,
 )
@@ -469,17 +468,7 @@ class RouterEngine:
             inflight = {pid: own[2] for pid, own in self._own.items()}
             indexed = {pid: self._index.num_blocks(pid) for pid in self._index.pipelines}
         pipelines = tuple(
-            PipelineLoad(
-                pipeline_id=link.pid,
-                address=link.endpoint.address,
-                ready=link.ready and link.refused is None,
-                queue_depth=link.load.queue_depth if link.load else 0,
-                inflight_requests=inflight.get(link.pid, 0),
-                inflight_tokens=link.load.inflight_tokens if link.load else 0,
-                indexed_blocks=indexed.get(link.pid, 0),
-                stages=link.load.stages if link.load else (),
-            )
-            for link in links
+            link.described(inflight.get(link.pid, 0), indexed.get(link.pid, 0)) for link in links
         )
         return EngineLoad(
             queue_depth=sum(p.queue_depth for p in pipelines),
