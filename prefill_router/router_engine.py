@@ -2,8 +2,8 @@
 (PrefillServer: the same PrefillService, health, reflection, TLS, metrics) fronts a router.
 
 Per request (``prefill_async``, awaited on the server's event loop; ``submit`` runs it on a
-loop of the router's own for callers without one): hash the prompt with the
-node's own code and the cluster's cache identity + the request's ``cache_salt``, look up
+loop of the router's own for callers without one): hash the prompt with the node's own code
+and the cluster's cache identity + the request's ``cache_salt``, look up
 every pipeline's leading cached blocks in the global index, score the ready candidates
 (``Scorer``), record the prompt's blocks as pending on the chosen pipeline, and forward the
 request there as a Prefill call: the bytes the router received, as they are (token ids; KV
@@ -17,9 +17,12 @@ the Abort RPC) cancels the forwarded call, which makes the pipeline abort the re
 free its blocks. Pipelines come and go through the discovery; a link that is not ready, or
 whose KV-event stream broke, has no entries in the index until its next snapshot.
 
-Threading: one lock guards the index, the scorer and the routed-request table; links call
-in from their threads. Forwarded calls are grpc.aio calls on the requesting loop (the
-server's), so a request never changes threads on its way through the router.
+Threading: every link runs on ONE event loop: the loop ``start`` is called on (the serving
+loop in ``wavepp router``: serving, forwarding and pipeline monitoring share it, with no
+thread per pipeline), else the router's own loop thread. One lock guards the index, the
+scorer and the routed-request table (discovery, ``abort``, ``load`` and scrapes call in from
+other threads). Forwarded calls are grpc.aio calls on the requesting loop (the server's), so
+a request never changes threads on its way through the router.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
     EngineLoad,
-    PipelineLoad,
     PrefillOptions,
     PrefillResult,
 )
@@ -52,7 +54,7 @@ from prefill_node.server.convert import ParsedRequest, result_from_proto
 from prefill_node.server.servicer import NOT_READY, Relayed
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
-from prefill_router.pipeline_link import LinkConfig, PipelineLink
+from prefill_router.pipeline_link import LinkConfig, PipelineLink, start_loop_thread
 from prefill_router.router_metrics import RouterMetrics
 from prefill_router.scoring import (
     DEFAULT_AFFINITY_SLACK,
@@ -69,6 +71,8 @@ log = logging.getLogger(__name__)
 # A generic compute-bound default (about a 1B dense model); ``wavepp router --model`` derives
 # one from the model's shape. Only the ratio of the two terms changes routing decisions.
 DEFAULT_COST = ChunkCostModel(per_token_s=2e-6, per_token_context_s=2e-10)
+_NO_OWN = (0.0, 0, 0)  # a pipeline without requests routed here: (cost_s, tokens, requests)
+_UNBOUNDED = 1 << 40  # a pipeline's capacity before its first load
 _MAX_SALTS = 4096  # ExtraKeys kept per cache_salt (tenants); beyond it the table starts over
 
 
@@ -86,7 +90,7 @@ class RouterConfig:
     model_name: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Routed:
     """One forwarded request (guarded by the engine lock)."""
 
@@ -123,31 +127,57 @@ class RouterEngine:
         self._routed: dict[str, _Routed] = {}
         # per pipeline: (cost_s, computed_tokens, requests) summed over its _Routed entries
         self._own: dict[str, tuple[float, int, int]] = {}
+        # per pipeline: (load, info, capacity_blocks, max_model_len, snapshot interval), the
+        # view's parts that change only with a new load or identity (see ``_view``)
+        self._derived: dict[str, tuple] = {}
+        self._per_token_s = config.cost_model.per_token_s
         self._extra: dict[str | None, ExtraKeys] = {}  # per cache_salt, bounded (_MAX_SALTS)
         self._closed = False
-        self._loop: asyncio.AbstractEventLoop | None = None  # for ``submit`` callers only
+        self._loop: asyncio.AbstractEventLoop | None = None  # own loop thread, when needed
+        self._link_loop: asyncio.AbstractEventLoop | None = None  # where the links run
         self._vocab_size = self._max_model_len = 0  # over the pipelines accepted so far
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        """Begin discovery. Links run on the calling thread's running loop (call it on the
+        serving loop: one loop for everything), else on the router's own loop thread."""
+        try:
+            self._link_loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._link_loop = self._own_loop()
         self._discovery.start(self._on_endpoints)
 
     def shutdown(self) -> None:
+        """Stop discovery and every link (from any thread but the links' loop: ``aclose``)."""
         self._discovery.stop()
-        with self._lock:
-            self._closed = True
-            links, self._links = list(self._links.values()), {}
-        for link in links:
+        for link in self._close():
             link.stop()
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._stop_own_loop()
+
+    async def aclose(self) -> None:
+        """``shutdown`` awaited on the links' loop."""
+        if asyncio.get_running_loop() is not self._link_loop:
+            await asyncio.to_thread(self.shutdown)
+            return
+        await asyncio.to_thread(self._discovery.stop)
+        await asyncio.gather(*(link.aclose() for link in self._close()))
+        self._stop_own_loop()
+
+    def _close(self) -> list[PipelineLink]:
+        with self._lock:
+            self._closed, links, self._links = True, list(self._links.values()), {}
+        return links
+
+    def _stop_own_loop(self) -> None:
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
 
     def _own_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="router-loop",
-                                 daemon=True).start()  # fmt: skip
+                self._loop = start_loop_thread("router-loop")
             return self._loop
 
     def _on_endpoints(self, endpoints: frozenset[PipelineEndpoint]) -> None:
@@ -159,6 +189,7 @@ class RouterEngine:
             gone = [link for pid, link in self._links.items() if pid not in wanted]
             for link in gone:
                 del self._links[link.pid]
+                self._derived.pop(link.pid, None)
                 self._drop_index(link.pid)
             new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
                    if pid not in self._links]  # fmt: skip
@@ -169,7 +200,7 @@ class RouterEngine:
             link.stop()
         for link in new:
             log.info("pipeline %s (%s) found", link.pid, link.endpoint.address)
-            link.start()
+            link.start(self._link_loop)
 
     # -- LinkListener --------------------------------------------------------------------------
     def link_identified(self, link: PipelineLink, info: RemoteServerInfo) -> str | None:
@@ -374,7 +405,7 @@ class RouterEngine:
 
     def _account(self, routed: _Routed, sign: int) -> None:
         """Add (1) or take back (-1) ``routed`` in its pipeline's sums. Caller holds the lock."""
-        cost, tokens, count = self._own.get(routed.pid, (0.0, 0, 0))
+        cost, tokens, count = self._own.get(routed.pid, _NO_OWN)
         count += sign
         if count:
             cost = max(0.0, cost + sign * routed.cost_s)  # float sums drift: never below 0
@@ -395,22 +426,23 @@ class RouterEngine:
         return self._scorer.choose(prompt_tokens, matches, views)  # fmt: skip
 
     def _view(self, link: PipelineLink) -> PipelineView:
-        """Caller holds the lock."""
-        own_cost, own_tokens, own_requests = self._own.get(link.pid, (0.0, 0, 0))
-        load, info = link.load, link.info
+        """Caller holds the lock. What changes per request (own accounting, the index) is
+        read each time; what comes with a load or an identity is derived once per object."""
+        pid, load, info = link.pid, link.load, link.info
+        own_cost, own_tokens, own_requests = self._own.get(pid, _NO_OWN)
+        cached = self._derived.get(pid)
+        if cached is None or cached[0] is not load or cached[1] is not info:
+            stages = load.stages if load is not None else ()
+            capacity = min((s.total_blocks for s in stages), default=_UNBOUNDED)
+            max_len = info.max_model_len if info is not None else 0
+            snap = info.snapshot_interval_blocks or None if info else None
+            cached = self._derived[pid] = (load, info, capacity, max_len, snap)
         others = max(0, load.inflight_tokens - own_tokens) if load is not None else 0
-        capacity = min((s.total_blocks for s in load.stages), default=1 << 40) if load else 1 << 40
-        indexed = link.pid in self._index
-        return PipelineView(
-            pid=link.pid,
-            ready=link.ready and indexed,
-            queued_cost_s=own_cost + others * self.config.cost_model.per_token_s,
-            max_model_len=info.max_model_len if info is not None else 0,
-            capacity_blocks=capacity,
-            inflight_requests=own_requests,
-            resident_blocks=self._index.num_blocks(link.pid) if indexed else 0,
-            snapshot_interval_blocks=info.snapshot_interval_blocks or None if info else None,
-        )
+        index = self._index
+        indexed = pid in index
+        return PipelineView(pid, link.ready and indexed, own_cost + others * self._per_token_s,
+                            cached[3], cached[2], own_requests, cached[4],
+                            index.num_blocks(pid) if indexed else 0)  # fmt: skip
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:
         if decision.reason is RouteReason.NEVER_FITS:
@@ -436,17 +468,7 @@ class RouterEngine:
             inflight = {pid: own[2] for pid, own in self._own.items()}
             indexed = {pid: self._index.num_blocks(pid) for pid in self._index.pipelines}
         pipelines = tuple(
-            PipelineLoad(
-                pipeline_id=link.pid,
-                address=link.endpoint.address,
-                ready=link.ready and link.refused is None,
-                queue_depth=link.load.queue_depth if link.load else 0,
-                inflight_requests=inflight.get(link.pid, 0),
-                inflight_tokens=link.load.inflight_tokens if link.load else 0,
-                indexed_blocks=indexed.get(link.pid, 0),
-                stages=link.load.stages if link.load else (),
-            )
-            for link in links
+            link.described(inflight.get(link.pid, 0), indexed.get(link.pid, 0)) for link in links
         )
         return EngineLoad(
             queue_depth=sum(p.queue_depth for p in pipelines),

@@ -1,8 +1,9 @@
 """RouterMetrics: the router's own Prometheus counters (decisions, cache-hit accuracy, churn).
 
 Register ``collector()`` in the serving PrefillServer's registry; per-pipeline load gauges
-(ready, in flight, indexed blocks) come from the server's load collector. Updates come from
-several threads (the event loop, gRPC completions, pipeline links), so one lock guards them.
+(ready, in flight, indexed blocks) come from the server's load collector. Updates may come
+from more than one thread (the serving loop, a router's own loop thread, scrapes), so one
+lock guards them.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from operator import attrgetter
 
 from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.request import blocks_needed, max_reusable_blocks, reused_tokens
@@ -50,7 +51,7 @@ class Exclusion(Enum):
     TOO_MANY_BLOCKS = "too_many_blocks"  # needs more blocks than the smallest stage holds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PipelineView:
     """A candidate pipeline as the router last saw it (validated on construction).
 
@@ -84,7 +85,7 @@ class PipelineView:
             raise InvalidRoutingInputError(f"invalid pipeline view: {self}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CandidateScore:
     """One candidate's numbers. ``score`` (seconds until this prompt's prefill would finish
     there: queued work plus the uncached suffix) is what PREFIX minimises; every policy
@@ -107,7 +108,7 @@ class CandidateScore:
         return self.excluded is None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RoutingDecision:
     """The chosen pipeline (None: see ``reason``), the cached tokens predicted there (what
     the node will report: 0 when none), and every candidate's numbers in pid order."""
@@ -189,17 +190,22 @@ class Scorer:
         if prompt_tokens < 1:
             raise InvalidRoutingInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         full_blocks = prompt_tokens // self.block_size
-        for pid, blocks in matched_blocks.items():
-            if not 0 <= blocks <= full_blocks:
-                raise InvalidRoutingInputError(
-                    f"{pid!r}: {blocks} matched blocks, a {prompt_tokens}-token prompt has "
-                    f"{full_blocks} full blocks"
-                )
-        views = sorted(candidates, key=lambda v: v.pid)
+        if matched_blocks and not (
+            min(matched_blocks.values()) >= 0 and max(matched_blocks.values()) <= full_blocks
+        ):
+            pid, blocks = next((p, b) for p, b in matched_blocks.items()
+                               if not 0 <= b <= full_blocks)  # fmt: skip
+            raise InvalidRoutingInputError(
+                f"{pid!r}: {blocks} matched blocks, a {prompt_tokens}-token prompt has "
+                f"{full_blocks} full blocks"
+            )
+        views = sorted(candidates, key=_PID)
         if len({v.pid for v in views}) != len(views):
             raise InvalidRoutingInputError("candidate pipelines must have distinct pids")
-        scores = tuple(self._score(prompt_tokens, matched_blocks.get(v.pid, 0), v) for v in views)
-        eligible = [s for s in scores if s.eligible]
+        needed = blocks_needed(prompt_tokens, self.block_size)  # the same for every view
+        get = matched_blocks.get
+        scores = tuple([self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views])
+        eligible = [s for s in scores if s.excluded is None]
         if not eligible:
             fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
             reason = RouteReason.NO_CANDIDATE if fits or not scores else RouteReason.NEVER_FITS
@@ -209,14 +215,17 @@ class Scorer:
             chosen.pid, reason, self.policy, prompt_tokens, chosen.cached_tokens, scores
         )
 
-    def _score(self, prompt_tokens: int, matched: int, view: PipelineView) -> CandidateScore:
+    def _score(
+        self, prompt_tokens: int, needed: int, matched: int, view: PipelineView
+    ) -> CandidateScore:
+        """``needed``: the prompt's blocks (``blocks_needed``)."""
         cached = predicted_cached_tokens(
             prompt_tokens, self.block_size, matched, view.snapshot_interval_blocks
         )
         excluded = None  # a misfit first: it never goes away, readiness may
         if prompt_tokens > view.max_model_len:
             excluded = Exclusion.TOO_LONG
-        elif blocks_needed(prompt_tokens, self.block_size) > view.capacity_blocks:
+        elif needed > view.capacity_blocks:
             excluded = Exclusion.TOO_MANY_BLOCKS
         elif not view.ready:
             excluded = Exclusion.NOT_READY
@@ -257,6 +266,9 @@ class Scorer:
         if policy is not RoutingPolicy.LEAST_LOADED and chosen.cached_tokens == most > least:
             return chosen, RouteReason.PREFIX_HIT
         return chosen, RouteReason.LOAD
+
+
+_PID = attrgetter("pid")
 
 
 def _load(s: CandidateScore) -> tuple[float, int, int, str]:

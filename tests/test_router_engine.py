@@ -3,7 +3,12 @@ routers, pipelines without KV events and other models are refused, counted in a 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from types import SimpleNamespace
+
+import grpc
+import pytest
 
 from prefill_node.client.prefill_client import RemoteServerInfo
 from prefill_router.discovery import StaticDiscovery
@@ -56,3 +61,27 @@ def test_a_recurrent_models_snapshot_interval_reaches_the_identity():
     plain = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
     assert plain.link_identified(link("a"), info()) is None
     assert plain.cache_identity.snapshot_interval_blocks is None
+
+
+@pytest.mark.asyncio
+async def test_started_on_a_loop_the_links_run_there_and_aclose_ends_them():
+    """``wavepp router`` starts the engine on its serving loop: every pipeline link is tasks
+    of that loop (no thread per pipeline), and ``aclose`` ends them and their channels."""
+    # grpc.aio runs one poller thread per process while any aio object lives: start it first
+    keep = grpc.aio.insecure_channel("127.0.0.1:1")
+    before = {t.ident for t in threading.enumerate()}
+    engine = RouterEngine(StaticDiscovery(["127.0.0.1:1", "127.0.0.1:2"]), RouterConfig())
+    engine.start()
+    links = engine.links()
+    assert sorted(links) == ["127.0.0.1:1", "127.0.0.1:2"]
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(0.2)  # the links try their (closed) ports
+    for link in links.values():
+        assert link._loop is loop and len(link._tasks) == 3
+        assert not link.ready  # nothing listens there
+    assert [t.name for t in threading.enumerate() if t.ident not in before] == []
+    await engine.aclose()
+    assert engine.links() == {}
+    for link in links.values():
+        assert link._tasks == [] and link._clients == {}
+    await keep.close()

@@ -41,9 +41,11 @@ def pipelines(tmp_path):
 
 def test_a_request_a_dead_pipeline_refused_is_retried_once_elsewhere(pipelines):
     (_, alive), (victim, dead) = pipelines
-    # one poll only (at start): the router still counts the killed pipeline as ready, so
-    # requests do reach it and are refused there ("failed to connect") before admission
-    config = RouterConfig(policy=RoutingPolicy.ROUND_ROBIN, link=LinkConfig(poll_s=120))
+    # readiness polled (no Watch, whose broken stream would drop it at once), one poll only
+    # (at start): the router still counts the killed pipeline as ready, so requests do reach
+    # it and are refused there ("failed to connect") before admission
+    link = LinkConfig(poll_s=120, watch=False)
+    config = RouterConfig(policy=RoutingPolicy.ROUND_ROBIN, link=link)
     engine = RouterEngine(StaticDiscovery([alive, dead]), config)
     engine.start()
     server_config = ServerConfig(host="127.0.0.1", port=0, blocking_submit=False)

@@ -77,6 +77,7 @@ def test_a_slow_getload_keeps_a_ready_pipeline_and_its_last_load():
         link.start()
         try:
             wait_until(lambda: link.ready and link.load is not None, 10, "the link ready")
+            assert link.watching  # readiness pushed by the health Watch stream
             before = link.load
             engine.slow.set()
             wait_until(lambda: link.slow_loads >= 3, 10, "three slow GetLoad calls")
@@ -92,8 +93,8 @@ def test_a_slow_getload_keeps_a_ready_pipeline_and_its_last_load():
 
 
 def test_late_health_checks_are_tolerated_a_few_times_in_a_row(monkeypatch):
-    """One or two health checks past the deadline (a loaded host) keep the pipeline; the
-    third in a row drops it, as a hung pipeline must be."""
+    """Readiness polled (Check): one or two health checks past the deadline (a loaded host)
+    keep the pipeline; the third in a row drops it, as a hung pipeline must be."""
     from grpc_health.v1._async import HealthServicer
 
     late = threading.Event()
@@ -108,7 +109,8 @@ def test_late_health_checks_are_tolerated_a_few_times_in_a_row(monkeypatch):
     engine = ToyEngine()
     with ServerThread(engine) as srv:
         owner = Recorder()
-        config = LinkConfig(poll_s=0.2, rpc_timeout_s=0.3, slow_polls_before_unready=3)
+        config = LinkConfig(poll_s=0.2, rpc_timeout_s=0.3, slow_polls_before_unready=3,
+                            watch=False)  # fmt: skip
         link = PipelineLink(PipelineEndpoint("p", srv.target), owner, config)
         link.start()
         try:
@@ -161,3 +163,93 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_hung_pipeline_under_watch_leaves_after_late_probes_and_comes_back(monkeypatch):
+    """Under Watch a hung pipeline keeps its stream open and pushes nothing: a late GetLoad
+    is followed by a health Check, and the third late one in a row drops it. Answering
+    again, it is back (a new Watch reports SERVING)."""
+    from grpc_health.v1._async import HealthServicer
+
+    hung = threading.Event()
+    check = HealthServicer.Check
+
+    async def slow_check(self, request, context):
+        if hung.is_set():
+            await asyncio.sleep(0.5)
+        return await check(self, request, context)
+
+    monkeypatch.setattr(HealthServicer, "Check", slow_check)
+    engine = SlowLoadEngine()
+    engine.load_delay_s = 0.5
+    with ServerThread(engine) as srv:
+        owner = Recorder()
+        config = LinkConfig(poll_s=0.1, rpc_timeout_s=0.3, slow_polls_before_unready=3)
+        link = PipelineLink(PipelineEndpoint("p", srv.target), owner, config)
+        link.start()
+        try:
+            wait_until(lambda: link.ready and link.watching, 10, "the link ready, watching")
+            engine.slow.set()  # busy: GetLoad late, Check on time: stays
+            wait_until(lambda: link.slow_loads >= 3, 10, "three slow GetLoad calls")
+            assert link.ready and owner.changes == [(True, "")]
+            hung.set()  # hung: GetLoad and Check late
+            wait_until(lambda: not link.ready, 10, "the hung link not ready")
+            assert owner.changes[-1] == (False, "unreachable: DEADLINE_EXCEEDED")
+            hung.clear()
+            engine.slow.clear()
+            wait_until(lambda: link.ready and link.watching, 10, "the link ready again")
+            assert owner.changes[-1] == (True, "")
+        finally:
+            hung.clear()
+            link.stop()
+    engine.shutdown()
+
+
+def test_without_health_watch_readiness_is_polled(monkeypatch):
+    """A health service without Watch (UNIMPLEMENTED): the link polls Check instead, and a
+    NOT_SERVING pipeline still leaves within a poll."""
+    import grpc
+    from grpc_health.v1._async import HealthServicer
+
+    async def no_watch(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Watch here")
+
+    monkeypatch.setattr(HealthServicer, "Watch", no_watch)
+    engine = ToyEngine()
+    with ServerThread(engine) as srv:
+        owner = Recorder()
+        link = PipelineLink(PipelineEndpoint("p", srv.target), owner, LinkConfig(poll_s=0.1))
+        link.start()
+        try:
+            wait_until(lambda: link.ready, 10, "the link ready")
+            assert not link.watching
+            engine.kill_stage()
+            wait_until(lambda: not link.ready, 5, "the link not ready")
+            assert owner.changes == [(True, ""), (False, "NOT_SERVING")]
+        finally:
+            link.stop()
+    engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_link_on_a_running_loop_runs_there_without_threads():
+    """Started on a running event loop (the router's serving loop), a link adds no thread:
+    readiness, load and events are tasks of that loop; ``aclose`` ends them."""
+    engine = ToyEngine()
+    with ServerThread(engine) as srv:
+        before = {t.ident for t in threading.enumerate()}
+        owner = Recorder()
+        link = PipelineLink(PipelineEndpoint("p", srv.target), owner, LinkConfig(poll_s=0.05))
+        link.start()
+        try:
+            for _ in range(500):
+                if link.ready and link.load is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert link.ready and link.watching and link.load is not None
+            assert [t.name for t in threading.enumerate() if t.ident not in before] == []
+            assert all(not t.done() for t in link._tasks)
+        finally:
+            await link.aclose()
+        assert link._tasks == [] and link._clients == {}
+    engine.shutdown()

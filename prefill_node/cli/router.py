@@ -99,7 +99,8 @@ def register(subparsers: Any) -> None:
         "--poll-interval",
         type=float,
         default=0.5,
-        help="seconds between health + load checks of each pipeline (default 0.5)",
+        help="seconds between load checks of each pipeline, and between health checks of one "
+        "whose health service cannot push its readiness (no Watch) (default 0.5)",
     )
     u = p.add_argument_group("TLS to the pipelines (optional)")
     u.add_argument("--pipeline-ca", type=Path, help="CA bundle (PEM) to verify pipelines")
@@ -152,7 +153,6 @@ def _run(args: argparse.Namespace) -> int:
     engine = RouterEngine(_discovery(args), config)
     # submit only hashes, scores and starts a call: the server calls it inline
     server_cfg = replace(server_config(args, model.name), blocking_submit=False)
-    engine.start()
     try:
         asyncio.run(_serve(engine, server_cfg, tokenizer))
     finally:
@@ -179,7 +179,11 @@ def _own_namespace() -> str:
 async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:
     from prefill_node.server.server import PrefillServer
 
-    server = PrefillServer(engine, config, tokenizer=tokenizer)
-    server.metrics.registry.register(engine.metrics.collector())
-    await start_server(server, "router", config.host)
-    await serve_until_signal(server, "router")
+    engine.start()  # on this loop: the pipeline links share the serving loop
+    try:
+        server = PrefillServer(engine, config, tokenizer=tokenizer)
+        server.metrics.registry.register(engine.metrics.collector())
+        await start_server(server, "router", config.host)
+        await serve_until_signal(server, "router")
+    finally:
+        await engine.aclose()

@@ -31,6 +31,7 @@ from wavepp_proto.prefill.v1 import (
 )
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+PREFILL_METHOD = f"/{SERVICE_NAME}/Prefill"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -244,13 +245,15 @@ class AsyncPrefillClient:
         *,
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_reconnect_backoff_s: float | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, max_reconnect_backoff_s)
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
             self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
         self._stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def prefill(
         self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
@@ -274,11 +277,35 @@ class AsyncPrefillClient:
         resp = await self._stub.Abort(prefill_pb2.AbortRequest(request_id=request_id))
         return resp.aborted
 
-    async def load(self) -> EngineLoad:
-        return load_from_proto(await self._stub.GetLoad(prefill_pb2.GetLoadRequest()))
+    async def load(self, timeout_s: float | None = None) -> EngineLoad:
+        call = self._stub.GetLoad(prefill_pb2.GetLoadRequest(), timeout=timeout_s)
+        return load_from_proto(await call)
 
-    async def server_info(self) -> RemoteServerInfo:
-        return _info(await self._stub.GetServerInfo(prefill_pb2.GetServerInfoRequest()))
+    async def server_info(self, timeout_s: float | None = None) -> RemoteServerInfo:
+        req = prefill_pb2.GetServerInfoRequest()
+        return _info(await self._stub.GetServerInfo(req, timeout=timeout_s))
+
+    async def is_ready(self, timeout_s: float = 5.0) -> bool:
+        """Readiness as the health service reports it for the PrefillService (Check)."""
+        req = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        resp = await self._health.Check(req, timeout=timeout_s)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def watch_readiness(self) -> grpc.aio.UnaryStreamCall:
+        """The PrefillService's readiness pushed by the server (grpc.health.v1 Watch): a
+        stream of HealthCheckResponse, the current status first, then each change; no
+        deadline (``cancel()`` ends it). UNIMPLEMENTED where the health service lacks it."""
+        return self._health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+
+    def subscribe_kv_events(self) -> grpc.aio.UnaryStreamCall:
+        """The server's KV-event stream (KvEventBatch; ``cancel()`` ends it). The first batch
+        is AllBlocksCleared + a snapshot."""
+        return self._stub.SubscribeKvEvents(kv_events_pb2.SubscribeKvEventsRequest())
+
+    def raw_prefill(self) -> grpc.aio.UnaryUnaryMultiCallable:
+        """Prefill with bytes both ways (an encoded PrefillRequest in, the encoded
+        PrefillResponse out): for a proxy that passes both on as they are."""
+        return self._channel.unary_unary(PREFILL_METHOD, _registered_method=True)
 
     async def close(self) -> None:
         await self._channel.close()
