@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,8 @@ class PipelineStageCompute:
     happens right after the forward, before the last stage computes the logits, so the last
     WRITE overlaps the LM head.
     Streaming (push, ``KVShippingConfig.stream``): after each earlier chunk, the blocks that
-    became full are pinned once more for the shipper and WRITten at once (``_stream``).
+    became full are pinned once more for the shipper and WRITten at once (``_stream``); the
+    last chunk goes layer group by layer group from inside its forward (``_group_hook``).
     KV events (``spec.kv_events``): the pool buffers them; each wave drains them after its
     completions, so a batch holds everything since the previous wave (admission evictions too).
     """
@@ -338,7 +340,8 @@ class PipelineStageCompute:
                 inputs = hidden
             else:
                 inputs = torch.cat([hidden[r : r + c.length] for r, c, _ in tables])
-        return self.model(inputs, batch, self.kv)
+        hook, _ = self._group_hook(tables)
+        return self.model(inputs, batch, self.kv, after_layer=hook)
 
     def _logits(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor
@@ -362,15 +365,57 @@ class PipelineStageCompute:
             outputs.append(RequestOutput(chunk.request_id, pairs, kept))
         return tuple(outputs)
 
+    def _group_hook(
+        self, tables: list[tuple[int, WaveChunk, BlockTable]]
+    ) -> tuple[Callable[[int], None] | None, set[str]]:
+        """The forward's per-layer hook streaming the last chunks of push requests layer
+        group by layer group (``KVShippingConfig.layer_group_ends``), and those requests
+        (their earlier chunks in this wave, if any, are covered by the groups). (None, {})
+        when there are none or the stage's layers form one group."""
+        shipping = self.shipping
+        if shipping is None:
+            return None, set()
+        starts: dict[str, int] = {}  # request -> its first chunk's start in this wave
+        for _, chunk, _ in tables:
+            starts[chunk.request_id] = min(starts.get(chunk.request_id, chunk.start), chunk.start)
+        tails = [
+            (c.request_id, starts[c.request_id], c.start + c.length, c.kv_destination)
+            for _, c, _ in tables
+            if c.is_last and isinstance(c.kv_destination, KVPushDestination)
+        ]
+        layers = self.model.layer_range
+        ends = shipping.config.layer_group_ends(layers.start, layers.end)
+        if not tails or not ends:
+            return None, set()
+
+        def after_layer(layer: int) -> None:
+            if layer + 1 not in ends:
+                return
+            ready = None
+            if self.model.device.type == "cuda":  # the WRITE waits for this group's kernels
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.model.device))
+            for request_id, start, end, dest in tails:
+                stream_final_blocks(
+                    shipping, self.admission, self._lock, request_id, start, end, dest,
+                    layer_end=layer + 1, ready=None if ready is None else ready.synchronize,
+                )  # fmt: skip
+
+        return after_layer, {request_id for request_id, *_ in tails}
+
     def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:
         """Stream the blocks each non-last chunk of a push request made final
-        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper)."""
+        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper), but
+        for requests whose last chunk streamed by layer group in this wave already."""
         shipping = self.shipping
         if shipping is None or not shipping.config.stream:
             return
+        _, grouped = self._group_hook(tables)
         for _, chunk, _ in tables:
             dest = chunk.kv_destination
             if chunk.is_last or not isinstance(dest, KVPushDestination):
+                continue
+            if chunk.request_id in grouped:
                 continue
             self._kv_written()
             end = chunk.start + chunk.length
