@@ -340,8 +340,7 @@ class PipelineStageCompute:
                 inputs = hidden
             else:
                 inputs = torch.cat([hidden[r : r + c.length] for r, c, _ in tables])
-        hook, _ = self._group_hook(tables)
-        return self.model(inputs, batch, self.kv, after_layer=hook)
+        return self.model(inputs, batch, self.kv, after_layer=self._group_hook(tables))
 
     def _logits(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor
@@ -367,26 +366,23 @@ class PipelineStageCompute:
 
     def _group_hook(
         self, tables: list[tuple[int, WaveChunk, BlockTable]]
-    ) -> tuple[Callable[[int], None] | None, set[str]]:
+    ) -> Callable[[int], None] | None:
         """The forward's per-layer hook streaming the last chunks of push requests layer
-        group by layer group (``KVShippingConfig.layer_group_ends``), and those requests
-        (their earlier chunks in this wave, if any, are covered by the groups). (None, {})
-        when there are none or the stage's layers form one group."""
+        group by layer group (``KVShippingConfig.layer_group_ends``; a wave holds at most
+        one chunk per request, so a last chunk's earlier chunks were streamed already).
+        None when there are none or the stage's layers form one group."""
         shipping = self.shipping
         if shipping is None:
-            return None, set()
-        starts: dict[str, int] = {}  # request -> its first chunk's start in this wave
-        for _, chunk, _ in tables:
-            starts[chunk.request_id] = min(starts.get(chunk.request_id, chunk.start), chunk.start)
+            return None
         tails = [
-            (c.request_id, starts[c.request_id], c.start + c.length, c.kv_destination)
+            (c.request_id, c.start, c.start + c.length, c.kv_destination)
             for _, c, _ in tables
             if c.is_last and isinstance(c.kv_destination, KVPushDestination)
         ]
         layers = self.model.layer_range
         ends = shipping.config.layer_group_ends(layers.start, layers.end)
         if not tails or not ends:
-            return None, set()
+            return None
 
         def after_layer(layer: int) -> None:
             if layer + 1 not in ends:
@@ -401,21 +397,17 @@ class PipelineStageCompute:
                     layer_end=layer + 1, ready=None if ready is None else ready.synchronize,
                 )  # fmt: skip
 
-        return after_layer, {request_id for request_id, *_ in tails}
+        return after_layer
 
     def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:
         """Stream the blocks each non-last chunk of a push request made final
-        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper), but
-        for requests whose last chunk streamed by layer group in this wave already."""
+        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper)."""
         shipping = self.shipping
         if shipping is None or not shipping.config.stream:
             return
-        _, grouped = self._group_hook(tables)
         for _, chunk, _ in tables:
             dest = chunk.kv_destination
             if chunk.is_last or not isinstance(dest, KVPushDestination):
-                continue
-            if chunk.request_id in grouped:
                 continue
             self._kv_written()
             end = chunk.start + chunk.length
