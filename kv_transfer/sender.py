@@ -169,6 +169,10 @@ class KVSender:
         push = self._new_push(dest, block_ids, start, layers=(lo, self.layout.layer_end))
         self._pushes[dest.request_id] = push
         self._ensure_handshake(dest.endpoint)
+        # its ranges still in flight (the last layer group, usually) land now, so the poll
+        # that follows posts the push instead of the one a poll interval later
+        mine = [p.transfer for p in self._parts.values() if p.dest.request_id == dest.request_id]
+        self._drive(*[t for t in mine if t is not None])
 
     def stream(
         self,
@@ -341,15 +345,15 @@ class KVSender:
             elif push.part < 0 and push.transfer is not None:
                 self._drive(push.transfer)
 
-    def _drive(self, transfer: NixlTransfer) -> None:
-        """Right after a final push is posted: check it until it is done, for at most
-        ``FINAL_DRIVE_S``. Its "done" notification leaves only through this agent's progress,
-        which the checks make (measured: NIXL's progress thread does not carry a WRITE this
-        agent posted); the WRITE itself is mostly done by the post, so this saves decode
-        most of a poll interval, once per request."""
+    def _drive(self, *transfers: NixlTransfer) -> None:
+        """Right after a final push is posted (or handed over, for the ranges it waits on):
+        check them until done, for at most ``FINAL_DRIVE_S``. A notification leaves only
+        through this agent's progress, which the checks make (measured: NIXL's progress
+        thread does not carry a WRITE this agent posted); the WRITE itself is mostly done by
+        the post, so this saves decode most of a poll interval, once per request."""
         limit = time.monotonic() + FINAL_DRIVE_S
         try:
-            while not transfer.check() and time.monotonic() < limit:
+            while not all(t.check() for t in transfers) and time.monotonic() < limit:
                 time.sleep(0)  # let the stage's other threads have the GIL between checks
         except KVTransferError:
             pass  # the next check in ``poll`` reports it
