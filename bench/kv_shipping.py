@@ -21,7 +21,10 @@ saw every stage's "done"; it polls every ``--decode-poll-us`` while a reception 
 monotonic clock on this host), and the engine's ``handoff_s`` (the same start -> every
 stage's WRITE confirmed, seen by the leader's KV_COLLECT round). Default prompts span 16
 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's transfer time;
-streamed ON throughput / at-end ON throughput >= 0.95.
+streamed ON throughput / at-end ON throughput >= 0.95. Streamed, each stage ships its last
+chunk layer group by layer group during that chunk's forward (``--layer-groups``, default
+``KVShippingConfig.stream_layer_groups``; 1: the whole last chunk after the forward), so
+the tail moves only the last group's layers of it.
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
 hits the prefix cache of an earlier one (same compute in every pass). Modes alternate order
@@ -31,6 +34,7 @@ run by run; one untimed warm-up pass per mode (NIXL connects on the first push).
     PYTHONPATH=. python bench/kv_shipping.py --json out/kv_shipping.json [--runs 3]
         [--prompts 6] [--tokens 1024] [--max-chunk-tokens 64] [--kv-stream both|on|off]
         [--model DIR] [--threads 1] [--engine pipeline|local] [--decode-poll-us 200]
+        [--layer-groups N]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import random
 import statistics
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -72,6 +77,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
+        "--layer-groups",
+        type=int,
+        default=None,
+        help="streamed: layer groups of the last chunk per stage (default: the config's)",
+    )
+    p.add_argument(
         "--decode-poll-us",
         type=float,
         default=1e6 * BUSY_POLL_S,
@@ -93,6 +104,9 @@ class Bench:
         blocks_per_prompt = -(-args.tokens // args.block_size)
         self.decode = decode
         shipping = KVShippingConfig(stream=stream)
+        if args.layer_groups is not None:
+            shipping = replace(shipping, stream_layer_groups=args.layer_groups)
+        self.layer_groups = shipping.stream_layer_groups if stream else 1
         if args.engine == "pipeline":
             from prefill_node.runtime.factory import start_pipeline_engine
 
@@ -187,6 +201,7 @@ def run_engine(args, model_dir: Path, decode, stream: bool, bar: tqdm) -> list[d
                         "tail_ms_median": _ms(tails),
                         "handoff_ms_median": _ms(handoff),
                         "decode_poll_us": args.decode_poll_us,
+                        "layer_groups": bench.layer_groups,
                     }
                 )
     finally:
@@ -215,6 +230,7 @@ def summarise(rows: list[dict], stream: str, runs: int) -> dict:
         "tail_ms_median": statistics.median(r["tail_ms_median"] for r in mine["shipping_on"]),
         "handoff_ms_median": statistics.median(r["handoff_ms_median"] for r in mine["shipping_on"]),
         "decode_poll_us": rows[0]["decode_poll_us"],
+        "layer_groups": rows[0]["layer_groups"],
         "runs": runs,
     }
 

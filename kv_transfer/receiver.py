@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.convert import KVLayer, layout_of_views
@@ -45,6 +46,19 @@ class ReceiverConfig:
     advertise_host: str | None = None
     timeout_s: float = 30.0
     handshake_timeout_s: float = 2.0
+
+
+class PartReceived(NamedTuple):
+    """A streamed push's "part" as decode saw it: tokens below ``end_token`` of global
+    layers ``[layer_start, layer_end)`` of ``stage`` landed, seen at ``at`` (the receiver's
+    clock)."""
+
+    request_id: str
+    stage: int
+    end_token: int
+    at: float
+    layer_start: int
+    layer_end: int
 
 
 @dataclass
@@ -100,8 +114,8 @@ class KVReceiver:
         self._ids = itertools.count()
         self.ignored_notifications = 0
         self.parts_received = 0  # streamed pushes: "part" notifications of live attempts
-        # (request id, stage, end token, clock) per "part", newest last (bounded)
-        self.receive_log: deque[tuple[str, int, int, float]] = deque(maxlen=4096)
+        # every "part" of a live attempt, newest last (bounded)
+        self.receive_log: deque[PartReceived] = deque(maxlen=4096)
         info = PeerInfo(agent.name, agent.metadata, self.layout)
         self._server = MetadataServer(info, config.host, config.port, config.advertise_host)
 
@@ -216,7 +230,16 @@ class KVReceiver:
             return
         if note.kind == "part":
             self.parts_received += 1
-            self.receive_log.append((pending.request_id, note.stage, note.end_token, self._clock()))
+            self.receive_log.append(
+                PartReceived(
+                    pending.request_id,
+                    note.stage,
+                    note.end_token,
+                    self._clock(),
+                    note.layer_start,
+                    note.layer_end,
+                )
+            )
             return
         error = TransferFailed(
             f"prefill stage {note.stage} abandoned the KV push of {pending.request_id}"

@@ -10,6 +10,9 @@ still computes the rest; each range's WRITE carries a "part" notification (progr
 "ready") and ends exactly once through ``on_part_end``. The request's ``push`` then WRITEs
 the remaining tokens; it is posted only after every earlier range of the request landed, so
 its "done" notification, which NIXL delivers after its own data, comes after all of them.
+A range may cover only some of the stage's layers (``layers``: the last chunk shipped layer
+group by layer group while its forward still runs); the final push then WRITEs from
+``first_layer`` on, and its "done" still names all of the stage's layers.
 A push attempt given up (``cancel``, or a failed push) after any of its WRITEs was posted
 sends decode a "fail" notification: the attempt's blocks hold nothing valid.
 """
@@ -76,6 +79,7 @@ class _Push:
     deadline: float
     host_ok: bool
     start: int  # first token to WRITE
+    layers: tuple[int, int]  # global layers [lo, hi) it WRITEs
     transfer: NixlTransfer | None = None
     part: int = -1  # a streamed range's id (``stream``), -1 for a request's final push
 
@@ -148,9 +152,11 @@ class KVSender:
         block_ids: Sequence[int],
         num_tokens: int,
         start: int | None = None,
+        first_layer: int | None = None,
     ) -> None:
         """Start writing this stage's layers of tokens ``[start, num_tokens)`` (``start``:
-        default ``dest.skip_tokens``; after ``stream`` ranges, where they stopped).
+        default ``dest.skip_tokens``; after ``stream`` ranges, where they stopped), from
+        global layer ``first_layer`` on (default: all; after layer-group ranges, the rest).
 
         ``block_ids`` is the request's block table on this stage (tokens from 0). Raises
         InvalidTransferRequest / DestinationNotAllowed at once for bad input; everything
@@ -162,19 +168,33 @@ class KVSender:
             raise InvalidTransferRequest(
                 f"decode expects a {dest.num_tokens}-token prompt, this one has {num_tokens}"
             )
-        push = self._new_push(dest, block_ids, dest.skip_tokens if start is None else start)
+        lo = self.layout.layer_start if first_layer is None else first_layer
+        start = dest.skip_tokens if start is None else start
+        push = self._new_push(dest, block_ids, start, layers=(lo, self.layout.layer_end))
         self._pushes[dest.request_id] = push
         self._ensure_handshake(dest.endpoint)
+        # its ranges still in flight (the last layer group, usually) land now, so the poll
+        # that follows posts the push instead of the one a poll interval later
+        mine = [p.transfer for p in self._parts.values() if p.dest.request_id == dest.request_id]
+        self._drive(*[t for t in mine if t is not None])
 
-    def stream(self, dest: PushDestination, block_ids: Sequence[int], start: int, end: int) -> int:
-        """WRITE tokens ``[start, end)`` of a request whose final ``push`` comes later; the
-        range's end is reported once through ``on_part_end(request_id, part_id, error)``.
-        Returns the part id."""
+    def stream(
+        self,
+        dest: PushDestination,
+        block_ids: Sequence[int],
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None = None,
+    ) -> int:
+        """WRITE tokens ``[start, end)`` of global layers ``layers`` (default: all of the
+        stage's) of a request whose final ``push`` comes later; the range's end is reported
+        once through ``on_part_end(request_id, part_id, error)``. Returns the part id."""
         if dest.request_id in self._pushes:
             raise InvalidTransferRequest(f"request {dest.request_id} is already being shipped")
         if end > dest.num_tokens:
             raise InvalidTransferRequest(f"tokens to {end} past the {dest.num_tokens}-token prompt")
-        push = self._new_push(dest, block_ids, start, end, next(self._part_ids))
+        layers = layers or (self.layout.layer_start, self.layout.layer_end)
+        push = self._new_push(dest, block_ids, start, end, next(self._part_ids), layers)
         self._parts[push.part] = push
         self._ensure_handshake(dest.endpoint)
         return push.part
@@ -186,8 +206,15 @@ class KVSender:
         start: int,
         end: int | None = None,
         part: int = -1,
+        layers: tuple[int, int] = (0, 0),
     ) -> _Push:
         num_tokens = dest.num_tokens if end is None else end
+        lo, hi = layers
+        if not self.layout.layer_start <= lo < hi <= self.layout.layer_end:
+            raise InvalidTransferRequest(
+                f"layers [{lo}, {hi}) are not a non-empty part of this stage's "
+                f"[{self.layout.layer_start}, {self.layout.layer_end})"
+            )
         if not dest.skip_tokens <= start <= num_tokens:
             raise InvalidTransferRequest(
                 f"cannot WRITE tokens [{start}, {num_tokens}) to decode, which holds the "
@@ -202,7 +229,7 @@ class KVSender:
             self._host_ok[dest.endpoint] = host_ok
         now = self._clock()
         deadline = now + self.config.transfer_timeout_s
-        return _Push(dest, src_pages, num_tokens, now, deadline, host_ok, start, part=part)
+        return _Push(dest, src_pages, num_tokens, now, deadline, host_ok, start, layers, part=part)
 
     def _ensure_handshake(self, endpoint: str) -> None:
         """Fetch the peer's metadata in the background unless it is known or on its way."""
@@ -322,15 +349,15 @@ class KVSender:
             elif push.part < 0 and push.transfer is not None:
                 self._drive(push.transfer)
 
-    def _drive(self, transfer: NixlTransfer) -> None:
-        """Right after a final push is posted: check it until it is done, for at most
-        ``FINAL_DRIVE_S``. Its "done" notification leaves only through this agent's progress,
-        which the checks make (measured: NIXL's progress thread does not carry a WRITE this
-        agent posted); the WRITE itself is mostly done by the post, so this saves decode
-        most of a poll interval, once per request."""
+    def _drive(self, *transfers: NixlTransfer) -> None:
+        """Right after a final push is posted (or handed over, for the ranges it waits on):
+        check them until done, for at most ``FINAL_DRIVE_S``. A notification leaves only
+        through this agent's progress, which the checks make (measured: NIXL's progress
+        thread does not carry a WRITE this agent posted); the WRITE itself is mostly done by
+        the post, so this saves decode most of a poll interval, once per request."""
         limit = time.monotonic() + FINAL_DRIVE_S
         try:
-            while not transfer.check() and time.monotonic() < limit:
+            while not all(t.check() for t in transfers) and time.monotonic() < limit:
                 time.sleep(0)  # let the stage's other threads have the GIL between checks
         except KVTransferError:
             pass  # the next check in ``poll`` reports it
@@ -342,14 +369,16 @@ class KVSender:
                 request_id, TransferFailed(f"a streamed WRITE of {request_id} failed"), outcomes
             )
             return
+        final, (lo, hi) = push.part < 0, push.layers
+        first = lo - self.layout.layer_start
         note = Notification(
-            "done" if push.part < 0 else "part",
+            "done" if final else "part",
             push.dest.transfer_id or request_id,
             self.config.stage,
             self.config.num_stages,
-            self.layout.layer_start,
-            self.layout.layer_end,
-            end_token=push.num_tokens if push.part >= 0 else 0,
+            self.layout.layer_start if final else lo,  # "done": all of the stage's layers
+            self.layout.layer_end if final else hi,
+            end_token=0 if final else push.num_tokens,
         )
         try:
             self.config.allow.check_agent(push.host_ok, peer.agent_name)
@@ -360,8 +389,8 @@ class KVSender:
                 "WRITE",
                 peer.agent_name,
                 note.encode(),
-                local_layers=self.kv_caches,
-                local_layout=self.layout,
+                local_layers=self.kv_caches[first : first + hi - lo],
+                local_layout=self.layout.layer_slice(lo, hi),
                 local_pages=push.src_pages,
                 remote_layout=peer.layout,
                 remote_pages=dst_pages,

@@ -290,8 +290,10 @@ def test_kv_shipping_flags_build_the_stages_shipping_config() -> None:
     assert config.progress.value == "poll"
     assert config.allow == type(config.allow).parse(allow[:2], allow[2:])
     assert config.stream  # streamed push by default
-    at_end = render({"pipelines": {"kvShipping": {"stream": False}}})
-    assert not _kv_shipping(parse(at_end.pods_of("leader")[0].container())).stream
+    assert config.stream_layer_groups == 4
+    at_end = render({"pipelines": {"kvShipping": {"stream": False, "streamLayerGroups": 1}}})
+    at_end_config = _kv_shipping(parse(at_end.pods_of("leader")[0].container()))
+    assert not at_end_config.stream and at_end_config.stream_layer_groups == 1
     off = render({"pipelines": {"kvShipping": {"enabled": False}}})
     assert _kv_shipping(parse(off.pods_of("leader")[0].container())) is None
 
@@ -341,6 +343,7 @@ def test_the_bundled_model_is_prepared_in_every_pod_under_its_cache() -> None:
         ({"router": {"policy": "random"}}, "policy"),
         ({"pipelines": {"kvShipping": {"progress": "spin"}}}, "progress"),
         ({"pipelines": {"kvShipping": {"stream": "on"}}}, "stream"),
+        ({"pipelines": {"kvShipping": {"streamLayerGroups": 0}}}, "streamLayerGroups"),
         ({"pipeline": {"stages": 2}}, "pipeline"),
         ({"model": {"source": "pvc"}}, "claimName"),
         ({"model": {"source": "hostPath", "hostPath": "models"}}, "hostPath"),

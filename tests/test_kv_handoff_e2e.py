@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
 
 import pytest
@@ -92,11 +93,66 @@ def test_push_generation_equals_monolithic_greedy(engine, decode):
     assert push_round_trip(engine, decode, "push-1", prompt) == reference_greedy(
         CONFIG, WEIGHTS, prompt, NEW_TOKENS
     )
-    streamed = [(stage, end) for rid, stage, end, _ in decode.kv_log()[0] if rid == "push-1"]
-    assert sorted(streamed) == [(0, 8), (0, 12), (1, 8), (1, 12)]  # waves of 8, blocks of 4
+    streamed = [
+        (p.stage, p.end_token, p.layer_start, p.layer_end)
+        for p in decode.kv_log()[0]
+        if p.request_id == "push-1"
+    ]
+    # waves of 8, blocks of 4: whole blocks of every layer, then the last chunk's first layer
+    # group (1 of each stage's 2 layers) to the prompt's end; the final push carries the rest
+    assert sorted(streamed) == [
+        (0, 8, 0, 2), (0, 12, 0, 2), (0, 13, 0, 1), (1, 8, 2, 4), (1, 12, 2, 4), (1, 13, 2, 3)
+    ]  # fmt: skip
     longer = prompt + prompt_of(6, seed=2)  # reuses 3 cached prefill blocks, ships them too
     tokens = push_round_trip(engine, decode, "push-2", longer)
     assert tokens == reference_greedy(CONFIG, WEIGHTS, longer, NEW_TOKENS)
+    assert decode.stats().used_blocks == 0
+    wait_idle(engine)
+
+
+def test_the_last_chunks_first_layer_group_lands_before_that_chunks_forward_ends(engine, decode):
+    """Ordering, not timing: every stage's forward of the prompt's last chunk is held before
+    its last layer until decode has logged that stage's first layer group of the chunk. The
+    group's WRITE goes while the forward runs, so the hold ends; shipped only after the
+    forward, it could not land and the hold would time out."""
+    prompt = prompt_of(37, seed=8)  # 5 chunks
+    request_id = "group-1"
+    pipe = threading.Lock()  # decode's pipe: one stage thread at a time
+    landed: dict[int, bool] = {}
+
+    def hold_until_landed(stage):
+        lo, hi = stage.model.layer_range.start, stage.model.layer_range.end
+
+        def pre_hook(module, args) -> None:
+            if args[3].batch.chunks[-1].end != len(prompt):  # plan: not the last chunk
+                return
+            deadline = time.monotonic() + 3.0  # < decode's 5 s timeout
+            while time.monotonic() < deadline:
+                with pipe:
+                    log, _ = decode.kv_log()
+                if any(
+                    p.request_id == request_id
+                    and (p.stage, p.end_token, p.layer_start) == (stage.stage, len(prompt), lo)
+                    and p.layer_end < hi
+                    for p in log
+                ):
+                    landed[stage.stage] = True
+                    return
+                time.sleep(0.005)
+            landed[stage.stage] = False
+
+        return pre_hook
+
+    hooks = [
+        s.model.layers[-1].register_forward_pre_hook(hold_until_landed(s)) for s in engine.stages
+    ]
+    try:
+        tokens = push_round_trip(engine, decode, request_id, prompt)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert landed == {0: True, 1: True}
+    assert tokens == reference_greedy(CONFIG, WEIGHTS, prompt, NEW_TOKENS)
     assert decode.stats().used_blocks == 0
     wait_idle(engine)
 

@@ -7,7 +7,8 @@ push; the in-flight bound queues and coalesces ranges (and the final push carrie
 still waiting); every block reference handed over comes back exactly once; ``cancel``
 mid-stream tells decode the attempt failed, later calls for that id are dropped until
 ``revive``, and the retry (a new transfer id) is exact; the poll that sees a request's last
-range land posts its final push (no poll interval lost on the tail).
+range land posts its final push (no poll interval lost on the tail); the last chunk's layer
+groups wait behind queued ranges, and the final push ships exactly the layers they left.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kv_transfer.messages import Notification, PushDestination
 from kv_transfer.progress import KVProgress
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVLayoutSpec, KVPushDestination, StageKVManifest
+from prefill_node.errors import InvalidRequestError
 from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange
@@ -264,3 +266,94 @@ def test_the_poll_that_sees_the_last_range_land_posts_the_final_push(decode):
         for shipper in stages.shippers:
             shipper.check_integrity()
             shipper.close()
+
+
+def test_layer_group_ends_split_a_stage_with_the_smallest_group_last():
+    config = KVShippingConfig()
+    assert config.layer_group_ends(0, 15) == (4, 8, 12)  # groups of 4, 4, 4 and 3 layers
+    assert config.layer_group_ends(2, 4) == (3,)
+    assert config.layer_group_ends(5, 6) == ()  # one layer: one group, the final push's
+    assert replace(config, stream_layer_groups=1).layer_group_ends(0, 15) == ()
+    assert replace(config, stream=False).layer_group_ends(0, 15) == ()
+    with pytest.raises(InvalidRequestError):
+        KVShippingConfig(stream_layer_groups=0)
+
+
+def stream_first_layer(stages, request_id, src, dest, num_tokens, start) -> None:
+    """The last chunk (from ``start``) of stage s's first layer [2s, 2s + 1), every block
+    to the prompt's end (the partial last one too)."""
+    for s, shipper in enumerate(stages.shippers):
+        blocks = stages.refs(src[start // PREFILL_BS :])
+        shipper.stream(request_id, blocks, src, dest, num_tokens, start, num_tokens, 2 * s + 1)
+
+
+@pytest.fixture(scope="module")
+def convert_decode() -> Iterator[Decode]:
+    worker = Decode({"convert": POOLS["convert"]})  # a fresh bf16 pool (the shared one is full)
+    yield worker
+    worker.stop()
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_layer_group_waits_for_queued_ranges_and_the_final_push_sends_the_rest(
+    decode, convert_decode, stages, pool
+):
+    """Bound 1: the second all-layer range queues, the last chunk's first layer group waits
+    behind it (posted only after it, so the final push is one rectangle); decode is not ready
+    on parts alone; the final push WRITEs the last layer of the tail; every token of every
+    layer lands exactly (fp32 with decode blocks of 8, or converted to bf16 blocks of 2)."""
+    worker = decode if pool == "direct" else convert_decode
+    num_tokens = 27
+    src = prefill_blocks(num_tokens, seed=50)
+    rid = f"groups-{pool}"
+    dest = engine_dest(worker.call("expect", pool, rid, num_tokens, 0), pool, 0)
+    posted = [s.parts_posted for s in stages.shippers]
+    stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
+    stream_first_layer(stages, rid, src, dest, num_tokens, 16)
+    assert [s.parts_posted - p for s, p in zip(stages.shippers, posted, strict=True)] == [1, 1]
+    assert stages.poll_until(
+        lambda: all(
+            s.parts_posted - p == 3 and not s.busy
+            for s, p in zip(stages.shippers, posted, strict=True)
+        )
+    )
+    assert worker.call("still_pending", pool, rid, 0.2)
+    push_final(stages, rid, src, dest, num_tokens)
+    assert all(r.ok and r.manifest.pushed for r in stages.results(rid))
+    assert worker.call("wait", pool, rid) == (None, 0)
+    assert_shipped(worker, stages, pool, dest.block_ids, 0, num_tokens, src)
+    assert stages.balanced()
+
+
+def test_a_final_push_carries_a_layer_group_still_queued(decode, stages):
+    """Both all-layer ranges and the layer group still queued at the final push: it WRITEs
+    every layer from where the posted range stopped (one rectangle), exactly once."""
+    num_tokens, pool = 23, "direct"
+    src = prefill_blocks(num_tokens, seed=51)
+    rid = "groups-queued"
+    dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
+    stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
+    stream_first_layer(stages, rid, src, dest, num_tokens, 16)
+    push_final(stages, rid, src, dest, num_tokens)
+    assert all(r.ok for r in stages.results(rid))
+    assert decode.call("wait", pool, rid) == (None, 0)
+    assert_shipped(decode, stages, pool, dest.block_ids, 0, num_tokens, src)
+    assert stages.balanced()
+
+
+def test_cancel_after_a_layer_group_fails_decodes_attempt_and_gives_every_block_back(
+    convert_decode, stages
+):
+    num_tokens, pool = 19, "convert"  # (the fp32 pool is used up by the tests above)
+    src = prefill_blocks(num_tokens, seed=52)
+    rid = "groups-cancel"
+    dest = engine_dest(convert_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
+    stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8)])
+    stream_first_layer(stages, rid, src, dest, num_tokens, 8)
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
+    for shipper in stages.shippers:
+        shipper.cancel(rid)
+    assert convert_decode.call("wait", pool, rid) == ("TransferFailed", 0)
+    assert stages.balanced()
+    for shipper in stages.shippers:
+        shipper.check_integrity()

@@ -1,11 +1,12 @@
 """Streamed push hand-off (issue 20) on a 2-stage multi-process PipelineEngine (wave policy).
 
 Prompts span many chunks (max 8 tokens a wave, block size 4); the decode worker process uses
-block size 8. Each stage WRITEs a chunk's final blocks while the request still runs; decode
-logs every "part" notification. Checks: generation equals monolithic greedy; decode saw
-parts of a request before its logits reached the leader (ordering on the one monotonic clock
-of this host); an abort or a dead decode mid-stream leaks no block on either side, decode is
-told the attempt failed, and a retry (new transfer id) is exact.
+block size 8. Each stage WRITEs a chunk's final blocks while the request still runs, and its
+last chunk's first layer (a group of its two) during that chunk's forward; decode logs every
+"part" notification. Checks: generation equals monolithic greedy; decode saw parts of a
+request before its logits reached the leader (ordering on the one monotonic clock of this
+host); an abort or a dead decode mid-stream leaks no block on either side, decode is told
+the attempt failed, and a retry (new transfer id) is exact.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import pytest
 
+from kv_transfer.receiver import PartReceived
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 from prefill_node.engine.types import KVPullDestination, PrefillOptions
 from prefill_node.errors import KVHandoffError, RequestAbortedError
@@ -70,10 +72,10 @@ def engine():
     engine.shutdown()
 
 
-def parts_of(decode, request_id: str) -> list[tuple[int, int, float]]:
-    """(stage, end token, monotonic time) of each "part" decode received for the request."""
+def parts_of(decode, request_id: str) -> list[PartReceived]:
+    """Each "part" decode received for the request (stage, end token, time, layers)."""
     log, _ = decode.kv_log()
-    return [(stage, end, t) for rid, stage, end, t in log if rid == request_id]
+    return [p for p in log if p.request_id == request_id]
 
 
 def stream_round_trip(engine, decode, request_id: str, prompt: list[int]):
@@ -87,13 +89,17 @@ def stream_round_trip(engine, decode, request_id: str, prompt: list[int]):
 
 
 def assert_streamed(parts, num_tokens: int) -> None:
-    """Both stages streamed ranges ending on a prefill block boundary, never the last block
-    (the final push carries that, with the "done" notification)."""
-    assert {stage for stage, _, _ in parts} == {0, 1}
-    for stage in (0, 1):
-        ends = [end for s, end, _ in parts if s == stage]
+    """Both stages streamed all-layer ranges ending on a prefill block boundary, never the
+    last block, then the last chunk's first layer group (layer 0 of 2) up to the prompt's
+    end; the final push carries the rest (the last group), with the "done" notification."""
+    assert {p.stage for p in parts} == {0, 1}
+    for stage, (lo, hi) in ((0, (0, 2)), (1, (2, 4))):
+        mine = [p for p in parts if p.stage == stage]
+        ends = [p.end_token for p in mine if (p.layer_start, p.layer_end) == (lo, hi)]
         assert ends == sorted(ends) and all(end % BS == 0 for end in ends)
         assert max(ends) <= (num_tokens - 1) // BS * BS
+        groups = [(p.layer_start, p.layer_end, p.end_token) for p in mine if p.layer_end < hi]
+        assert groups == [(lo, lo + 1, num_tokens)]
 
 
 def test_streamed_push_equals_monolithic_greedy_and_parts_precede_the_logits(engine, decode):
@@ -102,7 +108,7 @@ def test_streamed_push_equals_monolithic_greedy_and_parts_precede_the_logits(eng
     assert tokens == reference_greedy(prompt)
     parts = parts_of(decode, "stream-1")
     assert_streamed(parts, len(prompt))
-    assert min(t for _, _, t in parts) < logits_at  # decode had KV before the prefill ended
+    assert min(p.at for p in parts) < logits_at  # decode had KV before the prefill ended
     wait_idle(engine)
     longer = prompt[:48] + prompt_of(29, seed=22)  # 12 cached blocks per stage, streamed too
     tokens, _ = stream_round_trip(engine, decode, "stream-2", longer)

@@ -35,7 +35,7 @@ def test_lockstep_pipeline_streams_push_and_pulls_unchanged():
             assert tokens == reference_greedy(prompt)
             parts = parts_of(decode, "lock-stream")
             assert_streamed(parts, len(prompt))
-            assert min(t for _, _, t in parts) < logits_at
+            assert min(p.at for p in parts) < logits_at
             options = PrefillOptions("lock-stream-pull", kv_destination=KVPullDestination())
             result = engine.submit(prompt, options).result(60)
             decode.pull("lock-stream-pull", prompt, result.stage_manifests)

@@ -123,6 +123,13 @@ def register(subparsers: Any) -> None:
         "runs (on, default) or all of its KV after the last chunk (off)",
     )
     k.add_argument(
+        "--kv-stream-layer-groups",
+        type=int,
+        default=4,
+        help="push streaming: each stage WRITEs its last chunk in up to this many layer "
+        "groups, each as soon as the forward wrote it (default 4; 1: after the forward)",
+    )
+    k.add_argument(
         "--kv-metadata-host",
         default="127.0.0.1",
         help="address the stages' NIXL agents serve their metadata on (pull mode); set it to "
@@ -225,6 +232,7 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
         metadata_host=args.kv_metadata_host,
         progress=args.kv_progress,
         stream=args.kv_stream == "on",
+        stream_layer_groups=args.kv_stream_layer_groups,
     )
 
 

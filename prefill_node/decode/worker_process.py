@@ -15,7 +15,7 @@ import contextlib
 import multiprocessing as mp
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kv_transfer.progress import KVProgress
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
@@ -27,6 +27,9 @@ from prefill_node.errors import (
     WaveppError,
 )
 from prefill_node.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kv_transfer.receiver import PartReceived
 
 BUSY_POLL_S = 0.0002
 IDLE_POLL_S = 0.05
@@ -187,9 +190,10 @@ class DecodeWorkerProcess:
         """Blocks in use and ignored notifications, after the child's check_integrity."""
         return self._call("stats")
 
-    def kv_log(self) -> tuple[tuple[tuple[str, int, int, float], ...], dict[str, float]]:
-        """The receiver's streamed-push log, (request id, stage, end token, monotonic time)
-        per "part" notification, and when each request's KV was complete (monotonic)."""
+    def kv_log(self) -> tuple[tuple[PartReceived, ...], dict[str, float]]:
+        """The receiver's streamed-push log, a ``PartReceived`` (request id, stage, end token,
+        monotonic time, layer range) per "part" notification, and when each request's KV was
+        complete (monotonic)."""
         return self._call("kv_log")
 
     def stop(self) -> None:

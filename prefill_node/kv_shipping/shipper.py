@@ -2,9 +2,9 @@
 
 The per-stage code both engines share: every stage, in-process (LocalEngine) or in its own
 process (the runtime), owns one inside a ``StageShipping`` thread (stage_shipping.py), which
-calls ``poll``. Each stage owns its NIXL agent and registers its KV
-tensors exactly once, at construction. Per request, a stage: right after the request's last
-chunk ran there, completes it with its blocks kept pinned
+calls ``poll``. Each stage owns its NIXL agent and registers its KV tensors exactly once, at
+construction. Per request, a stage: right after the request's last chunk ran there,
+completes it with its blocks kept pinned
 (``StageAdmission.complete(keep_pinned=True)``), then ``push`` (or ``publish``); its
 ``take_results()`` reach the leader, which answers the request once all P stages reported
 success, or calls ``cancel`` on every stage when one failed.
@@ -21,11 +21,15 @@ block, the caller's ``pin_for_transfer``); they are WRITten at once, at most
 ``stream_max_inflight`` ranges per stage in flight (more queue and coalesce; a queue still
 waiting at the end rides the final ``push``), and each range's references come back once
 through ``unpin_streamed``. The final ``push`` then WRITEs only the rest and carries the
-"done" notification (kv_transfer/sender.py orders it after the ranges). A failed range
-fails the request at once (its result is the error; in-flight ranges are aborted and decode
-hears "fail"); ``cancel`` stops the stream, and later ``stream`` / ``push`` calls of that
-request id are dropped (their blocks given back, no result) until ``revive`` (the id is
-admitted again).
+"done" notification (kv_transfer/sender.py orders it after the ranges).
+The last chunk goes layer group by layer group (``stream`` with ``layer_end``): while its
+forward still runs, each finished group's layers of every token not yet handed over (the
+partial last block included: it is final) are WRITten; those ranges start only once every
+all-layer range is posted, so the final push is one rectangle: the layers no group
+covered, from where the all-layer ranges stopped. A failed range fails the request at once
+(its result is the error; in-flight ranges are aborted and decode hears "fail"); ``cancel``
+stops the stream, and later ``stream`` / ``push`` calls of that request id are dropped
+(their blocks given back, no result) until ``revive`` (the id is admitted again).
 
 Threading: not thread-safe; one thread makes every call (NIXL is created without a listener).
 """
@@ -64,7 +68,10 @@ class KVShippingConfig:
     decode's heartbeats). ``progress``: how each stage's NIXL agent progresses (``KVProgress``;
     the default sleeps until traffic arrives). ``stream``: push mode WRITEs each chunk's
     final blocks while the request still runs (False: all of it after the last chunk);
-    ``stream_max_inflight``: streamed WRITEs in flight per stage, beyond which ranges queue."""
+    ``stream_max_inflight``: streamed WRITEs in flight per stage, beyond which ranges queue.
+    ``stream_layer_groups``: the last chunk's layers on a stage are split into up to this
+    many groups; each but the last is WRITten as soon as the forward wrote it (1: the whole
+    last chunk after the forward)."""
 
     allow: AllowList = field(default_factory=AllowList.loopback)
     transfer_timeout_s: float = 30.0
@@ -75,11 +82,13 @@ class KVShippingConfig:
     progress: KVProgress = KVProgress.EVENT
     stream: bool = True
     stream_max_inflight: int = 8
+    stream_layer_groups: int = 4
 
     def __post_init__(self) -> None:
-        if self.stream_max_inflight < 1:
+        if self.stream_max_inflight < 1 or self.stream_layer_groups < 1:
             raise InvalidRequestError(
-                f"stream_max_inflight must be >= 1, got {self.stream_max_inflight}"
+                "stream_max_inflight and stream_layer_groups must be >= 1, got "
+                f"{self.stream_max_inflight} and {self.stream_layer_groups}"
             )
         if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
             raise InvalidRequestError(
@@ -99,6 +108,14 @@ class KVShippingConfig:
             lease_ttl_s=self.lease_ttl_s,
             metadata_host=self.metadata_host,
         )
+
+    def layer_group_ends(self, layer_start: int, layer_end: int) -> tuple[int, ...]:
+        """Where the groups of a stage holding layers ``[layer_start, layer_end)`` end
+        (global layer index, exclusive), but the last group's (it rides the final push);
+        the later groups are the smaller ones. Empty when not streaming."""
+        n = layer_end - layer_start
+        groups = min(self.stream_layer_groups, n) if self.stream else 1
+        return tuple(layer_start - (-i * n // groups) for i in range(1, groups))
 
     @property
     def wait_limit_s(self) -> float:
@@ -141,14 +158,19 @@ class _Held:
 
 @dataclass
 class _Stream:
-    """A request streaming on this stage: where to, the latest block table, the range
-    handed over but not yet posted (``queued``: [posted_to, ready_to) and its references)."""
+    """A request streaming on this stage: where to, the latest block table, the all-layer
+    range handed over but not yet posted (``queued``: [posted_to, ready_to) and its
+    references), and the last chunk's layer groups (tokens [ready_to, num_tokens) of
+    layers [first layer, ``layers_ready``), posted up to ``layers_posted``)."""
 
     wire: PushDestination
+    layers_posted: int
     block_ids: tuple[int, ...] = ()
     posted_to: int = 0
     ready_to: int = 0
     queued: list[KVBlock] = field(default_factory=list)
+    layers_ready: int = -1  # -1: no layer group handed over yet
+    group_queued: list[KVBlock] = field(default_factory=list)
     failed: bool = False  # a range failed; its result (the error) is reported
     stopped: bool = False  # its other ranges aborted, decode told
 
@@ -171,6 +193,7 @@ class StageKVShipper:
         self._unpin = unpin
         self._unpin_streamed = unpin_streamed or unpin
         self._block_size = kv.block_size
+        self._layers = (kv.layer_range.start, kv.layer_range.end)
         self._entry_parts = kv.entry_parts
         name = agent_name or f"{config.agent_prefix}-stage{stage}-{uuid.uuid4().hex[:8]}"
         self.sender = KVSender(
@@ -205,7 +228,7 @@ class StageKVShipper:
         """Block references this shipper holds now (in-flight WRITEs and live leases)."""
         pushing = sum(len(h.blocks) + len(h.streamed) for h in self._pushing.values())
         streaming = sum(len(b) for _, b in self._parts.values())
-        queued = sum(len(st.queued) for st in self._streams.values())
+        queued = sum(len(st.queued) + len(st.group_queued) for st in self._streams.values())
         return pushing + streaming + queued + sum(len(b) for _, b in self._leased.values())
 
     @property
@@ -229,7 +252,8 @@ class StageKVShipper:
         held = _Held(list(blocks), manifest, now)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            held.streamed, stream.queued = stream.queued, []
+            held.streamed = stream.queued + stream.group_queued
+            stream.queued, stream.group_queued = [], []
         if request_id in self._dead or (stream is not None and stream.failed):
             self._unpin(held.blocks)  # cancelled, or failed and reported already
             self._give_back_streamed(held.streamed)
@@ -239,10 +263,10 @@ class StageKVShipper:
                 wire = stage_push_destination(
                     dest, request_id, self.stage, manifest.num_tokens, self._block_size
                 )
-                start = None
-            else:
-                wire, start = stream.wire, stream.posted_to
-            self.sender.push(wire, manifest.block_ids, manifest.num_tokens, start)
+                start, first_layer = None, None
+            else:  # the layer groups post only after every all-layer range: one rectangle
+                wire, start, first_layer = stream.wire, stream.posted_to, stream.layers_posted
+            self.sender.push(wire, manifest.block_ids, manifest.num_tokens, start, first_layer)
         except (KVTransferError, ValueError) as exc:
             self._unpin(held.blocks)
             self._give_back_streamed(held.streamed)
@@ -261,10 +285,14 @@ class StageKVShipper:
         num_tokens: int,
         start: int,
         end: int,
+        layer_end: int | None = None,
     ) -> None:
         """Streaming: tokens ``[start, end)`` of the ``num_tokens``-token prompt are final
         here; ``blocks`` hold them (one reference each, back through ``unpin_streamed``);
-        ``block_ids``: the request's block table so far. Ranges come in token order."""
+        ``block_ids``: the request's block table so far. Ranges come in token order.
+        ``layer_end`` (the last chunk, ``end == num_tokens``): only the layers below global
+        layer ``layer_end`` are final yet (groups come in layer order; the stage's last
+        group is the final push's)."""
         blocks = list(blocks)
         stream = self._streams.get(request_id)
         if request_id in self._dead or (stream is not None and stream.failed):
@@ -278,40 +306,63 @@ class StageKVShipper:
             except (KVTransferError, ValueError) as exc:
                 self._give_back_streamed(blocks)
                 wire = PushDestination(request_id, "", (), 0)
-                self._streams[request_id] = _Stream(wire, failed=True, stopped=True)
+                self._streams[request_id] = _Stream(wire, 0, failed=True, stopped=True)
                 self._results[request_id] = StageShipResult(request_id, self.stage, None, exc)
                 return
-            stream = _Stream(wire, posted_to=wire.skip_tokens, ready_to=wire.skip_tokens)
+            skip = wire.skip_tokens
+            stream = _Stream(wire, self._layers[0], posted_to=skip, ready_to=skip)
             self._streams[request_id] = stream
         stream.block_ids = block_ids
         if end <= stream.ready_to:  # all in decode's cached prefix
             self._give_back_streamed(blocks)
             return
-        if start > stream.ready_to:
+        if start > stream.ready_to or (layer_end is None and stream.layers_ready >= 0):
             raise KVInvariantError(
-                f"{request_id}: streamed ranges skip [{stream.ready_to}, {start})"
+                f"{request_id}: streamed ranges skip [{stream.ready_to}, {start}), or an "
+                "all-layer range comes after a layer group"
             )
-        stream.queued.extend(blocks)
-        stream.ready_to = end
+        if layer_end is None:
+            stream.queued.extend(blocks)
+            stream.ready_to = end
+        else:
+            after = max(stream.layers_posted, stream.layers_ready)
+            if end != num_tokens or not after < layer_end < self._layers[1]:
+                raise KVInvariantError(
+                    f"{request_id}: layer groups must end the prompt, come in layer order and "
+                    f"leave the stage's last layers [{layer_end}, {self._layers[1]}) to the "
+                    "final push"
+                )
+            stream.group_queued.extend(blocks)
+            stream.layers_ready = layer_end
         self._post_queued()
 
     def _post_queued(self) -> None:
-        """Post queued ranges, oldest request first, while the in-flight bound allows."""
+        """Post queued ranges, oldest request first, while the in-flight bound allows: a
+        request's all-layer range first, its layer groups once that one is posted."""
         for request_id, stream in self._streams.items():
+            while len(self._parts) < self.config.stream_max_inflight and not stream.failed:
+                if stream.posted_to < stream.ready_to:
+                    end, layers, refs = stream.ready_to, None, stream.queued
+                elif stream.layers_posted < stream.layers_ready:
+                    end = stream.wire.num_tokens
+                    layers, refs = (stream.layers_posted, stream.layers_ready), stream.group_queued
+                else:
+                    break
+                try:
+                    part = self.sender.stream(
+                        stream.wire, stream.block_ids, stream.posted_to, end, layers
+                    )
+                except KVTransferError as exc:
+                    self._fail_stream(request_id, stream, exc)
+                    break
+                self._parts[part] = (request_id, refs)
+                if layers is None:
+                    stream.queued, stream.posted_to = [], stream.ready_to
+                else:
+                    stream.group_queued, stream.layers_posted = [], stream.layers_ready
+                self.parts_posted += 1
             if len(self._parts) >= self.config.stream_max_inflight:
                 return
-            if not stream.queued or stream.failed:
-                continue
-            try:
-                part = self.sender.stream(
-                    stream.wire, stream.block_ids, stream.posted_to, stream.ready_to
-                )
-            except KVTransferError as exc:
-                self._fail_stream(request_id, stream, exc)
-                continue
-            self._parts[part] = (request_id, stream.queued)
-            stream.queued, stream.posted_to = [], stream.ready_to
-            self.parts_posted += 1
 
     def _on_part_end(self, request_id: str, part: int, error: KVTransferError | None) -> None:
         _, blocks = self._parts.pop(part)
@@ -324,8 +375,8 @@ class StageKVShipper:
     def _fail_stream(self, request_id: str, stream: _Stream, error: KVTransferError) -> None:
         """A streamed range failed: report the error now; the rest is stopped in ``poll``."""
         stream.failed = True
-        self._give_back_streamed(stream.queued)
-        stream.queued = []
+        self._give_back_streamed(stream.queued + stream.group_queued)
+        stream.queued, stream.group_queued = [], []
         self._results[request_id] = StageShipResult(request_id, self.stage, None, error)
 
     def _drop_parts(self, request_id: str) -> None:
@@ -392,7 +443,7 @@ class StageKVShipper:
         self.sender.cancel(request_id)  # WRITEs and streamed ranges; decode hears "fail"
         self._drop_parts(request_id)
         if stream is not None:
-            self._give_back_streamed(stream.queued)
+            self._give_back_streamed(stream.queued + stream.group_queued)
         if held is not None:
             self._unpin(held.blocks)
             self._give_back_streamed(held.streamed)

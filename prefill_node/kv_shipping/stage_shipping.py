@@ -22,7 +22,10 @@ Streaming (``KVShippingConfig.stream``, push only): before the last chunk, the L
 extra reference on each block whose KV just became final (``StageAdmission.pin_for_transfer``)
 and calls ``stream``; the shipper gives them back through ``release_streamed`` (the owner's
 ``unpin_transfer`` under its lock), independent of the request's own pins, so an abort
-mid-stream never frees a block a WRITE still reads.
+mid-stream never frees a block a WRITE still reads. The last chunk streams layer group by
+layer group from inside its forward (``stream_final_blocks`` with ``layer_end``, called by
+the forward's per-layer hook): each time, every block from the chunk on (the partial last
+one too) is pinned once more for that group's WRITE.
 
 Results: each request's outcome on this stage, exactly once, as a ``StageHandoff`` through
 ``take_outcomes`` (the leader collects them with a KV_COLLECT round).
@@ -84,12 +87,18 @@ def stream_final_blocks(
     start: int,
     end: int,
     destination: KVPushDestination,
+    layer_end: int | None = None,
+    ready: Callable[[], object] | None = None,
 ) -> None:
     """After a non-last chunk ``[start, end)`` ran on this stage: pin the blocks that
     became final since the previous chunk (one reference each, under the owner's ``lock``)
     and stream them. The block holding the prompt's last token is left to the final push
     (it carries "done", and a partial block is sent once, when final); the first chunk also
-    streams the prefix the stage reused. A no-op when streaming is off."""
+    streams the prefix the stage reused. A no-op when streaming is off.
+    ``layer_end`` (the last chunk, during its forward): the layers below it are final, for
+    every token from ``start`` to the prompt's end; they are streamed, blocks from the
+    chunk's first one to the last one pinned. ``ready``: the shipping thread calls it
+    before the WRITE (on CUDA: waits for the kernels that wrote the KV)."""
     if not shipping.config.stream:
         return
     bs = admission.config.block_size
@@ -99,13 +108,24 @@ def stream_final_blocks(
             return
         num_tokens = rsv.prompt.num_tokens
         keep = (num_tokens - 1) // bs  # the last block's index
-        last = min(end // bs, keep)
+        last = min(end // bs, keep) if layer_end is None else keep + 1
         first = 0 if start == rsv.cached_len else min(start // bs, keep)  # first chunk: prefix
         if last <= first:
             return
         blocks = admission.pin_for_transfer(request_id, first, last)
         block_ids = rsv.block_ids()
-    shipping.stream(request_id, blocks, block_ids, destination, num_tokens, first * bs, last * bs)
+    end_token = min(last * bs, num_tokens)
+    shipping.stream(
+        request_id, blocks, block_ids, destination, num_tokens, first * bs, end_token,
+        layer_end, ready,
+    )  # fmt: skip
+
+
+def _after(ready: Callable[[], object], work: Callable[[], object]) -> None:
+    try:
+        ready()
+    finally:  # the references go to the shipper either way (a failed forward cancels)
+        work()
 
 
 def handoff_of(result: StageShipResult) -> StageHandoff:
@@ -195,23 +215,27 @@ class StageShipping:
         num_tokens: int,
         start: int,
         end: int,
+        layer_end: int | None = None,
+        ready: Callable[[], object] | None = None,
     ) -> None:
-        """Tokens ``[start, end)`` are final: WRITE them now (``blocks``: one reference each
-        from ``pin_for_transfer``, returned through ``release_streamed``); returns at once."""
+        """Tokens ``[start, end)`` are final (of the layers below ``layer_end``, if given):
+        WRITE them now (``blocks``: one reference each from ``pin_for_transfer``, returned
+        through ``release_streamed``; ``ready`` runs first on the shipping thread); returns
+        at once."""
         if self._release_streamed is None:
             raise InvariantError(f"stage {self.stage}: streaming needs a release_streamed")
-        self._loop.call(
-            partial(
-                self._running().stream,
-                request_id,
-                list(blocks),
-                block_ids,
-                destination,
-                num_tokens,
-                start,
-                end,
-            )
+        stream = partial(
+            self._running().stream,
+            request_id,
+            list(blocks),
+            block_ids,
+            destination,
+            num_tokens,
+            start,
+            end,
+            layer_end,
         )
+        self._loop.call(stream if ready is None else partial(_after, ready, stream))
 
     def cancel(self, request_id: str) -> None:
         """Abort the request's WRITE or revoke its lease here (no-op when none); async."""

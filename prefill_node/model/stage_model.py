@@ -13,7 +13,7 @@ into, send, or modify in place.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -116,15 +116,26 @@ class StageModel(nn.Module):
         self._loaded = True
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, batch: ChunkBatch, kv: StageCache) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        batch: ChunkBatch,
+        kv: StageCache,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """inputs: token ids LongTensor [T] on the first stage, else hidden [T, hidden] from
-        the previous stage. Returns the residual stream [T, hidden] in this stage's dtype."""
+        the previous stage. Returns the residual stream [T, hidden] in this stage's dtype.
+        ``after_layer(layer)``: called with each layer's global index once its kernels that
+        write the batch's KV into ``kv`` were issued (on CUDA, possibly not yet run), while
+        the later layers still have to run (streamed KV hand-off: docs/kv_streaming.md)."""
         self._check_call(inputs, batch, kv)
         x = F.embedding(inputs, self.embed) if self.embed is not None else inputs.to(self.dtype)
         plan = AttentionPlan.build(batch, kv, self.dtype, self.attention_path)
         cos, sin = self.rotary.cos_sin(batch.positions(self.device), self.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, plan, kv)
+            if after_layer is not None:
+                after_layer(layer.layer)
         return x
 
     @torch.no_grad()

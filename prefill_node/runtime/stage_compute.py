@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,8 @@ class PipelineStageCompute:
     happens right after the forward, before the last stage computes the logits, so the last
     WRITE overlaps the LM head.
     Streaming (push, ``KVShippingConfig.stream``): after each earlier chunk, the blocks that
-    became full are pinned once more for the shipper and WRITten at once (``_stream``).
+    became full are pinned once more for the shipper and WRITten at once (``_stream``); the
+    last chunk goes layer group by layer group from inside its forward (``_group_hook``).
     KV events (``spec.kv_events``): the pool buffers them; each wave drains them after its
     completions, so a batch holds everything since the previous wave (admission evictions too).
     """
@@ -322,7 +324,7 @@ class PipelineStageCompute:
                 inputs = hidden
             else:
                 inputs = torch.cat([hidden[r : r + c.length] for r, c, _ in tables])
-        return self.model(inputs, batch, self.kv)
+        return self.model(inputs, batch, self.kv, after_layer=self._group_hook(tables))
 
     def _logits(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor
@@ -345,6 +347,41 @@ class PipelineStageCompute:
             kept = logits[i].float() if self.keep_logits else None
             outputs.append(RequestOutput(chunk.request_id, pairs, kept))
         return tuple(outputs)
+
+    def _group_hook(
+        self, tables: list[tuple[int, WaveChunk, BlockTable]]
+    ) -> Callable[[int], None] | None:
+        """The forward's per-layer hook streaming the last chunks of push requests layer
+        group by layer group (``KVShippingConfig.layer_group_ends``; a wave holds at most
+        one chunk per request, so a last chunk's earlier chunks were streamed already).
+        None when there are none or the stage's layers form one group."""
+        shipping = self.shipping
+        if shipping is None:
+            return None
+        tails = [
+            (c.request_id, c.start, c.start + c.length, c.kv_destination)
+            for _, c, _ in tables
+            if c.is_last and isinstance(c.kv_destination, KVPushDestination)
+        ]
+        layers = self.model.layer_range
+        ends = shipping.config.layer_group_ends(layers.start, layers.end)
+        if not tails or not ends:
+            return None
+
+        def after_layer(layer: int) -> None:
+            if layer + 1 not in ends:
+                return
+            ready = None
+            if self.model.device.type == "cuda":  # the WRITE waits for this group's kernels
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.model.device))
+            for request_id, start, end, dest in tails:
+                stream_final_blocks(
+                    shipping, self.admission, self._lock, request_id, start, end, dest,
+                    layer_end=layer + 1, ready=None if ready is None else ready.synchronize,
+                )  # fmt: skip
+
+        return after_layer
 
     def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:
         """Stream the blocks each non-last chunk of a push request made final

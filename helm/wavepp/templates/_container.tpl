@@ -36,6 +36,7 @@ args:
   - --kv-metadata-host={{ $p.kvShipping.metadataHost }}
   - --kv-progress={{ $p.kvShipping.progress }}
   - --kv-stream={{ ternary "on" "off" $p.kvShipping.stream }}
+  - --kv-stream-layer-groups={{ $p.kvShipping.streamLayerGroups }}
   - --kv-transfer-timeout={{ $p.kvShipping.transferTimeoutSeconds }}
   - --kv-lease-ttl={{ $p.kvShipping.leaseTtlSeconds }}
   {{- else }}
