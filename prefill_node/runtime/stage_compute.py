@@ -354,9 +354,11 @@ class PipelineStageCompute:
         """The forward's per-layer hook streaming the last chunks of push requests layer
         group by layer group (``KVShippingConfig.layer_group_ends``; a wave holds at most
         one chunk per request, so a last chunk's earlier chunks were streamed already).
-        None when there are none or the stage's layers form one group."""
+        None when there are none or the stage's layers form one group, and for a stage with
+        recurrent layers: its state slots ride in the final push, which must then cover all
+        of the stage's layers (after groups it covers only the layers no group did)."""
         shipping = self.shipping
-        if shipping is None:
+        if shipping is None or self.model_config.recurrent is not None:
             return None
         tails = [
             (c.request_id, c.start, c.start + c.length, c.kv_destination)
