@@ -215,7 +215,7 @@ class PipelineStageCompute:
     def dump_kv(self, request_id: str) -> CapturedKV | None:
         return self._captured.get(request_id)
 
-    def occupancy(self) -> PoolStats:
+    def pool_stats(self) -> PoolStats:
         """The pool's block counts (any thread)."""
         with self._lock:
             return self.admission.pool.stats()

@@ -53,7 +53,7 @@ class StageCompute(Protocol):
 
     Thread contract: ``run_wave`` is called only by the LOOP thread; ``admit`` and
     ``dump_kv`` only by the WAVE thread, concurrently with ``run_wave``; ``check``,
-    ``occupancy`` and ``kv_held`` from any thread (the in-process engine reads its stages
+    ``pool_stats`` and ``kv_held`` from any thread (the in-process engine reads its stages
     directly). The implementation serialises its own cache-core accesses (one lock, short
     sections).
     """
@@ -66,7 +66,7 @@ class StageCompute(Protocol):
 
     def dump_kv(self, request_id: str) -> Any: ...
 
-    def occupancy(self) -> PoolStats: ...
+    def pool_stats(self) -> PoolStats: ...
 
     def kv_collect(self) -> tuple[StageHandoff, ...]: ...
 
@@ -245,7 +245,7 @@ class StageWorker:
             waves=self._waves,
             tokens=self._tokens,
             uptime_s=time.monotonic() - self._started,
-            pool=self._compute.occupancy(),
+            pool=self._compute.pool_stats(),
             kv_held_blocks=held.blocks,
             kv_pushes=held.pushes,
             kv_leases=held.leases,
