@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prefill_node.core.admission_messages import Admitted, ReserveStatus, Wait
 from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.execution_results import BlockTable
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from tests.test_admission import B, check_all, run_to_completion, spec
@@ -96,3 +97,71 @@ def test_an_aborted_waiter_leaves_the_queue():
     coord.finished("a")
     assert run_round(coord, stages) == ()
     check_all(stages)
+
+
+def run_chunk(stages, rid, start, length):
+    """What every stage's loop does with a non-last chunk: run it, then publish it."""
+    for st in stages:
+        assert isinstance(st.materialise(rid, start, length), BlockTable)
+        st.publish(rid, start + length)
+
+
+def test_a_waiter_is_admitted_once_the_chunks_it_needs_passed_every_stage():
+    coord, stages = make()
+    own = list(range(50, 70))  # a: the 8 shared blocks, then 5 blocks of its own
+    a, b = run_round(coord, stages, [spec("a", SYSTEM + own), spec("b", SYSTEM + [1, 2])])
+    assert isinstance(a, Admitted) and waits_for_prefix(b, "b")
+    run_chunk(stages, "a", 0, 16)
+    assert coord.computed("a", 16) is True  # blocks 0..3 are cached on every stage
+    # b would compute the other 4 shared blocks itself; as they are half of its rest, it waits
+    assert waits_for_prefix(run_round(coord, stages)[0], "b")
+    assert isinstance(stages[0].materialise("a", 16, 16), BlockTable)
+    stages[0].publish("a", 32)  # stage 0 holds the whole prefix, stage 1 not yet
+    assert waits_for_prefix(run_round(coord, stages)[0], "b")
+    assert isinstance(stages[1].materialise("a", 16, 16), BlockTable)
+    stages[1].publish("a", 32)
+    assert coord.computed("a", 32) is True and coord.computed("a", 32) is False
+    (b2,) = run_round(coord, stages)
+    assert isinstance(b2, Admitted) and b2.cached_len == len(SYSTEM)  # a is still running
+    for st in stages:
+        assert st.reservation("a").completed is False
+        assert all(blk.ref_cnt == 2 for blk in st.reservation("b").lease.blocks)  # shared
+    check_all(stages)
+    run_to_completion(stages, "b", 34, start=32)
+    run_to_completion(stages, "a", 52, start=32)
+    assert coord.finished("a") is True  # a's own blocks were still claimed
+    check_all(stages)
+    (c,) = run_round(coord, stages, [spec("c", SYSTEM + own + [9])])
+    assert isinstance(c, Admitted) and c.cached_len == 52  # each block cached once, findable
+    check_all(stages)
+
+
+def test_publish_caches_only_full_blocks_below_the_computed_end_and_only_once():
+    coord, (st,) = make(capacities=(64,))
+    (a,) = run_round(coord, [st], [spec("a", SYSTEM + [1, 2, 3])])  # 8 full blocks + 3
+    assert isinstance(a, Admitted)
+    assert isinstance(st.materialise("a", 0, 6), BlockTable)
+    assert st.publish("a", 6) == 1 and st.publish("a", 6) == 0  # [4, 6) is not full yet
+    assert st.pool.index.longest_prefix(st.prompt_blocks("a").hashes) == 1
+    assert isinstance(st.materialise("a", 6, 26), BlockTable)
+    assert st.publish("a", 32) == 7
+    assert isinstance(st.materialise("a", 32, 3), BlockTable)
+    done = st.complete("a")
+    assert done.cached_blocks == 8 and st.pool.stats().cached == 8  # nothing cached twice
+    assert st.publish("a", 35) == 0 and st.publish("nobody", 4) == 0
+    st.check_integrity()
+
+
+def test_an_aborted_producer_leaves_what_it_published_for_the_waiters():
+    coord, stages = make()
+    a, b = run_round(coord, stages, [spec("a", SYSTEM + [1]), spec("b", SYSTEM + [2])])
+    assert waits_for_prefix(b, "b")
+    run_chunk(stages, "a", 0, 20)
+    coord.abort("a")  # a fails or is aborted after its first chunk passed every stage
+    (b2,) = run_round(coord, stages)
+    assert isinstance(b2, Admitted) and b2.cached_len == 20  # the published blocks: exact KV
+    check_all(stages)
+    run_to_completion(stages, "b", 33, start=20)
+    coord.finished("b")
+    check_all(stages)
+    assert all(st.load().in_use == 0 for st in stages)

@@ -146,3 +146,44 @@ def test_lockstep_keeps_one_chunk_of_a_request_in_flight_wave_pipelines_them(pol
         core.wave_done(WaveResult(first.wave_id))
         second = core.next_wave()
     assert second is not None and second.chunks[0].start == first.chunks[0].length
+
+
+def _run_on_stages(stages: list[StageAdmission], header) -> None:
+    """What each stage's LOOP does with a wave: materialise every chunk, then complete the
+    requests it ends and publish the full blocks of the others."""
+    for c in header.chunks:
+        for s in stages:
+            assert not hasattr(s.materialise(c.request_id, c.start, c.length), "reason")
+            if c.is_last:
+                s.complete(c.request_id)
+            else:
+                s.publish(c.request_id, c.start + c.length)
+
+
+@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(policy) -> None:
+    """b waits for the prefix a computes; it is admitted once a's chunks holding it have
+    returned from the last stage, while a still runs, and reuses exactly that prefix."""
+    spec = _spec(policy, blocks=(32, 32))
+    core, stages = LeaderCore(spec, _Model()), _stages(spec)
+    system = tuple(range(100, 116))  # 4 blocks
+    core.submit("a", system + tuple(range(40)), None, 1)  # 56 tokens: chunks of <= 16
+    core.submit("b", system + (1, 2), None, 1)
+    admitted: dict[str, tuple[int, bool]] = {}  # request -> (cached, a still running)
+    pending = []
+    while True:
+        for o in _admit_all(core, stages):
+            running = stages[-1].reservation("a") is not None
+            admitted[o.request_id] = (o.cached_tokens, running)
+        while (header := core.next_wave()) is not None:
+            pending.append(header)
+        if not pending:
+            break
+        header = pending.pop(0)  # the oldest wave passes every stage and returns
+        _run_on_stages(stages, header)
+        core.wave_done(WaveResult(header.wave_id))
+    assert admitted == {"a": (0, True), "b": (16, True)}
+    assert core.idle
+    for s in stages:
+        s.check_integrity()
+        assert s.load().in_use == 0

@@ -29,7 +29,8 @@ def test_waves_cover_the_uncached_suffix_once_and_the_last_chunk_finishes() -> N
         covered += _spans(wave)
         last = [s.is_last(c) for c in wave.chunks]
         done = s.wave_done(wave.wave_id)
-        assert done == WaveDone(finished=("a",) if any(last) else ())
+        progress = WaveDone(computed=(("a", wave.chunks[0].end),))
+        assert done == (WaveDone(finished=("a",)) if any(last) else progress)
     assert covered == [("a", 8, 24), ("a", 24, 30)]
     assert s.idle and "a" not in s
 
@@ -40,7 +41,7 @@ def test_the_ring_bounds_waves_in_flight() -> None:
     first, second = s.next_wave(), s.next_wave()
     assert first is not None and second is not None
     assert s.ring_full and s.next_wave() is None
-    assert s.wave_done(first.wave_id) == WaveDone()
+    assert s.wave_done(first.wave_id) == WaveDone(computed=(("a", 16),))
     assert s.next_wave() is not None
     assert s.waves_in_flight == 2 and s.remaining_tokens == 100 - 48
 
@@ -65,7 +66,7 @@ def test_abort_with_chunks_in_flight_is_dropped_only_when_they_return() -> None:
     s.admit("a", 0, 100)
     w1, w2 = s.next_wave(), s.next_wave()
     assert s.abort("a") is False  # two chunks still computing
-    assert s.wave_done(w1.wave_id) == WaveDone()
+    assert s.wave_done(w1.wave_id) == WaveDone()  # aborted: its progress counts no more
     assert s.next_wave() is None  # aborted: nothing more scheduled
     assert s.wave_done(w2.wave_id) == WaveDone(dropped=("a",))
     assert s.idle
@@ -79,6 +80,19 @@ def test_a_failed_request_is_dropped_not_finished() -> None:
     wave = s.next_wave()
     assert _spans(wave) == [("a", 0, 12), ("b", 0, 4)]
     assert s.wave_done(wave.wave_id, failed={"a"}) == WaveDone(("b",), ("a",))
+
+
+def test_a_returned_earlier_chunk_reports_how_far_its_request_computed() -> None:
+    s = _scheduler(wave_policy(2, PlannerMode.FIXED))  # pipelined chunks: ring 4
+    s.admit("a", 8, 40)
+    s.admit("b", 0, 4)
+    w1, w2 = s.next_wave(), s.next_wave()
+    assert _spans(w1) == [("a", 8, 24)] and _spans(w2) == [("a", 24, 40), ("b", 0, 4)]
+    assert s.wave_done(w1.wave_id) == WaveDone(computed=(("a", 24),))
+    assert s.wave_done(w2.wave_id) == WaveDone(finished=("a", "b"))
+    s.admit("c", 0, 40)
+    w3 = s.next_wave()
+    assert s.wave_done(w3.wave_id, failed={"c"}) == WaveDone(dropped=("c",))  # no progress
 
 
 def test_bad_admissions_are_bugs() -> None:

@@ -39,6 +39,7 @@ class CoordinatorConfig:
     max_requests_per_round: int = 16
     # wait for a prefix an admitted request is computing (``AdmissionCoordinator``); a
     # driver that turns this on calls ``finished`` when each admitted request completes
+    # (and ``computed`` as its chunks pass every stage, to release waiters chunk by chunk)
     share_inflight_prefix: bool = False
 
     def __post_init__(self) -> None:
@@ -93,7 +94,8 @@ class AdmissionCoordinator:
         self._next_round_id = 0
         self._hashes: dict[str, tuple[BlockHash, ...]] = {}  # queued, share_inflight_prefix
         self._producer: dict[BlockHash, str] = {}  # block being computed -> its request
-        self._produces: dict[str, tuple[BlockHash, ...]] = {}  # request -> those blocks
+        # request -> (block index, hash) of the blocks it computes and still claims
+        self._produces: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
 
     @property
     def num_queued(self) -> int:
@@ -136,10 +138,31 @@ class AdmissionCoordinator:
         are cached now (or never will be). True if requests may be waiting for them (run a
         round). Needed only with ``share_inflight_prefix``; unknown ids are ignored."""
         produced = self._produces.pop(request_id, ())
-        for h in produced:
+        self._unclaim(request_id, produced)
+        return bool(produced)
+
+    def computed(self, request_id: str, num_tokens: int) -> bool:
+        """An admitted request's chunks up to token ``num_tokens`` passed every stage, and
+        every stage cached their full blocks (``StageAdmission.publish``): stop claiming
+        those, so requests waiting for them are admitted by the next round while this one
+        still runs. True if it claimed any (run a round); unknown ids are ignored."""
+        produced = self._produces.get(request_id, ())
+        done_below = num_tokens // self.config.block_size
+        done = tuple(p for p in produced if p[0] < done_below)
+        if not done:
+            return False
+        rest = produced[len(done) :]
+        if rest:
+            self._produces[request_id] = rest
+        else:
+            del self._produces[request_id]
+        self._unclaim(request_id, done)
+        return True
+
+    def _unclaim(self, request_id: str, produced: Sequence[tuple[int, BlockHash]]) -> None:
+        for _, h in produced:
             if self._producer.get(h) == request_id:
                 del self._producer[h]
-        return bool(produced)
 
     def abort(self, request_id: str) -> bool:
         """Stop admitting a request; True if it was queued (it will never be admitted).
@@ -291,9 +314,13 @@ class AdmissionCoordinator:
         return self._finish(rnd)
 
     def _claim(self, request_id: str, boundary: int) -> None:
-        """Record the full blocks an admitted request computes (those nobody else does)."""
-        mine = tuple(h for h in self._hashes_of(request_id)[boundary:] if h not in self._producer)
-        for h in mine:
+        """Record the full blocks an admitted request computes (those nobody else does),
+        in prompt order."""
+        hashes = self._hashes_of(request_id)
+        mine = tuple(
+            (i, hashes[i]) for i in range(boundary, len(hashes)) if hashes[i] not in self._producer
+        )
+        for _, h in mine:
             self._producer[h] = request_id
         if mine:
             self._produces[request_id] = mine

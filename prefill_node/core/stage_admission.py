@@ -232,6 +232,17 @@ class StageAdmission:
             )
         return rsv.materialise(self.pool, self.stage, start, length)
 
+    def publish(self, request_id: str, computed: int) -> int:
+        """A chunk ending at token ``computed`` ran on this stage (its KV is final here):
+        cache the request's full blocks below it now rather than at ``complete``, so a
+        request sharing them can lease them while this one still runs. The coordinator
+        lets requests wait for them (``AdmissionCoordinator.computed``) only once every
+        stage did this. Returns the blocks cached now (0 for an unknown or finished one)."""
+        rsv = self._reservations.get(request_id)
+        if rsv is None or rsv.completed:
+            return 0
+        return rsv.publish(self.pool, computed, self.config.snapshot_interval_blocks)
+
     def complete(
         self, request_id: str, *, keep_pinned: bool = False
     ) -> Completion | StageStateMismatch:

@@ -13,7 +13,8 @@ Contracts:
   Under a policy without pipelined chunks a request with a chunk in flight is skipped until
   that chunk returns (TensorRT-LLM's ``inflight_req_ids``).
 - ``wave_done`` accounts a wave that left the last stage. A request FINISHES when its last
-  chunk has returned; a request that was aborted (``abort``) or failed (named in
+  chunk has returned; one whose earlier chunk returned has COMPUTED the prompt up to that
+  chunk's end on every stage; a request that was aborted (``abort``) or failed (named in
   ``failed``) is DROPPED once none of its chunks is in flight, and only then may the caller
   free its blocks on the stages, so a stage never frees blocks a forward is writing.
 - ``abort`` returns True when the caller may release the request's stage-side state now
@@ -48,10 +49,12 @@ class RequestProgress:
 @dataclass(frozen=True)
 class WaveDone:
     """What a returned wave ended: ``finished`` requests (their last chunk passed every stage)
-    and ``dropped`` ones (aborted or failed, nothing left in flight: free their blocks)."""
+    and ``dropped`` ones (aborted or failed, nothing left in flight: free their blocks);
+    ``computed``: (request id, end) of the other requests' chunks that passed every stage."""
 
     finished: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    computed: tuple[tuple[str, int], ...] = ()
 
 
 class WaveScheduler:
@@ -129,6 +132,7 @@ class WaveScheduler:
             return WaveDone()
         finished: list[str] = []
         dropped: list[str] = []
+        computed: list[tuple[str, int]] = []
         for c in wave.chunks:
             p = self._progress.get(c.request_id)
             if p is None:
@@ -136,6 +140,8 @@ class WaveScheduler:
             p.chunks_in_flight -= 1
             if c.request_id in failed:
                 p.aborted = True
+            if not p.aborted and c.end < p.end:
+                computed.append((c.request_id, c.end))
             if p.chunks_in_flight > 0:
                 continue
             if p.aborted:
@@ -144,7 +150,7 @@ class WaveScheduler:
             elif c.end == p.end:
                 del self._progress[c.request_id]
                 finished.append(c.request_id)
-        return WaveDone(tuple(finished), tuple(dropped))
+        return WaveDone(tuple(finished), tuple(dropped), tuple(computed))
 
     # -- views -------------------------------------------------------------------------------
     def __contains__(self, request_id: object) -> bool:

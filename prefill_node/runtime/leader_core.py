@@ -173,6 +173,8 @@ class LeaderCore:
             self._coordinator.finished(rid)
         if done.dropped or done.finished:
             self._dirty = True  # capacity freed: waiting requests may fit now
+        for rid, end in done.computed:  # every stage cached these chunks' full blocks
+            self._dirty |= self._coordinator.computed(rid, end)
 
     def counts(self) -> CoreCounts:
         return CoreCounts(

@@ -411,7 +411,9 @@ class PipelineStageCompute:
     ) -> tuple[tuple[str, StageKVManifest], ...]:
         manifests = []
         for _, chunk, table in tables:
-            if not chunk.is_last:
+            if not chunk.is_last:  # reusable before the prompt ends (waiting requests)
+                with self._lock:
+                    self.admission.publish(chunk.request_id, table.end)
                 continue
             if self.spec.capture_kv:
                 self._capture(chunk.request_id, table)

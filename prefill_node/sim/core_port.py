@@ -124,6 +124,15 @@ class CorePort:
         if stage == len(self.stages) - 1:  # cached on every stage now
             self.coordinator.finished(request_id)
 
+    def publish(self, stage: int, chunk: ScheduledChunk) -> bool:
+        """A non-last chunk left ``stage``: its full blocks become reusable there; after the
+        last stage, waiting requests may use them. True if the coordinator released any."""
+        end = self._ids(chunk.end)
+        self.stages[stage].publish(chunk.request_id, end)
+        if stage == len(self.stages) - 1:  # cached on every stage now
+            return self.coordinator.computed(chunk.request_id, end)
+        return False
+
     def seed(self, request_id: str, tokens: Sequence[int]) -> None:
         """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned."""
         outcomes = [o for o in (self.submit(self.spec(request_id, tokens)),) if o]

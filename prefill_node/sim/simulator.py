@@ -6,8 +6,9 @@ roofline (stage times, activation transfers) and the rounds plane's cost.
 
 Timeline rules (both policies, see ``policies.py`` for what differs):
 - Each stage runs waves one at a time, in wave order. Starting a wave on a stage
-  materialises its chunks there (escrow -> blocks); when a request's last chunk leaves a
-  stage, that stage completes the request (new blocks become reusable, pins drop).
+  materialises its chunks there (escrow -> blocks); when a request's chunk leaves a stage,
+  the full blocks it finished become reusable there, and after its last chunk that stage
+  completes the request (pins drop).
 - A wave leaves stage s, reaches stage s+1 after the activation transfer, and leaves the
   ring when the last stage finishes it; the request completes there and its client sends
   the next request at once (closed loop).
@@ -424,6 +425,8 @@ class Simulator(TrtllmLockstepIssue):
                 self.core.finish(stage, chunk.request_id)
                 self._round_wanted = True  # capacity came back on this stage
                 retired += chunk.end
+            elif self.core.publish(stage, chunk):
+                self._round_wanted = True  # requests waiting for these blocks may go
         if self.hosts is not None and retired:
             self.hosts.retire(stage, self.now, retired)
         if last_stage:
