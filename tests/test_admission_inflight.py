@@ -10,6 +10,8 @@ from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfi
 from prefill_node.core.execution_results import BlockTable
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
+from prefill_node.core.wave import ScheduledChunk
+from prefill_node.sim.core_port import CorePort
 from tests.test_admission import B, check_all, run_to_completion, spec
 
 SYSTEM = list(range(100, 132))  # 8 full blocks
@@ -165,3 +167,23 @@ def test_an_aborted_producer_leaves_what_it_published_for_the_waiters():
     coord.finished("b")
     check_all(stages)
     assert all(st.load().in_use == 0 for st in stages)
+
+
+def test_the_simulator_port_releases_a_waiter_chunk_by_chunk_like_the_leader():
+    port = CorePort(B, 2, (64, 64), (2, 2), model_id="tiny", stage_headroom_blocks=(0, 0),
+                    max_round_requests=8, share_inflight_prefix=True)  # fmt: skip
+    ids = SYSTEM[:16]  # 16 ids of 2 tokens: 8 blocks of 4 tokens (2 ids each)
+    assert port.submit(port.spec("a", ids + list(range(20)))) is None  # 72 tokens
+    assert port.submit(port.spec("b", ids + [1])) is None  # 34 tokens
+    a, b = port.run_round()
+    assert isinstance(a, Admitted) and waits_for_prefix(b, "b")
+    chunk = ScheduledChunk("a", 0, 32)
+    port.materialise(0, chunk)
+    assert port.publish(0, chunk) is False  # stage 1 has not run it yet
+    assert waits_for_prefix(port.run_round()[0], "b")
+    port.materialise(1, chunk)
+    assert port.publish(1, chunk) is True
+    (b2,) = port.run_round()
+    assert isinstance(b2, Admitted) and b2.cached_len == 32  # in real tokens
+    assert all(st.reservation("a") is not None for st in port.stages)  # a still runs
+    port.check_integrity()

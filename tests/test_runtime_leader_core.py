@@ -169,7 +169,9 @@ def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(poli
     system = tuple(range(100, 116))  # 4 blocks
     core.submit("a", system + tuple(range(40)), None, 1)  # 56 tokens: chunks of <= 16
     core.submit("b", system + (1, 2), None, 1)
-    admitted: dict[str, tuple[int, bool]] = {}  # request -> (cached, a still running)
+    admitted: dict[str, tuple[int, bool]] = {"a": (0, True)}  # -> (cached, a still running)
+    assert [(o.request_id, o.cached_tokens) for o in _admit_all(core, stages)] == [("a", 0)]
+    assert _admit_all(core, stages) == [] and not core.has_round_work()  # b waits, idle
     pending = []
     while True:
         for o in _admit_all(core, stages):
