@@ -221,9 +221,11 @@ def test_abort_in_flight_frees_blocks_on_every_stage(start) -> None:
     assert engine.abort("victim") and not engine.abort("victim")
     with pytest.raises(RequestAbortedError):
         fut.result(timeout=5)
-    # the pipeline keeps serving, and the victim's blocks are free on every stage
-    ok = engine.submit(long_prompt[:30], PrefillOptions()).result(timeout=30)
-    assert ok.computed_tokens == 30
+    # the pipeline keeps serving, and the victim's blocks are free on every stage; the full
+    # blocks of the chunks it finished before the abort stay cached (their KV is complete)
+    ok = engine.submit(long_prompt[:30], PrefillOptions(top_logprobs=VOCAB)).result(timeout=30)
+    assert ok.cached_tokens % 4 == 0 and ok.cached_tokens + ok.computed_tokens == 30
+    _check_against_reference(engine, [long_prompt[:30]], [ok])
     deadline = time.monotonic() + 10
     while any(s.pool.in_use for s in engine.stage_stats()):
         assert time.monotonic() < deadline, engine.stage_stats()
