@@ -34,6 +34,7 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once():
     assert isinstance(a, Admitted) and a.cached_len == 0
     assert waits_for_prefix(b, "b") and waits_for_prefix(c, "c")
     assert coord.queued_ids() == ["b", "c"]
+    assert coord.take_cuts() == {"a": {len(SYSTEM)}} and coord.take_cuts() == {}
     assert run_round(coord, stages) == (b, c)  # still computing: still waiting
     run_to_completion(stages, "a", 34)
     assert coord.finished("a") is True

@@ -162,17 +162,18 @@ def _run_on_stages(stages: list[StageAdmission], header) -> None:
 
 @pytest.mark.parametrize("policy", ["wave", "lockstep"])
 def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(policy) -> None:
-    """b waits for the prefix a computes; it is admitted once a's chunks holding it have
-    returned from the last stage, while a still runs, and reuses exactly that prefix."""
+    """b waits for the prefix a computes; a's chunks are cut where that prefix ends, and b
+    is admitted once a's chunks holding it have returned from the last stage, while a
+    still runs, and reuses exactly that prefix."""
     spec = _spec(policy, blocks=(32, 32))
     core, stages = LeaderCore(spec, _Model()), _stages(spec)
-    system = tuple(range(100, 116))  # 4 blocks
-    core.submit("a", system + tuple(range(40)), None, 1)  # 56 tokens: chunks of <= 16
+    system = tuple(range(100, 120))  # 5 blocks
+    core.submit("a", system + tuple(range(40)), None, 1)  # 60 tokens: chunks of <= 16
     core.submit("b", system + (1, 2), None, 1)
     admitted: dict[str, tuple[int, bool]] = {"a": (0, True)}  # -> (cached, a still running)
     assert [(o.request_id, o.cached_tokens) for o in _admit_all(core, stages)] == [("a", 0)]
     assert _admit_all(core, stages) == [] and not core.has_round_work()  # b waits, idle
-    pending = []
+    pending, ends = [], []
     while True:
         for o in _admit_all(core, stages):
             running = stages[-1].reservation("a") is not None
@@ -182,9 +183,11 @@ def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(poli
         if not pending:
             break
         header = pending.pop(0)  # the oldest wave passes every stage and returns
+        ends += [c.start + c.length for c in header.chunks if c.request_id == "a"]
         _run_on_stages(stages, header)
         core.wave_done(WaveResult(header.wave_id))
-    assert admitted == {"a": (0, True), "b": (16, True)}
+    assert admitted == {"a": (0, True), "b": (20, True)}
+    assert 20 in ends and ends[-1] == 60
     assert core.idle
     for s in stages:
         s.check_integrity()

@@ -94,6 +94,19 @@ def test_a_returned_earlier_chunk_reports_how_far_its_request_computed() -> None
     assert s.wave_done(w3.wave_id, failed={"c"}) == WaveDone(dropped=("c",))  # no progress
 
 
+def test_a_cut_ends_a_chunk_where_waiting_requests_can_start() -> None:
+    s = _scheduler(wave_policy(1, PlannerMode.FIXED))  # ring 2, budget 16
+    s.admit("a", 0, 40)
+    s.cut("a", 20)
+    s.cut("a", 0)  # already scheduled, or past the end: ignored
+    s.cut("a", 40)
+    s.cut("nobody", 8)
+    w1, w2 = s.next_wave(), s.next_wave()
+    assert _spans(w1) == [("a", 0, 16)] and _spans(w2) == [("a", 16, 20)]
+    s.wave_done(w1.wave_id)
+    assert _spans(s.next_wave()) == [("a", 20, 36)]  # the cut is used up
+
+
 def test_bad_admissions_are_bugs() -> None:
     s = _scheduler(wave_policy(1, PlannerMode.MPU))
     s.admit("a", 0, 4)

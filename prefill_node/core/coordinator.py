@@ -96,6 +96,7 @@ class AdmissionCoordinator:
         self._producer: dict[BlockHash, str] = {}  # block being computed -> its request
         # request -> (block index, hash) of the blocks it computes and still claims
         self._produces: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
+        self._cuts: dict[str, set[int]] = {}  # producer -> token positions waiters wait for
 
     @property
     def num_queued(self) -> int:
@@ -139,6 +140,7 @@ class AdmissionCoordinator:
         round). Needed only with ``share_inflight_prefix``; unknown ids are ignored."""
         produced = self._produces.pop(request_id, ())
         self._unclaim(request_id, produced)
+        self._cuts.pop(request_id, None)
         return bool(produced)
 
     def computed(self, request_id: str, num_tokens: int) -> bool:
@@ -240,8 +242,9 @@ class AdmissionCoordinator:
 
     def _defer_inflight_prefixes(self, rnd: _Round) -> None:
         """Take out of the round (``Wait(PREFIX_IN_FLIGHT)``) each request whose next
-        uncached blocks an admitted request, or an earlier one of this round, computes."""
-        claimed = set(self._producer)
+        uncached blocks an admitted request, or an earlier one of this round, computes; and
+        note where the producer's blocks it waits for end (``take_cuts``)."""
+        claimed = dict(self._producer)  # block hash -> the request computing it
         bs = self.config.block_size
         for rid in rnd.request_ids:
             hashes = self._hashes_of(rid)
@@ -252,8 +255,20 @@ class AdmissionCoordinator:
             if run and 2 * run * bs >= self._queue[rid].num_tokens - start * bs:
                 rnd.outcomes[rid] = Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
                 rnd.reserving.remove(rid)
+                producer = claimed[hashes[start + run - 1]]  # chained: same position there
+                self._cuts.setdefault(producer, set()).add((start + run) * bs)
             else:
-                claimed.update(hashes[start:])
+                for h in hashes[start:]:
+                    claimed.setdefault(h, rid)
+
+    def take_cuts(self) -> dict[str, set[int]]:
+        """Per producer, the token positions where requests waiting for its blocks could
+        start (the end of what they wait for), noted by the rounds since the last call. A
+        chunk of the producer that ends there lets them in one chunk earlier
+        (``WaveScheduler.cut``); a producer that is not admitted yet is noted again by the
+        round that still finds waiters behind it."""
+        cuts, self._cuts = self._cuts, {}
+        return cuts
 
     def _hashes_of(self, request_id: str) -> tuple[BlockHash, ...]:
         hashes = self._hashes.get(request_id)

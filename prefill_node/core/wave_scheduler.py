@@ -11,7 +11,8 @@ Contracts:
   the admitted, unscheduled work in FCFS order (the policy's planner) and takes its chunks,
   or returns None when the ring of ``policy.ring_size`` waves is full or nothing can run.
   Under a policy without pipelined chunks a request with a chunk in flight is skipped until
-  that chunk returns (TensorRT-LLM's ``inflight_req_ids``).
+  that chunk returns (TensorRT-LLM's ``inflight_req_ids``). ``cut`` asks that a chunk of a
+  request end at a given position (requests waiting for its blocks below it start sooner).
 - ``wave_done`` accounts a wave that left the last stage. A request FINISHES when its last
   chunk has returned; one whose earlier chunk returned has COMPUTED the prompt up to that
   chunk's end on every stage; a request that was aborted (``abort``) or failed (named in
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefill_node.core.planner import WavePlanner
 from prefill_node.core.policy import Policy
@@ -44,6 +45,7 @@ class RequestProgress:
     end: int
     chunks_in_flight: int = 0
     aborted: bool = False
+    cuts: set[int] = field(default_factory=set)  # positions a chunk should end at (``cut``)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,14 @@ class WaveScheduler:
             )
         self._progress[request_id] = RequestProgress(request_id, cached_len, cached_len, num_tokens)
 
+    def cut(self, request_id: str, position: int) -> None:
+        """End a chunk of ``request_id`` at token ``position`` (not beyond it), when the
+        planner gets there: others wait for the blocks below it. Ignored for an unknown
+        request or a position it has already scheduled."""
+        p = self._progress.get(request_id)
+        if p is not None and p.next_start < position < p.end:
+            p.cuts.add(position)
+
     def abort(self, request_id: str) -> bool:
         """Stop scheduling ``request_id``; True when its stage state may be released now."""
         p = self._progress.get(request_id)
@@ -99,7 +109,7 @@ class WaveScheduler:
         """The planner's input: admitted, unscheduled work, FCFS."""
         one_at_a_time = not self.policy.pipelined_chunks
         return [
-            UnscheduledWork(rid, p.next_start, p.end, p.cached_len)
+            UnscheduledWork(rid, p.next_start, min(p.cuts, default=p.end), p.cached_len)
             for rid, p in self._progress.items()
             if not p.aborted and p.next_start < p.end and not (one_at_a_time and p.chunks_in_flight)
         ]
@@ -118,6 +128,7 @@ class WaveScheduler:
                 raise InvariantError(f"planner scheduled {c} out of order")
             p.next_start = c.end
             p.chunks_in_flight += 1
+            p.cuts = {x for x in p.cuts if x > c.end}
         self._waves[wave.wave_id] = wave
         return wave
 

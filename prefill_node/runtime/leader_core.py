@@ -140,6 +140,9 @@ class LeaderCore:
                 self._dirty = True  # progress: try the next queued requests
             elif isinstance(out, Rejected):
                 verdicts.append(AdmissionVerdict(out.request_id, error=NeverFitsError(out.reason)))
+        for rid, positions in self._coordinator.take_cuts().items():  # waiters' prefix ends
+            for position in positions:
+                self._scheduler.cut(rid, position)
         return None, verdicts
 
     def abort(self, request_id: str) -> bool:

@@ -105,6 +105,11 @@ class CorePort:
             for o in outcomes
         )
 
+    def take_cuts(self) -> list[tuple[str, int]]:
+        """``AdmissionCoordinator.take_cuts`` in tokens: (producer, position) pairs."""
+        cuts = self.coordinator.take_cuts()
+        return [(rid, x * self.scale) for rid, xs in cuts.items() for x in sorted(xs)]
+
     def _ids(self, tokens: int) -> int:
         if tokens % self.scale:
             raise InvariantError(f"position {tokens} is not a multiple of token_scale {self.scale}")

@@ -323,6 +323,8 @@ class Simulator(TrtllmLockstepIssue):
                 self._send_next()
             elif not isinstance(outcome, Wait):  # Wait: stays queued, FCFS
                 raise InvariantError(f"unexpected admission outcome {outcome!r}")
+        for rid, position in self.core.take_cuts():  # as the runtime's LeaderCore does
+            self.scheduler.cut(rid, position)
         if admitted and self._admission_waiting():
             self._round_wanted = True  # progress was made: the rest may fit now
 
