@@ -167,7 +167,7 @@ def test_an_aborted_producer_leaves_what_it_published_for_the_waiters():
     run_to_completion(stages, "b", 33, start=20)
     coord.finished("b")
     check_all(stages)
-    assert all(st.load().in_use == 0 for st in stages)
+    assert all(st.pool.stats().in_use == 0 for st in stages)
 
 
 def test_the_simulator_port_releases_a_waiter_chunk_by_chunk_like_the_leader():

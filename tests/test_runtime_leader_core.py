@@ -168,8 +168,8 @@ def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(poli
     spec = _spec(policy, blocks=(32, 32))
     core, stages = LeaderCore(spec, _Model()), _stages(spec)
     system = tuple(range(100, 120))  # 5 blocks
-    core.submit("a", system + tuple(range(40)), None, 1)  # 60 tokens: chunks of <= 16
-    core.submit("b", system + (1, 2), None, 1)
+    core.submit("a", system + tuple(range(40)), None)  # 60 tokens: chunks of <= 16
+    core.submit("b", system + (1, 2), None)
     admitted: dict[str, tuple[int, bool]] = {"a": (0, True)}  # -> (cached, a still running)
     assert [(o.request_id, o.cached_tokens) for o in _admit_all(core, stages)] == [("a", 0)]
     assert _admit_all(core, stages) == [] and not core.has_round_work()  # b waits, idle
@@ -191,4 +191,4 @@ def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(poli
     assert core.idle
     for s in stages:
         s.check_integrity()
-        assert s.load().in_use == 0
+        assert s.pool.stats().in_use == 0
