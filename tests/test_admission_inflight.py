@@ -139,6 +139,27 @@ def test_a_waiter_is_admitted_once_the_chunks_it_needs_passed_every_stage():
     check_all(stages)
 
 
+def test_a_claim_dropped_while_a_round_runs_still_defers_its_waiters_in_that_round():
+    """The leader learns a chunk passed every stage between a round's LOOKUP replies and
+    their processing: the replies predate the blocks' caching, so admitting the waiter now
+    would compute them again. It waits; the next round finds them cached."""
+    coord, stages = make()
+    own = list(range(50, 70))
+    a, b = run_round(coord, stages, [spec("a", SYSTEM + own), spec("b", SYSTEM + [1, 2])])
+    assert isinstance(a, Admitted) and waits_for_prefix(b, "b")
+    lookup = coord.begin_round()
+    stale = [st.handle(lookup) for st in stages]  # before a's chunk was cached: 0 blocks
+    run_chunk(stages, "a", 0, 32)
+    assert coord.computed("a", 32) is True
+    step = coord.finish_phase(stale)
+    while not hasattr(step, "outcomes"):
+        step = coord.finish_phase([st.handle(step) for st in stages])
+    assert [waits_for_prefix(o, "b") for o in step.outcomes] == [True]
+    (b2,) = run_round(coord, stages)
+    assert isinstance(b2, Admitted) and b2.cached_len == len(SYSTEM)
+    check_all(stages)
+
+
 def test_publish_caches_only_full_blocks_below_the_computed_end_and_only_once():
     coord, (st,) = make(capacities=(64,))
     (a,) = run_round(coord, [st], [spec("a", SYSTEM + [1, 2, 3])])  # 8 full blocks + 3

@@ -97,6 +97,9 @@ class AdmissionCoordinator:
         # request -> (block index, hash) of the blocks it computes and still claims
         self._produces: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
         self._cuts: dict[str, set[int]] = {}  # producer -> token positions waiters wait for
+        # claims dropped while a round runs: its LOOKUP replies may predate those blocks'
+        # caching, so the round still treats them as being computed (``_released``)
+        self._released: dict[BlockHash, str] = {}
 
     @property
     def num_queued(self) -> int:
@@ -165,6 +168,8 @@ class AdmissionCoordinator:
         for _, h in produced:
             if self._producer.get(h) == request_id:
                 del self._producer[h]
+                if self._round is not None:
+                    self._released[h] = request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop admitting a request; True if it was queued (it will never be admitted).
@@ -195,6 +200,7 @@ class AdmissionCoordinator:
         ids = list(self._queue)[: self.config.max_requests_per_round]
         new = tuple(self._queue[r] for r in ids if r not in self._sent)
         self._sent.update(ids)
+        self._released = {}  # this round's LOOKUP comes after their caching
         self._round = _Round(self._next_round_id, Phase.LOOKUP, ids)
         self._next_round_id += 1
         return self._message(Phase.LOOKUP, new_requests=new, lookups=tuple(ids))
@@ -243,8 +249,12 @@ class AdmissionCoordinator:
     def _defer_inflight_prefixes(self, rnd: _Round) -> None:
         """Take out of the round (``Wait(PREFIX_IN_FLIGHT)``) each request whose next
         uncached blocks an admitted request, or an earlier one of this round, computes; and
-        note where the producer's blocks it waits for end (``take_cuts``)."""
-        claimed = dict(self._producer)  # block hash -> the request computing it
+        note where the producer's blocks it waits for end (``take_cuts``). Blocks whose
+        claim was dropped since this round began count as claimed: a stage may have answered
+        the LOOKUP before caching them, and admitting now would compute them again; the
+        round that the drop asked for (``computed`` / ``finished`` return True) finds them
+        cached."""
+        claimed = {**self._released, **self._producer}  # block hash -> who computes it
         bs = self.config.block_size
         for rid in rnd.request_ids:
             hashes = self._hashes_of(rid)
