@@ -11,9 +11,11 @@ pipeline: the leader process only, stage 0 with its shipping thread; other stage
 decode process are not counted). After each ON request the decode worker confirms the KV
 arrived (outside the timed region).
 
-Streamed vs at-end hand-off (``--kv-stream both``, the default): the engine is started
-twice in this one run, once per ``KVShippingConfig.stream`` setting, each serving the same
-OFF / ON passes. For every ON request, the tail: from its last chunk finishing on the last
+Streamed vs at-end hand-off (``--kv-stream both``, the default): every run starts one
+engine per ``KVShippingConfig.stream`` setting, one after the other (the order alternating
+run by run), each serving the same OFF / ON passes; the streamed / at-end throughput ratio
+is the median of the runs' own ratios, so slow drift of the machine does not land on one
+side. For every ON request, the tail: from its last chunk finishing on the last
 stage (pipeline: the forward's end there, dated on the leader's clock as the result's arrival
 less the stage's ``WaveResult.held_s``, so late by the result's transit; local: after the
 last stage's logits) to its KV being complete on decode (when the decode process's receiver
@@ -27,8 +29,8 @@ chunk layer group by layer group during that chunk's forward (``--layer-groups``
 the tail moves only the last group's layers of it.
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
-hits the prefix cache of an earlier one (same compute in every pass). Modes alternate order
-run by run; one untimed warm-up pass per mode (NIXL connects on the first push). Median of
+hits the prefix cache of an earlier one (same compute in every pass). One untimed warm-up
+pass per engine start and mode (NIXL connects on the first push). Median of
 ``--runs`` runs; ratio = ON / OFF throughput (goal >= 0.95: shipping hides behind compute).
 
     PYTHONPATH=. python bench/kv_shipping.py --json out/kv_shipping.json [--runs 3]
@@ -172,40 +174,43 @@ class Bench:
         self.engine.shutdown()
 
 
-def run_engine(args, model_dir: Path, decode, stream: bool, bar: tqdm) -> list[dict]:
-    """One engine (``stream`` on or off): a warm-up pass per mode, then ``--runs`` runs of
-    an OFF and an ON pass, alternating their order; one row per timed pass."""
-    bench = Bench(args, model_dir, decode, stream)
+def run_engines(args, model_dir: Path, decode, streams: tuple[bool, ...], bar: tqdm) -> list[dict]:
+    """Per run, one engine per ``stream`` setting, one after the other (their order
+    alternating run by run; one process can lead one pipeline at a time), each started
+    afresh: a warm-up pass per mode, then an OFF and an ON pass in alternating order. Each
+    run's engines thus run close together, and its streamed / at-end ratio pairs them. One
+    row per timed pass."""
     rows = []
     tokens = args.prompts * args.tokens
-    try:
-        bench.run_pass(False, bar)  # warm-up (untimed)
-        bench.run_pass(True, bar)
-        for run in range(args.runs):
-            order = (False, True) if run % 2 == 0 else (True, False)
-            for ship in order:
-                wall, cpu, tails, handoff = bench.run_pass(ship, bar)
-                rows.append(
-                    {
-                        "mode": "shipping_on" if ship else "shipping_off",
-                        "kv_stream": "on" if stream else "off",
-                        "engine": args.engine,
-                        "run": run,
-                        "stages": args.stages,
-                        "prompts": args.prompts,
-                        "prompt_tokens": args.tokens,
-                        "chunks_per_prompt": -(-args.tokens // args.max_chunk_tokens),
-                        "wall_s": round(wall, 4),
-                        "cpu_s": round(cpu, 4),
-                        "tok_per_s": round(tokens / wall, 1),
-                        "tail_ms_median": _ms(tails),
-                        "handoff_ms_median": _ms(handoff),
-                        "decode_poll_us": args.decode_poll_us,
-                        "layer_groups": bench.layer_groups,
-                    }
-                )
-    finally:
-        bench.close()
+    for run in range(args.runs):
+        for stream in streams if run % 2 == 0 else streams[::-1]:
+            bench = Bench(args, model_dir, decode, stream)
+            try:
+                bench.run_pass(False, bar)  # warm-up (untimed)
+                bench.run_pass(True, bar)
+                for ship in (False, True) if run % 2 == 0 else (True, False):
+                    wall, cpu, tails, handoff = bench.run_pass(ship, bar)
+                    rows.append(
+                        {
+                            "mode": "shipping_on" if ship else "shipping_off",
+                            "kv_stream": "on" if stream else "off",
+                            "engine": args.engine,
+                            "run": run,
+                            "stages": args.stages,
+                            "prompts": args.prompts,
+                            "prompt_tokens": args.tokens,
+                            "chunks_per_prompt": -(-args.tokens // args.max_chunk_tokens),
+                            "wall_s": round(wall, 4),
+                            "cpu_s": round(cpu, 4),
+                            "tok_per_s": round(tokens / wall, 1),
+                            "tail_ms_median": _ms(tails),
+                            "handoff_ms_median": _ms(handoff),
+                            "decode_poll_us": args.decode_poll_us,
+                            "layer_groups": bench.layer_groups,
+                        }
+                    )
+            finally:
+                bench.close()
     return rows
 
 
@@ -258,22 +263,27 @@ def main() -> None:
     )
     rows: list[dict] = []
     summaries: list[dict] = []
-    total = len(streams) * (args.runs + 1) * 2 * args.prompts
+    total = len(streams) * args.runs * 4 * args.prompts  # warm-up + timed, OFF and ON
     try:
         with tqdm(total=total, desc="prefill passes") as bar:
-            for stream in streams:
-                mine = run_engine(args, model_dir, decode, stream, bar)
-                rows.extend(mine)
-                summaries.append(summarise(mine, "on" if stream else "off", args.runs))
+            rows = run_engines(args, model_dir, decode, streams, bar)
     finally:
         decode.stop()
+    for stream in streams:
+        label = "on" if stream else "off"
+        summaries.append(summarise([r for r in rows if r["kv_stream"] == label], label, args.runs))
     if len(summaries) == 2:  # streamed vs at-end, side by side
         at_end, streamed = summaries
+        on = {
+            (r["kv_stream"], r["run"]): r["tok_per_s"] for r in rows if r["mode"] == "shipping_on"
+        }
+        paired = [on["on", run] / on["off", run] for run in range(args.runs)]
         summaries.append(
             {
                 "mode": "stream_vs_at_end",
                 "engine": args.engine,
-                "on_tok_per_s_ratio": round(streamed["on_tok_per_s"] / at_end["on_tok_per_s"], 4),
+                # median of each run's own streamed / at-end ratio (passes interleaved)
+                "on_tok_per_s_ratio": round(statistics.median(paired), 4),
                 "tail_ms_at_end": at_end["tail_ms_median"],
                 "tail_ms_streamed": streamed["tail_ms_median"],
                 "tail_ratio": round(streamed["tail_ms_median"] / at_end["tail_ms_median"], 4),
