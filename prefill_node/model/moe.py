@@ -8,9 +8,9 @@ scaling factor; GLM-5 adds an always-on shared SwiGLU. Qwen3-Next (``MoeScoring.
 follows ``qwen3_next``: softmax over the router logits in fp32, the top-k renormalised, plus a
 shared SwiGLU scaled by ``sigmoid(shared_expert_gate . x)``. Per-expert gate / up checkpoint
 tensors are fused at load time into one ``[experts, 2 * width, hidden]`` tensor, the downs
-stacked into ``[experts, hidden, width]``. The forward groups rows by expert (one sort), so
-each expert that any row chose runs two matmuls over exactly its rows; experts no row chose
-cost nothing.
+stacked into ``[experts, hidden, width]``. The forward groups rows by expert (one sort and
+one gather), so each expert that any row chose runs two matmuls over exactly its contiguous
+rows; experts no row chose cost nothing.
 """
 
 from __future__ import annotations
@@ -117,19 +117,32 @@ class SparseMoe(nn.Module):
         return out
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows gathered once in expert order, so each chosen expert's matmuls run on one
+        contiguous slice and write straight into shared buffers (no per-expert gather,
+        allocation or scatter); the activation runs once over all slices, and each row's
+        top-k outputs are weighted and summed in one pass at the end."""
         experts, weights = self.route(x)
+        tokens, k, width = x.shape[0], self.top_k, self.width
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
+        xs = x.index_select(0, order // k)
+        h = x.new_empty(tokens * k, 2 * width)
+        ys = torch.empty_like(xs)
+        gate_up_t, down_t = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
+        spans = []
         start = 0
         for e, count in enumerate(counts):
-            if not count:
-                continue
-            idx = rows[start : start + count]
-            w = weights.reshape(-1)[order[start : start + count]]
-            start += count
-            y = swiglu(x[idx], self.gate_up[e], self.down[e]) * w[:, None]
-            out.index_add_(0, idx, y.to(out.dtype))
-        return out
+            if count:
+                end = start + count
+                torch.mm(xs[start:end], gate_up_t[e], out=h[start:end])
+                spans.append((e, start, end))
+                start = end
+        act = F.silu(h[:, :width]).mul_(h[:, width:])
+        for e, start, end in spans:
+            torch.mm(act[start:end], down_t[e], out=ys[start:end])
+        # back to (token, slot) order: ys[inverse] row t * k + j is token t's j-th expert
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_token = ys.index_select(0, inverse).view(tokens, k, -1) * weights[:, :, None]
+        return per_token.sum(dim=1).to(x.dtype)
