@@ -113,9 +113,13 @@ class MlaAttention(nn.Module):
         parts = [latent, k_rot]
         iq = iw = None
         if q_resid is not None and self.idx_w is not None:
-            iq, ik = self._indexer_q_k(x, q_resid, cos, sin)
+            # the indexer's queries only matter for a chunk reaching past index_topk positions
+            # (up to there its top-k is every position: plain causal attention)
+            select = any(cp.end > m.index_topk for cp in plan.chunks)
+            iq, ik = self._indexer_q_k(x, q_resid if select else None, cos, sin)
             parts.append(ik)
-            iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
+            if select:
+                iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
         entries = torch.cat(parts, dim=-1)
         cache.write_slots(self.layer, plan.k_slots, entries)
         out = torch.empty(rows, self.heads, m.v_head_dim, dtype=x.dtype, device=x.device)
@@ -127,16 +131,19 @@ class MlaAttention(nn.Module):
         return linear(out.view(rows, -1), self.o)
 
     def _indexer_q_k(
-        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries [T, index_heads, index_dim] and keys [T, index_dim], rotated."""
+        self, x: torch.Tensor, q_resid: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Indexer queries [T, index_heads, index_dim] (None without ``q_resid``) and keys
+        [T, index_dim], rotated."""
         m, rows = self.m, x.shape[0]
         if self.idx_q is None or self.idx_k is None:
             raise InvariantError("an MLA layer without an indexer has no indexer queries")
         rope, rest = m.qk_rope_head_dim, m.index_head_dim - m.qk_rope_head_dim
-        iq = linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
-        iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
-        iq = torch.cat((apply_rotary_interleaved(iq_rot, cos, sin), iq_pass), dim=-1)
+        iq = None
+        if q_resid is not None:
+            iq = linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
+            iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
+            iq = torch.cat((apply_rotary_interleaved(iq_rot, cos, sin), iq_pass), dim=-1)
         ik = F.layer_norm(
             linear(x, self.idx_k), (m.index_head_dim,), self.idx_k_norm, self.idx_k_bias, 1e-6
         )
@@ -167,11 +174,11 @@ class MlaAttention(nn.Module):
         cp: ChunkPlan,
     ) -> torch.Tensor:
         """One chunk's attention output [L, heads, v_head_dim] over positions [0, end).
-        ``indexer``: the chunk's indexer queries and head weights (None: no indexer, every
-        causal position is attended)."""
+        ``indexer``: the chunk's indexer queries and head weights (None: no indexer); a chunk
+        ending within ``index_topk`` positions attends to every causal position."""
         m = self.m
         latent, k_rot, index_keys = parts
-        if indexer is not None:
+        if indexer is not None and cp.end > m.index_topk:
             allowed = self.selection(indexer[0], indexer[1], index_keys, cp)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(~allowed, float("-inf"))
