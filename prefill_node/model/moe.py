@@ -122,15 +122,16 @@ class SparseMoe(nn.Module):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """Rows gathered once in expert order, so each chosen expert's matmuls run on one
         contiguous slice and write straight into shared buffers (no per-expert gather,
-        allocation or scatter); the activation runs once over all slices, and each row's
-        top-k outputs are weighted and summed in one pass at the end."""
+        allocation or scatter); the activation runs once over all slices, and the weighted
+        outputs are summed into their rows in one pass at the end."""
         experts, weights = self.route(x)
-        tokens, k, width = x.shape[0], self.top_k, self.width
+        k, width = self.top_k, self.width
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x.index_select(0, order // k)
-        h = x.new_empty(tokens * k, 2 * width)
+        rows = order // k
+        xs = x.index_select(0, rows)
+        h = x.new_empty(xs.shape[0], 2 * width)
         ys = torch.empty_like(xs)
         gate_up_t, down_t = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
         spans = []
@@ -144,8 +145,8 @@ class SparseMoe(nn.Module):
         act = F.silu(h[:, :width]).mul_(h[:, width:])
         for e, start, end in spans:
             torch.mm(act[start:end], down_t[e], out=ys[start:end])
-        # back to (token, slot) order: ys[inverse] row t * k + j is token t's j-th expert
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        per_token = ys.index_select(0, inverse).view(tokens, k, -1) * weights[:, :, None]
-        return per_token.sum(dim=1).to(x.dtype)
+        # one index_add over the expert-ordered rows adds each row's expert outputs in expert
+        # order, as transformers does (the order matters: a near-tie in GLM-5's indexer top-k
+        # can flip on the last bit of the sum)
+        ys.mul_(weights.reshape(-1).index_select(0, order)[:, None])
+        return torch.zeros_like(x).index_add_(0, rows, ys)
