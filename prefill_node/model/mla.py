@@ -20,6 +20,8 @@ indexer's key LayerNorm'd with bias, index scores in fp32, softmax scale qk_head
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -202,12 +204,14 @@ class MlaAttention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
             )
             return out.transpose(0, 1)
-        # On CPU, SDPA has no fused kernel for MLA's (q/k head dim != v head dim) and its
-        # fallback runs about 1.3-3x slower than these three ops: scores, softmax, weighted V.
-        scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.scale)
+        # On CPU, SDPA has no fused kernel for MLA's (q/k head dim != v head dim); its
+        # fallback runs 1.3-3x slower than these steps, which are that fallback's own (both
+        # sides scaled by sqrt(scale), fp32, -inf where hidden): the same bits.
+        dtype, s = q.dtype, math.sqrt(self.scale)
+        q, k, v = q.float(), k.float(), v.float()
+        scores = torch.matmul(q * s, (k * s).transpose(-2, -1))
         if hidden is None:
             hidden = causal_hidden(cp.start, cp.end, q.device)
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out = torch.bmm(probs, v)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
         return out.transpose(0, 1)

@@ -8,9 +8,9 @@ scaling factor; GLM-5 adds an always-on shared SwiGLU. Qwen3-Next (``MoeScoring.
 follows ``qwen3_next``: softmax over the router logits in fp32, the top-k renormalised, plus a
 shared SwiGLU scaled by ``sigmoid(shared_expert_gate . x)``. Per-expert gate / up checkpoint
 tensors are fused at load time into one ``[experts, 2 * width, hidden]`` tensor, the downs
-stacked into ``[experts, hidden, width]`` (both stored transposed: see ``__init__``). The forward groups rows by expert (one sort and
-one gather), so each expert that any row chose runs two matmuls over exactly its contiguous
-rows; experts no row chose cost nothing.
+stacked into ``[experts, hidden, width]`` (both stored transposed: see ``__init__``). The
+forward groups rows by expert (one sort and one gather), so each expert that any row chose
+runs two matmuls over exactly its contiguous rows; experts no row chose cost nothing.
 """
 
 from __future__ import annotations
