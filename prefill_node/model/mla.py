@@ -43,6 +43,21 @@ def causal_hidden(start: int, end: int, device: torch.device) -> torch.Tensor:
     return torch.arange(end, device=device)[None, :] > pos[:, None]
 
 
+def attend_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention [heads, L, v_dim] of q [heads, L, d] over k [heads, S, d], v [heads, S, v_dim],
+    not looking where ``hidden`` [L, S] is True. On CPU, SDPA has no fused kernel for MLA's
+    (q/k head dim != v head dim) and its fallback ran 1.3-3x slower than these steps, which
+    are that fallback's own (q and k each scaled by sqrt(scale), fp32, -inf where hidden):
+    the same bits, so GLM-5's indexer top-k sees the same values either way."""
+    dtype, s = q.dtype, math.sqrt(scale)
+    q, k, v = q.float(), k.float(), v.float()
+    scores = torch.matmul(q * s, (k * s).transpose(-2, -1))
+    scores.masked_fill_(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+
+
 class MlaAttention(nn.Module):
     """The attention of one MLA layer; parameters are uninitialised until ``load``."""
 
@@ -204,14 +219,7 @@ class MlaAttention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
             )
             return out.transpose(0, 1)
-        # On CPU, SDPA has no fused kernel for MLA's (q/k head dim != v head dim); its
-        # fallback runs 1.3-3x slower than these steps, which are that fallback's own (both
-        # sides scaled by sqrt(scale), fp32, -inf where hidden): the same bits.
-        dtype, s = q.dtype, math.sqrt(self.scale)
-        q, k, v = q.float(), k.float(), v.float()
-        scores = torch.matmul(q * s, (k * s).transpose(-2, -1))
         if hidden is None:
             hidden = causal_hidden(cp.start, cp.end, q.device)
-        scores.masked_fill_(hidden, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+        out = attend_cpu(q, k, v, hidden, self.scale)
         return out.transpose(0, 1)
