@@ -181,11 +181,11 @@ class MlaAttention(nn.Module):
         """Bool [L, end]: which positions each of the chunk's queries attends to (causal and
         among its ``index_topk`` best index scores)."""
         scores = torch.einsum("lhd,td->lht", iq.float(), index_keys.float())
-        scores = F.relu(scores * self.m.index_head_dim**-0.5)
+        scores.mul_(self.m.index_head_dim**-0.5).relu_()  # in place: no fresh [L, H, T] pages
         index_scores = torch.einsum("lh,lht->lt", iw, scores)
         pos = torch.arange(cp.start, cp.end, device=iq.device)
         causal = torch.arange(cp.end, device=iq.device)[None, :] <= pos[:, None]
-        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        index_scores.masked_fill_(~causal, float("-inf"))
         k = min(self.m.index_topk, cp.end)
         chosen = torch.zeros_like(causal).scatter_(1, index_scores.topk(k, dim=-1).indices, True)
         return chosen & causal
