@@ -20,6 +20,7 @@ from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import PagedLatentCache, stage_cache
 from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
+from prefill_node.model.mla import attend_cpu, causal_hidden
 from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
@@ -149,3 +150,26 @@ def test_bf16_runs_close_to_fp32(checkpoint, hf_out):
     ref = hf_out.logits[0, -1]
     assert torch.isfinite(logits).all()
     assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "sparse"), [(0, 37, False), (21, 53, False), (21, 53, True)]
+)
+def test_cpu_attention_is_sdpa_bit_for_bit(start, end, sparse):
+    """The CPU MLA attention (q/k head dim 24 != v head dim 16) gives exactly SDPA's bits,
+    causal from position 0, offset-causal after a context, and with a sparse selection."""
+    g = torch.Generator().manual_seed(end + sparse)
+    q, k = torch.randn(4, end - start, 24, generator=g), torch.randn(4, end, 24, generator=g)
+    v = torch.randn(4, end, 16, generator=g)
+    hidden = causal_hidden(start, end, q.device)
+    if sparse:
+        hidden |= torch.rand(hidden.shape, generator=g) < 0.5
+        hidden[:, 0] = False  # every query keeps a position
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
+    assert torch.equal(attend_cpu(q, k, v, hidden, 0.2), ref)
+    if start == 0:
+        causal = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=0.2
+        )
+        assert torch.equal(attend_cpu(q, k, v, hidden, 0.2), causal)

@@ -20,6 +20,8 @@ indexer's key LayerNorm'd with bias, index scores in fp32, softmax scale qk_head
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,28 @@ from prefill_node.model.rope import apply_rotary_interleaved
 from prefill_node.model.tensor_ops import Getter, linear, param, rms_norm
 
 LATENT_EPS = 1e-6  # transformers builds q_a / kv_a norms with their default eps, not the config's
+
+
+def causal_hidden(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """Bool [end - start, end]: True where query position p (start <= p < end) may not look
+    (keys after p)."""
+    pos = torch.arange(start, end, device=device)
+    return torch.arange(end, device=device)[None, :] > pos[:, None]
+
+
+def attend_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention [heads, L, v_dim] of q [heads, L, d] over k [heads, S, d], v [heads, S, v_dim],
+    not looking where ``hidden`` [L, S] is True. On CPU, SDPA has no fused kernel for MLA's
+    (q/k head dim != v head dim) and its fallback ran 1.3-3x slower than these steps, which
+    are that fallback's own (q and k each scaled by sqrt(scale), fp32, -inf where hidden):
+    the same bits, so GLM-5's indexer top-k sees the same values either way."""
+    dtype, s = q.dtype, math.sqrt(scale)
+    q, k, v = q.float(), k.float(), v.float()
+    scores = torch.matmul(q * s, (k * s).transpose(-2, -1))
+    scores.masked_fill_(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
 
 
 class MlaAttention(nn.Module):
@@ -113,9 +137,13 @@ class MlaAttention(nn.Module):
         parts = [latent, k_rot]
         iq = iw = None
         if q_resid is not None and self.idx_w is not None:
-            iq, ik = self._indexer_q_k(x, q_resid, cos, sin)
+            # the indexer's queries only matter for a chunk reaching past index_topk positions
+            # (up to there its top-k is every position: plain causal attention)
+            select = any(cp.end > m.index_topk for cp in plan.chunks)
+            iq, ik = self._indexer_q_k(x, q_resid if select else None, cos, sin)
             parts.append(ik)
-            iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
+            if select:
+                iw = linear(x, self.idx_w).float() * m.index_n_heads**-0.5
         entries = torch.cat(parts, dim=-1)
         cache.write_slots(self.layer, plan.k_slots, entries)
         out = torch.empty(rows, self.heads, m.v_head_dim, dtype=x.dtype, device=x.device)
@@ -127,16 +155,19 @@ class MlaAttention(nn.Module):
         return linear(out.view(rows, -1), self.o)
 
     def _indexer_q_k(
-        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries [T, index_heads, index_dim] and keys [T, index_dim], rotated."""
+        self, x: torch.Tensor, q_resid: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Indexer queries [T, index_heads, index_dim] (None without ``q_resid``) and keys
+        [T, index_dim], rotated."""
         m, rows = self.m, x.shape[0]
         if self.idx_q is None or self.idx_k is None:
             raise InvariantError("an MLA layer without an indexer has no indexer queries")
         rope, rest = m.qk_rope_head_dim, m.index_head_dim - m.qk_rope_head_dim
-        iq = linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
-        iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
-        iq = torch.cat((apply_rotary_interleaved(iq_rot, cos, sin), iq_pass), dim=-1)
+        iq = None
+        if q_resid is not None:
+            iq = linear(q_resid, self.idx_q).view(rows, m.index_n_heads, m.index_head_dim)
+            iq_rot, iq_pass = iq.split([rope, rest], dim=-1)
+            iq = torch.cat((apply_rotary_interleaved(iq_rot, cos, sin), iq_pass), dim=-1)
         ik = F.layer_norm(
             linear(x, self.idx_k), (m.index_head_dim,), self.idx_k_norm, self.idx_k_bias, 1e-6
         )
@@ -150,11 +181,11 @@ class MlaAttention(nn.Module):
         """Bool [L, end]: which positions each of the chunk's queries attends to (causal and
         among its ``index_topk`` best index scores)."""
         scores = torch.einsum("lhd,td->lht", iq.float(), index_keys.float())
-        scores = F.relu(scores * self.m.index_head_dim**-0.5)
+        scores.mul_(self.m.index_head_dim**-0.5).relu_()  # in place: no fresh [L, H, T] pages
         index_scores = torch.einsum("lh,lht->lt", iw, scores)
         pos = torch.arange(cp.start, cp.end, device=iq.device)
         causal = torch.arange(cp.end, device=iq.device)[None, :] <= pos[:, None]
-        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        index_scores.masked_fill_(~causal, float("-inf"))
         k = min(self.m.index_topk, cp.end)
         chosen = torch.zeros_like(causal).scatter_(1, index_scores.topk(k, dim=-1).indices, True)
         return chosen & causal
@@ -167,25 +198,28 @@ class MlaAttention(nn.Module):
         cp: ChunkPlan,
     ) -> torch.Tensor:
         """One chunk's attention output [L, heads, v_head_dim] over positions [0, end).
-        ``indexer``: the chunk's indexer queries and head weights (None: no indexer, every
-        causal position is attended)."""
+        ``indexer``: the chunk's indexer queries and head weights (None: no indexer); a chunk
+        ending within ``index_topk`` positions attends to every causal position."""
         m = self.m
         latent, k_rot, index_keys = parts
-        if indexer is not None:
-            allowed = self.selection(indexer[0], indexer[1], index_keys, cp)
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(~allowed, float("-inf"))
-        else:
-            mask = cp.mask  # None for a chunk from position 0: plain causal (MASKED plan)
+        # hidden: True where a query may not look (None: plain causal from position 0)
+        hidden = None
+        if indexer is not None and cp.end > m.index_topk:
+            hidden = ~self.selection(indexer[0], indexer[1], index_keys, cp)
         kv = linear(latent, self.kv_b).view(cp.end, self.heads, -1)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-        )
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if q.device.type != "cpu":
+            mask = cp.mask
+            if hidden is not None:
+                mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+                mask.masked_fill_(hidden, float("-inf"))
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
+            )
+            return out.transpose(0, 1)
+        if hidden is None:
+            hidden = causal_hidden(cp.start, cp.end, q.device)
+        out = attend_cpu(q, k, v, hidden, self.scale)
         return out.transpose(0, 1)

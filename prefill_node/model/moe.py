@@ -8,9 +8,9 @@ scaling factor; GLM-5 adds an always-on shared SwiGLU. Qwen3-Next (``MoeScoring.
 follows ``qwen3_next``: softmax over the router logits in fp32, the top-k renormalised, plus a
 shared SwiGLU scaled by ``sigmoid(shared_expert_gate . x)``. Per-expert gate / up checkpoint
 tensors are fused at load time into one ``[experts, 2 * width, hidden]`` tensor, the downs
-stacked into ``[experts, hidden, width]``. The forward groups rows by expert (one sort), so
-each expert that any row chose runs two matmuls over exactly its rows; experts no row chose
-cost nothing.
+stacked into ``[experts, hidden, width]`` (both stored transposed: see ``__init__``). The
+forward groups rows by expert (one sort and one gather), so each expert that any row chose
+runs two matmuls over exactly its contiguous rows; experts no row chose cost nothing.
 """
 
 from __future__ import annotations
@@ -58,8 +58,11 @@ class SparseMoe(nn.Module):
         self.router = param((e, hidden), torch.float32 if fp32_router else dtype)
         # routing stays fp32 whatever the weights' dtype
         self.bias = param((e,), torch.float32) if names.bias else None
-        self.gate_up = param((e, 2 * w, hidden))
-        self.down = param((e, hidden, w))
+        # logically [e, 2w, hidden] / [e, hidden, w] (checkpoint layout), stored transposed so
+        # each expert's ``x @ weight.T`` is a plain matmul over a contiguous weight: with the
+        # experts' weights streaming from memory, MKL ran it ~1.5x faster than a transposed one
+        self.gate_up = nn.Parameter(param((e, hidden, 2 * w)).transpose(1, 2), False)
+        self.down = nn.Parameter(param((e, w, hidden)).transpose(1, 2), False)
         shared = moe.shared_width
         self.shared_gate_up = param((2 * shared, hidden)) if shared else None
         self.shared_down = param((hidden, shared)) if shared else None
@@ -117,19 +120,33 @@ class SparseMoe(nn.Module):
         return out
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows gathered once in expert order, so each chosen expert's matmuls run on one
+        contiguous slice and write straight into shared buffers (no per-expert gather,
+        allocation or scatter); the activation runs once over all slices, and the weighted
+        outputs are summed into their rows in one pass at the end."""
         experts, weights = self.route(x)
+        k, width = self.top_k, self.width
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
+        rows = order // k
+        xs = x.index_select(0, rows)
+        h = x.new_empty(xs.shape[0], 2 * width)
+        ys = torch.empty_like(xs)
+        gate_up_t, down_t = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
+        spans = []
         start = 0
         for e, count in enumerate(counts):
-            if not count:
-                continue
-            idx = rows[start : start + count]
-            w = weights.reshape(-1)[order[start : start + count]]
-            start += count
-            y = swiglu(x[idx], self.gate_up[e], self.down[e]) * w[:, None]
-            out.index_add_(0, idx, y.to(out.dtype))
-        return out
+            if count:
+                end = start + count
+                torch.mm(xs[start:end], gate_up_t[e], out=h[start:end])
+                spans.append((e, start, end))
+                start = end
+        act = F.silu(h[:, :width]).mul_(h[:, width:])
+        for e, start, end in spans:
+            torch.mm(act[start:end], down_t[e], out=ys[start:end])
+        # one index_add over the expert-ordered rows adds each row's expert outputs in expert
+        # order, as transformers does (the order matters: a near-tie in GLM-5's indexer top-k
+        # can flip on the last bit of the sum)
+        ys.mul_(weights.reshape(-1).index_select(0, order)[:, None])
+        return torch.zeros_like(x).index_add_(0, rows, ys)
