@@ -41,10 +41,7 @@ from kv_transfer.layout import HybridPool
 from kv_transfer.lease import Lease, LeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
 from kv_transfer.plan import PageMap, last_token_blocks
-from kv_transfer.transfer import NixlTransfer, start_transfer
-
-# how long a final push is checked without pause right after it is posted (``_drive``)
-FINAL_DRIVE_S = 0.001
+from kv_transfer.transfer import NixlTransfer, drive, start_transfer
 
 
 @dataclass(frozen=True)
@@ -176,7 +173,7 @@ class KVSender:
         # its ranges still in flight (the last layer group, usually) land now, so the poll
         # that follows posts the push instead of the one a poll interval later
         mine = [p.transfer for p in self._parts.values() if p.dest.request_id == dest.request_id]
-        self._drive(*[t for t in mine if t is not None])
+        drive(*[t for t in mine if t is not None])
 
     def stream(
         self,
@@ -347,20 +344,7 @@ class KVSender:
             if push.part >= 0 and push.transfer is not None and push.transfer.done:
                 self._end_part(push, None)  # nothing to move: ends now
             elif push.part < 0 and push.transfer is not None:
-                self._drive(push.transfer)
-
-    def _drive(self, *transfers: NixlTransfer) -> None:
-        """Right after a final push is posted (or handed over, for the ranges it waits on):
-        check them until done, for at most ``FINAL_DRIVE_S``. A notification leaves only
-        through this agent's progress, which the checks make (measured: NIXL's progress
-        thread does not carry a WRITE this agent posted); the WRITE itself is mostly done by
-        the post, so this saves decode most of a poll interval, once per request."""
-        limit = time.monotonic() + FINAL_DRIVE_S
-        try:
-            while not all(t.check() for t in transfers) and time.monotonic() < limit:
-                time.sleep(0)  # let the stage's other threads have the GIL between checks
-        except KVTransferError:
-            pass  # the next check in ``poll`` reports it
+                drive(push.transfer)
 
     def _start(self, push: _Push, peer: PeerInfo, outcomes: list[TransferOutcome]) -> None:
         request_id = push.dest.request_id
