@@ -381,6 +381,7 @@ class KVSender:
                 start=push.start,
                 end=push.num_tokens,
                 state_slots=self._final_state_slots(push, dst_pages),
+                state_layout=self.layout,  # every recurrent layer's state, after layer groups
             )
             if push.num_tokens > push.start:
                 self._posted[request_id] = (push.dest.endpoint, note.transfer_id)

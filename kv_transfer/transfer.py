@@ -124,12 +124,16 @@ def start_transfer(
     start: int,
     end: int,
     state_slots: tuple[int, int] | None = None,
+    state_layout: KVLayout | None = None,
 ) -> NixlTransfer:
     """Post a WRITE (local -> remote) or READ (remote -> local) of tokens ``[start, end)``
     of the layers both pools share, with ``notif`` delivered to ``remote_agent`` after it
     (an empty range posts nothing and sends no notification). ``state_slots``: (stage-side
     block, other side's block) whose recurrent-state slots of the stage's recurrent layers
-    ride along (a hybrid pool's final push / pull: the state after the prompt's last token).
+    ride along (a hybrid pool's final push / pull: the state after the prompt's last token);
+    ``state_layout``: a WRITE's stage-side layout whose recurrent layers those are (default
+    ``local_layout``; a final push after layer-group ranges WRITEs the blocks of its last
+    layers only, but the states of all the stage's layers).
 
     The stage side's layers (local for WRITE, remote for READ) must all be covered by
     the other pool. Raises a KVTransferError subclass; never leaves a half-posted request.
@@ -156,6 +160,7 @@ def start_transfer(
             start,
             end,
             state_slots,
+            state_layout,
         )
     layers = range(stage_side.layer_start, stage_side.layer_end)
     first = layers.start - local_layout.layer_start
@@ -215,6 +220,7 @@ def _start_hybrid(
     start: int,
     end: int,
     state_slots: tuple[int, int] | None,
+    state_layout: KVLayout | None,
 ) -> NixlTransfer:
     """A pool with recurrent layers: the paged layers' token runs plus, with
     ``state_slots``, one slot per recurrent-state tensor, as ONE request (its notification
@@ -228,7 +234,6 @@ def _start_hybrid(
         )
     stage_side = local_layout if op == "WRITE" else remote_layout
     paged = stage_side.paged
-    layers = range(stage_side.layer_start, stage_side.layer_end)
     if start == end:
         return NixlTransfer(agent, 0)
     try:
@@ -239,9 +244,9 @@ def _start_hybrid(
             runs = token_runs(remote_pages, local_pages, start, end)
             parts = [build_descriptors(runs, remote_layout, local_layout, paged, False)]
         if state_slots is not None:
-            src, dst = (
-                (local_layout, remote_layout) if op == "WRITE" else (remote_layout, local_layout)
-            )
+            whole = state_layout if op == "WRITE" and state_layout is not None else stage_side
+            layers = range(whole.layer_start, whole.layer_end)
+            src, dst = (whole, remote_layout) if op == "WRITE" else (remote_layout, local_layout)
             parts.append(state_descriptors(src, dst, layers, *state_slots, op == "WRITE"))
         descs = concat(*parts)
         if not len(descs.local):

@@ -354,11 +354,11 @@ class PipelineStageCompute:
         """The forward's per-layer hook streaming the last chunks of push requests layer
         group by layer group (``KVShippingConfig.layer_group_ends``; a wave holds at most
         one chunk per request, so a last chunk's earlier chunks were streamed already).
-        None when there are none or the stage's layers form one group, and for a stage with
-        recurrent layers: its state slots ride in the final push, which must then cover all
-        of the stage's layers (after groups it covers only the layers no group did)."""
+        None when there are none or the stage's layers form one group. A stage with
+        recurrent layers streams their groups' paged layers alike; the final push carries
+        every recurrent layer's state slot (``start_transfer``'s ``state_layout``)."""
         shipping = self.shipping
-        if shipping is None or self.model_config.recurrent is not None:
+        if shipping is None:
             return None
         tails = [
             (c.request_id, c.start, c.start + c.length, c.kv_destination)
