@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from router_workload import run_closed_loop, token_stats
 from tqdm import tqdm
 
 from prefill_node.mkl_vendor import preload_env
+from prefill_node.process_tree import LineReader
 from prefill_node.sim.tenants import TenantRequest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,10 +88,13 @@ class VllmPeer:
             self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=err, env=env, text=True,
                                           start_new_session=True)  # fmt: skip
+        self.lines = LineReader(self.popen.stdout, f"vllm-{mode}-stdout")
 
     def _answer(self, timeout_s: float) -> dict:
-        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
-        line = self.popen.stdout.readline() if ready else ""
+        try:
+            line = self.lines.next_line(timeout_s)
+        except TimeoutError:
+            line = None
         if not line:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
             raise RuntimeError(f"vLLM driver gave no answer (log {self.log}):\n{tail}")

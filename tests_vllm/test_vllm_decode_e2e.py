@@ -23,7 +23,6 @@ import collections
 import dataclasses
 import json
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from prefill_node.engine.types import KVPullDestination
 from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
+from prefill_node.process_tree import LineReader
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 24
@@ -86,22 +86,21 @@ class Driver:
             text=True, env=env,
         )  # fmt: skip
         self.log = log
+        self.lines = LineReader(self.proc.stdout, "vllm-driver-stdout")
         self.stdout_tail: collections.deque[str] = collections.deque(maxlen=40)  # vLLM's log
 
     def read(self, timeout_s: float) -> dict:
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if sel.select(timeout=1.0):
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith("{"):
-                    return json.loads(line)
-                self.stdout_tail.append(line)
-            elif self.proc.poll() is not None:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.next_line(left)
+            except TimeoutError:
                 break
+            if line is None:
+                break
+            if line.startswith("{"):
+                return json.loads(line)
+            self.stdout_tail.append(line)
         raise AssertionError(
             f"vLLM driver gave no answer in {timeout_s} s (rc {self.proc.poll()}); stdout:\n"
             + "".join(self.stdout_tail)
