@@ -277,3 +277,18 @@ def test_stage_materialises_on_escrowed_blocks(make_engine) -> None:
     ((rid, manifest),) = step.manifests
     assert rid == "req" and manifest.block_ids == tuple(b.block_id for b in victims)
     assert engine.prefill(ids, OPTS).result.cached_tokens == 8  # its 2 full blocks were cached
+
+
+def test_min_wave_tokens_reaches_the_spec_and_bad_values_name_the_option() -> None:
+    from prefill_node.server.engine_factory import EngineSpec
+
+    layers = [(0, CONFIG.num_layers)]
+    config = LocalEngineConfig(block_size=4, max_chunk_tokens=16)
+    assert config.pipeline_spec(layers).min_wave_tokens == 8  # default: M/2
+    config = LocalEngineConfig(block_size=4, max_chunk_tokens=16, min_wave_tokens=4)
+    assert config.pipeline_spec(layers).min_wave_tokens == 4
+    for bad in (0, 6, 20):  # below one block, not whole blocks, above the wave budget
+        with pytest.raises(InvalidRequestError, match="--min-wave-tokens"):
+            LocalEngineConfig(block_size=4, max_chunk_tokens=16, min_wave_tokens=bad)
+        with pytest.raises(InvalidRequestError, match="--min-wave-tokens"):
+            EngineSpec(model_dir=None, block_size=4, max_chunk_tokens=16, min_wave_tokens=bad)

@@ -93,6 +93,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--max-chunk-tokens", type=int, default=512, help="tokens per forward chunk (default 512)"
     )
+    p.add_argument(
+        "--min-wave-tokens",
+        type=int,
+        help="smallest wave the planner shrinks to when little work is queued (b_min): "
+        "smaller keeps a short burst pipelined over the stages, larger keeps each forward "
+        "big; whole blocks (default: half of --max-chunk-tokens)",
+    )
     p.add_argument("--max-model-len", type=int, help="longest prompt accepted (default: model's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights+KV")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
@@ -245,6 +252,7 @@ def _engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
         num_blocks=blocks,
         block_size=args.block_size,
         max_chunk_tokens=args.max_chunk_tokens,
+        min_wave_tokens=args.min_wave_tokens,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device,

@@ -68,6 +68,13 @@ def register(subparsers: Any) -> None:
     m.add_argument(
         "--max-chunk-tokens", type=int, default=512, help="tokens per forward chunk (default 512)"
     )
+    m.add_argument(
+        "--min-wave-tokens",
+        type=int,
+        help="smallest wave the planner shrinks to when little work is queued (b_min): "
+        "smaller keeps a short burst pipelined over the stages, larger keeps each forward "
+        "big; whole blocks (default: half of --max-chunk-tokens)",
+    )
     m.add_argument("--max-model-len", type=int, help="longest prompt accepted (default: model's)")
     m.add_argument(
         "--dtype",
@@ -185,6 +192,7 @@ def _run(args: argparse.Namespace) -> int:
         num_blocks=_ints(args.num_blocks, "--num-blocks"),
         block_size=args.block_size,
         max_chunk_tokens=args.max_chunk_tokens,
+        min_wave_tokens=args.min_wave_tokens,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device,

@@ -137,6 +137,26 @@ class PlannerConfig:
         return tuple(out)
 
 
+def default_min_wave_tokens(max_wave_tokens: int, block_size: int) -> int:
+    """b_min when none is given: M/2 in whole blocks (the paper's 8,192 of 16,384), at least
+    one block."""
+    return max(block_size, max_wave_tokens // 2 // block_size * block_size)
+
+
+def check_min_wave_tokens(
+    min_wave_tokens: int | None, max_wave_tokens: int, block_size: int
+) -> None:
+    """Reject a b_min a pipeline cannot plan with (None: the default), naming the option."""
+    if min_wave_tokens is None:
+        return
+    if not block_size <= min_wave_tokens <= max_wave_tokens or min_wave_tokens % block_size:
+        raise InvalidPlannerConfigError(
+            f"--min-wave-tokens must be a multiple of the block size {block_size} between "
+            f"{block_size} and the wave budget {max_wave_tokens} (--max-chunk-tokens), got "
+            f"{min_wave_tokens}"
+        )
+
+
 def target_budget(config: PlannerConfig, work: Sequence[UnscheduledWork]) -> int:
     """The MPU decision without hysteresis: largest b with n(b) >= S, else b_min."""
     total = sum(w.remaining for w in work)

@@ -51,6 +51,7 @@ def start_pipeline_engine(
     ``debug_wave_delay_s``: every stage sleeps this long per wave (tests: requests that stay
     in flight long enough to act on them).
     """
+    from prefill_node.core.planner import default_min_wave_tokens
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.partition import split_layers
 
@@ -70,8 +71,7 @@ def start_pipeline_engine(
         block_size=block_size,
         policy=policy,
         max_wave_tokens=max_wave_tokens,
-        min_wave_tokens=min_wave_tokens
-        or max(block_size, max_wave_tokens // 2 // block_size * block_size),
+        min_wave_tokens=min_wave_tokens or default_min_wave_tokens(max_wave_tokens, block_size),
         max_model_len=max_model_len,
         dtype=dtype,
         device=device,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefill_node.core.hashing import model_cache_id
+from prefill_node.core.planner import check_min_wave_tokens, default_min_wave_tokens
 from prefill_node.engine.types import MAX_TOP_LOGPROBS, PrefillOptions, PrefillResult, StageLoad
 from prefill_node.errors import (
     InvalidRequestError,
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 class LocalEngineConfig:
     """Shape of the in-process pipeline. ``num_blocks``: one int for every stage, or one per
     stage. ``max_chunk_tokens``: the wave budget M, rounded up to whole blocks
-    (``wave_tokens``: the planner plans in blocks). ``max_model_len`` None = the model's
+    (``wave_tokens``: the planner plans in blocks). ``min_wave_tokens``: the planner's b_min,
+    whole blocks up to M (None: M/2). ``max_model_len`` None = the model's
     ``max_position_embeddings``. ``policy``: ``wave`` or ``lockstep``, as for a pipeline.
     ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
 
@@ -58,6 +60,7 @@ class LocalEngineConfig:
     num_blocks: int | tuple[int, ...] = 512
     block_size: int = 16
     max_chunk_tokens: int = 512
+    min_wave_tokens: int | None = None
     max_model_len: int | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -74,6 +77,7 @@ class LocalEngineConfig:
                 f"num_blocks lists {len(self.num_blocks)} stages; the pipeline has "
                 f"{self.num_stages}"
             )
+        check_min_wave_tokens(self.min_wave_tokens, self.wave_tokens, self.block_size)
         if min(self.stage_num_blocks) < 2:
             raise InvalidRequestError(f"every stage needs >= 2 blocks, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -95,8 +99,8 @@ class LocalEngineConfig:
     def pipeline_spec(
         self, layer_ranges: Sequence[tuple[int, int]], kv_events: bool = False
     ) -> PipelineSpec:
-        """The spec every stage and the leader read (b_min = M/2 in whole blocks, as
-        ``start_pipeline_engine`` sets it)."""
+        """The spec every stage and the leader read (b_min as ``start_pipeline_engine`` sets
+        it)."""
         m, bs = self.wave_tokens, self.block_size
         return PipelineSpec(
             model=None,
@@ -105,7 +109,7 @@ class LocalEngineConfig:
             block_size=bs,
             policy=self.policy,
             max_wave_tokens=m,
-            min_wave_tokens=max(bs, m // 2 // bs * bs),
+            min_wave_tokens=self.min_wave_tokens or default_min_wave_tokens(m, bs),
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,

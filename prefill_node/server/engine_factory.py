@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from prefill_node.core.planner import check_min_wave_tokens
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
 from prefill_node.runtime.kv_event_feed import KVEventSink
@@ -39,6 +40,7 @@ class EngineSpec:
     num_blocks: tuple[int, ...] = (1024,)
     block_size: int = 16
     max_chunk_tokens: int = 512
+    min_wave_tokens: int | None = None  # b_min (None: half of max_chunk_tokens)
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -57,6 +59,8 @@ class EngineSpec:
             raise InvalidRequestError(
                 f"--num-blocks: give one value or one per stage ({self.stages}), each >= 2"
             )
+        wave_budget = -(-self.max_chunk_tokens // self.block_size) * self.block_size
+        check_min_wave_tokens(self.min_wave_tokens, wave_budget, self.block_size)
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
 
@@ -81,6 +85,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
             num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
             block_size=spec.block_size,
             max_wave_tokens=spec.max_chunk_tokens,
+            min_wave_tokens=spec.min_wave_tokens,
             max_model_len=spec.max_model_len,
             dtype=spec.dtype,
             device=spec.device,
@@ -98,6 +103,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
         block_size=spec.block_size,
         max_chunk_tokens=spec.max_chunk_tokens,
+        min_wave_tokens=spec.min_wave_tokens,
         max_model_len=spec.max_model_len,
         dtype=getattr(torch, spec.dtype),
         device=spec.device,

@@ -19,6 +19,9 @@ args:
   - --num-blocks={{ $p.numBlocks }}
   - --block-size={{ int $p.blockSize }}
   - --max-chunk-tokens={{ int $p.maxChunkTokens }}
+  {{- with $p.minWaveTokens }}
+  - --min-wave-tokens={{ int . }}
+  {{- end }}
   {{- with $p.maxModelLen }}
   - --max-model-len={{ int . }}
   {{- end }}
