@@ -127,7 +127,7 @@ class OursTier:
         self.system, self._cluster, self._router = system, cluster, None
         self.cpus = args.cpus
         self._calls = 0  # request ids: f"{tag}{call}-{i}", unique over the server's life
-        extra = ("--dtype", dtype)
+        extra = ("--dtype", dtype, *args.serve_arg)
         k = 1 if system == "wavepp-pipeline" else args.router_pipelines
         n = len(args.cpus) // k  # stages per pipeline: one core each
         self._pipelines = [
@@ -174,6 +174,13 @@ def main() -> None:
     ap.add_argument("--cores", type=int, help="use the first N allowed cores (default all)")
     ap.add_argument("--router-pipelines", type=int, default=2, help="pipelines behind the router")
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB per system (whole GiB)")
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more `wavepp serve` flag for our pipelines, repeatable (e.g.\n"
+        "--serve-arg=--min-wave-tokens=128); the rows' `serve_args` say which",
+    )
     ap.add_argument(
         "--peer-python",
         type=Path,
@@ -273,7 +280,9 @@ def write(per_run: list[dict], args, final: bool = True) -> list[dict]:
     first_token_agreement(per_run)
     summary = summarise(per_run)
     rows = [{k: v for k, v in r.items() if k != "first_tokens"} for r in per_run]
-    args.json.write_text(json.dumps(rows + summary, indent=1))
+    serve_args = " ".join(args.serve_arg)
+    rows = [r | {"serve_args": serve_args} for r in rows + summary]
+    args.json.write_text(json.dumps(rows, indent=1))
     if final and summary:
         args.json.with_suffix(".md").write_text(markdown_table(summary) + "\n")
         plot(summary, args.plot or args.json.with_suffix(".png"))
