@@ -232,17 +232,15 @@ def _split_attention(
         out_ctx, lse_ctx = _flash(
             grouped_q, keys.to(q.dtype), values.to(q.dtype), group, causal=False
         )
-    merged = []
+    result = torch.empty(rows, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
     for cp in run.chunks:
         own = slice(cp.row_start - run.row_start, cp.row_end - run.row_start)
         out, lse = _flash(grouped_q[:, :, own], k[own], v[own], group, causal=True)
         if out_ctx is not None and lse_ctx is not None:
             weight = torch.sigmoid(lse_ctx[:, :, own] - lse).unsqueeze(-1)  # the context's share
             out = torch.lerp(out.float(), out_ctx[:, :, own].float(), weight).to(q.dtype)
-        merged.append(out)
-    out = merged[0] if len(merged) == 1 else torch.cat(merged, dim=2)
-    # [kv_heads, group, L, d] -> [L, heads, d]
-    return out.permute(2, 0, 1, 3).reshape(rows, heads, head_dim)
+        result[own] = out.permute(2, 0, 1, 3)  # [kv_heads, group, L, d] -> [L, kv_heads, group, d]
+    return result.view(rows, heads, head_dim)
 
 
 def _flash(
