@@ -17,8 +17,9 @@ MLA without RoPE or indexer in the rest, grouped MoE with a shared expert);
 transformers loads those from a checkpoint directory written here. Each cell reports
 tokens/s from the median wall-clock time and, because a shared machine's load swings wall
 time by 2x, also from the median CPU time of the (single) compute thread. ``--matmul``
-picks our fp32 matmul: oneDNN on prepacked weights (the default, ``model/tensor_ops.linear``)
-or F.linear (what transformers runs; MKL here) to see what the packing buys.
+picks our fp32 and bf16 matmul: oneDNN on prepacked weights (the default,
+``model/tensor_ops.linear``) or F.linear (what transformers runs: MKL for fp32 here, oneDNN
+reordering the weight on every call for bf16) to see what the packing buys.
 
     python bench/forward.py --json /tmp/forward.json [--family minimax-m2] [--runs 3]
 """
@@ -316,7 +317,7 @@ def main() -> None:
         "--matmul",
         choices=["onednn", "f-linear"],
         default="onednn",
-        help="our fp32 matmul: oneDNN on prepacked weights (default) or F.linear",
+        help="our fp32 and bf16 matmul: oneDNN on prepacked weights (default) or F.linear",
     )
     ap.add_argument(
         "--attention",

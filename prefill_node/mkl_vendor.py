@@ -4,7 +4,7 @@ torch's CPU wheel links MKL, and MKL picks its kernels by CPU vendor as well as 
 features: on an AMD EPYC with AVX-512 it runs slower kernels. torch's fused CPU attention
 calls those GEMMs in fp32 and in bf16, so attention-heavy prefill runs slower
 (``bench/forward.py --mkl-shim on|off`` measures it). Linear layers avoid MKL already: fp32
-goes to oneDNN (``model/tensor_ops.linear``), and so does bf16 F.linear. The long-known
+and bf16 go to oneDNN (``model/tensor_ops.linear``). The long-known
 remedy is a two-function library, preloaded, that answers MKL's internal vendor query with
 "Intel"; MKL then dispatches on the CPU's real features.
 

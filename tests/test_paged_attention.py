@@ -167,3 +167,60 @@ def test_mla_caches_get_masked_plans_and_refuse_split():
     assert plan.path is AttentionPath.MASKED and plan.chunks[0].mask is not None
     with pytest.raises(InvariantError, match="GQA caches"):
         AttentionPlan.build(batch, kv, torch.float32, AttentionPath.SPLIT)
+
+
+def _shared_prefix_wave(dtype: torch.dtype, order: str):
+    """Sequences sharing a 12-position prefix (3 blocks of 4), written once: A, B, C read it
+    from the same blocks, E from a copy in other blocks; D has no context. ``order`` is the
+    batch's chunks in row order. Returns the cache, batch, q/k/v rows and the float64
+    attention of each row over its whole sequence."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, block, prefix = 6, 2, 16, 4, 12
+    lengths = {"A": 5, "B": 3, "C": 1, "D": 6, "E": 2}
+    pre = [torch.randn(prefix, h, d, generator=g) for h in (heads, kv_heads, kv_heads)]
+    kv = PagedKVCache(LayerRange(0, LAYER + 1), 20, block, kv_heads, d, dtype)
+    kv.write(LAYER, (0, 1, 2), 0, pre[1], pre[2])
+    kv.write(LAYER, (3, 4, 5), 0, pre[1], pre[2])  # E's copy of the prefix
+    own_blocks = {"A": (6, 7), "B": (8,), "C": (9,), "E": (10,), "D": (11, 12)}
+    specs, rows, expected = [], [], []
+    for name in order:
+        n = lengths[name]
+        new = [torch.randn(n, h, d, generator=g) for h in (heads, kv_heads, kv_heads)]
+        start = 0 if name == "D" else prefix
+        table = own_blocks[name] if name == "D" else (3, 4, 5) if name == "E" else (0, 1, 2)
+        specs.append(ChunkSpec(start, n, table + ((own_blocks[name]) if start else ())))
+        rows.append(new)
+        whole = [torch.cat((p, x)) if start else x for p, x in zip(pre, new, strict=True)]
+        q, k, v = (t.to(dtype).double() for t in whole)
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        scores = scores.masked_fill(torch.ones(len(q), len(q)).triu(1).bool(), float("-inf"))
+        expected.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)[start:])
+    q, k, v = (torch.cat([r[i] for r in rows]).to(dtype) for i in range(3))
+    return kv, ChunkBatch(tuple(specs)), (q, k, v), torch.cat(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "order,runs",
+    [("ABC", [(0, 9, 3)]), ("ABDCE", [(0, 8, 2), (8, 14, 1), (14, 15, 1), (15, 17, 1)])],
+)
+def test_chunks_sharing_a_context_attend_to_it_in_one_run(dtype, order, runs):
+    """SPLIT groups consecutive chunks whose context is the same blocks up to the same start
+    (one gather, one kernel call over all their queries); a copy of the context in other
+    blocks, or a chunk without context in between, starts a new run. Every row still equals
+    attention over its own whole sequence, as MASKED computes it."""
+    kv, batch, (q, k, v), expected = _shared_prefix_wave(dtype, order)
+    plan = AttentionPlan.build(batch, kv, dtype, AttentionPath.SPLIT)
+    assert [(r.row_start, r.row_end, len(r.chunks)) for r in plan.runs] == runs
+    split = paged_attention(q, k, v, plan, kv, LAYER).view_as(expected).double()
+    masked_plan = AttentionPlan.build(batch, kv, dtype, AttentionPath.MASKED)
+    masked = paged_attention(q, k, v, masked_plan, kv, LAYER).view_as(expected).double()
+    if dtype is torch.float32:
+        torch.testing.assert_close(split, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(split, masked, atol=1e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(split, expected, atol=2e-2, rtol=1.6e-2)
+        split_err = (split - expected).abs().max().item()
+        masked_err = (masked - expected).abs().max().item()
+        assert split_err <= 2 * masked_err + 8e-3, (split_err, masked_err)

@@ -14,6 +14,9 @@ two chunks of one sequence share a batch. Two paths compute the same thing
   partial outputs are merged exactly: ``o = o_b + sigmoid(lse_a - lse_b) * (o_a - o_b)``.
   GQA shares a K/V head among a group of query heads without copying it: queries are viewed
   as ``[kv_heads, group, L, head_dim]`` and K/V expanded over the group with stride 0.
+  Consecutive chunks whose contexts are the same blocks up to the same start (requests
+  sharing a cached prefix) form one ``ContextRun``: the context is gathered once and part
+  (a) is one kernel call over all their queries, which runs its larger query tiles.
 - MASKED (the reference, and every other device): one SDPA over [0, e) gathered from the
   cache with a bottom-right-aligned additive mask (query row i sits at position s + i and
   sees keys 0..s + i); a chunk starting at 0 uses the fresh K/V with ``is_causal``. GQA goes
@@ -66,6 +69,19 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
+class ContextRun:
+    """SPLIT path: consecutive chunks (batch rows [row_start, row_end)) that attend to the
+    same cached context, positions [0, start) in the blocks ``table``; ``table`` is None and
+    there is one chunk when start == 0."""
+
+    row_start: int
+    row_end: int
+    start: int
+    table: torch.Tensor | None
+    chunks: tuple[ChunkPlan, ...]
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """Everything the layers of one forward need about the batch, built once."""
 
@@ -73,6 +89,7 @@ class AttentionPlan:
     chunks: tuple[ChunkPlan, ...]
     batch: ChunkBatch  # what the plan was built from (recurrent layers read its block tables)
     path: AttentionPath = AttentionPath.MASKED
+    runs: tuple[ContextRun, ...] = ()  # SPLIT path only: ``chunks`` grouped by context
 
     @classmethod
     def build(
@@ -110,7 +127,30 @@ class AttentionPlan:
             )
             plans.append(ChunkPlan(offsets[i], offsets[i + 1], c.start, c.end, table, mask))
         k_slots = slots[0] if len(slots) == 1 else torch.cat(slots)
-        return cls(k_slots=k_slots, chunks=tuple(plans), batch=batch, path=path)
+        runs = _context_runs(batch, plans, kv.block_size) if path is AttentionPath.SPLIT else ()
+        return cls(k_slots=k_slots, chunks=tuple(plans), batch=batch, path=path, runs=runs)
+
+
+def _context_runs(
+    batch: ChunkBatch, plans: list[ChunkPlan], block_size: int
+) -> tuple[ContextRun, ...]:
+    """Group consecutive chunks with cached context [0, start) in the same blocks. The
+    positions read are below ``start`` in every chunk of a run, so they hold the same K/V
+    whatever the chunks write (writes go to [start, end))."""
+    runs: list[ContextRun] = []
+    key_of_last = None
+    for spec, cp in zip(batch.chunks, plans, strict=True):
+        key = (spec.start, spec.block_table[: -(-spec.start // block_size)])
+        if cp.table is not None and key == key_of_last:
+            last = runs[-1]
+            runs[-1] = ContextRun(
+                last.row_start, cp.row_end, last.start, last.table, (*last.chunks, cp)
+            )
+            continue
+        table = None if cp.table is None else cp.table[: len(key[1])]
+        runs.append(ContextRun(cp.row_start, cp.row_end, cp.start, table, (cp,)))
+        key_of_last = key if cp.table is not None else None
+    return tuple(runs)
 
 
 def causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -134,16 +174,16 @@ def paged_attention(
     Side effect: the rows' K/V are stored in ``kv`` for ``global_layer`` at the plan's slots.
     """
     kv.write_slots(global_layer, plan.k_slots, k, v)
-    chunk_attention = _split_attention if plan.path is AttentionPath.SPLIT else _masked_attention
+    split = plan.path is AttentionPath.SPLIT
+    attend = _split_attention if split else _masked_attention
+    units: tuple[ContextRun, ...] | tuple[ChunkPlan, ...] = plan.runs if split else plan.chunks
     num_rows, num_heads, head_dim = q.shape
-    if len(plan.chunks) == 1:
-        return chunk_attention(q, k, v, plan.chunks[0], kv, global_layer).reshape(
-            num_rows, num_heads * head_dim
-        )
+    if len(units) == 1:
+        return attend(q, k, v, units[0], kv, global_layer).reshape(num_rows, num_heads * head_dim)
     out = torch.empty(num_rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    for cp in plan.chunks:
-        rows = slice(cp.row_start, cp.row_end)
-        out[rows] = chunk_attention(q[rows], k[rows], v[rows], cp, kv, global_layer)
+    for unit in units:
+        rows = slice(unit.row_start, unit.row_end)
+        out[rows] = attend(q[rows], k[rows], v[rows], unit, kv, global_layer)
     return out.view(num_rows, num_heads * head_dim)
 
 
@@ -177,25 +217,30 @@ def _split_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cp: ChunkPlan,
+    run: ContextRun,
     kv: PagedKVCache,
     global_layer: int,
 ) -> torch.Tensor:
-    """One chunk's attention output [L, heads, head_dim], SPLIT path (CPU)."""
+    """One run's attention output [L, heads, head_dim] (its rows), SPLIT path (CPU)."""
     rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     grouped_q = q.transpose(0, 1).unflatten(0, (kv_heads, group))  # [kv_heads, group, L, d]
-    out, lse = _flash(grouped_q, k, v, group, causal=True)
-    if cp.table is not None:
-        keys, values = kv.gather(global_layer, cp.table, cp.start)
+    out_ctx = lse_ctx = None
+    if run.table is not None:
+        keys, values = kv.gather(global_layer, run.table, run.start)
         out_ctx, lse_ctx = _flash(
             grouped_q, keys.to(q.dtype), values.to(q.dtype), group, causal=False
         )
-        weight = torch.sigmoid(lse_ctx - lse).unsqueeze(-1)  # share of the context part
-        out = torch.lerp(out.float(), out_ctx.float(), weight).to(q.dtype)
-    # [kv_heads, group, L, d] -> [L, heads, d]
-    return out.permute(2, 0, 1, 3).reshape(rows, heads, head_dim)
+    result = torch.empty(rows, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    for cp in run.chunks:
+        own = slice(cp.row_start - run.row_start, cp.row_end - run.row_start)
+        out, lse = _flash(grouped_q[:, :, own], k[own], v[own], group, causal=True)
+        if out_ctx is not None and lse_ctx is not None:
+            weight = torch.sigmoid(lse_ctx[:, :, own] - lse).unsqueeze(-1)  # the context's share
+            out = torch.lerp(out.float(), out_ctx[:, :, own].float(), weight).to(q.dtype)
+        result[own] = out.permute(2, 0, 1, 3)  # [kv_heads, group, L, d] -> [L, kv_heads, group, d]
+    return result.view(rows, heads, head_dim)
 
 
 def _flash(

@@ -22,15 +22,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # oneDNN's matmul on a weight reordered once into its blocked layout ("prepacked", as vLLM's
 # CPU build and torch's inductor do) runs fp32 at about 1.7x the speed of F.linear, which on
 # this CPU goes to MKL, whose non-Intel kernels are slower on an AMD EPYC (SmolLM2-135M, one
-# thread: bench/forward.py --matmul onednn|f-linear). bf16 F.linear already goes to oneDNN.
+# thread: bench/forward.py --matmul onednn|f-linear). bf16 F.linear already goes to oneDNN,
+# but reorders the weight on every call: prepacked, SmolLM2-135M's bf16 products run 1-10%
+# faster with the same bits (docs/models.md).
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACKED_DTYPES = (torch.float32,) + (
+    (torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+)
 _PACKED = "_wavepp_onednn"  # attribute on the weight Parameter: (its _version, packed weight)
 _use_onednn = _ONEDNN
 
 
 def set_onednn_matmul(enabled: bool) -> None:
-    """Choose the fp32 matmul: oneDNN on prepacked weights (default where torch has it) or
-    F.linear (for comparison: bench/forward.py --matmul)."""
+    """Choose the fp32 and bf16 matmul: oneDNN on prepacked weights (default where torch has
+    it) or F.linear (for comparison: bench/forward.py --matmul)."""
     global _use_onednn
     _use_onednn = enabled and _ONEDNN
 
@@ -39,9 +44,10 @@ ROW_BUCKET = 32  # oneDNN gets row counts in multiples of this (see ``linear``)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T``. A float32 CPU weight Parameter is packed for oneDNN on first use and
-    repacked whenever it was written since (its ``_version``); anything else (views such as
-    one expert's slice, other dtypes or devices) goes to F.linear.
+    """``x @ weight.T``. A float32 or bfloat16 CPU weight Parameter (bf16 where the CPU has
+    oneDNN's bf16 kernels) is packed for oneDNN on first use and repacked whenever it was
+    written since (its ``_version``); anything else (views such as one expert's slice, other
+    dtypes or devices, inputs of another dtype) goes to F.linear.
 
     oneDNN caches a compiled kernel per problem shape, up to 1,024 of them: fed every row
     count a server sees, a process grew by hundreds of MiB (docs/models.md). So it sees
@@ -52,8 +58,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _use_onednn
         and rows >= ROW_BUCKET
         and isinstance(weight, nn.Parameter)
-        and weight.dtype == torch.float32
-        and x.dtype == torch.float32
+        and weight.dtype in _PACKED_DTYPES
+        and x.dtype == weight.dtype
         and weight.device.type == "cpu"
     ):
         return F.linear(x, weight)
