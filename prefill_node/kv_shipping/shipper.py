@@ -140,6 +140,16 @@ class StageShipResult:
         return self.error is None
 
 
+class _Part(NamedTuple):
+    """A streamed range handed to the sender: whose, its references, its first token and
+    its layers (None: all of the stage's)."""
+
+    request_id: str
+    blocks: list[KVBlock]
+    start: int
+    layers: tuple[int, int] | None
+
+
 class KVHeld(NamedTuple):
     """What a stage's shipper holds: WRITEs in flight, live pull leases, and their blocks."""
 
@@ -210,7 +220,7 @@ class StageKVShipper:
         self._leased: dict[str, tuple[str, list[KVBlock]]] = {}  # lease id -> (request, blocks)
         self._results: dict[str, StageShipResult] = {}
         self._streams: dict[str, _Stream] = {}
-        self._parts: dict[int, tuple[str, list[KVBlock]]] = {}  # part id -> (request, refs)
+        self._parts: dict[int, _Part] = {}  # streamed ranges handed to the sender, by id
         self._dead: OrderedDict[str, None] = OrderedDict()  # cancelled ids (capped)
         self.parts_posted = 0  # streamed WRITEs posted so far (observability, tests)
 
@@ -227,7 +237,7 @@ class StageKVShipper:
     def held_blocks(self) -> int:
         """Block references this shipper holds now (in-flight WRITEs and live leases)."""
         pushing = sum(len(h.blocks) + len(h.streamed) for h in self._pushing.values())
-        streaming = sum(len(b) for _, b in self._parts.values())
+        streaming = sum(len(p.blocks) for p in self._parts.values())
         queued = sum(len(st.queued) + len(st.group_queued) for st in self._streams.values())
         return pushing + streaming + queued + sum(len(b) for _, b in self._leased.values())
 
@@ -257,7 +267,12 @@ class StageKVShipper:
         if request_id in self._dead or (stream is not None and stream.failed):
             self._unpin(held.blocks)  # cancelled, or failed and reported already
             self._give_back_streamed(held.streamed)
+            if stream is not None and not stream.stopped:  # failed since the last poll
+                self.sender.cancel(request_id)
+                self._drop_parts(request_id)
             return
+        if stream is not None:
+            held.streamed += self._withdraw_unposted(request_id, stream)
         try:
             if stream is None:
                 wire = stage_push_destination(
@@ -355,7 +370,7 @@ class StageKVShipper:
                 except KVTransferError as exc:
                     self._fail_stream(request_id, stream, exc)
                     break
-                self._parts[part] = (request_id, refs)
+                self._parts[part] = _Part(request_id, refs, stream.posted_to, layers)
                 if layers is None:
                     stream.queued, stream.posted_to = [], stream.ready_to
                 else:
@@ -364,9 +379,29 @@ class StageKVShipper:
             if len(self._parts) >= self.config.stream_max_inflight:
                 return
 
+    def _withdraw_unposted(self, request_id: str, stream: _Stream) -> list[KVBlock]:
+        """At the final push: the request's ranges the sender has not posted yet (handed
+        over since its last poll, e.g. the layer group streamed just before the forward
+        ended) ride the final push instead of going first and making it wait for them to
+        land. Newest first, so what is left stays one rectangle: a group widens its layers
+        down, an all-layer range (once no group is left) moves its first token back.
+        Returns their references (the final push now holds them)."""
+        refs: list[KVBlock] = []
+        mine = sorted((p for p, e in self._parts.items() if e.request_id == request_id))
+        for part in reversed(mine):
+            if not self.sender.withdraw(part):
+                break  # posted: the ones before it are too (the sender posts in order)
+            entry = self._parts.pop(part)
+            refs += entry.blocks
+            if entry.layers is not None:
+                stream.layers_posted = entry.layers[0]
+            else:
+                stream.posted_to = entry.start
+            self.parts_posted -= 1
+        return refs
+
     def _on_part_end(self, request_id: str, part: int, error: KVTransferError | None) -> None:
-        _, blocks = self._parts.pop(part)
-        self._give_back_streamed(blocks)
+        self._give_back_streamed(self._parts.pop(part).blocks)
         stream = self._streams.get(request_id)
         if error is not None and stream is not None and not stream.failed:
             self._fail_stream(request_id, stream, error)
@@ -381,10 +416,10 @@ class StageKVShipper:
 
     def _drop_parts(self, request_id: str) -> None:
         """Give back the references of ``request_id``'s ranges the sender dropped."""
-        for part, (owner, blocks) in list(self._parts.items()):
-            if owner == request_id:
+        for part, entry in list(self._parts.items()):
+            if entry.request_id == request_id:
                 del self._parts[part]
-                self._give_back_streamed(blocks)
+                self._give_back_streamed(entry.blocks)
 
     def _give_back_streamed(self, blocks: Sequence[KVBlock]) -> None:
         if blocks:
