@@ -40,6 +40,7 @@ from kv_transfer.layout import HybridPool
 from kv_transfer.lease import Lease, LeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
 from kv_transfer.plan import PageMap, last_token_blocks
+from kv_transfer.prepared import prepared_fits, start_prepared_write
 from kv_transfer.sender_config import SenderConfig
 from kv_transfer.transfer import NixlTransfer, drive, start_transfer
 
@@ -101,6 +102,7 @@ class KVSender:
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
         self.ignored_notifications = 0
         self.writes_posted = 0  # WRITEs posted so far, ranges and final pushes (observability)
+        self.prepared_posted = 0  # of those, from prepared descriptor lists
         self._server: MetadataServer | None = None
         if config.metadata_host is not None:
             info = PeerInfo(agent.name, agent.metadata, self.layout)
@@ -360,21 +362,25 @@ class KVSender:
         try:
             self.config.allow.check_agent(push.host_ok, peer.agent_name)
             dst_pages = self._pages_at(push.dest, peer)
-            push.transfer = start_transfer(
-                self.agent,
-                "WRITE",
-                peer.agent_name,
-                note.encode(),
-                local_layers=self.kv_caches[first : first + hi - lo],
-                local_layout=self.layout.layer_slice(lo, hi),
-                local_pages=push.src_pages,
-                remote_layout=peer.layout,
-                remote_pages=dst_pages,
-                start=push.start,
-                end=push.num_tokens,
-                state_slots=self._final_state_slots(push, dst_pages),
-                state_layout=self.layout,  # every recurrent layer's state, after layer groups
-            )
+            end, pages = push.num_tokens, (push.src_pages, dst_pages)
+            if self.config.prepared_writes and prepared_fits(
+                self.layout, peer.layout, push.layers, *pages, push.start, end
+            ):
+                push.transfer = start_prepared_write(
+                    self.agent, peer.agent_name, note.encode(), local_layout=self.layout,
+                    layers=push.layers, remote_layout=peer.layout, src=pages[0], dst=pages[1],
+                    start=push.start, end=end,
+                )  # fmt: skip
+                self.prepared_posted += 1
+            else:
+                push.transfer = start_transfer(
+                    self.agent, "WRITE", peer.agent_name, note.encode(),
+                    local_layers=self.kv_caches[first : first + hi - lo],
+                    local_layout=self.layout.layer_slice(lo, hi), local_pages=pages[0],
+                    remote_layout=peer.layout, remote_pages=pages[1], start=push.start, end=end,
+                    state_slots=self._final_state_slots(push, dst_pages),
+                    state_layout=self.layout,  # every recurrent layer's state (layer groups)
+                )  # fmt: skip
             if push.num_tokens > push.start:
                 self._posted[request_id] = (push.dest.endpoint, note.transfer_id)
                 self.writes_posted += 1

@@ -12,7 +12,9 @@ from kv_transfer.errors import InvalidTransferRequest
 class SenderConfig:
     """Per-stage settings. ``metadata_host`` None: no endpoint, push mode only; otherwise
     pull manifests name ``metadata_advertise_host`` (or the bound address) as the endpoint.
-    ``transfer_timeout_s`` bounds a push from ``push`` to completion, handshake included."""
+    ``transfer_timeout_s`` bounds a push from ``push`` to completion, handshake included.
+    ``prepared_writes``: a WRITE of whole blocks to a pool of the same block size uses NIXL
+    descriptor lists prepared once (kv_transfer/prepared.py); False: always the general way."""
 
     stage: int
     num_stages: int
@@ -23,6 +25,7 @@ class SenderConfig:
     metadata_host: str | None = "127.0.0.1"
     metadata_port: int = 0
     metadata_advertise_host: str | None = None
+    prepared_writes: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.num_stages:
