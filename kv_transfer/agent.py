@@ -145,7 +145,8 @@ class KVAgent:
         self.staging.close()
         for name in list(self._remote_digests):
             self.forget_remote(name)
-        self._release_prepared("")
+        for name in list(self._prepared):
+            self._release_prepared(name)
         for registration in self._registrations:
             self.nixl.deregister_memory(registration)
         self._registrations.clear()
