@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.errors import InvalidTransferRequest, TransferFailed
@@ -49,6 +50,7 @@ class KVAgent:
         self._registrations: list[Any] = []
         self._remote_digests: dict[str, bytes] = {}
         self._parked: list[Any] = []
+        self._prepared: dict[str, tuple[KVLayout, Any]] = {}  # "" (ours) or a peer's name
         self.metadata = self.nixl.get_agent_metadata()
         self.staging = StagingPool(self.nixl.register_memory, self.nixl.deregister_memory)
 
@@ -77,6 +79,31 @@ class KVAgent:
     def deregister(self, registration: Any) -> None:
         self.nixl.deregister_memory(registration)
 
+    def prepared_blocks(self, name: str, layout: KVLayout) -> Any:
+        """A NIXL descriptor list of every block of every layer of ``layout`` (entry
+        ``i * num_blocks + b``: the layer at ``layer_start + i``, block ``b``, its K and V
+        pages as one piece), prepared once: this agent's own pool (``name`` "") or loaded
+        peer ``name``'s. Released when the peer is forgotten or the agent closes."""
+        held = self._prepared.get(name)
+        if held is not None and (held[0] is layout or held[0] == layout):
+            return held[1]
+        if held is not None:
+            held[1].release()
+            del self._prepared[name]
+        rows = np.array(  # strided: (address, length, device, stride, count) per layer
+            [[r.base_addr, layout.block_bytes, r.device_id, layout.block_bytes, layout.num_blocks]
+             for r in layout.regions],
+            dtype=np.uint64,
+        )  # fmt: skip
+        handle = self.nixl.prep_xfer_dlist(name or "NIXL_INIT_AGENT", rows, layout.mem_type)
+        self._prepared[name] = (layout, handle)
+        return handle
+
+    def _release_prepared(self, name: str) -> None:
+        held = self._prepared.pop(name, None)
+        if held is not None:
+            held[1].release()
+
     def park(self, resources: Any) -> None:
         """Keep buffers of a transfer NIXL could not cancel alive until ``close``."""
         self._parked.append(resources)
@@ -104,6 +131,7 @@ class KVAgent:
             raise TransferFailed(f"cannot connect to NIXL agent {name}: {exc!r}") from exc
 
     def forget_remote(self, name: str) -> None:
+        self._release_prepared(name)  # before NIXL drops the peer it refers to
         if self._remote_digests.pop(name, None) is not None:
             try:
                 self.nixl.remove_remote_agent(name)
@@ -117,6 +145,8 @@ class KVAgent:
         self.staging.close()
         for name in list(self._remote_digests):
             self.forget_remote(name)
+        for name in list(self._prepared):
+            self._release_prepared(name)
         for registration in self._registrations:
             self.nixl.deregister_memory(registration)
         self._registrations.clear()

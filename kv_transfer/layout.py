@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
+
+import numpy as np
 
 from kv_transfer.errors import InvalidTransferRequest, LayoutMismatch
 
@@ -184,6 +187,12 @@ class KVLayout:
         """Some layers are not paged (recurrent layers, possibly with ``states``)."""
         return self.paged_layers is not None
 
+    @cached_property
+    def paged_bases(self) -> np.ndarray:
+        """Base address of each paged layer's tensor (uint64, ``paged`` order), computed once
+        per layout: every WRITE's descriptors start from it."""
+        return np.array([r.base_addr for r in self.regions], dtype=np.uint64)
+
     def region_of(self, layer: int) -> MemoryRegion:
         """The paged tensor of global ``layer``."""
         if self.paged_layers is None:
@@ -296,8 +305,19 @@ class KVLayout:
                 raise
             raise InvalidTransferRequest(f"malformed KV layout: {exc!r}") from exc
 
+    @cached_property
+    def _slices(self) -> dict[tuple[int, int], KVLayout]:
+        return {}
+
     def layer_slice(self, layer_start: int, layer_end: int) -> KVLayout:
-        """The same pool restricted to layers ``[layer_start, layer_end)``."""
+        """The same pool restricted to layers ``[layer_start, layer_end)``; built once per
+        range (a sender slices per WRITE; the slice's ``paged_bases`` are then computed once)."""
+        got = self._slices.get((layer_start, layer_end))
+        if got is None:
+            got = self._slices[(layer_start, layer_end)] = self._slice(layer_start, layer_end)
+        return got
+
+    def _slice(self, layer_start: int, layer_end: int) -> KVLayout:
         if not self.covers(layer_start, layer_end):
             raise LayoutMismatch(
                 f"layers [{layer_start}, {layer_end}) not in [{self.layer_start}, {self.layer_end})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -41,6 +42,17 @@ class PageMap:
         """One past the last token position this map can hold."""
         return self.origin + len(self.block_ids) * self.block_size
 
+    @cached_property
+    def ids(self) -> np.ndarray:
+        """``block_ids`` as an int64 array (built once per map)."""
+        return np.asarray(self.block_ids, dtype=np.int64)
+
+    def inner_starts(self, start: int, end: int) -> np.ndarray:
+        """First tokens of this map's blocks strictly inside ``(start, end)``."""
+        first = (start - self.origin) // self.block_size + 1
+        last = (end - 1 - self.origin) // self.block_size
+        return self.origin + np.arange(first, last + 1, dtype=np.int64) * self.block_size
+
     def block_of(self, token: int) -> int:
         """The block holding ``token`` (one this map covers)."""
         return self.block_ids[(token - self.origin) // self.block_size]
@@ -60,46 +72,41 @@ def token_runs(src: PageMap, dst: PageMap, start: int, end: int) -> np.ndarray:
     dst.check_range(start, end, "destination")
     if start == end:
         return np.zeros((0, 5), dtype=np.int64)
-    cuts = [np.array([start, end], dtype=np.int64)]
-    for pages in (src, dst):
-        first = (start - pages.origin) // pages.block_size + 1
-        last = (end - 1 - pages.origin) // pages.block_size
-        cuts.append(pages.origin + np.arange(first, last + 1, dtype=np.int64) * pages.block_size)
-    bounds = np.unique(np.concatenate(cuts))
-    lo, hi = bounds[:-1], bounds[1:]
+    fine, coarse = (src, dst) if src.block_size <= dst.block_size else (dst, src)
+    if (
+        coarse.block_size % fine.block_size == 0
+        and (coarse.origin - fine.origin) % fine.block_size == 0
+    ):  # every block start of the coarser map is one of the finer map's (equal sizes too)
+        inner = fine.inner_starts(start, end)
+    else:
+        inner = np.union1d(src.inner_starts(start, end), dst.inner_starts(start, end))
+    lo = np.empty(len(inner) + 1, dtype=np.int64)
+    lo[0], lo[1:] = start, inner
     runs = np.empty((len(lo), 5), dtype=np.int64)
     for col, pages in ((0, src), (2, dst)):
-        rel = lo - pages.origin
-        runs[:, col] = np.asarray(pages.block_ids, dtype=np.int64)[rel // pages.block_size]
-        runs[:, col + 1] = rel % pages.block_size
-    runs[:, 4] = hi - lo
+        block, off = np.divmod(lo - pages.origin, pages.block_size)
+        runs[:, col] = pages.ids[block]
+        runs[:, col + 1] = off
+    runs[:-1, 4] = np.diff(lo)
+    runs[-1, 4] = end - lo[-1]
     return runs
 
 
 def _layer_bases(layout: KVLayout, layers: Sequence[int]) -> np.ndarray:
     if not layout.regions and layout.paged:
         raise InvalidTransferRequest("layout has no memory regions to address")
-    paged = set(layout.paged)
+    contiguous = isinstance(layers, range) and layers.step == 1 and not layout.hybrid
+    if contiguous and (layout.covers(layers.start, layers.stop) or not layers):
+        first = layers.start - layout.layer_start  # the common case: a slice, no lookups
+        return layout.paged_bases[first : first + len(layers)]
+    paged = {x: i for i, x in enumerate(layout.paged)}
     missing = [x for x in layers if x not in paged]
     if missing:
         raise LayoutMismatch(
             f"layers {missing} have no paged tensor in pool [{layout.layer_start}, "
             f"{layout.layer_end}) (paged: {list(layout.paged)})"
         )
-    return np.array([layout.region_of(x).base_addr for x in layers], dtype=np.uint64)
-
-
-def _addresses(
-    layout: KVLayout, layers: Sequence[int], blocks: np.ndarray, offs: np.ndarray
-) -> np.ndarray:
-    """Byte addresses shaped [layer, run, plane] (K page then V page of each run)."""
-    base = _layer_bases(layout, layers)[:, None, None]
-    in_layer = (
-        blocks.astype(np.uint64)[None, :, None] * np.uint64(layout.block_bytes)
-        + np.arange(layout.planes, dtype=np.uint64)[None, None, :] * np.uint64(layout.page_bytes)
-        + offs.astype(np.uint64)[None, :, None] * np.uint64(layout.token_bytes)
-    )
-    return base + in_layer
+    return layout.paged_bases[[paged[x] for x in layers]]
 
 
 @dataclass(frozen=True)
@@ -125,21 +132,32 @@ def build_descriptors(
     if src.dtype != dst.dtype:
         raise LayoutMismatch("direct descriptors need equal dtypes; stage and convert first")
     src.check_compatible(dst)
-    s = _addresses(src, layers, runs[:, 0], runs[:, 1]).ravel()
-    d = _addresses(dst, layers, runs[:, 2], runs[:, 3]).ravel()
-    n = np.broadcast_to(
-        (runs[:, 4].astype(np.uint64) * np.uint64(src.token_bytes))[None, :, None],
-        (len(layers), len(runs), src.planes),
-    ).ravel()
-    if len(n) == 0:
+    token_bytes, planes, num_layers = src.token_bytes, src.planes, len(layers)
+    if num_layers == 0 or len(runs) == 0:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return Descriptors(empty, empty)
-    head = np.ones(len(n), dtype=bool)
-    head[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
+    # [layer, run, plane, side] byte addresses, side 0 the source, 1 the destination; int64
+    # arithmetic wraps like uint64, so the bits are the same
+    bases = np.stack([_layer_bases(src, layers), _layer_bases(dst, layers)], axis=1)
+    in_layer = runs[:, 0:4:2] * np.array([src.block_bytes, dst.block_bytes], dtype=np.int64)
+    in_layer += runs[:, 1:4:2] * token_bytes
+    addr = bases.view(np.int64)[:, None, None, :] + in_layer[None, :, None, :]
+    if planes == 2:
+        addr = addr + np.array([[0, 0], [src.page_bytes, dst.page_bytes]], dtype=np.int64)
+    addr = addr.reshape(-1, 2)
+    n = np.broadcast_to(
+        (runs[:, 4] * token_bytes)[None, :, None], (num_layers, len(runs), planes)
+    ).ravel()
+    head = np.ones(len(n), dtype=bool)  # a piece that does not continue the one before
+    head[1:] = (addr[1:] != addr[:-1] + n[:-1, None]).any(axis=1)
     idx = np.flatnonzero(head)
-    lengths = np.add.reduceat(n, idx)
-    src_rows = np.stack([s[idx], lengths, np.full(len(idx), _device(src), np.uint64)], axis=1)
-    dst_rows = np.stack([d[idx], lengths, np.full(len(idx), _device(dst), np.uint64)], axis=1)
+    if len(idx) < len(n):
+        addr, n = addr[idx], np.add.reduceat(n, idx)
+    rows = np.empty((2, len(idx), 3), dtype=np.int64)
+    rows[:, :, 0] = addr.T
+    rows[:, :, 1] = n
+    rows[0, :, 2], rows[1, :, 2] = _device(src), _device(dst)
+    src_rows, dst_rows = rows.view(np.uint64)
     if src_is_local:
         return Descriptors(src_rows, dst_rows)
     return Descriptors(dst_rows, src_rows)

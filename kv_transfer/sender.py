@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.agent import KVAgent
-from kv_transfer.allowlist import AllowList
 from kv_transfer.errors import (
     InvalidTransferRequest,
     KVInvariantError,
@@ -41,30 +40,9 @@ from kv_transfer.layout import HybridPool
 from kv_transfer.lease import Lease, LeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
 from kv_transfer.plan import PageMap, last_token_blocks
+from kv_transfer.prepared import prepared_fits, start_prepared_write
+from kv_transfer.sender_config import SenderConfig
 from kv_transfer.transfer import NixlTransfer, drive, start_transfer
-
-
-@dataclass(frozen=True)
-class SenderConfig:
-    """Per-stage settings. ``metadata_host`` None: no endpoint, push mode only; otherwise
-    pull manifests name ``metadata_advertise_host`` (or the bound address) as the endpoint.
-    ``transfer_timeout_s`` bounds a push from ``push`` to completion, handshake included."""
-
-    stage: int
-    num_stages: int
-    allow: AllowList
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 2.0
-    lease_ttl_s: float = 30.0
-    metadata_host: str | None = "127.0.0.1"
-    metadata_port: int = 0
-    metadata_advertise_host: str | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.stage < self.num_stages:
-            raise InvalidTransferRequest(f"stage {self.stage} not in [0, {self.num_stages})")
-        if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
-            raise InvalidTransferRequest("timeouts and lease TTL must be positive")
 
 
 @dataclass
@@ -117,12 +95,14 @@ class KVSender:
         self._part_ids = itertools.count()
         self._posted: dict[str, tuple[str, str]] = {}  # request -> (endpoint, transfer id)
         self._broken: set[str] = set()  # requests a streamed range of which failed
+        self._dst_pages: tuple[PushDestination, object, PageMap] | None = None  # the last one
         self._peers: dict[str, PeerInfo] = {}
         self._host_ok: dict[str, bool] = {}  # endpoint -> allowed by CIDR (else: by name)
         self._handshakes: dict[str, Future[PeerInfo]] = {}
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
         self.ignored_notifications = 0
         self.writes_posted = 0  # WRITEs posted so far, ranges and final pushes (observability)
+        self.prepared_posted = 0  # of those, from prepared descriptor lists
         self._server: MetadataServer | None = None
         if config.metadata_host is not None:
             info = PeerInfo(agent.name, agent.metadata, self.layout)
@@ -196,6 +176,16 @@ class KVSender:
         self._ensure_handshake(dest.endpoint)
         return push.part
 
+    def withdraw(self, part_id: int) -> bool:
+        """Take back streamed range ``part_id`` if its WRITE is not posted yet (it was handed
+        over since the last ``poll``): it is forgotten, without ``on_part_end``. False when
+        it is posted or over. The caller's final ``push`` then covers its tokens / layers."""
+        part = self._parts.get(part_id)
+        if part is None or part.transfer is not None:
+            return False
+        del self._parts[part_id]
+        return True
+
     def _new_push(
         self,
         dest: PushDestination,
@@ -266,12 +256,15 @@ class KVSender:
         self._finish_handshakes(outcomes)
         now = self._clock()
         # ranges that landed are seen before ``_post_ready``: a final push waiting on them
-        # goes in this same poll, not one poll interval later
+        # goes in this same poll, not one poll interval later; their ``on_part_end`` (the
+        # stage gives their blocks back) runs after it, off the final push's way
+        landed: list[_Push] = []
         for part in list(self._parts.values()):
             error: KVTransferError | None = None
             try:
                 if part.transfer is not None and part.transfer.check():
-                    self._end_part(part, None)
+                    del self._parts[part.part]
+                    landed.append(part)
                     continue
             except KVTransferError as exc:
                 error = exc
@@ -280,6 +273,8 @@ class KVSender:
             if error is not None:
                 self._end_part(part, error)
         self._post_ready(outcomes)
+        for part in landed:
+            self._on_part_end(part.dest.request_id, part.part, None)
         for request_id, push in list(self._pushes.items()):
             error = None
             if push.transfer is not None:
@@ -366,23 +361,26 @@ class KVSender:
         )
         try:
             self.config.allow.check_agent(push.host_ok, peer.agent_name)
-            dst_pages = PageMap(push.dest.block_ids, peer.layout.block_size, push.dest.skip_tokens)
-            peer.layout.check_block_ids(push.dest.block_ids)
-            push.transfer = start_transfer(
-                self.agent,
-                "WRITE",
-                peer.agent_name,
-                note.encode(),
-                local_layers=self.kv_caches[first : first + hi - lo],
-                local_layout=self.layout.layer_slice(lo, hi),
-                local_pages=push.src_pages,
-                remote_layout=peer.layout,
-                remote_pages=dst_pages,
-                start=push.start,
-                end=push.num_tokens,
-                state_slots=self._final_state_slots(push, dst_pages),
-                state_layout=self.layout,  # every recurrent layer's state, after layer groups
-            )
+            dst_pages = self._pages_at(push.dest, peer)
+            end, pages = push.num_tokens, (push.src_pages, dst_pages)
+            if self.config.prepared_writes and prepared_fits(
+                self.layout, peer.layout, push.layers, *pages, push.start, end
+            ):
+                push.transfer = start_prepared_write(
+                    self.agent, peer.agent_name, note.encode(), local_layout=self.layout,
+                    layers=push.layers, remote_layout=peer.layout, src=pages[0], dst=pages[1],
+                    start=push.start, end=end,
+                )  # fmt: skip
+                self.prepared_posted += 1
+            else:
+                push.transfer = start_transfer(
+                    self.agent, "WRITE", peer.agent_name, note.encode(),
+                    local_layers=self.kv_caches[first : first + hi - lo],
+                    local_layout=self.layout.layer_slice(lo, hi), local_pages=pages[0],
+                    remote_layout=peer.layout, remote_pages=pages[1], start=push.start, end=end,
+                    state_slots=self._final_state_slots(push, dst_pages),
+                    state_layout=self.layout,  # every recurrent layer's state (layer groups)
+                )  # fmt: skip
             if push.num_tokens > push.start:
                 self._posted[request_id] = (push.dest.endpoint, note.transfer_id)
                 self.writes_posted += 1
@@ -391,6 +389,14 @@ class KVSender:
                 self._end_part(push, exc)
             else:
                 self._end(request_id, exc, outcomes)
+
+    def _pages_at(self, dest: PushDestination, peer: PeerInfo) -> PageMap:
+        """Decode's page map of ``dest``, checked once for a request's ranges in a row."""
+        if self._dst_pages is None or self._dst_pages[:2] != (dest, peer.layout):
+            peer.layout.check_block_ids(dest.block_ids)
+            pages = PageMap(dest.block_ids, peer.layout.block_size, dest.skip_tokens)
+            self._dst_pages = (dest, peer.layout, pages)
+        return self._dst_pages[2]
 
     def _final_state_slots(self, push: _Push, dst_pages: PageMap) -> tuple[int, int] | None:
         """A final push from a pool with recurrent layers: (this stage's block, decode's

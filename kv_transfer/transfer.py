@@ -205,7 +205,7 @@ def start_transfer(
             raise
         raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
     transfer = NixlTransfer(agent, descs.num_bytes, handle, staging, unpack)
-    return _post(agent, op, remote_agent, transfer)
+    return post(agent, op, remote_agent, transfer)
 
 
 def _start_hybrid(
@@ -258,11 +258,12 @@ def _start_hybrid(
         if isinstance(exc, KVTransferError):
             raise
         raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
-    return _post(agent, op, remote_agent, NixlTransfer(agent, descs.num_bytes, handle))
+    return post(agent, op, remote_agent, NixlTransfer(agent, descs.num_bytes, handle))
 
 
-def _post(agent: KVAgent, op: str, remote_agent: str, transfer: NixlTransfer) -> NixlTransfer:
-    """Post ``transfer``'s prepared request; on failure abort it (releasing its buffers)."""
+def post(agent: KVAgent, op: str, remote_agent: str, transfer: NixlTransfer) -> NixlTransfer:
+    """Post ``transfer``'s request (built, not yet posted); on failure abort it (releasing
+    its buffers)."""
     try:
         posted = agent.nixl.transfer(transfer._handle)
     except Exception as exc:

@@ -187,6 +187,8 @@ def test_the_final_push_carries_ranges_still_queued(decode, stages):
     dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     posted = [s.parts_posted for s in stages.shippers]
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
+    for shipper in stages.shippers:
+        shipper.poll()  # posts (0, 8)
     push_final(stages, rid, src, dest, num_tokens)  # (8, 16) never got a WRITE of its own
     assert all(r.ok for r in stages.results(rid))
     assert [s.parts_posted - p for s, p in zip(stages.shippers, posted, strict=True)] == [1, 1]
@@ -338,6 +340,36 @@ def test_a_final_push_carries_a_layer_group_still_queued(decode, stages):
     assert all(r.ok for r in stages.results(rid))
     assert decode.call("wait", pool, rid) == (None, 0)
     assert_shipped(decode, stages, pool, dest.block_ids, 0, num_tokens, src)
+    assert stages.balanced()
+
+
+@pytest.fixture(scope="module")
+def direct_decode() -> Iterator[Decode]:
+    worker = Decode({"direct": POOLS["direct"]})  # a fresh fp32 pool (the shared one is full)
+    yield worker
+    worker.stop()
+
+
+def test_a_layer_group_handed_over_but_not_posted_rides_the_final_push(direct_decode, stages):
+    """The final push comes in the same pass as the layer group before it (no poll between):
+    the group is taken back from the sender unposted and the final push WRITEs its layers
+    too, instead of waiting for it to land; every byte lands once, every block comes back."""
+    num_tokens, pool = 22, "direct"
+    src = prefill_blocks(num_tokens, seed=53)
+    rid = "groups-unposted"
+    dest = engine_dest(direct_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
+    stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
+    posted = [(s.parts_posted, s.sender.writes_posted) for s in stages.shippers]
+    stream_first_layer(stages, rid, src, dest, num_tokens, 16)  # handed to the sender ...
+    assert all(s.sender.parts_inflight == 1 for s in stages.shippers)
+    push_final(stages, rid, src, dest, num_tokens)  # ... and taken back, unposted
+    assert all(s.sender.parts_inflight == 0 for s in stages.shippers)
+    assert all(r.ok for r in stages.results(rid))
+    after = [(s.parts_posted, s.sender.writes_posted) for s in stages.shippers]
+    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, posted, strict=True)] == [(0, 1)] * 2
+    assert direct_decode.call("wait", pool, rid) == (None, 0)
+    assert_shipped(direct_decode, stages, pool, dest.block_ids, 0, num_tokens, src)
     assert stages.balanced()
 
 

@@ -109,6 +109,71 @@ def test_descriptors_merge_contiguous_blocks_and_keep_bytes():
         build_descriptors(runs, src, KVLayout(0, 2, 8, 4, 1, 2, "bfloat16", ()), range(2), True)
 
 
+def _pieces(descs, token_bytes: int) -> list[tuple[int, int]]:
+    """(source, destination) address of every token-sized piece a descriptor list moves."""
+    out = []
+    for (s, n, _), (d, m, _) in zip(descs.local.tolist(), descs.remote.tolist(), strict=True):
+        assert n == m and n % token_bytes == 0
+        out += [(s + k, d + k) for k in range(0, n, token_bytes)]
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    src_bs=st.sampled_from([1, 2, 3, 4, 8]),
+    dst_bs=st.sampled_from([1, 2, 4, 6, 8, 16]),
+    planes=st.sampled_from([1, 2]),
+    adjacent=st.booleans(),
+    data=st.data(),
+)
+def test_descriptors_move_each_token_of_each_layer_once_merged_maximally(
+    src_bs, dst_bs, planes, adjacent, data
+):
+    """The vectorized descriptors against a token-by-token model: the same (source,
+    destination) pieces, each once; no two neighbours left mergeable
+    (layer tensors packed back to back, ``adjacent``, merge across layers too)."""
+    layers, blocks, token_bytes = 3, 10, 2 * 3 * 4
+
+    def layout(bs: int, base: int) -> KVLayout:
+        size = blocks * planes * bs * token_bytes
+        gap = 0 if adjacent else 4096
+        regions = tuple(MemoryRegion(base + i * (size + gap), size) for i in range(layers))
+        return KVLayout(0, layers, blocks, bs, 2, 3, "float32", regions, planes)
+
+    src, dst = layout(src_bs, 1 << 20), layout(dst_bs, 1 << 30)
+    num_tokens = data.draw(st.integers(1, blocks * min(src_bs, dst_bs)))
+    skip = data.draw(st.integers(0, (num_tokens - 1) // dst_bs)) * dst_bs
+    start = data.draw(st.integers(skip, num_tokens))
+    src_ids = data.draw(st.permutations(range(blocks)))[: -(-num_tokens // src_bs)]
+    dst_ids = data.draw(st.permutations(range(blocks)))[: -(-(num_tokens - skip) // dst_bs)]
+    chosen = data.draw(st.lists(st.integers(0, layers - 1), unique=True, min_size=1))
+    which = data.draw(st.sampled_from([range(min(chosen), layers), sorted(chosen)]))
+    src_pages, dst_pages = PageMap(tuple(src_ids), src_bs), PageMap(tuple(dst_ids), dst_bs, skip)
+    descs = build_descriptors(
+        token_runs(src_pages, dst_pages, start, num_tokens), src, dst, which, True
+    )
+    want = []
+    for layer in which:
+        for token in range(start, num_tokens):
+            for plane in range(planes):
+                at = []
+                for lay, pages in ((src, src_pages), (dst, dst_pages)):
+                    rel = token - pages.origin
+                    at.append(
+                        lay.regions[layer].base_addr
+                        + pages.block_ids[rel // pages.block_size] * lay.block_bytes
+                        + plane * lay.page_bytes
+                        + rel % pages.block_size * token_bytes
+                    )
+                want.append(tuple(at))
+    got = _pieces(descs, token_bytes)
+    assert sorted(got) == sorted(want) and len(got) == len(want)  # each piece exactly once
+    rows = list(zip(descs.local.tolist(), descs.remote.tolist(), strict=True))
+    for ((s0, n0, _), (d0, _, _)), ((s1, _, _), (d1, _, _)) in zip(rows, rows[1:], strict=False):
+        assert not (s1 == s0 + n0 and d1 == d0 + n0), "two mergeable neighbours"
+    assert descs.local.dtype == descs.remote.dtype == np.uint64
+
+
 @pytest.mark.parametrize(
     ("src_bs", "dst_bs", "src_dtype", "dst_dtype"),
     [

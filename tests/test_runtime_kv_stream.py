@@ -90,8 +90,10 @@ def stream_round_trip(engine, decode, request_id: str, prompt: list[int]):
 
 def assert_streamed(parts, num_tokens: int) -> None:
     """Both stages streamed all-layer ranges ending on a prefill block boundary, never the
-    last block, then the last chunk's first layer group (layer 0 of 2) up to the prompt's
-    end; the final push carries the rest (the last group), with the "done" notification."""
+    last block, then at most the last chunk's first layer group (layer 0 of 2) up to the
+    prompt's end; the final push carries the rest (the last group), with the "done"
+    notification. The first group rides the final push instead when the shipping thread
+    takes both in one pass, unposted (this tiny model's last layer runs in microseconds)."""
     assert {p.stage for p in parts} == {0, 1}
     for stage, (lo, hi) in ((0, (0, 2)), (1, (2, 4))):
         mine = [p for p in parts if p.stage == stage]
@@ -99,7 +101,7 @@ def assert_streamed(parts, num_tokens: int) -> None:
         assert ends == sorted(ends) and all(end % BS == 0 for end in ends)
         assert max(ends) <= (num_tokens - 1) // BS * BS
         groups = [(p.layer_start, p.layer_end, p.end_token) for p in mine if p.layer_end < hi]
-        assert groups == [(lo, lo + 1, num_tokens)]
+        assert groups in ([], [(lo, lo + 1, num_tokens)])
 
 
 def test_streamed_push_equals_monolithic_greedy_and_parts_precede_the_logits(engine, decode):

@@ -19,7 +19,8 @@ Streaming (push, ``KVShippingConfig.stream``): while a request still runs, ``str
 over the blocks of a token range whose KV is final on this stage (one extra reference per
 block, the caller's ``pin_for_transfer``); they are WRITten at once, at most
 ``stream_max_inflight`` ranges per stage in flight (more queue and coalesce; a queue still
-waiting at the end rides the final ``push``), and each range's references come back once
+waiting at the end rides the final ``push``, and so do ranges the sender has not posted yet),
+and each range's references come back once
 through ``unpin_streamed``. The final ``push`` then WRITEs only the rest and carries the
 "done" notification (kv_transfer/sender.py orders it after the ranges).
 The last chunk goes layer group by layer group (``stream`` with ``layer_end``): while its
@@ -44,83 +45,19 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kv_transfer.agent import KVAgent
-from kv_transfer.allowlist import AllowList
 from kv_transfer.errors import KVInvariantError, KVTransferError
 from kv_transfer.lease import Lease, ReleaseReason
 from kv_transfer.messages import PushDestination, TransferOutcome
-from kv_transfer.progress import KVProgress
-from kv_transfer.sender import KVSender, SenderConfig
+from kv_transfer.sender import KVSender
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
-from prefill_node.errors import InvalidRequestError
+from prefill_node.kv_shipping.config import KVShippingConfig
 from prefill_node.kv_shipping.kv_wire import (
     engine_manifest,
     hybrid_pool,
     stage_push_destination,
 )
 from prefill_node.model.latent_cache import StageCache
-
-
-@dataclass(frozen=True)
-class KVShippingConfig:
-    """Settings of every stage's shipper. ``allow``: decode destinations a stage may write to
-    (CIDRs or agent names; default loopback only). ``lease_ttl_s``: pull leases (renewed by
-    decode's heartbeats). ``progress``: how each stage's NIXL agent progresses (``KVProgress``;
-    the default sleeps until traffic arrives). ``stream``: push mode WRITEs each chunk's
-    final blocks while the request still runs (False: all of it after the last chunk);
-    ``stream_max_inflight``: streamed WRITEs in flight per stage, beyond which ranges queue.
-    ``stream_layer_groups``: the last chunk's layers on a stage are split into up to this
-    many groups; each but the last is WRITten as soon as the forward wrote it (1: the whole
-    last chunk after the forward)."""
-
-    allow: AllowList = field(default_factory=AllowList.loopback)
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 2.0
-    lease_ttl_s: float = 30.0
-    metadata_host: str = "127.0.0.1"
-    agent_prefix: str = "wavepp"
-    progress: KVProgress = KVProgress.EVENT
-    stream: bool = True
-    stream_max_inflight: int = 8
-    stream_layer_groups: int = 4
-
-    def __post_init__(self) -> None:
-        if self.stream_max_inflight < 1 or self.stream_layer_groups < 1:
-            raise InvalidRequestError(
-                "stream_max_inflight and stream_layer_groups must be >= 1, got "
-                f"{self.stream_max_inflight} and {self.stream_layer_groups}"
-            )
-        if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
-            raise InvalidRequestError(
-                "KV shipping timeouts and lease TTL must be positive, got "
-                f"{self.transfer_timeout_s}, {self.handshake_timeout_s}, {self.lease_ttl_s}"
-            )
-        if not self.agent_prefix:
-            raise InvalidRequestError("KV shipping agent_prefix must be non-empty")
-
-    def sender_config(self, stage: int, num_stages: int) -> SenderConfig:
-        return SenderConfig(
-            stage,
-            num_stages,
-            self.allow,
-            transfer_timeout_s=self.transfer_timeout_s,
-            handshake_timeout_s=self.handshake_timeout_s,
-            lease_ttl_s=self.lease_ttl_s,
-            metadata_host=self.metadata_host,
-        )
-
-    def layer_group_ends(self, layer_start: int, layer_end: int) -> tuple[int, ...]:
-        """Where the groups of a stage holding layers ``[layer_start, layer_end)`` end
-        (global layer index, exclusive), but the last group's (it rides the final push);
-        the later groups are the smaller ones. Empty when not streaming."""
-        n = layer_end - layer_start
-        groups = min(self.stream_layer_groups, n) if self.stream else 1
-        return tuple(layer_start - (-i * n // groups) for i in range(1, groups))
-
-    @property
-    def wait_limit_s(self) -> float:
-        """Upper bound on how long one push can take before its outcome is reported."""
-        return self.handshake_timeout_s + self.transfer_timeout_s + 1.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +75,16 @@ class StageShipResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+class _Part(NamedTuple):
+    """A streamed range handed to the sender: whose, its references, its first token and
+    its layers (None: all of the stage's)."""
+
+    request_id: str
+    blocks: list[KVBlock]
+    start: int
+    layers: tuple[int, int] | None
 
 
 class KVHeld(NamedTuple):
@@ -210,7 +157,7 @@ class StageKVShipper:
         self._leased: dict[str, tuple[str, list[KVBlock]]] = {}  # lease id -> (request, blocks)
         self._results: dict[str, StageShipResult] = {}
         self._streams: dict[str, _Stream] = {}
-        self._parts: dict[int, tuple[str, list[KVBlock]]] = {}  # part id -> (request, refs)
+        self._parts: dict[int, _Part] = {}  # streamed ranges handed to the sender, by id
         self._dead: OrderedDict[str, None] = OrderedDict()  # cancelled ids (capped)
         self.parts_posted = 0  # streamed WRITEs posted so far (observability, tests)
 
@@ -227,7 +174,7 @@ class StageKVShipper:
     def held_blocks(self) -> int:
         """Block references this shipper holds now (in-flight WRITEs and live leases)."""
         pushing = sum(len(h.blocks) + len(h.streamed) for h in self._pushing.values())
-        streaming = sum(len(b) for _, b in self._parts.values())
+        streaming = sum(len(p.blocks) for p in self._parts.values())
         queued = sum(len(st.queued) + len(st.group_queued) for st in self._streams.values())
         return pushing + streaming + queued + sum(len(b) for _, b in self._leased.values())
 
@@ -257,7 +204,12 @@ class StageKVShipper:
         if request_id in self._dead or (stream is not None and stream.failed):
             self._unpin(held.blocks)  # cancelled, or failed and reported already
             self._give_back_streamed(held.streamed)
+            if stream is not None and not stream.stopped:  # failed since the last poll
+                self.sender.cancel(request_id)
+                self._drop_parts(request_id)
             return
+        if stream is not None:
+            held.streamed += self._withdraw_unposted(request_id, stream)
         try:
             if stream is None:
                 wire = stage_push_destination(
@@ -355,7 +307,7 @@ class StageKVShipper:
                 except KVTransferError as exc:
                     self._fail_stream(request_id, stream, exc)
                     break
-                self._parts[part] = (request_id, refs)
+                self._parts[part] = _Part(request_id, refs, stream.posted_to, layers)
                 if layers is None:
                     stream.queued, stream.posted_to = [], stream.ready_to
                 else:
@@ -364,9 +316,29 @@ class StageKVShipper:
             if len(self._parts) >= self.config.stream_max_inflight:
                 return
 
+    def _withdraw_unposted(self, request_id: str, stream: _Stream) -> list[KVBlock]:
+        """At the final push: the request's ranges the sender has not posted yet (handed
+        over since its last poll, e.g. the layer group streamed just before the forward
+        ended) ride the final push instead of going first and making it wait for them to
+        land. Newest first, so what is left stays one rectangle: a group widens its layers
+        down, an all-layer range (once no group is left) moves its first token back.
+        Returns their references (the final push now holds them)."""
+        refs: list[KVBlock] = []
+        mine = sorted((p for p, e in self._parts.items() if e.request_id == request_id))
+        for part in reversed(mine):
+            if not self.sender.withdraw(part):
+                break  # posted: the ones before it are too (the sender posts in order)
+            entry = self._parts.pop(part)
+            refs += entry.blocks
+            if entry.layers is not None:
+                stream.layers_posted = entry.layers[0]
+            else:
+                stream.posted_to = entry.start
+            self.parts_posted -= 1
+        return refs
+
     def _on_part_end(self, request_id: str, part: int, error: KVTransferError | None) -> None:
-        _, blocks = self._parts.pop(part)
-        self._give_back_streamed(blocks)
+        self._give_back_streamed(self._parts.pop(part).blocks)
         stream = self._streams.get(request_id)
         if error is not None and stream is not None and not stream.failed:
             self._fail_stream(request_id, stream, error)
@@ -381,10 +353,10 @@ class StageKVShipper:
 
     def _drop_parts(self, request_id: str) -> None:
         """Give back the references of ``request_id``'s ranges the sender dropped."""
-        for part, (owner, blocks) in list(self._parts.items()):
-            if owner == request_id:
+        for part, entry in list(self._parts.items()):
+            if entry.request_id == request_id:
                 del self._parts[part]
-                self._give_back_streamed(blocks)
+                self._give_back_streamed(entry.blocks)
 
     def _give_back_streamed(self, blocks: Sequence[KVBlock]) -> None:
         if blocks:

@@ -302,6 +302,7 @@ class StageShipping:
             shipper.publish(request_id, blocks, manifest, destination.lease_ttl_s)
         else:
             shipper.push(request_id, blocks, manifest, destination)
+            shipper.poll()  # its final push goes now, not after the commands queued behind it
 
     def _cancel(self, request_id: str) -> None:
         self._running().cancel(request_id)
