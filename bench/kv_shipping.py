@@ -19,7 +19,8 @@ side. For every ON request, the tail: from its last chunk finishing on the last
 stage (pipeline: the forward's end there, dated on the leader's clock as the result's arrival
 less the stage's ``WaveResult.held_s``, so late by the result's transit; local: after the
 last stage's logits) to its KV being complete on decode (when the decode process's receiver
-saw every stage's "done"; it polls every ``--decode-poll-us`` while a reception is live; one
+saw every stage's "done"; it polls every ``--decode-poll-us`` while a reception is due to
+end, every ``--decode-live-poll-us`` while it is live further from its end; one
 monotonic clock on this host), and the engine's ``handoff_s`` (the same start -> every
 stage's WRITE confirmed, seen by the leader's KV_COLLECT round). Default prompts span 16
 chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's transfer time;
@@ -36,6 +37,7 @@ pass per engine start and mode (NIXL connects on the first push). Median of
     PYTHONPATH=. python bench/kv_shipping.py --json out/kv_shipping.json [--runs 3]
         [--prompts 6] [--tokens 1024] [--max-chunk-tokens 64] [--kv-stream both|on|off]
         [--model DIR] [--threads 1] [--engine pipeline|local] [--decode-poll-us 200]
+        [--decode-live-poll-us 2000]
         [--layer-groups N]
 """
 
@@ -52,7 +54,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from prefill_node.decode.worker_process import BUSY_POLL_S
+from prefill_node.decode.worker_process import BUSY_POLL_S, LIVE_POLL_S
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,7 +90,13 @@ def parse_args() -> argparse.Namespace:
         "--decode-poll-us",
         type=float,
         default=1e6 * BUSY_POLL_S,
-        help="the decode worker's receiver poll period while a reception is live",
+        help="the decode worker's receiver poll period while a reception is due to end",
+    )
+    p.add_argument(
+        "--decode-live-poll-us",
+        type=float,
+        default=1e6 * LIVE_POLL_S,
+        help="its poll period while a streamed reception is live, further from its end",
     )
     args = p.parse_args()
     if args.runs < 3:
@@ -206,6 +214,7 @@ def run_engines(args, model_dir: Path, decode, streams: tuple[bool, ...], bar: t
                             "tail_ms_median": _ms(tails),
                             "handoff_ms_median": _ms(handoff),
                             "decode_poll_us": args.decode_poll_us,
+                            "decode_live_poll_us": args.decode_live_poll_us,
                             "layer_groups": bench.layer_groups,
                         }
                     )
@@ -235,6 +244,7 @@ def summarise(rows: list[dict], stream: str, runs: int) -> dict:
         "tail_ms_median": statistics.median(r["tail_ms_median"] for r in mine["shipping_on"]),
         "handoff_ms_median": statistics.median(r["handoff_ms_median"] for r in mine["shipping_on"]),
         "decode_poll_us": rows[0]["decode_poll_us"],
+        "decode_live_poll_us": rows[0]["decode_live_poll_us"],
         "layer_groups": rows[0]["layer_groups"],
         "runs": runs,
     }
@@ -259,6 +269,7 @@ def main() -> None:
             num_blocks=-(-args.tokens // args.block_size) + 4,
             block_size=args.block_size,
             busy_poll_s=args.decode_poll_us / 1e6,
+            live_poll_s=max(args.decode_poll_us, args.decode_live_poll_us) / 1e6,
         )
     )
     rows: list[dict] = []

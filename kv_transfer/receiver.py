@@ -74,6 +74,8 @@ class _Pending:
     reads: dict[int, tuple[NixlTransfer, StageManifest]] = field(default_factory=dict)
     heartbeat_every: float = 0.0
     last_heartbeat: float = 0.0
+    num_tokens: int = 0  # push: the prompt's length
+    closing: bool = False  # push: a stage's part reached the last token, or a stage is done
 
 
 class KVReceiver:
@@ -125,8 +127,17 @@ class KVReceiver:
 
     @property
     def busy(self) -> bool:
-        """A reception is live or an outcome waits for ``poll``: poll often until False."""
+        """A reception is live or an outcome waits for ``poll``: poll until False."""
         return bool(self._pending or self._unclaimed)
+
+    @property
+    def due(self) -> bool:
+        """A reception should end soon, so a caller that wants to see its end early polls at
+        its fastest now: an outcome waits, a READ is in flight, or a push's stage has sent
+        its last token (a streamed part reaching the prompt's end, or its "done": the other
+        stages' ends follow within about one layer group's compute). A streamed push
+        before that point still has chunks to compute; polling it slowly costs nothing."""
+        return bool(self._unclaimed) or any(p.reads or p.closing for p in self._pending.values())
 
     # ----------------------------------------------------------------- blocks
     @property
@@ -167,6 +178,7 @@ class KVReceiver:
             skip_tokens, num_tokens, "destination"
         )
         pending = self._register(request_id, block_ids, skip_tokens)
+        pending.num_tokens = num_tokens
         dest = PushDestination(
             request_id,
             self.endpoint,
@@ -218,6 +230,7 @@ class KVReceiver:
             return
         pending.num_stages = note.num_stages
         pending.layers[note.stage] = (note.layer_start, note.layer_end)
+        pending.closing = True
         if len(pending.layers) == pending.num_stages:
             self._end(pending, self._coverage_error(pending.layers.values()), outcomes)
 
@@ -230,6 +243,7 @@ class KVReceiver:
             return
         if note.kind == "part":
             self.parts_received += 1
+            pending.closing |= note.end_token >= pending.num_tokens
             self.receive_log.append(
                 PartReceived(
                     pending.request_id,

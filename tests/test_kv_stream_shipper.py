@@ -173,6 +173,7 @@ def test_streamed_ranges_then_final_push_ship_exactly_the_delta(decode, stages, 
         )
     )
     assert decode.call("still_pending", pool, rid, 0.2)  # parts landed; nobody said "done"
+    assert not decode.call("due", pool)  # and none reached the prompt's end: poll slowly
     push_final(stages, rid, src, dest, num_tokens)
     assert all(r.ok and r.manifest.pushed for r in stages.results(rid))
     assert decode.call("wait", pool, rid) == (None, 0)
@@ -389,3 +390,26 @@ def test_cancel_after_a_layer_group_fails_decodes_attempt_and_gives_every_block_
     assert stages.balanced()
     for shipper in stages.shippers:
         shipper.check_integrity()
+
+
+def test_a_reception_is_due_once_a_stage_streamed_its_last_token(direct_decode, stages):
+    """KVReceiver.due (what makes a decode worker poll at its fastest): not while streamed
+    parts stop short of the prompt's end, yes once a stage's layer group reached it (its
+    final push follows within about one group's compute), and no longer once it ended."""
+    num_tokens, pool = 21, "direct"
+    src = prefill_blocks(num_tokens, seed=40)
+    rid = "stream-due"
+    dest = engine_dest(direct_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
+    stream_ranges(stages, rid, src, dest, num_tokens, [(0, 16)])
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
+    assert direct_decode.call("still_pending", pool, rid, 0.2) and not direct_decode.call("due", pool)
+    first = stages.shippers[0]  # its first layer of the last chunk, to the prompt's end
+    first.stream(rid, stages.refs(src[1:]), src, dest, num_tokens, 16, num_tokens, layer_end=1)
+    assert stages.poll_until(lambda: not first.busy)
+    assert direct_decode.call("still_pending", pool, rid, 0.2) and direct_decode.call("due", pool)
+    push_final(stages, rid, src, dest, num_tokens)
+    assert all(r.ok for r in stages.results(rid))
+    assert direct_decode.call("wait", pool, rid) == (None, 0)
+    assert not direct_decode.call("due", pool)
+    assert_shipped(direct_decode, stages, pool, dest.block_ids, 0, num_tokens, src)
+    assert stages.balanced()

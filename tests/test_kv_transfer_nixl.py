@@ -118,6 +118,9 @@ def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> 
             time.sleep(args[0])
         elif op == "modules":  # what a decode worker importing only kv_transfer loaded
             conn.send(sorted({m.split(".")[0] for m in sys.modules}))
+        elif op == "due":  # KVReceiver.due, after taking what arrived
+            pump()
+            conn.send(rx.due)
         elif op == "stats":
             pump()
             rx.check_integrity()

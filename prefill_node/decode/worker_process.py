@@ -1,10 +1,12 @@
 """DecodeWorkerProcess: a DecodeWorker in its own OS process, driven over a pipe.
 
 The child owns the NIXL agent, the model and the KV pool; between commands it polls its
-receiver (every ``DecodeWorkerSpec.busy_poll_s`` while a reception is live, so pushes from
-prefill stages land while the parent is busy prefilling, and a request's "done" is seen that
-soon after it arrived: NIXL offers no wake-up on a notification; every ``IDLE_POLL_S``
-otherwise, so an idle worker idles: a command wakes it at once). The
+receiver, NIXL offering no wake-up on a notification: every ``DecodeWorkerSpec.busy_poll_s``
+while a reception is due to end (``KVReceiver.due``: a READ in flight, or a push whose
+stages reached the prompt's last token), so its "done" is seen that soon after it arrived;
+every ``live_poll_s`` while a streamed push is still some chunks away from its end (parts
+land without help, and a fast poll there only takes CPU from prefill stages sharing the
+host); every ``IDLE_POLL_S`` otherwise, so an idle worker idles: a command wakes it at once. The
 parent handle turns replies back into typed errors; every wait on the child is bounded.
 Tokens of ``generate`` stream back one message per token.
 """
@@ -29,9 +31,10 @@ from prefill_node.errors import (
 from prefill_node.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kv_transfer.receiver import PartReceived
+    from kv_transfer.receiver import KVReceiver, PartReceived
 
 BUSY_POLL_S = 0.0002
+LIVE_POLL_S = 0.002
 IDLE_POLL_S = 0.05
 
 _ERRORS: dict[str, type[WaveppError]] = {
@@ -52,13 +55,23 @@ class DecodeWorkerSpec:
     block_size: int = 16
     timeout_s: float = 30.0
     kv_progress: KVProgress = KVProgress.EVENT
-    busy_poll_s: float = BUSY_POLL_S  # receiver poll period while a reception is live
+    busy_poll_s: float = BUSY_POLL_S  # receiver poll period while a reception is due to end
+    live_poll_s: float = LIVE_POLL_S  # ... while one is live, further from its end
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.model_config is None):
             raise InvalidRequestError("give exactly one of model_dir and model_config")
-        if not 0 < self.busy_poll_s <= IDLE_POLL_S:
-            raise InvalidRequestError(f"busy_poll_s must be in (0, {IDLE_POLL_S}]")
+        if not 0 < self.busy_poll_s <= self.live_poll_s <= IDLE_POLL_S:
+            raise InvalidRequestError(
+                f"need 0 < busy_poll_s <= live_poll_s <= {IDLE_POLL_S}, got "
+                f"{self.busy_poll_s}, {self.live_poll_s}"
+            )
+
+    def poll_period(self, receiver: KVReceiver) -> float:
+        """How long the child waits for a command before polling ``receiver`` again."""
+        if receiver.due:
+            return self.busy_poll_s
+        return self.live_poll_s if receiver.busy else IDLE_POLL_S
 
     def build(self) -> Any:
         from kv_transfer.receiver import ReceiverConfig
@@ -93,7 +106,7 @@ def serve(conn: Any, spec: DecodeWorkerSpec) -> None:
     conn.send(("ready", worker.endpoint, worker.agent_name))
     try:
         while True:
-            if not conn.poll(spec.busy_poll_s if worker.receiver.busy else IDLE_POLL_S):
+            if not conn.poll(spec.poll_period(worker.receiver)):
                 worker.pump()
                 continue
             cmd, *args = conn.recv()
