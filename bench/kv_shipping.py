@@ -23,11 +23,15 @@ saw every stage's "done"; it polls every ``--decode-poll-us`` while a reception 
 end, every ``--decode-live-poll-us`` while it is live further from its end; one
 monotonic clock on this host), and the engine's ``handoff_s`` (the same start -> every
 stage's WRITE confirmed, seen by the leader's KV_COLLECT round). Default prompts span 16
-chunks (1024 tokens, chunk budget 64). Goals: streamed tail <= one chunk's transfer time;
-streamed ON throughput / at-end ON throughput >= 0.95. Streamed, each stage ships its last
-chunk layer group by layer group during that chunk's forward (``--layer-groups``, default
-``KVShippingConfig.stream_layer_groups``; 1: the whole last chunk after the forward), so
-the tail moves only the last group's layers of it.
+chunks (1024 tokens, chunk budget 64). One chunk's transfer time is measured, not derived:
+each at-end engine also prefills one-chunk prompts (the first ``--max-chunk-tokens`` of
+each), whose tail is that chunk's KV moved on its own, post and notification included
+(``chunk_transfer_ms``; ``chunk_transfer_ms_est`` divides the whole prompt's at-end tail
+by its chunks instead, which spreads those fixed costs thin). Goals: streamed tail <= one
+chunk's transfer time; streamed ON throughput / at-end ON throughput >= 0.95. Streamed, each
+stage ships its last chunk layer group by layer group during that chunk's forward
+(``--layer-groups``, default ``KVShippingConfig.stream_layer_groups``; 1: the whole last
+chunk after the forward), so the tail moves only the last group's layers of it.
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
 hits the prefix cache of an earlier one (same compute in every pass). One untimed warm-up
@@ -143,17 +147,19 @@ class Bench:
         ]
         self._salts = iter(range(1, vocab))
 
-    def run_pass(self, ship: bool, progress: tqdm) -> tuple[float, float, list, list]:
-        """Prefill every prompt once: (wall seconds, CPU seconds) summed over the requests,
-        and per ON request its tail (last chunk done -> KV complete on decode) and
-        ``handoff_s``."""
+    def run_pass(
+        self, ship: bool, progress: tqdm, tokens: int | None = None
+    ) -> tuple[float, float, list, list]:
+        """Prefill every prompt once (its first ``tokens`` only, if given): (wall seconds,
+        CPU seconds) summed over the requests, and per ON request its tail (last chunk done
+        -> KV complete on decode) and ``handoff_s``."""
         from prefill_node.engine.types import PrefillOptions
 
         salt = next(self._salts)
         wall = cpu = 0.0
         logits_at: dict[str, float] = {}
         handoff: list[float] = []
-        for base in self.prompts:
+        for base in (p[:tokens] for p in self.prompts):
             prompt = [salt, *base[1:]]
             request_id = uuid.uuid4().hex[:12]
             dest = self.decode.expect_push(request_id, prompt) if ship else None
@@ -218,6 +224,18 @@ def run_engines(args, model_dir: Path, decode, streams: tuple[bool, ...], bar: t
                             "layer_groups": bench.layer_groups,
                         }
                     )
+                if not stream:  # one chunk's KV, measured: a one-chunk prompt's at-end tail
+                    _, _, tails, _ = bench.run_pass(True, bar, args.max_chunk_tokens)
+                    rows.append(
+                        {
+                            "mode": "one_chunk",
+                            "kv_stream": "off",
+                            "engine": args.engine,
+                            "run": run,
+                            "prompt_tokens": args.max_chunk_tokens,
+                            "tail_ms_median": _ms(tails),
+                        }
+                    )
             finally:
                 bench.close()
     return rows
@@ -274,7 +292,8 @@ def main() -> None:
     )
     rows: list[dict] = []
     summaries: list[dict] = []
-    total = len(streams) * args.runs * 4 * args.prompts  # warm-up + timed, OFF and ON
+    # warm-up + timed, OFF and ON; at-end engines also a one-chunk pass
+    total = (len(streams) * 4 + (False in streams)) * args.runs * args.prompts
     try:
         with tqdm(total=total, desc="prefill passes") as bar:
             rows = run_engines(args, model_dir, decode, streams, bar)
@@ -302,6 +321,10 @@ def main() -> None:
                 "chunk_transfer_ms_est": round(
                     at_end["tail_ms_median"] / -(-args.tokens // args.max_chunk_tokens), 3
                 ),
+                # one chunk's KV moved on its own (fixed costs included): median over runs
+                "chunk_transfer_ms": statistics.median(
+                    r["tail_ms_median"] for r in rows if r["mode"] == "one_chunk"
+                ),
             }
         )
     print(
@@ -309,9 +332,14 @@ def main() -> None:
     )
     for r in rows:
         tail = r["tail_ms_median"]
+        timed = (
+            f"{r['wall_s']:>9.3f}{r['cpu_s']:>9.3f}{r['tok_per_s']:>10.1f}"
+            if "wall_s" in r
+            else f"{'':>28}"
+        )
         print(
-            f"{r['mode']:<14}{r['kv_stream']:>7}{r['run']:>4}{r['wall_s']:>9.3f}"
-            f"{r['cpu_s']:>9.3f}{r['tok_per_s']:>10.1f}{'' if tail is None else f'{tail:9.2f}'}"
+            f"{r['mode']:<14}{r['kv_stream']:>7}{r['run']:>4}{timed}"
+            f"{'' if tail is None else f'{tail:9.2f}'}"
         )
     for sm in summaries:
         print(json.dumps(sm))
