@@ -28,46 +28,9 @@ import statistics
 import time
 
 import torch
+from nixl_throughput import call, decode_main
 
 HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV heads (what bench/kv_shipping.py serves)
-
-
-def decode_main(conn, layers: int, block_size: int, num_blocks: int) -> None:
-    from kv_transfer.agent import KVAgent
-    from kv_transfer.progress import KVProgress
-    from kv_transfer.receiver import KVReceiver
-
-    pool = [torch.zeros(num_blocks, 2, block_size, HEADS, HEAD_DIM) for _ in range(layers)]
-    rx = KVReceiver(KVAgent("cpu-bench-decode", progress=KVProgress.OWNER), pool)
-    conn.send(rx.endpoint)
-    ended: dict[str, bool] = {}
-    while True:
-        if not conn.poll(0.0002):
-            ended.update((o.request_id, o.ok) for o in rx.poll())
-            continue
-        op, *args = conn.recv()
-        if op == "stop":
-            break
-        if op == "expect":
-            request_id, num_tokens = args
-            blocks = rx.allocate(-(-num_tokens // block_size))
-            shuffled = tuple(torch.tensor(blocks)[torch.randperm(len(blocks))].tolist())
-            conn.send((rx.expect(request_id, shuffled, num_tokens).to_dict(), blocks))
-        elif op == "finish":
-            request_id, blocks = args
-            deadline = time.monotonic() + 30
-            while request_id not in ended and time.monotonic() < deadline:
-                ended.update((o.request_id, o.ok) for o in rx.poll())
-            conn.send(ended.pop(request_id, False))
-            rx.free(blocks)
-    rx.close()
-
-
-def call(conn, *cmd, timeout: float = 60.0):
-    conn.send(cmd)
-    if not conn.poll(timeout):
-        raise TimeoutError(f"decode did not answer {cmd[0]}")
-    return conn.recv()
 
 
 class Timed:
@@ -98,8 +61,7 @@ def one_request(sender, conn, args, request_id: str, src: tuple[int, ...], group
     """Ship one request as a stage streams it; the sender calls' thread-CPU seconds."""
     from kv_transfer.messages import PushDestination
 
-    wire, blocks = call(conn, "expect", request_id, args.tokens)
-    dest = PushDestination.from_dict(wire)
+    dest = PushDestination.from_dict(call(conn, "expect", request_id, args.tokens))
     cpu = 0.0
 
     def timed(fn, *a):
@@ -132,7 +94,7 @@ def one_request(sender, conn, args, request_id: str, src: tuple[int, ...], group
         done = next((o for o in outcomes if o.request_id == request_id), None)
         if done is None:
             time.sleep(args.poll_us / 1e6)
-    if not done.ok or not call(conn, "finish", request_id, blocks):
+    if not done.ok or not call(conn, "finish", request_id, dest.block_ids):
         raise RuntimeError(f"{request_id} did not land: {done.error}")
     return cpu
 
@@ -167,8 +129,10 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     decode_blocks = -(-args.tokens // args.decode_block_size) * 2
+    shape = (args.layers, HEADS, HEAD_DIM)
     proc = ctx.Process(
-        target=decode_main, args=(child, args.layers, args.decode_block_size, decode_blocks)
+        target=decode_main,
+        args=(child, args.decode_block_size, "float32", decode_blocks, "owner", shape, 0.0002),
     )
     proc.start()
     senders, timers = {}, {}

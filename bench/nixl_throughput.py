@@ -36,21 +36,33 @@ CASES = {
 }
 
 
-def decode_main(conn, block_size: int, dtype: str, num_blocks: int, progress: str) -> None:
+def decode_main(
+    conn,
+    block_size: int,
+    dtype: str,
+    num_blocks: int,
+    progress: str,
+    shape: tuple[int, int, int] = (LAYERS, HEADS, HEAD_DIM),
+    poll_s: float = 0.0005,
+) -> None:
+    """A decode process for benchmarks: a receiver over a pool of ``shape`` (layers, KV
+    heads, head dim), driven over ``conn``: "expect" (request id, tokens) -> destination
+    (shuffled blocks); "finish" (request id, its blocks) -> whether it landed; "stop"."""
     from kv_transfer.agent import KVAgent
     from kv_transfer.progress import KVProgress
     from kv_transfer.receiver import KVReceiver
 
+    layers, heads, head_dim = shape
     pool = [
-        torch.zeros(num_blocks, 2, block_size, HEADS, HEAD_DIM, dtype=getattr(torch, dtype))
-        for _ in range(LAYERS)
+        torch.zeros(num_blocks, 2, block_size, heads, head_dim, dtype=getattr(torch, dtype))
+        for _ in range(layers)
     ]
     agent = KVAgent(f"bench-decode-{block_size}-{dtype}", progress=KVProgress(progress))
     rx = KVReceiver(agent, pool)
     conn.send(rx.endpoint)
     ended: set[str] = set()
     while True:
-        if not conn.poll(0.0005):
+        if not conn.poll(poll_s):
             ended.update(o.request_id for o in rx.poll() if o.ok)
             continue
         op, *args = conn.recv()
@@ -72,7 +84,7 @@ def decode_main(conn, block_size: int, dtype: str, num_blocks: int, progress: st
     rx.close()
 
 
-def _call(conn, *cmd, timeout: float = 60.0):
+def call(conn, *cmd, timeout: float = 60.0):
     conn.send(cmd)
     if not conn.poll(timeout):
         raise TimeoutError(f"decode worker did not answer {cmd[0]}")
@@ -165,12 +177,12 @@ def run_case(case: str, sizes: list[int], runs: int, progress: str, bar) -> list
                 counter += 1
                 order = torch.randperm(src_blocks_total)[: -(-num_tokens // PREFILL_BS)]
                 src = tuple(order.tolist())
-                dest = PushDestination.from_dict(_call(conn, "expect", f"r{counter}", num_tokens))
+                dest = PushDestination.from_dict(call(conn, "expect", f"r{counter}", num_tokens))
                 started = time.perf_counter()
                 sender.push(dest, src, num_tokens)
                 outcome = sender.wait(dest.request_id, 60)
                 elapsed = time.perf_counter() - started
-                if not outcome.ok or not _call(conn, "finish", dest.request_id, dest.block_ids):
+                if not outcome.ok or not call(conn, "finish", dest.request_id, dest.block_ids):
                     raise RuntimeError(f"transfer failed: {outcome}")
                 peer = sender._peers[dest.endpoint]
                 with RawSource(sender, peer.layout, src, num_tokens) as raw_src:
