@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.convert import KVLayer, layer_device, pack_staging, torch_dtype, unpack_staging
 from kv_transfer.errors import KVTransferError, LayoutMismatch, TransferFailed
 from kv_transfer.layout import KVLayout, layout_of_tensors
 from kv_transfer.plan import (
+    Descriptors,
     PageMap,
     build_descriptors,
     concat,
@@ -189,23 +190,61 @@ def start_transfer(
                 unpack = (mine, local_pages, start, end)
             runs_local_layout = layout_of_tensors(layers.start, list(staging.tensor))
             runs_local_pages = staging_page_map(start, end)
-        if op == "WRITE":
-            runs = token_runs(runs_local_pages, remote_pages, start, end)
-            descs = build_descriptors(runs, runs_local_layout, remote_layout, layers, True)
-        else:
-            runs = token_runs(remote_pages, runs_local_pages, start, end)
-            descs = build_descriptors(runs, remote_layout, runs_local_layout, layers, False)
-        local = agent.nixl.get_xfer_descs(descs.local, runs_local_layout.mem_type)
-        remote = agent.nixl.get_xfer_descs(descs.remote, remote_layout.mem_type)
-        handle = agent.nixl.initialize_xfer(op, local, remote, remote_agent, notif)
-    except Exception as exc:  # nixl binding errors: remote disconnected, bad descriptors
+        descs = _paged_descriptors(
+            op, runs_local_layout, runs_local_pages, remote_layout, remote_pages, layers, start, end
+        )
+        mem_types = (runs_local_layout.mem_type, remote_layout.mem_type)
+        transfer = _request(agent, op, remote_agent, notif, descs, mem_types, staging, unpack)
+    except Exception as exc:
         if staging is not None:
             agent.staging.release(staging)
-        if isinstance(exc, KVTransferError):
-            raise
-        raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
-    transfer = NixlTransfer(agent, descs.num_bytes, handle, staging, unpack)
+        _reraise(op, remote_agent, exc)
     return post(agent, op, remote_agent, transfer)
+
+
+def _paged_descriptors(
+    op: str,
+    local_layout: KVLayout,
+    local_pages: PageMap,
+    remote_layout: KVLayout,
+    remote_pages: PageMap,
+    layers: Sequence[int],
+    start: int,
+    end: int,
+) -> Descriptors:
+    """Descriptors of tokens ``[start, end)`` of ``layers``, source first (local for a
+    WRITE, remote for a READ)."""
+    if op == "WRITE":
+        runs = token_runs(local_pages, remote_pages, start, end)
+        return build_descriptors(runs, local_layout, remote_layout, layers, True)
+    runs = token_runs(remote_pages, local_pages, start, end)
+    return build_descriptors(runs, remote_layout, local_layout, layers, False)
+
+
+def _request(
+    agent: KVAgent,
+    op: str,
+    remote_agent: str,
+    notif: bytes,
+    descs: Descriptors,
+    mem_types: tuple[str, str],
+    staging: Staging | None = None,
+    unpack: tuple | None = None,
+) -> NixlTransfer:
+    """The NIXL request (built, not posted) moving ``descs`` between memories of
+    ``mem_types`` (local, remote)."""
+    local = agent.nixl.get_xfer_descs(descs.local, mem_types[0])
+    remote = agent.nixl.get_xfer_descs(descs.remote, mem_types[1])
+    handle = agent.nixl.initialize_xfer(op, local, remote, remote_agent, notif)
+    return NixlTransfer(agent, descs.num_bytes, handle, staging, unpack)
+
+
+def _reraise(op: str, remote_agent: str, exc: Exception) -> NoReturn:
+    """Raise ``exc`` as a caller of ``start_transfer`` gets it: ours as they are, the nixl
+    binding's (remote disconnected, bad descriptors) as TransferFailed."""
+    if isinstance(exc, KVTransferError):
+        raise exc
+    raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
 
 
 def _start_hybrid(
@@ -237,12 +276,11 @@ def _start_hybrid(
     if start == end:
         return NixlTransfer(agent, 0)
     try:
-        if op == "WRITE":
-            runs = token_runs(local_pages, remote_pages, start, end)
-            parts = [build_descriptors(runs, local_layout, remote_layout, paged, True)]
-        else:
-            runs = token_runs(remote_pages, local_pages, start, end)
-            parts = [build_descriptors(runs, remote_layout, local_layout, paged, False)]
+        parts = [
+            _paged_descriptors(
+                op, local_layout, local_pages, remote_layout, remote_pages, paged, start, end
+            )
+        ]
         if state_slots is not None:
             whole = state_layout if op == "WRITE" and state_layout is not None else stage_side
             layers = range(whole.layer_start, whole.layer_end)
@@ -251,14 +289,11 @@ def _start_hybrid(
         descs = concat(*parts)
         if not len(descs.local):
             return NixlTransfer(agent, 0)  # e.g. a streamed range of a stage with no paged layer
-        local = agent.nixl.get_xfer_descs(descs.local, local_layout.mem_type)
-        remote = agent.nixl.get_xfer_descs(descs.remote, remote_layout.mem_type)
-        handle = agent.nixl.initialize_xfer(op, local, remote, remote_agent, notif)
+        mem_types = (local_layout.mem_type, remote_layout.mem_type)
+        transfer = _request(agent, op, remote_agent, notif, descs, mem_types)
     except Exception as exc:
-        if isinstance(exc, KVTransferError):
-            raise
-        raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
-    return post(agent, op, remote_agent, NixlTransfer(agent, descs.num_bytes, handle))
+        _reraise(op, remote_agent, exc)
+    return post(agent, op, remote_agent, transfer)
 
 
 def post(agent: KVAgent, op: str, remote_agent: str, transfer: NixlTransfer) -> NixlTransfer:
