@@ -402,7 +402,8 @@ def test_a_reception_is_due_once_a_stage_streamed_its_last_token(direct_decode, 
     dest = engine_dest(direct_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 16)])
     assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
-    assert direct_decode.call("still_pending", pool, rid, 0.2) and not direct_decode.call("due", pool)
+    assert direct_decode.call("still_pending", pool, rid, 0.2)
+    assert not direct_decode.call("due", pool)
     first = stages.shippers[0]  # its first layer of the last chunk, to the prompt's end
     first.stream(rid, stages.refs(src[1:]), src, dest, num_tokens, 16, num_tokens, layer_end=1)
     assert stages.poll_until(lambda: not first.busy)
