@@ -77,8 +77,11 @@ def test_decode_continues_from_shipped_state_like_transformers_generate(family):
     dest = decode.expect_push("push", first)
     pushed = engine.submit(first, PrefillOptions("push", kv_destination=dest)).result(30)
     assert [m.pushed for m in pushed.stage_manifests] == [True, True]
-    # stage 1 streamed its attention blocks; stage 0 (no paged layer) streamed nothing
-    assert {stage for rid, stage, *_ in decode.kv_log()[0] if rid == "push"} == {1}
+    # stage 0 (no paged layer) streams nothing. Stage 1 streams its attention layer's group
+    # unless its shipping thread had not posted it yet when the final push came (a loaded
+    # machine): then the group rides the final push (KVSender.withdraw). Quiet runs post it,
+    # and only then does the final push carry fewer layers than the stage's states.
+    assert {stage for rid, stage, *_ in decode.kv_log()[0] if rid == "push"} <= {1}
     got = list(decode.generate("push", pushed.first_token_id, NEW_TOKENS))
     assert got == want[0]
     wait_idle(engine)
