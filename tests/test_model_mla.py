@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from prefill_node.errors import UnsupportedArchitectureError
-from prefill_node.model.attention import AttentionPlan
+from prefill_node.model.attention import AttentionPlan, causal_hidden
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import PagedLatentCache, stage_cache
 from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
-from prefill_node.model.mla import attend_cpu, causal_hidden
+from prefill_node.model.mla import attend_cpu
 from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel

@@ -153,12 +153,17 @@ def _context_runs(
     return tuple(runs)
 
 
+def causal_hidden(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """Bool [end - start, end]: True where query position p (start <= p < end) may not look
+    (keys after p)."""
+    pos = torch.arange(start, end, device=device)
+    return torch.arange(end, device=device)[None, :] > pos[:, None]
+
+
 def causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive [end - start, end] mask: query position p sees keys 0..p (0), not later (-inf)."""
-    pos = torch.arange(start, end, device=device)
-    keys = torch.arange(end, device=device)
     mask = torch.zeros(end - start, end, dtype=dtype, device=device)
-    return mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+    return mask.masked_fill_(causal_hidden(start, end, device), float("-inf"))
 
 
 def paged_attention(

@@ -27,20 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefill_node.errors import InvariantError
-from prefill_node.model.attention import AttentionPlan, ChunkPlan
+from prefill_node.model.attention import AttentionPlan, ChunkPlan, causal_hidden
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import PagedLatentCache
 from prefill_node.model.rope import apply_rotary_interleaved
 from prefill_node.model.tensor_ops import Getter, linear, param, rms_norm
 
 LATENT_EPS = 1e-6  # transformers builds q_a / kv_a norms with their default eps, not the config's
-
-
-def causal_hidden(start: int, end: int, device: torch.device) -> torch.Tensor:
-    """Bool [end - start, end]: True where query position p (start <= p < end) may not look
-    (keys after p)."""
-    pos = torch.arange(start, end, device=device)
-    return torch.arange(end, device=device)[None, :] > pos[:, None]
 
 
 def attend_cpu(
@@ -183,12 +176,11 @@ class MlaAttention(nn.Module):
         scores = torch.einsum("lhd,td->lht", iq.float(), index_keys.float())
         scores.mul_(self.m.index_head_dim**-0.5).relu_()  # in place: no fresh [L, H, T] pages
         index_scores = torch.einsum("lh,lht->lt", iw, scores)
-        pos = torch.arange(cp.start, cp.end, device=iq.device)
-        causal = torch.arange(cp.end, device=iq.device)[None, :] <= pos[:, None]
-        index_scores.masked_fill_(~causal, float("-inf"))
+        hidden = causal_hidden(cp.start, cp.end, iq.device)
+        index_scores.masked_fill_(hidden, float("-inf"))
         k = min(self.m.index_topk, cp.end)
-        chosen = torch.zeros_like(causal).scatter_(1, index_scores.topk(k, dim=-1).indices, True)
-        return chosen & causal
+        chosen = torch.zeros_like(hidden).scatter_(1, index_scores.topk(k, dim=-1).indices, True)
+        return chosen & ~hidden
 
     def _chunk(
         self,
