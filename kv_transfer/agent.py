@@ -87,9 +87,7 @@ class KVAgent:
         held = self._prepared.get(name)
         if held is not None and (held[0] is layout or held[0] == layout):
             return held[1]
-        if held is not None:
-            held[1].release()
-            del self._prepared[name]
+        self._release_prepared(name)
         rows = np.array(  # strided: (address, length, device, stride, count) per layer
             [[r.base_addr, layout.block_bytes, r.device_id, layout.block_bytes, layout.num_blocks]
              for r in layout.regions],

@@ -16,10 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from kv_transfer.agent import KVAgent
-from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.plan import PageMap
-from kv_transfer.transfer import NixlTransfer, post
+from kv_transfer.transfer import NixlTransfer, post, reraise_as_transfer_error
 
 # a pool whose layers x blocks exceed this is not prepared (NIXL holds one entry each)
 MAX_PREPARED_ENTRIES = 1 << 20
@@ -90,7 +89,7 @@ def start_prepared_write(
             indices[1].astype(np.int32),
             notif,
         )
-    except Exception as exc:  # nixl binding errors: remote disconnected, bad indices
-        raise TransferFailed(f"WRITE to {remote_agent} failed: {exc!r}") from exc
+    except Exception as exc:
+        reraise_as_transfer_error("WRITE", remote_agent, exc)
     num_bytes = len(indices[0]) * local_layout.block_bytes
     return post(agent, "WRITE", remote_agent, NixlTransfer(agent, num_bytes, handle))

@@ -198,7 +198,7 @@ def start_transfer(
     except Exception as exc:
         if staging is not None:
             agent.staging.release(staging)
-        _reraise(op, remote_agent, exc)
+        reraise_as_transfer_error(op, remote_agent, exc)
     return post(agent, op, remote_agent, transfer)
 
 
@@ -239,9 +239,9 @@ def _request(
     return NixlTransfer(agent, descs.num_bytes, handle, staging, unpack)
 
 
-def _reraise(op: str, remote_agent: str, exc: Exception) -> NoReturn:
-    """Raise ``exc`` as a caller of ``start_transfer`` gets it: ours as they are, the nixl
-    binding's (remote disconnected, bad descriptors) as TransferFailed."""
+def reraise_as_transfer_error(op: str, remote_agent: str, exc: Exception) -> NoReturn:
+    """Raise ``exc`` as a caller of a ``start_*`` function gets it: ours as they are, the
+    nixl binding's (remote disconnected, bad descriptors) as TransferFailed."""
     if isinstance(exc, KVTransferError):
         raise exc
     raise TransferFailed(f"{op} to {remote_agent} failed: {exc!r}") from exc
@@ -292,7 +292,7 @@ def _start_hybrid(
         mem_types = (local_layout.mem_type, remote_layout.mem_type)
         transfer = _request(agent, op, remote_agent, notif, descs, mem_types)
     except Exception as exc:
-        _reraise(op, remote_agent, exc)
+        reraise_as_transfer_error(op, remote_agent, exc)
     return post(agent, op, remote_agent, transfer)
 
 
