@@ -38,23 +38,20 @@ class Timed:
 
     def __init__(self, sender) -> None:
         self.start_s = self.post_s = 0.0
-        start, transfer = sender._start, sender.agent.nixl.transfer
+        sender._start = self._counted(sender._start, "start_s")
+        sender.agent.nixl.transfer = self._counted(sender.agent.nixl.transfer, "post_s")
 
-        def timed_start(*args, **kwargs):
+    def _counted(self, fn, total: str):
+        """``fn``, adding the thread-CPU seconds of each call to ``self.<total>``."""
+
+        def timed(*args, **kwargs):
             t = time.thread_time()
             try:
-                return start(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
-                self.start_s += time.thread_time() - t
+                setattr(self, total, getattr(self, total) + time.thread_time() - t)
 
-        def timed_transfer(*args, **kwargs):
-            t = time.thread_time()
-            try:
-                return transfer(*args, **kwargs)
-            finally:
-                self.post_s += time.thread_time() - t
-
-        sender._start, sender.agent.nixl.transfer = timed_start, timed_transfer
+        return timed
 
 
 def one_request(sender, conn, args, request_id: str, src: tuple[int, ...], groups) -> float:

@@ -16,15 +16,18 @@ wall time. ``--profile N`` then profiles one more run of each case and prints it
 costliest ops by self time, and how much of the profiled wall time no op accounts for
 (Python between ops, and the profiler's own cost).
 
-    python bench/wave_forward.py --dtype bfloat16 [--matmul both] [--profile 15]
+    python bench/wave_forward.py --json out/wave.json --dtype bfloat16 [--matmul both]
+        [--profile 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from forward import load_model, use_mkl_shim  # bench/ is on sys.path: this runs as a script
@@ -100,6 +103,7 @@ def profile(name: str, run: Callable[[], torch.Tensor], rows: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, required=True, help="write the rows here")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per case (median)")
     ap.add_argument("--threads", type=int, default=1)
@@ -137,10 +141,18 @@ def main() -> None:
             times[cell].append(run(cell))
     print(f"\nmedians of {args.runs} runs, new tokens per second")
     print(f"{'case':<12} {'matmul':<9} {'tokens':>6} {'cpu tok/s':>10} {'wall tok/s':>11}")
+    rows = []
     for (name, matmul), ts in times.items():
         tokens = args.cold if name == "cold" else args.wave * args.chunk
         wall, cpu = (statistics.median(t[i] for t in ts) for i in (0, 1))
         print(f"{name:<12} {matmul:<9} {tokens:>6} {tokens / cpu:>10.0f} {tokens / wall:>11.0f}")
+        rows.append(
+            {"case": name, "matmul": matmul, "dtype": args.dtype, "threads": args.threads,
+             "tokens": tokens, "runs": args.runs, "cpu_tok_s": round(tokens / cpu, 1),
+             "wall_tok_s": round(tokens / wall, 1)}
+        )  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
     for name, matmul in cells if args.profile else ():
         set_onednn_matmul(matmul == "onednn")
         profile(f"{name} ({matmul})", cases[name], args.profile)
