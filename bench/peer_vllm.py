@@ -20,8 +20,10 @@ once: vLLM gets one batch, our client keeps them all in flight.
 
 ORDER: per dtype, every system starts (in parallel) and stays up for all runs; in each run
 every case runs on every system back to back, in an order rotating case by case and run by
-run, so the machine's drift lands on all systems alike. Idle neighbours cost little (a live
-vLLM idled at 0.01-0.05 cores here, a pipeline at ~0.02).
+run, so the machine's drift lands on all systems alike. Each measurement starts on a quiet
+machine (wait_quiet): a vLLM instance keeps about one core busy for about a second after it
+answers, which would land on whichever system comes next; once quiet, a live vLLM idles at
+0.01-0.05 cores here, a pipeline at ~0.02.
 
 METRICS: input tok/s = prompt tokens / wall time of the batch; computed tok/s = tokens not
 served from the prefix cache, by each engine's own count. Medians over --runs runs; ratios
@@ -43,6 +45,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -64,6 +67,7 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "peer_vllm_driver.py"
 PEER_START_TIMEOUT_S = 900.0  # torch.compile on a busy 2-core machine takes minutes
 WARM_TOKENS = 512
+QUIET_CORES, QUIET_WINDOW_S, QUIET_MAX_S = 0.15, 0.2, 10.0  # wait_quiet
 
 
 def peer_python() -> Path:
@@ -214,6 +218,11 @@ def main() -> None:
     print(f"done in {(time.perf_counter() - t0) / 60:.1f} min (expected ~{expected / 60:.0f})")
     summary = write(per_run, args)
     print(markdown_table(summary))
+    settles: dict[str, list[float]] = {}
+    for r in per_run:
+        settles.setdefault(r["after"] or "(start)", []).append(r["settle_s"])
+    waits = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in sorted(settles.items()))
+    print(f"wait for a quiet machine, by the system measured just before (median s): {waits}")
 
 
 def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]) -> list[dict]:
@@ -247,7 +256,9 @@ def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]
                 print(f"\n{dtype} ready: {took}")
                 for run in range(args.runs):
                     for i, case in enumerate(cases):
-                        per_run += run_case(live, case, run, i, dtype, config.vocab_size, bar)
+                        after = per_run[-1]["system"] if per_run else ""
+                        per_run += run_case(live, case, run, i, dtype, config.vocab_size, bar,
+                                            after)  # fmt: skip
                         write(per_run, args, final=False)
             finally:
                 for t in live.values():
@@ -257,7 +268,9 @@ def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]
     return per_run
 
 
-def run_case(live: dict, case: Case, run: int, i: int, dtype: str, vocab: int, bar) -> list:
+def run_case(
+    live: dict, case: Case, run: int, i: int, dtype: str, vocab: int, bar, after: str
+) -> list:
     """``case`` of ``run`` on every live system, back to back, in an order that rotates with
     the run and the case's index ``i``: a row each."""
     seed, prompts = case.draw(run, vocab)
@@ -266,12 +279,39 @@ def run_case(live: dict, case: Case, run: int, i: int, dtype: str, vocab: int, b
     rows = []
     for s in systems[shift:] + systems[:shift]:
         bar.set_description(f"{dtype} run {run} {case.name}: {s}")
+        settle_s = wait_quiet()
         row = {"kind": "run", "system": s, "dtype": dtype, "case": case.name, "run": run,
                "prompts": case.prompts, "prompt_tokens": case.prompt_tokens,
-               "prefix_tokens": case.prefix_tokens, "cores": len(live[s].cpus)}  # fmt: skip
+               "prefix_tokens": case.prefix_tokens, "cores": len(live[s].cpus),
+               "settle_s": round(settle_s, 2), "after": after}  # fmt: skip
         rows.append(row | live[s].measure(seed, prompts))
+        after = s
         bar.update()
     return rows
+
+
+def busy_cores(window_s: float) -> float:
+    """Cores the whole machine kept busy over the next ``window_s`` (/proc/stat: user, nice,
+    system, irq and softirq time of all cores)."""
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return v[0] + v[1] + v[2] + v[5] + v[6], sum(v)
+
+    (b0, t0), _, (b1, t1) = ticks(), time.sleep(window_s), ticks()
+    return (os.cpu_count() or 1) * (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def wait_quiet(max_s: float = QUIET_MAX_S) -> float:
+    """Wait until the machine is quiet (below QUIET_CORES busy over QUIET_WINDOW_S) before a
+    measurement, at most ``max_s``; returns the wait. A system that just ran keeps a core
+    busy for a while after its answer (vLLM's engine core: about 1 s at 1 core), which
+    would otherwise land on whichever system the rotation puts next."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_s and busy_cores(QUIET_WINDOW_S) > QUIET_CORES:
+        pass
+    return time.perf_counter() - t0
 
 
 def write(per_run: list[dict], args, final: bool = True) -> list[dict]:
