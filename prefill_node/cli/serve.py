@@ -85,6 +85,15 @@ def register(subparsers: Any) -> None:
     m.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     m.add_argument(
+        "--core-share",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --engine pipeline on CPU: a stage that has no wave to run lends its core "
+        "to the stages that compute (more torch threads for them until it has work again), "
+        "so a lone prompt's first and last chunks, and a short burst's fill and drain, run "
+        "on every core; --no-core-share pins each stage to its own core (default on)",
+    )
+    m.add_argument(
         "--debug-wave-delay",
         type=float,
         default=0.0,
@@ -199,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
         kv_shipping=_kv_shipping(args),
         engine=args.engine,
         debug_wave_delay_s=args.debug_wave_delay,
+        core_share=args.core_share,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())

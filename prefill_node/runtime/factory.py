@@ -35,6 +35,7 @@ def start_pipeline_engine(
     kv_shipping: KVShippingConfig | None = None,
     kv_events: KVEventSink | None = None,
     debug_wave_delay_s: float = 0.0,
+    core_share: bool = True,
 ) -> PipelineEngine:
     """Start a ``num_stages``-stage pipeline on the HF checkpoint ``model_dir``; this process
     becomes stage 0 (the leader) and the returned engine serves requests. Call ``shutdown``.
@@ -49,7 +50,8 @@ def start_pipeline_engine(
     ``kv_shipping``: ship each request's KV to its ``kv_destination`` over NIXL (None: off).
     ``kv_events``: a sink for the pipeline's KV events, e.g. ``KVEventHub.publish``.
     ``debug_wave_delay_s``: every stage sleeps this long per wave (tests: requests that stay
-    in flight long enough to act on them).
+    in flight long enough to act on them). ``core_share``: locally launched CPU stages lend
+    their cores to the stages computing while they idle (runtime/core_share.py).
     """
     from prefill_node.core.planner import default_min_wave_tokens
     from prefill_node.model.loader_hf import load_hf_config
@@ -91,5 +93,11 @@ def start_pipeline_engine(
         )
     env = DistEnv(0, num_stages, "127.0.0.1", free_local_port())
     return PipelineEngine.start(
-        spec, env, True, startup_timeout_s, kv_shipping=kv_shipping, kv_events=kv_events
+        spec,
+        env,
+        True,
+        startup_timeout_s,
+        kv_shipping=kv_shipping,
+        kv_events=kv_events,
+        core_share=core_share,
     )

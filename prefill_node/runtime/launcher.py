@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from prefill_node.mkl_vendor import preload_env
+from prefill_node.runtime.core_share import FD_ENV, CoreBoard
 from prefill_node.runtime.dist_env import DistEnv
 
 STAGE_CPU_ENV = "WAVEPP_STAGE_CPU"
@@ -34,9 +35,11 @@ class LocalLauncher:
 
     Each child runs ``python -m prefill_node.runtime.stage_main`` (what ``wavepp stage`` runs in
     a pod) with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, one thread of torch, and its
-    own core when the machine has at least P cores. A watcher thread calls
-    ``on_exit(rank, returncode)`` once for the first child that exits while the launcher is not
-    stopping - the engine turns that into "pipeline unavailable" within one poll interval.
+    own core when the machine has at least P cores - unless the stages share cores (``board``,
+    a ``CoreBoard`` whose descriptor each child inherits: runtime/core_share.py), then the OS
+    places them. A watcher thread calls ``on_exit(rank, returncode)`` once for the first
+    child that exits while the launcher is not stopping - the engine turns that into
+    "pipeline unavailable" within one poll interval.
     """
 
     def __init__(
@@ -45,10 +48,12 @@ class LocalLauncher:
         on_exit: Callable[[int, int], None],
         pin_cpus: bool = True,
         poll_s: float = 0.1,
+        board: CoreBoard | None = None,
     ):
         self._env = env
         self._on_exit = on_exit
-        self._pin_cpus = pin_cpus
+        self._pin_cpus = pin_cpus and board is None  # shared cores: the OS places the threads
+        self._board = board
         self._poll_s = poll_s
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
@@ -80,8 +85,12 @@ class LocalLauncher:
             env.pop(STAGE_CPU_ENV, None)
             if cpus is not None:
                 env[STAGE_CPU_ENV] = str(cpus[rank])
+            env.pop(FD_ENV, None)
+            fds: tuple[int, ...] = ()
+            if self._board is not None:
+                env[FD_ENV], fds = str(self._board.fd), (self._board.fd,)
             self._procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "prefill_node.runtime.stage_main"], env=env
+                [sys.executable, "-m", "prefill_node.runtime.stage_main"], env=env, pass_fds=fds
             )
         self._watcher.start()
 

@@ -129,6 +129,7 @@ class StageStats:
     kv_held_blocks: int = 0  # block references the stage's KV shipper holds (WRITEs, leases)
     kv_pushes: int = 0  # WRITEs to decode workers in flight
     kv_leases: int = 0  # pull leases not yet released, expired or revoked
+    wide_layers: int = 0  # layers run with idle neighbours' cores (runtime/core_share.py)
 
     def load(self) -> StageLoad:
         """The stage's occupancy as GetLoad reports it (``PoolStats.used``: escrowed

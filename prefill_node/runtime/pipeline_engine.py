@@ -16,6 +16,7 @@ from prefill_node.errors import (
     InvariantError,
     UnavailableError,
 )
+from prefill_node.runtime.core_share import CoreBoard, CoreShare
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.runtime.heartbeat import Heartbeat
 from prefill_node.runtime.kv_event_feed import KVEventSink
@@ -50,13 +51,19 @@ class PipelineEngine(LeaderEngine):
         launch: bool,
         kv_shipping: KVShippingConfig | None = None,
         kv_events: KVEventSink | None = None,
+        core_share: bool = True,
     ):
         if kv_events is not None and not spec.kv_events:
             spec = replace(spec, kv_events=True)
         super().__init__(spec, kv_shipping, kv_events)
         self._compute: PipelineStageCompute | None = None
         self._env = env
-        self._launcher = LocalLauncher(env, self._on_stage_exit) if launch else None
+        self._board: CoreBoard | None = None
+        if launch and core_share and spec.device == "cpu" and spec.num_stages > 1:
+            self._board = CoreBoard.create(spec.num_stages)
+        self._launcher = (
+            LocalLauncher(env, self._on_stage_exit, board=self._board) if launch else None
+        )
         self._store: dist.TCPStore | None = None
         self._heartbeat: Heartbeat | None = None
 
@@ -70,8 +77,9 @@ class PipelineEngine(LeaderEngine):
         startup_timeout_s: float = 600,
         kv_shipping: KVShippingConfig | None = None,
         kv_events: KVEventSink | None = None,
+        core_share: bool = True,
     ) -> PipelineEngine:
-        engine = cls(spec, env, launch, kv_shipping, kv_events)
+        engine = cls(spec, env, launch, kv_shipping, kv_events, core_share)
         try:
             engine._start(startup_timeout_s)
         except BaseException:
@@ -94,7 +102,8 @@ class PipelineEngine(LeaderEngine):
         self._store.set(SPEC_KEY, self.spec.to_json())
         if self._launcher is not None:
             self._launcher.start()
-        self._compute = compute = build_stage_compute(self.spec, 0, self._kv_shipping)
+        cores = CoreShare(self._board, 0) if self._board is not None else None
+        self._compute = compute = build_stage_compute(self.spec, 0, self._kv_shipping, cores)
         self.model_config = compute.model_config
         self._wait_ready(startup_timeout_s)
         planes = Planes.join_stage(
@@ -141,6 +150,8 @@ class PipelineEngine(LeaderEngine):
             self._leader.join(timeout=5.0)
         if self._compute is not None:
             self._compute.close()  # stage 0's shipper: WRITEs aborted, leases revoked
+        if self._board is not None:
+            self._board.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         Planes.close()

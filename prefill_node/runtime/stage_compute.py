@@ -27,6 +27,7 @@ from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import StageCache, stage_cache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.core_share import CoreShare
 from prefill_node.runtime.messages import (
     RequestOutput,
     StageEventBatch,
@@ -160,6 +161,7 @@ class PipelineStageCompute:
         )
         self._lock = threading.Lock()
         self._captured: dict[str, CapturedKV] = {}
+        self.cores: CoreShare | None = None  # core sharing with local neighbours (core_share.py)
         self.shipping: StageShipping | None = None
         if kv_shipping is not None:
             self.shipping = StageShipping(
@@ -226,6 +228,16 @@ class PipelineStageCompute:
 
     # -- LOOP thread ---------------------------------------------------------------------------
     def run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
+        cores = self.cores
+        if cores is None:
+            return self._run_wave(header, hidden)
+        cores.computing(True)  # the idle neighbours' cores are ours until it ends
+        try:
+            return self._run_wave(header, hidden)
+        finally:
+            cores.computing(False)
+
+    def _run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
         already_failed = {rid for rid, _ in header.failed}
         failed: list[tuple[str, str]] = []
         tables: list[tuple[int, WaveChunk, BlockTable]] = []
@@ -324,7 +336,26 @@ class PipelineStageCompute:
                 inputs = hidden
             else:
                 inputs = torch.cat([hidden[r : r + c.length] for r, c, _ in tables])
-        return self.model(inputs, batch, self.kv, after_layer=self._group_hook(tables))
+        return self.model(inputs, batch, self.kv, after_layer=self._layer_hook(tables))
+
+    def _layer_hook(
+        self, tables: list[tuple[int, WaveChunk, BlockTable]]
+    ) -> Callable[[int], None] | None:
+        """The forward's per-layer hook: KV streaming's (``_group_hook``), and with core
+        sharing, the thread count for the next layer (``CoreShare.adjust``)."""
+        group, cores = self._group_hook(tables), self.cores
+        if cores is None:
+            return group
+        cores.adjust()  # the first layer's
+        last = self.model.layer_range.end - 1
+
+        def after_layer(layer: int) -> None:
+            if group is not None:
+                group(layer)
+            if layer < last:
+                cores.adjust()
+
+        return after_layer
 
     def _logits(
         self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor
@@ -443,9 +474,15 @@ class PipelineStageCompute:
 
 
 def build_stage_compute(
-    spec: PipelineSpec, stage: int, kv_shipping: KVShippingConfig | None = None
+    spec: PipelineSpec,
+    stage: int,
+    kv_shipping: KVShippingConfig | None = None,
+    cores: CoreShare | None = None,
 ) -> PipelineStageCompute:
     """Load stage ``stage``'s slice and allocate its KV (what each stage process does once);
-    with ``kv_shipping``, also create its NIXL agent and register the KV tensors."""
+    with ``kv_shipping``, also create its NIXL agent and register the KV tensors; with
+    ``cores``, borrow idle neighbours' cores (core_share.py)."""
     torch.manual_seed(0)
-    return PipelineStageCompute(spec, stage, load_stage_model(spec, stage), kv_shipping)
+    compute = PipelineStageCompute(spec, stage, load_stage_model(spec, stage), kv_shipping)
+    compute.cores = cores
+    return compute

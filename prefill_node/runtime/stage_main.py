@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from prefill_node.runtime.core_share import FD_ENV, CoreBoard, CoreShare
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.runtime.heartbeat import Heartbeat
 from prefill_node.runtime.launcher import STAGE_CPU_ENV, pin_to_cpu
@@ -65,7 +66,11 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     from prefill_node.runtime.stage_compute import build_stage_compute
 
     kv_shipping = pickle.loads(store.get(KV_SHIPPING_KEY))  # the leader's trusted store
-    compute = build_stage_compute(spec, env.rank, kv_shipping)
+    board_fd = os.environ.get(FD_ENV)  # the local launcher's core-sharing board
+    cores = None
+    if board_fd:
+        cores = CoreShare(CoreBoard.attach(int(board_fd), spec.num_stages), env.rank)
+    compute = build_stage_compute(spec, env.rank, kv_shipping, cores)
     store.set(ready_key(env.rank), "1")
     planes = Planes.join_stage(env.rank, env.world_size, store, compute.model, spec.max_wave_tokens)
     worker = StageWorker(
@@ -88,6 +93,8 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
         os._exit(EXIT_STAGE_FAILED)
     worker.join(timeout=spec.dead_after_s)
     compute.close()
+    if cores is not None:
+        cores.board.close()
     heartbeat.stop()
     Planes.close()
     return 0

@@ -238,6 +238,7 @@ class StageWorker:
 
     def stats(self) -> StageStats:
         held = self._compute.kv_held()
+        cores = getattr(self._compute, "cores", None)  # PipelineStageCompute's core sharing
         return StageStats(
             stage=self.rank,
             busy_s=self._busy_s,
@@ -249,4 +250,5 @@ class StageWorker:
             kv_held_blocks=held.blocks,
             kv_pushes=held.pushes,
             kv_leases=held.leases,
+            wide_layers=cores.wide_layers if cores is not None else 0,
         )

@@ -47,6 +47,7 @@ class EngineSpec:
     kv_shipping: KVShippingConfig | None = None
     engine: str = "pipeline"  # pipeline: one process per stage; local: stages in-process
     debug_wave_delay_s: float = 0.0  # testing: every stage sleeps this long per wave
+    core_share: bool = True  # local CPU stages lend idle cores (runtime/core_share.py)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -92,6 +93,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
             kv_shipping=spec.kv_shipping,
             kv_events=kv_events,
             debug_wave_delay_s=spec.debug_wave_delay_s,
+            core_share=spec.core_share,
         )
         return ServedEngine(engine, blocking_submit=False)
     import torch
