@@ -89,3 +89,28 @@ def test_shared_prefix_is_the_longest_aligned_share():
     assert cases.shared_prefix(1280) == 1152
     assert cases.shared_prefix(1024) == 896  # 921.6 rounds down to 7 blocks of 128
     assert cases.shared_prefix(100) == 0
+
+
+def test_wait_quiet_waits_while_a_process_keeps_a_core_busy():
+    import subprocess
+    import time
+
+    import peer_vllm
+
+    spin_s = 0.8
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import time\nt = time.time() + {spin_s}\nwhile time.time() < t: pass",
+        ]
+    )
+    try:
+        time.sleep(0.1)  # the child is spinning
+        assert peer_vllm.busy_cores(0.2) > peer_vllm.QUIET_CORES
+        waited = peer_vllm.wait_quiet(max_s=5.0)
+        assert waited >= spin_s - 0.1 - 0.25  # it waited for the child, one window late at most
+        assert child.poll() is not None  # the child had stopped when the wait ended
+    finally:
+        child.kill()
+        child.wait()
