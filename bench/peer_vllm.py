@@ -21,9 +21,9 @@ once: vLLM gets one batch, our client keeps them all in flight.
 ORDER: per dtype, every system starts (in parallel) and stays up for all runs; in each run
 every case runs on every system back to back, in an order rotating case by case and run by
 run, so the machine's drift lands on all systems alike. Each measurement starts on a quiet
-machine (wait_quiet): a vLLM instance keeps about one core busy for about a second after it
-answers, which would land on whichever system comes next; once quiet, a live vLLM idles at
-0.01-0.05 cores here, a pipeline at ~0.02.
+machine (bench/quiet.py): a vLLM instance keeps about one core busy for about a second
+after it answers, which would land on whichever system comes next; once quiet, a live
+vLLM idles at 0.01-0.05 cores here, a pipeline at ~0.02.
 
 METRICS: input tok/s = prompt tokens / wall time of the batch; computed tok/s = tokens not
 served from the prefix cache, by each engine's own count. Medians over --runs runs; ratios
@@ -55,6 +55,7 @@ from pathlib import Path
 from peer_vllm_cases import DEFAULT, QUICK, Case, estimate_seconds, make_cases
 from peer_vllm_report import PEERS, SYSTEMS, first_token_agreement, plot, rates, summarise
 from peer_vllm_report import table as markdown_table
+from quiet import wait_quiet
 from router_cluster import BLOCK, Cluster, warm_pipeline, warm_router
 from router_workload import run_closed_loop, token_stats
 from tqdm import tqdm
@@ -67,7 +68,6 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "peer_vllm_driver.py"
 PEER_START_TIMEOUT_S = 900.0  # torch.compile on a busy 2-core machine takes minutes
 WARM_TOKENS = 512
-QUIET_CORES, QUIET_WINDOW_S, QUIET_MAX_S = 0.15, 0.2, 10.0  # wait_quiet
 
 
 def peer_python() -> Path:
@@ -288,30 +288,6 @@ def run_case(
         after = s
         bar.update()
     return rows
-
-
-def busy_cores(window_s: float) -> float:
-    """Cores the whole machine kept busy over the next ``window_s`` (/proc/stat: user, nice,
-    system, irq and softirq time of all cores)."""
-
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        return v[0] + v[1] + v[2] + v[5] + v[6], sum(v)
-
-    (b0, t0), _, (b1, t1) = ticks(), time.sleep(window_s), ticks()
-    return (os.cpu_count() or 1) * (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-def wait_quiet(max_s: float = QUIET_MAX_S) -> float:
-    """Wait until the machine is quiet (below QUIET_CORES busy over QUIET_WINDOW_S) before a
-    measurement, at most ``max_s``; returns the wait. A system that just ran keeps a core
-    busy for a while after its answer (vLLM's engine core: about 1 s at 1 core), which
-    would otherwise land on whichever system the rotation puts next."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < max_s and busy_cores(QUIET_WINDOW_S) > QUIET_CORES:
-        pass
-    return time.perf_counter() - t0
 
 
 def write(per_run: list[dict], args, final: bool = True) -> list[dict]:

@@ -39,8 +39,8 @@ from pipeline_workers import (  # noqa: F401  (MODEL, BLOCK, PROMPT, make_spec: 
     PROMPT,
     WORKLOADS,
     CeilingPair,
-    PolicyDriver,
     make_spec,
+    policy_driver,
 )
 from tqdm import tqdm
 
@@ -105,7 +105,7 @@ def run_grid(runs: int, levels: list[int], min_requests: int, ceiling_s: float) 
     ceiling = CeilingPair()
     try:
         for run in range(runs):
-            drivers = {p: PolicyDriver(p) for p in POLICIES}
+            drivers = {p: policy_driver(p) for p in POLICIES}
             try:
                 for d in drivers.values():
                     d.wait_ready()

@@ -1,4 +1,5 @@
-"""bench/pipeline.py's long-lived worker processes: one pipeline per policy, one ceiling pair.
+"""bench/pipeline.py's long-lived worker processes: one pipeline per policy, one ceiling pair
+(``PipelineDriver`` also leads bench/stage_occupancy.py's pipelines).
 
 Both policies' pipelines stay up for a whole run, each in its own driver process (a leader
 hosts torch.distributed state, so two cannot share a process), and the two ceiling
@@ -173,14 +174,16 @@ def _driver_main(policy: str, conn: Any) -> None:
         conn.send((True, None))
 
 
-class PolicyDriver:
-    """A pipeline of one policy in a child process; ``call`` runs one command there."""
+class PipelineDriver:
+    """A pipeline led from a child process (``main(*args, conn)`` serves (command, args) from
+    ``conn`` and replies (ok, value), like ``_driver_main``); ``call`` runs one command there.
+    ``name`` labels its errors."""
 
-    def __init__(self, policy: str):
+    def __init__(self, name: str, main: Any, *args: Any):
         ctx = mp.get_context("spawn")
-        self.policy = policy
+        self.name = name
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_driver_main, args=(policy, child), daemon=False)
+        self._proc = ctx.Process(target=main, args=(*args, child), daemon=False)
         self._proc.start()
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
@@ -194,18 +197,18 @@ class PolicyDriver:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(5.0):
             if not self._proc.is_alive():
-                raise RuntimeError(f"{self.policy} pipeline exited ({self._proc.exitcode})")
+                raise RuntimeError(f"{self.name} pipeline exited ({self._proc.exitcode})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.policy} pipeline: no answer in {timeout_s:.0f}s")
+                raise TimeoutError(f"{self.name} pipeline: no answer in {timeout_s:.0f}s")
         try:
             ok, value = self._conn.recv()
         except EOFError:
             self._proc.join(5.0)
             raise RuntimeError(
-                f"{self.policy} pipeline process ended (exit code {self._proc.exitcode})"
+                f"{self.name} pipeline process ended (exit code {self._proc.exitcode})"
             ) from None
         if not ok:
-            raise RuntimeError(f"{self.policy} pipeline: {value}")
+            raise RuntimeError(f"{self.name} pipeline: {value}")
         return value
 
     def stop(self) -> None:
@@ -219,6 +222,11 @@ class PolicyDriver:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
+
+
+def policy_driver(policy: str) -> PipelineDriver:
+    """bench/pipeline.py's pipeline of one policy (``_driver_main``)."""
+    return PipelineDriver(policy, _driver_main, policy)
 
 
 # -- ceiling: independent single-thread processes, pure forward ----------------------------------

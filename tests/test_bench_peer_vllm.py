@@ -95,7 +95,7 @@ def test_wait_quiet_waits_while_a_process_keeps_a_core_busy():
     import subprocess
     import time
 
-    import peer_vllm
+    import quiet
 
     spin_s = 0.8
     child = subprocess.Popen(
@@ -107,10 +107,30 @@ def test_wait_quiet_waits_while_a_process_keeps_a_core_busy():
     )
     try:
         time.sleep(0.1)  # the child is spinning
-        assert peer_vllm.busy_cores(0.2) > peer_vllm.QUIET_CORES
-        waited = peer_vllm.wait_quiet(max_s=5.0)
+        assert quiet.busy_cores(0.2) > quiet.QUIET_CORES
+        waited = quiet.wait_quiet(max_s=5.0)
         assert waited >= spin_s - 0.1 - 0.25  # it waited for the child, one window late at most
         assert child.poll() is not None  # the child had stopped when the wait ended
     finally:
         child.kill()
         child.wait()
+
+
+def test_stage_occupancy_pairs_core_share_with_the_same_runs_pinned_pipeline():
+    import stage_occupancy
+
+    def row(setting, run, tok_s):
+        return {"kind": "run", "setting": setting, "case": "cold", "run": run,
+                "wall_s": 1.0, "computed_tokens": 100, "computed_tok_s": tok_s,
+                "stage0_busy": 0.9, "stage0_cpu": 0.8, "stage0_waves": 4,
+                "stage0_wide": 0.1}  # fmt: skip
+
+    per_run = [row("core-share", 0, 1200.0), row("pinned", 0, 1000.0),
+               row("core-share", 1, 900.0), row("pinned", 1, 1000.0),
+               row("core-share", 2, 1050.0), row("pinned", 2, 1000.0)]  # fmt: skip
+    summary = stage_occupancy.summarise(per_run)
+    ratio = next(r for r in summary if r["kind"] == "ratio")
+    assert ratio["computed_tok_s"] == pytest.approx(1.05)  # median of 1.2, 0.9, 1.05
+    medians = {r["setting"]: r for r in summary if r["kind"] == "median"}
+    assert medians["core-share"]["computed_tok_s"] == 1050.0
+    assert "| cold | core-share | 1,050 |" in stage_occupancy.table(summary, 1)
