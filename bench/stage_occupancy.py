@@ -17,7 +17,7 @@ wall time is at least its busiest stage's busy time; the rest is fill, drain and
 (a stage idles while its neighbour computes, and the leader admits between waves).
 Medians over --runs runs; ``on/off`` is each run's computed tok/s ratio, then the median.
 
-    .venv/bin/python bench/stage_occupancy.py --json out/occupancy.json   # ~4 min, 2 cores
+    .venv/bin/python bench/stage_occupancy.py --json out/occupancy.json   # ~1 min on 2 cores
     .venv/bin/python bench/stage_occupancy.py --json /tmp/o.json --quick --runs 1
 
 Writes every row (flat: kind run / median / ratio) to PATH and the table to PATH with .md.
