@@ -14,27 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefill_node.engine.types import PrefillOptions
-from prefill_node.model.config import ModelConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.core_share import CoreBoard, CoreShare, share_threads
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
+from tests.tiny_models import TINY_LLAMA_HF, tiny_llama
 
-HF = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-}
+HF = TINY_LLAMA_HF
 SEED = 11
 
 
@@ -141,7 +129,7 @@ def test_a_lone_prompt_borrows_the_idle_stage_core(core_share: bool) -> None:
         rng = random.Random(3)
         prompt = [rng.randrange(HF["vocab_size"]) for _ in range(40)]
         result = engine.submit(prompt, PrefillOptions(top_logprobs=5)).result(timeout=60)
-        model = ModelConfig.from_hf_config(HF, name="tiny-llama")
+        model = tiny_llama()
         logits, _ = reference_forward(model, random_weights(model, SEED), prompt)
         want = torch.log_softmax(logits.float(), dim=-1)
         for token, logprob in result.top_logprobs:
