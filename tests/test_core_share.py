@@ -135,6 +135,7 @@ def test_a_lone_prompt_borrows_the_idle_stage_core(core_share: bool) -> None:
         for token, logprob in result.top_logprobs:
             assert abs(logprob - want[token].item()) < 1e-4
         wide = [s.wide_layers for s in engine.stage_stats()]
+        assert [s.wide_layers for s in engine.load().stages] == wide  # GetLoad, /metrics
         if not core_share:
             assert wide == [0, 0]
         elif len(os.sched_getaffinity(0)) >= 2:

@@ -195,6 +195,7 @@ def test_metrics_endpoint_counts_outcomes_and_exports_stage_blocks(engine):
     assert 'wavepp_stage_blocks{stage="1",state="cached"} 1.0' in text
     assert 'wavepp_stage_blocks{stage="1",state="free"} 255.0' in text
     assert 'wavepp_admission_conflicts_total{kind="lease"} 0.0' in text
+    assert 'wavepp_stage_wide_layers_total{stage="1"} 0.0' in text
 
 
 def test_kv_event_subscription_streams_published_events(engine):

@@ -157,6 +157,7 @@ class StageLoad:
     used_blocks: int
     total_blocks: int
     busy_fraction: float = 0.0  # share of recent wall time spent computing
+    wide_layers: int = 0  # layers run with idle neighbours' cores since start (core sharing)
 
 
 @dataclass(frozen=True)

@@ -137,5 +137,11 @@ class StageStats:
         p = self.pool
         busy = self.busy_s / self.uptime_s if self.uptime_s > 0 else 0.0
         return StageLoad(
-            self.stage, p.unclaimed_free, p.unclaimed_cached, p.used, p.total, busy_fraction=busy
+            self.stage,
+            p.unclaimed_free,
+            p.unclaimed_cached,
+            p.used,
+            p.total,
+            busy_fraction=busy,
+            wide_layers=self.wide_layers,
         )

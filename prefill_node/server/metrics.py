@@ -64,14 +64,21 @@ class _EngineLoadCollector(Collector):
         busy = GaugeMetricFamily(
             "wavepp_stage_busy_fraction", "Share of recent time spent computing", labels=["stage"]
         )
+        wide = CounterMetricFamily(
+            "wavepp_stage_wide_layers",
+            "Layers a stage ran with idle neighbours' cores (core sharing)",
+            labels=["stage"],
+        )
         for s in load.stages:
             stage = str(s.stage)
             blocks.add_metric([stage, "free"], s.free_blocks)
             blocks.add_metric([stage, "cached"], s.cached_blocks)
             blocks.add_metric([stage, "used"], s.used_blocks)
             busy.add_metric([stage], s.busy_fraction)
+            wide.add_metric([stage], s.wide_layers)
         yield blocks
         yield busy
+        yield wide
         conflicts = CounterMetricFamily(
             "wavepp_admission_conflicts",
             "Lease boundaries that shrank on re-check / escrow victims replaced at commit",
