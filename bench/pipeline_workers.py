@@ -16,6 +16,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,37 +137,22 @@ def closed_loop(engine: Any, prompts: list[list[int]], concurrency: int) -> dict
 
 
 # -- one pipeline per policy, in its own process -------------------------------------------------
-def _driver_main(policy: str, conn: Any) -> None:
-    """Serve (command, args) from ``conn`` on one pipeline until "stop"; reply (ok, value)."""
-    from prefill_node.engine.types import PrefillOptions
-    from prefill_node.runtime.dist_env import DistEnv, free_local_port
-    from prefill_node.runtime.pipeline_engine import PipelineEngine
-
-    prefixes = shared_prefixes()
-    engine = PipelineEngine.start(make_spec(policy), DistEnv(0, 2, "127.0.0.1", free_local_port()))
+def serve_commands(
+    conn: Any, engine: Any, handle: Callable[[str, Any], Any], warm: Callable[[], None]
+) -> None:
+    """The child side of ``PipelineDriver``: run ``warm`` (untimed: first forwards of fresh
+    stage processes are slow), reply ready, then reply (True, ``handle(command, args)``) or
+    (False, the error) to each (command, args) from ``conn`` until "stop"; finally shut the
+    engine down and reply once more."""
     try:
-        # warm-up (untimed): first forwards of fresh stage processes are slow
-        closed_loop(engine, prompts_for(WORKLOADS[0], 8, random.Random(WARMUP_SEED), prefixes), 4)
+        warm()
         conn.send((True, None))
         while True:
             cmd, args = conn.recv()
+            if cmd == "stop":
+                break
             try:
-                if cmd == "stop":
-                    break
-                if cmd == "seed":  # the shared prefixes, cached again (untimed)
-                    for f in [engine.submit(p + [1], PrefillOptions()) for p in prefixes]:
-                        f.result(timeout=120)
-                    value = None
-                elif cmd == "cell":
-                    name, n, seed, c = args
-                    prompts = prompts_for(workload(name), n, random.Random(seed), prefixes)
-                    value = closed_loop(engine, prompts, c)
-                elif cmd == "check":
-                    engine.debug_check_integrity()
-                    value = None
-                else:
-                    raise ValueError(f"unknown driver command {cmd!r}")
-                conn.send((True, value))
+                conn.send((True, handle(cmd, args)))
             except Exception as exc:  # reported to the bench, which stops the run
                 conn.send((False, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -174,10 +160,39 @@ def _driver_main(policy: str, conn: Any) -> None:
         conn.send((True, None))
 
 
+def _driver_main(policy: str, conn: Any) -> None:
+    """One pipeline of ``policy`` (``serve_commands``): "seed", "cell", "check"."""
+    from prefill_node.engine.types import PrefillOptions
+    from prefill_node.runtime.dist_env import DistEnv, free_local_port
+    from prefill_node.runtime.pipeline_engine import PipelineEngine
+
+    prefixes = shared_prefixes()
+    engine = PipelineEngine.start(make_spec(policy), DistEnv(0, 2, "127.0.0.1", free_local_port()))
+
+    def handle(cmd: str, args: Any) -> Any:
+        if cmd == "seed":  # the shared prefixes, cached again (untimed)
+            for f in [engine.submit(p + [1], PrefillOptions()) for p in prefixes]:
+                f.result(timeout=120)
+            return None
+        if cmd == "cell":
+            name, n, seed, c = args
+            prompts = prompts_for(workload(name), n, random.Random(seed), prefixes)
+            return closed_loop(engine, prompts, c)
+        if cmd == "check":
+            engine.debug_check_integrity()
+            return None
+        raise ValueError(f"unknown driver command {cmd!r}")
+
+    def warm() -> None:
+        closed_loop(engine, prompts_for(WORKLOADS[0], 8, random.Random(WARMUP_SEED), prefixes), 4)
+
+    serve_commands(conn, engine, handle, warm)
+
+
 class PipelineDriver:
-    """A pipeline led from a child process (``main(*args, conn)`` serves (command, args) from
-    ``conn`` and replies (ok, value), like ``_driver_main``); ``call`` runs one command there.
-    ``name`` labels its errors."""
+    """A pipeline led from a child process (``main(*args, conn)`` starts it and answers
+    through ``serve_commands``); ``call`` runs one command there. ``name`` labels its
+    errors."""
 
     def __init__(self, name: str, main: Any, *args: Any):
         ctx = mp.get_context("spawn")

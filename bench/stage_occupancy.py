@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from peer_vllm_cases import DEFAULT, QUICK, Case, make_cases
-from pipeline_workers import PipelineDriver
+from pipeline_workers import PipelineDriver, serve_commands
 from quiet import wait_quiet
 from tqdm import tqdm
 
@@ -43,8 +43,8 @@ BLOCK, WAVE_TOKENS = 16, 512  # what `wavepp serve` and bench/peer_vllm.py use
 
 
 def _driver_main(core_share: bool, stages: int, dtype: str, blocks: int, conn) -> None:
-    """One pipeline led from this child process (``PipelineDriver``): "measure" (case, run)
-    replies a row; "stop" ends it."""
+    """One pipeline led from this child process (``PipelineDriver``, ``serve_commands``):
+    "measure" (case, run) replies a row."""
     from prefill_node.model.default_model import default_model_dir
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.partition import split_layers
@@ -56,21 +56,13 @@ def _driver_main(core_share: bool, stages: int, dtype: str, blocks: int, conn) -
     engine = start_pipeline_engine(model_dir, stages, num_blocks=blocks, block_size=BLOCK,
                                    max_wave_tokens=WAVE_TOKENS, dtype=dtype,
                                    core_share=core_share)  # fmt: skip
-    try:
-        warm = Case("warm", 2, 512)  # first forwards build oneDNN's primitives
-        measure(engine, warm, -1, config.vocab_size, layers)
-        conn.send((True, None))
-        while True:
-            cmd, args = conn.recv()
-            if cmd == "stop":
-                break
-            try:
-                conn.send((True, measure(engine, *args, config.vocab_size, layers)))
-            except Exception as exc:  # reported to the bench, which stops the run
-                conn.send((False, f"{type(exc).__name__}: {exc}"))
-    finally:
-        engine.shutdown()
-        conn.send((True, None))
+    warm = Case("warm", 2, 512)  # first forwards build oneDNN's primitives
+    serve_commands(
+        conn,
+        engine,
+        lambda _cmd, args: measure(engine, *args, config.vocab_size, layers),
+        lambda: measure(engine, warm, -1, config.vocab_size, layers),
+    )
 
 
 def measure(engine, case: Case, run: int, vocab: int, layers: list[int]) -> dict:

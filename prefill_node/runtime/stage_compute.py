@@ -133,8 +133,10 @@ class PipelineStageCompute:
         kv_shipping: KVShippingConfig | None = None,
         *,
         keep_logits: bool = False,
+        cores: CoreShare | None = None,
     ):
-        """``keep_logits``: the last stage's outputs carry the fp32 logits (in-process)."""
+        """``keep_logits``: the last stage's outputs carry the fp32 logits (in-process);
+        ``cores``: borrow idle local neighbours' cores while computing (core_share.py)."""
         self.stage = stage
         self.keep_logits = keep_logits
         self.spec = spec
@@ -161,7 +163,7 @@ class PipelineStageCompute:
         )
         self._lock = threading.Lock()
         self._captured: dict[str, CapturedKV] = {}
-        self.cores: CoreShare | None = None  # core sharing with local neighbours (core_share.py)
+        self.cores = cores
         self.shipping: StageShipping | None = None
         if kv_shipping is not None:
             self.shipping = StageShipping(
@@ -483,6 +485,5 @@ def build_stage_compute(
     with ``kv_shipping``, also create its NIXL agent and register the KV tensors; with
     ``cores``, borrow idle neighbours' cores (core_share.py)."""
     torch.manual_seed(0)
-    compute = PipelineStageCompute(spec, stage, load_stage_model(spec, stage), kv_shipping)
-    compute.cores = cores
-    return compute
+    model = load_stage_model(spec, stage)
+    return PipelineStageCompute(spec, stage, model, kv_shipping, cores=cores)
