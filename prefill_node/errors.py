@@ -50,7 +50,9 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 
 class UnsupportedQuantizationError(ModelLoadError):
-    """A GGUF tensor uses a quantisation type we cannot dequantise."""
+    """A checkpoint stores weights in a quantisation we do not load: a GGUF tensor type, a
+    ``quantization_config`` other than block-wise FP8, or low-precision tensors without
+    their scales."""
 
 
 class InvalidModelConfigError(ModelLoadError):

@@ -56,7 +56,6 @@ def _ids(stdout: str) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_decode_against_a_stock_serve_matches_transformers_generate(tmp_path, family):
-    pytest.importorskip("transformers")
     config = CONFIGS[family]
     save_hf_checkpoint(tmp_path, config, random_weights(config, seed=0))
     rng = random.Random(6)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from prefill_node.errors import (
@@ -28,8 +29,6 @@ from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights, weight_names
-
-transformers = pytest.importorskip("transformers")
 
 CONFIG = ModelConfig(
     family=ModelFamily.LLAMA,

@@ -9,6 +9,7 @@ from math import prod
 
 import pytest
 import torch
+import transformers
 
 from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
@@ -32,8 +33,6 @@ from tests.tiny_models import (
     tiny_minimax_m2,
     tiny_qwen3_next,
 )
-
-transformers = pytest.importorskip("transformers")
 
 # The fields of the released MiniMax-M2 config.json that matter here (sizes shrunk).
 RELEASE_STYLE = {

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig, ModelFamily, MoeConfig, RopeScaling
@@ -15,8 +16,6 @@ from prefill_node.model.partition import split_layers
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import MINIMAX_MOE, random_weights
-
-transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 

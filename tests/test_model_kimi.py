@@ -14,6 +14,8 @@ import json
 
 import pytest
 import torch
+import transformers
+from transformers.models.kimi_linear import modeling_kimi_linear as kimi_hf
 
 from prefill_node.errors import InvalidModelConfigError, UnsupportedArchitectureError
 from prefill_node.model.attention import AttentionPlan
@@ -28,9 +30,6 @@ from prefill_node.model.rope import RotaryEmbedding
 from prefill_node.model.tensor_ops import take
 from prefill_node.model.weights import KDA_CONVS, random_weights, weight_shapes
 from tests.tiny_models import TINY_KIMI_HF, tiny_kimi
-
-transformers = pytest.importorskip("transformers")
-kimi_hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 ATOL = 1e-4
 CONFIG = tiny_kimi()

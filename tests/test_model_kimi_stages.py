@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +24,6 @@ from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights
 from tests.hybrid_checks import check_eviction_shrinks_reuse, check_reuse_up_to_a_snapshot
 from tests.tiny_models import tiny_kimi
-
-transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 BLOCK = 8

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from prefill_node.errors import UnsupportedArchitectureError
 from prefill_node.model.attention import AttentionPlan, causal_hidden
@@ -26,8 +27,6 @@ from prefill_node.model.reference import reference_forward
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights
 from tests.tiny_models import TINY_GLM5_HF, tiny_glm5
-
-transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 BLOCK = 4

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,8 +31,6 @@ from prefill_node.model.weights import random_weights, weight_shapes
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.hybrid_checks import check_eviction_shrinks_reuse, check_reuse_up_to_a_snapshot
 from tests.tiny_models import TINY_QWEN3_NEXT_HF, tiny_qwen3_next
-
-transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 BLOCK = 8

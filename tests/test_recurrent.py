@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen
 
 from prefill_node.errors import InvariantError
 from prefill_node.model.recurrent import (
@@ -18,10 +20,6 @@ from prefill_node.model.recurrent import (
     gated_delta_rule_states,
     l2_normalize,
 )
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.kimi_linear import modeling_kimi_linear as kimi  # noqa: E402
-from transformers.models.qwen3_next import modeling_qwen3_next as qwen  # noqa: E402
 
 ATOL = 1e-4
 HEADS, DK, DV = 3, 8, 6

@@ -29,8 +29,6 @@ from prefill_node.runtime.spec import ModelSource, PipelineSpec
 from tests.test_runtime_kv_handoff import wait_idle
 from tests.tiny_models import TINY_KIMI_HF, TINY_QWEN3_NEXT_HF
 
-pytest.importorskip("transformers")
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 FAMILIES = {"qwen3-next": TINY_QWEN3_NEXT_HF, "kimi-linear": TINY_KIMI_HF}

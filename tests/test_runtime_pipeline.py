@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import transformers
 
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import RequestAbortedError, UnavailableError
@@ -72,7 +73,6 @@ FAMILIES = {
 
 @functools.cache
 def _transformers_model(family: str):
-    transformers = pytest.importorskip("transformers")
     _, model, weights = FAMILIES[family]
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_checkpoint(tmp, model, weights)

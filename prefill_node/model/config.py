@@ -41,6 +41,7 @@ from prefill_node.model.kimi_config import (
     kimi_to_hf,
     reject_unsupported_kimi,
 )
+from prefill_node.model.quantization import Fp8BlockQuantization, quantization_of
 
 __all__ = [
     "MlaConfig",
@@ -164,6 +165,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     mla: MlaConfig | None = None
     recurrent: RecurrentConfig | None = None
+    quantization: Fp8BlockQuantization | None = None  # how the checkpoint stores weights
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -379,6 +381,7 @@ class ModelConfig:
                 partial_rotary_factor=_partial_rotary_of(d, 0.25 if qwen3_next else 1.0),
                 mla=glm_mla_of(d) if glm else kimi_mla_of(d) if kimi else None,
                 recurrent=_RECURRENT_OF[family](d) if family in _RECURRENT_OF else None,
+                quantization=quantization_of(d),
             )
         except KeyError as e:
             raise InvalidModelConfigError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -426,6 +429,8 @@ class ModelConfig:
         if self.partial_rotary_factor != 1.0 or self.family is ModelFamily.QWEN3_NEXT:
             d["rotary_dim"] = self.rotary_dim
             d["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_hf()
         return d
 
 

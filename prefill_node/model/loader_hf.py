@@ -3,22 +3,34 @@
 A stage reads only its slice's tensors: with a sharded checkpoint
 (``model.safetensors.index.json``) only the shards holding them are opened, and safetensors
 memory-maps each file, so a stage of a large model never pages in the other stages' weights.
-Every failure is a typed ModelLoadError naming the file, tensor or option that is wrong.
+Each tensor is found under any naming transformers writes or reads (``checkpoint_names``),
+and block-wise FP8 weights are dequantised to the serving dtype as they are read
+(``quantization``). Every failure is a typed ModelLoadError naming the file, tensor or
+option that is wrong.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from prefill_node.errors import InvalidModelConfigError, MissingTensorError, ModelFileNotFoundError
+from prefill_node.errors import (
+    InvalidModelConfigError,
+    MissingTensorError,
+    ModelFileNotFoundError,
+    UnsupportedQuantizationError,
+)
+from prefill_node.model.checkpoint_names import resolve
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.partition import LayerRange
+from prefill_node.model.quantization import SCALE_SUFFIX, SUPPORTED, Fp8BlockQuantization
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import LM_HEAD, weight_names
 
@@ -54,24 +66,69 @@ def load_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
     )
 
 
-def _tensor_files(p: Path, names: list[str]) -> dict[Path, list[str]]:
-    """Which safetensors file holds each wanted tensor, grouped by file."""
-    index_path = p / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise InvalidModelConfigError(f"{index_path} is malformed: {e}") from e
-        files: dict[Path, list[str]] = {}
-        for name in names:
-            if name not in weight_map:
-                raise MissingTensorError(f"tensor {name!r} is not listed in {index_path}")
-            files.setdefault(p / weight_map[name], []).append(name)
-        return files
-    single = p / SINGLE_FILE
-    if not single.is_file():
-        raise ModelFileNotFoundError(f"{p} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    return {single: names}
+class _Checkpoint:
+    """The tensors of a checkpoint directory: which file holds each name (from the index of
+    a sharded checkpoint, else the single file's header), with each file opened once, when
+    first read, and closed with this object."""
+
+    def __init__(self, p: Path, stack: ExitStack) -> None:
+        self._dir, self._stack = p, stack
+        self._open: dict[Path, tuple[Any, set[str]]] = {}
+        index_path = p / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InvalidModelConfigError(f"{index_path} is malformed: {e}") from e
+            self.where = str(index_path)
+            self._file = {name: p / file for name, file in weight_map.items()}
+            return
+        single = p / SINGLE_FILE
+        if not single.is_file():
+            raise ModelFileNotFoundError(f"{p} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self.where = str(single)
+        self._file = dict.fromkeys(self._handle(single)[1], single)
+
+    @property
+    def names(self) -> Mapping[str, Path]:
+        return self._file
+
+    def _handle(self, file: Path) -> tuple[Any, set[str]]:
+        """The open file and the names it holds."""
+        if file not in self._open:
+            if not file.is_file():
+                raise ModelFileNotFoundError(f"checkpoint shard {file} does not exist")
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            self._open[file] = (handle, set(handle.keys()))
+        return self._open[file]
+
+    def raw(self, name: str) -> torch.Tensor:
+        handle, held = self._handle(self._file[name])
+        if name not in held:
+            raise MissingTensorError(f"tensor {name!r} is missing from {self._file[name]}")
+        return handle.get_tensor(name)
+
+    def read(
+        self, name: str, quantization: Fp8BlockQuantization | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Tensor ``name`` as ``dtype``: dequantised when the checkpoint stores its scale next
+        to it; a scale the config does not declare, or a low-precision tensor without its
+        scale, raises UnsupportedQuantizationError instead of loading something wrong."""
+        t = self.raw(name)
+        scale_name = name + SCALE_SUFFIX
+        if scale_name in self._file:
+            if quantization is None:
+                raise UnsupportedQuantizationError(
+                    f"{self.where} holds {scale_name}, but config.json has no "
+                    f"quantization_config; supported: {SUPPORTED}"
+                )
+            return quantization.dequantize(name, t, self.raw(scale_name), dtype)
+        if not t.dtype.is_floating_point or t.element_size() == 1:
+            raise UnsupportedQuantizationError(
+                f"tensor {name!r} is stored as {t.dtype} with no {scale_name} next to it; "
+                f"supported: {SUPPORTED}"
+            )
+        return t.to(dtype)
 
 
 def load_hf_weights(
@@ -80,20 +137,23 @@ def load_hf_weights(
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """The HF-named tensors a stage holding ``layer_range`` needs, as ``dtype`` on the CPU."""
+    """The tensors a stage holding ``layer_range`` needs, as ``dtype`` on the CPU, under our
+    names (``weights.py``), wherever the checkpoint stores them (``checkpoint_names``), FP8
+    weights dequantised one tensor at a time (``quantization``)."""
     p = _dir(path)
-    names = weight_names(config, layer_range)
-    out: dict[str, torch.Tensor] = {}
-    for file, wanted in _tensor_files(p, names).items():
-        if not file.is_file():
-            raise ModelFileNotFoundError(f"checkpoint shard {file} does not exist")
-        with safe_open(str(file), framework="pt") as f:
-            present = set(f.keys())
-            for name in wanted:
-                if name not in present:
-                    raise MissingTensorError(f"tensor {name!r} is missing from {file}")
-                out[name] = f.get_tensor(name).to(dtype)
-    return out
+    with ExitStack() as stack:
+        checkpoint = _Checkpoint(p, stack)
+        out: dict[str, torch.Tensor] = {}
+        fused: dict[str, torch.Tensor] = {}  # a fused tensor, read once for all its parts
+        for name in weight_names(config, layer_range):
+            source = resolve(name, config, checkpoint.names, checkpoint.where)
+            if not source.part:
+                out[name] = checkpoint.read(source.name, config.quantization, dtype)
+                continue
+            if source.name not in fused:
+                fused[source.name] = checkpoint.read(source.name, config.quantization, dtype)
+            out[name] = fused[source.name][source.part].contiguous()
+        return out
 
 
 def load_stage_model(
