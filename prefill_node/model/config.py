@@ -101,6 +101,41 @@ _RECURRENT_OF = {
 _RECURRENT_FAMILIES = tuple(_RECURRENT_OF)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+# The per-layer attention kinds (``layer_types``) each family implements; sliding-window or
+# any other kind is refused. GLM-5's transformers config names its layers indexed_attention.
+_LAYER_TYPES: dict[ModelFamily, tuple[str, ...]] = {
+    ModelFamily.LLAMA: ("full_attention",),
+    ModelFamily.QWEN3: ("full_attention",),
+    ModelFamily.MINIMAX_M2: ("full_attention",),
+    ModelFamily.GLM_MOE_DSA: ("indexed_attention", "full_attention"),
+    ModelFamily.QWEN3_NEXT: ("full_attention", "linear_attention"),
+    ModelFamily.KIMI_LINEAR: ("full_attention", "linear_attention"),
+}
+# What transformers assumes for a field a config.json leaves out: its configuration class's
+# default (transformers 5.x ``configuration_<model_type>.py``), where that differs from the
+# generic fallback in ``from_hf_config`` (rms_norm_eps 1e-6, rope_theta 10000, head_dim
+# hidden / heads, one KV head per head, 2048 positions). A config leaving them out means
+# the same here as in transformers (tests/test_model_config_fields.py compares the two).
+_OMITTED_FIELDS: dict[ModelFamily, dict[str, Any]] = {
+    ModelFamily.QWEN3: {
+        "head_dim": 128,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+    },
+    ModelFamily.MINIMAX_M2: {
+        "head_dim": 128,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 196608,
+        "rope_theta": 5000000.0,
+    },
+    ModelFamily.GLM_MOE_DSA: {"rms_norm_eps": 1e-5, "max_position_embeddings": 202752},
+    ModelFamily.QWEN3_NEXT: {
+        "head_dim": 256,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+    },
+    ModelFamily.KIMI_LINEAR: {"rms_norm_eps": 1e-5},
+}
 
 
 @dataclass(frozen=True)
@@ -143,7 +178,8 @@ class RopeScaling:
 class ModelConfig:
     """Shape and numerics of a decoder-only model. ``name`` is the model identity that goes
     into block hashes (two models must never share cached KV), so give each checkpoint a
-    distinct one."""
+    distinct one. ``quantization`` says how the checkpoint stores its weights (None: plain
+    floats); stages always compute in their serving dtype."""
 
     family: ModelFamily
     vocab_size: int
@@ -331,6 +367,7 @@ class ModelConfig:
         missing or inconsistent fields."""
         family = _family_of(d)
         _reject_unsupported_options(d, family)
+        omitted = _OMITTED_FIELDS.get(family, {})
         glm = family is ModelFamily.GLM_MOE_DSA
         qwen3_next = family is ModelFamily.QWEN3_NEXT
         kimi = family is ModelFamily.KIMI_LINEAR
@@ -348,10 +385,17 @@ class ModelConfig:
             elif kimi:
                 moe = kimi_moe_of(d, layers)
             rope_params = dict(d.get("rope_parameters") or {})
-            rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+            rope_theta = float(
+                d.get("rope_theta", rope_params.get("rope_theta", omitted.get("rope_theta", 1e4)))
+            )
             # Kimi Linear's MLA has no RoPE: its rope settings change nothing
             scaling_d = None if kimi else d.get("rope_scaling") or rope_params
-            max_positions = int(d.get("max_position_embeddings", d.get("model_max_length", 2048)))
+            max_positions = int(
+                d.get(
+                    "max_position_embeddings",
+                    d.get("model_max_length", omitted.get("max_position_embeddings", 2048)),
+                )
+            )
             eos = d.get("eos_token_id")
             eos_ids = (
                 ()
@@ -365,11 +409,13 @@ class ModelConfig:
                 intermediate_size=int(d["intermediate_size"]),
                 num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                num_kv_heads=int(
+                    d.get("num_key_value_heads", omitted.get("num_key_value_heads")) or heads
+                ),
                 head_dim=int(d["qk_rope_head_dim"])
                 if glm or kimi
-                else int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                else int(d.get("head_dim", omitted.get("head_dim")) or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", omitted.get("rms_norm_eps", 1e-6))),
                 rope_theta=rope_theta,
                 rope_scaling=_rope_scaling_of(scaling_d, max_positions),
                 max_position_embeddings=max_positions,
@@ -453,6 +499,12 @@ def _reject_unsupported_options(d: Mapping[str, Any], family: ModelFamily) -> No
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu)")
+    unknown = sorted(set(d.get("layer_types") or ()) - set(_LAYER_TYPES[family]))
+    if unknown:
+        raise UnsupportedArchitectureError(
+            f"{family.value} layer_types {unknown} are not implemented "
+            f"(supported: {', '.join(_LAYER_TYPES[family])})"
+        )
     for option in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if d.get(option):
             raise UnsupportedArchitectureError(f"config option {option}=true is not supported")

@@ -99,12 +99,6 @@ def reject_unsupported_qwen3_next(d: Mapping[str, Any]) -> None:
         raise UnsupportedArchitectureError(
             "Qwen3-Next without experts (num_experts 0) is not implemented"
         )
-    kinds = set(qwen3_next_layer_types(d))
-    if not kinds <= {"linear_attention", "full_attention"}:
-        raise UnsupportedArchitectureError(
-            f"Qwen3-Next layer_types {sorted(kinds)}: only linear_attention and "
-            "full_attention are implemented"
-        )
 
 
 def qwen3_next_layer_types(d: Mapping[str, Any]) -> list[str]:

@@ -67,12 +67,6 @@ def reject_unsupported_kimi(d: Mapping[str, Any]) -> None:
         raise UnsupportedArchitectureError(
             "Kimi Linear use_grouped_topk=false with num_expert_group > 1 is not implemented"
         )
-    kinds = set(d.get("layer_types") or ()) - {"full_attention", "linear_attention"}
-    if kinds:
-        raise UnsupportedArchitectureError(
-            f"Kimi Linear layer_types {sorted(kinds)} are not implemented "
-            "(supported: full_attention, linear_attention)"
-        )
     reject_mlp_pattern(d, int(d.get("first_k_dense_replace", 1)))
 
 

@@ -32,7 +32,7 @@ from prefill_node.model.config import ModelConfig
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.quantization import SCALE_SUFFIX, SUPPORTED, Fp8BlockQuantization
 from prefill_node.model.stage_model import StageModel
-from prefill_node.model.weights import LM_HEAD, weight_names
+from prefill_node.model.weights import EMBED, LM_HEAD, weight_names
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -153,7 +153,22 @@ def load_hf_weights(
             if source.name not in fused:
                 fused[source.name] = checkpoint.read(source.name, config.quantization, dtype)
             out[name] = fused[source.name][source.part].contiguous()
+        head_here = layer_range.is_last(config.num_layers) and LM_HEAD in checkpoint.names
+        if config.tie_word_embeddings and head_here:
+            _check_tied_head(checkpoint.read(LM_HEAD, config.quantization, dtype), out[EMBED])
         return out
+
+
+def _check_tied_head(stored_head: torch.Tensor, embed: torch.Tensor) -> None:
+    """With tied embeddings the LM head is the embedding matrix. A checkpoint that stores
+    another head besides is ambiguous (transformers 5 then serves the stored head, earlier
+    versions the tied one): refused rather than guessed."""
+    if not torch.equal(stored_head, embed):
+        raise InvalidModelConfigError(
+            "config.json sets tie_word_embeddings=true, but the checkpoint stores an "
+            f"{LM_HEAD} that differs from {EMBED}: set tie_word_embeddings to false to serve "
+            f"the stored head, or remove {LM_HEAD} to tie it"
+        )
 
 
 def load_stage_model(
