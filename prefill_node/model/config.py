@@ -102,12 +102,13 @@ _RECURRENT_FAMILIES = tuple(_RECURRENT_OF)
 _HF_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 # The per-layer attention kinds (``layer_types``) each family implements; sliding-window or
-# any other kind is refused. GLM-5's transformers config names its layers indexed_attention.
+# any other kind is refused. transformers names GLM-5's indexer attention
+# deepseek_sparse_attention (5.17) or indexed_attention (later releases).
 _LAYER_TYPES: dict[ModelFamily, tuple[str, ...]] = {
     ModelFamily.LLAMA: ("full_attention",),
     ModelFamily.QWEN3: ("full_attention",),
     ModelFamily.MINIMAX_M2: ("full_attention",),
-    ModelFamily.GLM_MOE_DSA: ("indexed_attention", "full_attention"),
+    ModelFamily.GLM_MOE_DSA: ("indexed_attention", "deepseek_sparse_attention", "full_attention"),
     ModelFamily.QWEN3_NEXT: ("full_attention", "linear_attention"),
     ModelFamily.KIMI_LINEAR: ("full_attention", "linear_attention"),
 }
