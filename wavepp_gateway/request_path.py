@@ -1,0 +1,289 @@
+"""One request through the gateway: validate and tokenise, pick a decode instance, decide
+remote or local prefill, prefill on the tier (pull mode), send decode the request with
+``kv_transfer_params``, relay its answer unchanged (streamed or not).
+
+Failure semantics (docs/gateway.md):
+- a bad request -> 400 (unknown model 404) before the tier or decode sees it;
+- the tier unavailable -> local prefill under ``auto``, 503 under ``remote``;
+- a decode instance that fails before the first token (no connection, a 5xx, a stream that
+  breaks before its first byte) -> retried once on another instance: with the same
+  ``kv_transfer_params`` when the first never got the request, as local prefill otherwise
+  (the first may have consumed the leases); a 4xx from decode is relayed as it is;
+- the client gone before the answer starts -> the prefill call and the decode request are
+  cancelled (the pipeline aborts and frees its blocks); gone mid-stream -> the decode
+  stream is closed, so the instance aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from wavepp_gateway.api_errors import ApiError, BadRequest, DecodeFailed, Unavailable
+from wavepp_gateway.config import GatewayConfig, PrefillMode
+from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
+from wavepp_gateway.decode_fleet import DecodeFleet
+from wavepp_gateway.metrics import GatewayMetrics
+from wavepp_gateway.openai_request import (
+    GatewayRequest,
+    PromptTokenizer,
+    Route,
+    parse_body,
+    parse_request,
+)
+from wavepp_gateway.tier import PrefillTier, TierError, TierPrefill
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer started."""
+
+
+class _DecodeAttemptFailed(Exception):
+    def __init__(self, instance: str, kind: str, delivered: bool) -> None:
+        super().__init__(f"decode instance {instance}: {kind}")
+        self.instance, self.kind, self.delivered = instance, kind, delivered
+
+
+@dataclass
+class _Answer:
+    """Decode's answer, not yet relayed: its status, headers to pass on, and either the
+    whole body or an open stream with its first chunk read."""
+
+    instance: str
+    status: int
+    body: bytes = b""
+    stream: Any = None  # httpx.Response, open
+    first: bytes = b""
+
+
+class RequestPath:
+    """See the module contract; one per gateway, used on the serving loop."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tokenizer: PromptTokenizer,
+        fleet: DecodeFleet,
+        tier: PrefillTier | None,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._fleet = fleet
+        self._tier = tier
+        self._metrics = metrics
+
+    async def handle(self, route: Route, request: Request) -> Response:
+        started = time.monotonic()
+        label = route.label
+        try:
+            raw = await request.body()
+            req = parse_request(route, parse_body(raw), served_model=self.config.served_model,
+                                max_model_len=self.config.max_model_len,
+                                default_max_tokens=self.config.default_max_tokens,
+                                tokenizer=self._tokenizer)  # fmt: skip
+            answer, headers, decision = await _until_disconnected(request, self._serve(req))
+        except ApiError as exc:
+            self._metrics.requests.labels(label, _outcome(exc)).inc()
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except ClientGone:
+            self._metrics.requests.labels(label, "cancelled").inc()
+            return Response(status_code=499)
+        prefill = decision.label
+        if answer.stream is None:
+            self._finish(label, prefill, answer, started)
+            self._count_kv_load(answer.body)
+            return Response(answer.body, answer.status, headers, media_type="application/json")
+        self._metrics.ttft.labels(label, prefill).observe(time.monotonic() - started)
+        return StreamingResponse(self._relay(answer, label, prefill, started), answer.status,
+                                 headers, media_type="text/event-stream")  # fmt: skip
+
+    def _finish(self, label: str, prefill: str, answer: _Answer, started: float) -> None:
+        outcome = "ok" if answer.status < 400 else f"decode_{answer.status}"
+        self._metrics.requests.labels(label, outcome).inc()
+        self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
+
+    async def _relay(
+        self, answer: _Answer, label: str, prefill: str, started: float
+    ) -> AsyncIterator[bytes]:
+        outcome = "cancelled"  # the client went away unless the stream ends
+        try:
+            yield answer.first
+            async for chunk in answer.stream.aiter_raw():
+                yield chunk
+            outcome = "ok"
+        except Exception as exc:  # decode broke mid-stream: the client's stream just ends
+            outcome = "decode_error"
+            self._metrics.decode_errors.labels(answer.instance, "mid_stream").inc()
+            log.warning("decode instance %s broke a stream: %s", answer.instance, exc)
+        finally:
+            await answer.stream.aclose()  # closing it makes decode abort an unfinished one
+            self._metrics.requests.labels(label, outcome).inc()
+            self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
+
+    async def _serve(self, req: GatewayRequest) -> tuple[_Answer, dict[str, str], Decision]:
+        views = self._fleet.views(req.prompt_ids, req.cache_salt)
+        decode = pick_decode(views, self.config.rule)
+        if decode is None:
+            raise Unavailable("no decode instance is ready; retry later")
+        decision, prefill = await self._prefill(req, decode)
+        headers = {"x-wavepp-prefill": decision.label,
+                   "x-wavepp-prefill-reason": decision.reason.value}  # fmt: skip
+        if prefill is not None:
+            headers["x-wavepp-prefill-pipeline"] = prefill.pipeline
+            headers["x-wavepp-cached-tokens"] = str(prefill.cached_tokens)
+        else:
+            headers["x-wavepp-cached-tokens"] = str(decision.decode.cached_tokens)
+        params = prefill.kv_transfer_params if prefill is not None else None
+        answer = await self._decode(req, decode, params, views)
+        headers["x-wavepp-decode"] = answer.instance
+        return answer, headers, decision
+
+    async def _prefill(
+        self, req: GatewayRequest, decode: DecodeView
+    ) -> tuple[Decision, TierPrefill | None]:
+        mode, tier = self.config.mode, self._tier
+        report = None
+        if mode is PrefillMode.AUTO and tier is not None:
+            report = await tier.score(req.prompt_ids, req.cache_salt)
+        decision = decide(mode, self.config.rule, len(req.prompt_ids), decode, report)
+        prefill = None
+        if decision.remote:
+            prefill, decision = await self._remote(req, decision)
+        self._metrics.decisions.labels(decision.label, decision.reason.value).inc()
+        self._metrics.prompt_tokens.labels(decision.label).inc(len(req.prompt_ids))
+        log.debug("%s", decision.describe())
+        return decision, prefill
+
+    async def _remote(
+        self, req: GatewayRequest, decision: Decision
+    ) -> tuple[TierPrefill | None, Decision]:
+        """Prefill on the tier; under ``auto`` a tier failure falls back to local."""
+        if self._tier is None:
+            raise Unavailable("--prefill remote, but no prefill tier (--router) is configured")
+        request_id = f"gw-{uuid.uuid4().hex}"
+        try:
+            return await self._tier.prefill(req.prompt_ids, request_id, req.cache_salt), decision
+        except TierError as exc:
+            self._metrics.tier_errors.labels(exc.status).inc()
+            if self.config.mode is PrefillMode.AUTO:
+                log.info("prefill tier failed (%s); prefilling on decode instead", exc)
+                local = Decision(False, Reason.TIER_UNAVAILABLE, decision.prompt_tokens,
+                                 decision.decode, decision.tier)  # fmt: skip
+                return None, local
+            if exc.status == "INVALID_ARGUMENT":
+                raise BadRequest(str(exc)) from None
+            raise Unavailable(f"{exc}; retry later") from None
+
+    async def _decode(
+        self, req: GatewayRequest, decode: DecodeView, params: dict | None, views
+    ) -> _Answer:
+        try:
+            return await self._attempt(req, decode.instance, params)
+        except _DecodeAttemptFailed as first:
+            self._metrics.decode_errors.labels(first.instance, first.kind).inc()
+            retry = pick_decode(views, self.config.rule, exclude=(first.instance,))
+            if retry is None:
+                raise DecodeFailed(f"{first}; no other decode instance to retry on") from None
+            self._metrics.decode_retries.inc()
+            log.info("%s; retrying on %s", first, retry.instance)
+            try:
+                return await self._attempt(req, retry.instance,
+                                           None if first.delivered else params)  # fmt: skip
+            except _DecodeAttemptFailed as second:
+                self._metrics.decode_errors.labels(second.instance, second.kind).inc()
+                raise DecodeFailed(f"{first}; retried: {second}") from None
+
+    async def _attempt(self, req: GatewayRequest, iid: str, params: dict | None) -> _Answer:
+        import httpx
+
+        inst = self._fleet.instance(iid)
+        if inst is None:
+            raise _DecodeAttemptFailed(iid, "gone", delivered=False)
+        body = dict(req.body)
+        if req.route is Route.COMPLETIONS:
+            body["prompt"] = list(req.prompt_ids)  # tokenised once, here
+        if params is not None:
+            body["kv_transfer_params"] = params
+        http = self._fleet.http
+        timeout = httpx.Timeout(None, connect=self.config.decode_connect_timeout_s)
+        outgoing = http.build_request("POST", inst.url + req.route.value,
+                                      content=json.dumps(body).encode(), timeout=timeout,
+                                      headers={"content-type": "application/json"})  # fmt: skip
+        try:
+            reply = await http.send(outgoing, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._fleet.mark_down(iid)
+            raise _DecodeAttemptFailed(iid, "connect", delivered=False) from exc
+        except httpx.HTTPError as exc:
+            raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
+        try:
+            if reply.status_code >= 500:
+                raise _DecodeAttemptFailed(iid, f"http_{reply.status_code}", delivered=True)
+            if not req.stream or reply.status_code != 200:
+                return _Answer(iid, reply.status_code, body=await reply.aread())
+            first = b""
+            async for chunk in reply.aiter_raw():
+                if chunk:
+                    first = chunk
+                    break
+            if not first:
+                raise _DecodeAttemptFailed(iid, "empty_stream", delivered=True)
+            answer, reply = _Answer(iid, 200, stream=reply, first=first), None  # the relay's now
+            return answer
+        except httpx.HTTPError as exc:
+            raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
+        finally:
+            if reply is not None:
+                await reply.aclose()
+
+    def _count_kv_load(self, body: bytes) -> None:
+        """``wavepp_loaded`` of a non-streamed answer: did the KV load succeed on decode."""
+        try:
+            loaded = (json.loads(body).get("kv_transfer_params") or {}).get("wavepp_loaded")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(loaded, dict):
+            self._metrics.kv_loads.labels("ok" if loaded.get("ok") else "failed").inc()
+
+
+def _outcome(exc: ApiError) -> str:
+    return {400: "bad_request", 404: "not_found", 503: "unavailable"}.get(
+        exc.status, "decode_failed"
+    )
+
+
+async def _until_disconnected(request: Request, work):
+    """Run ``work`` until done, or cancel it when the client disconnects (ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
