@@ -47,9 +47,14 @@ def router(model: Path, pipelines: list[str]):
 
 
 def decode_server(model: Path):
+    return decode_server_on(model, 0)
+
+
+def decode_server_on(model: Path, port: int):
+    """`wavepp decode --serve` on ``port`` (0: any free one)."""
     proc, port, _ = spawn(
         ["decode", "--serve", "--model", str(model), "--served-model-name", SERVED,
-         "--host", "127.0.0.1", "--port", "0", "--decode-blocks", "64"],
+         "--host", "127.0.0.1", "--port", str(port), "--decode-blocks", "64"],
         "wavepp decode:",
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"

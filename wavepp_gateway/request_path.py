@@ -65,6 +65,7 @@ class _Answer:
     status: int
     body: bytes = b""
     stream: Any = None  # httpx.Response, open
+    chunks: Any = None  # its raw byte iterator, the first chunk read already
     first: bytes = b""
 
 
@@ -121,7 +122,7 @@ class RequestPath:
         outcome = "cancelled"  # the client went away unless the stream ends
         try:
             yield answer.first
-            async for chunk in answer.stream.aiter_raw():
+            async for chunk in answer.chunks:
                 yield chunk
             outcome = "ok"
         except Exception as exc:  # decode broke mid-stream: the client's stream just ends
@@ -234,14 +235,16 @@ class RequestPath:
                 raise _DecodeAttemptFailed(iid, f"http_{reply.status_code}", delivered=True)
             if not req.stream or reply.status_code != 200:
                 return _Answer(iid, reply.status_code, body=await reply.aread())
+            chunks = reply.aiter_raw()
             first = b""
-            async for chunk in reply.aiter_raw():
+            async for chunk in chunks:
                 if chunk:
                     first = chunk
                     break
             if not first:
                 raise _DecodeAttemptFailed(iid, "empty_stream", delivered=True)
-            answer, reply = _Answer(iid, 200, stream=reply, first=first), None  # the relay's now
+            answer = _Answer(iid, 200, stream=reply, chunks=chunks, first=first)
+            reply = None  # the relay's now: it closes it
             return answer
         except httpx.HTTPError as exc:
             raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
