@@ -16,6 +16,7 @@ from tests.tiny_models import save_word_tokenizer, tiny_llama
 MODEL = tiny_llama("tiny-gateway", max_position_embeddings=512)  # vocab 64
 SERVED = "tiny"
 BS = 4
+WAVE_DELAY_S = 0.05  # per wave: a long prompt's prefill lasts long enough to be cancelled
 
 
 def model_dir(root: Path) -> Path:
@@ -25,12 +26,13 @@ def model_dir(root: Path) -> Path:
 
 
 def pipeline(model: Path):
-    """A 2-stage `wavepp serve` with KV shipping (pull leases) and the debug service."""
+    """A 2-stage `wavepp serve` with KV shipping (pull leases), the debug service, and
+    ``WAVE_DELAY_S`` added to every wave (32-token chunks)."""
     proc, port, _ = spawn(
         ["serve", "--model", str(model), "--stages", "2", "--num-blocks", "128",
          "--block-size", str(BS), "--max-chunk-tokens", "32", "--host", "127.0.0.1",
          "--port", "0", "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING",
-         "--debug-service"],
+         "--debug-service", "--debug-wave-delay", str(WAVE_DELAY_S)],
         "wavepp serve:",
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"

@@ -131,18 +131,40 @@ def test_a_client_gone_mid_stream_stops_decode_and_leaves_the_tier_clean(tier):
     body = {"model": h.SERVED, "prompt": LONG, "max_tokens": 400, "temperature": 0,
             "stream": True}  # fmt: skip
     url = f"{base}/v1/completions"
+    cancelled = _cancelled(base)
     with httpx.Client(timeout=30) as client, client.stream("POST", url, json=body) as reply:
         assert reply.status_code == 200
         decode = reply.headers["x-wavepp-decode"]
         before = _aborts(decode)
         next(reply.iter_raw())  # the first token came; then the client goes away
     wait_until(lambda: _aborts(decode) == before + 1, 30, "decode aborting the request")
-    wait_until(lambda: h.metric(base, "wavepp_gateway_requests_total").get(
-        'wavepp_gateway_requests_total{outcome="cancelled",route="completions"}') == 1, 10,
-        "the gateway counting the cancel")  # fmt: skip
+    wait_until(lambda: _cancelled(base) == cancelled + 1, 10, "the gateway counting it")
     assert integrity(tier["pipeline"]) == (True, True)
     running = h.metric(f"http://{decode}", "vllm:num_requests_running")
     assert sum(running.values()) == 0
+
+
+def test_a_client_gone_during_the_prefill_aborts_it_on_every_stage(tier):
+    served, cancelled = _requests_served(tier["decodes"]), _cancelled(tier["gateway"])
+    prompt = " ".join(["what"] * 460)  # 15 chunks of 32 tokens: about a second of waves
+    body = json.dumps({"model": h.SERVED, "prompt": prompt, "max_tokens": 4}).encode()
+    host, port = tier["gateway"].removeprefix("http://").split(":")
+    with PrefillClient(tier["pipeline"]) as pipeline:
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))  # fmt: skip
+            wait_until(lambda: pipeline.load().inflight_requests == 1, 10, "the prefill running")
+        # the client is gone while its prompt is still computing on the pipeline
+        wait_until(lambda: pipeline.load().inflight_requests == 0, 10, "the prefill aborted")
+    wait_until(lambda: _cancelled(tier["gateway"]) == cancelled + 1, 10, "the gateway counting it")
+    assert integrity(tier["pipeline"]) == (True, True)
+    assert _requests_served(tier["decodes"]) == served  # decode never got it
+
+
+def _cancelled(base: str) -> float:
+    key = 'wavepp_gateway_requests_total{outcome="cancelled",route="completions"}'
+    return h.metric(base, "wavepp_gateway_requests_total").get(key, 0.0)
 
 
 def _aborts(decode: str) -> float:
