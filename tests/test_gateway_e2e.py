@@ -90,6 +90,9 @@ def test_completions_and_chat_through_the_gateway_equal_decode_fed_directly(tier
         pieces = [_delta(route, chunk) for chunk in stream.parse()]
         assert "".join(pieces) == _text(route, answer) and len([p for p in pieces if p]) > 1
     assert integrity(tier["pipeline"]) == (True, True)  # every lease released by the pulls
+    # the reference server reports its KV load in the body, and in a stream's last event
+    assert h.metric(tier["gateway"], "wavepp_gateway_kv_loads_total") == {
+        'wavepp_gateway_kv_loads_total{outcome="ok"}': 4.0}  # fmt: skip
 
 
 def _text(route, answer) -> str:

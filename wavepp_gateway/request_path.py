@@ -29,6 +29,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kv_transfer.vllm_decode.params import LOADED_KEY
 from wavepp_gateway.api_errors import ApiError, BadRequest, DecodeFailed, Unavailable
 from wavepp_gateway.config import GatewayConfig, PrefillMode
 from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
@@ -44,6 +45,7 @@ from wavepp_gateway.openai_request import (
 from wavepp_gateway.tier import PrefillTier, TierError, TierPrefill
 
 log = logging.getLogger(__name__)
+_LOADED = LOADED_KEY.encode()
 
 
 class ClientGone(Exception):
@@ -123,6 +125,8 @@ class RequestPath:
         try:
             yield answer.first
             async for chunk in answer.chunks:
+                if _LOADED in chunk:  # the last event, where decode puts kv_transfer_params
+                    self._count_kv_load_events(chunk)
                 yield chunk
             outcome = "ok"
         except Exception as exc:  # decode broke mid-stream: the client's stream just ends
@@ -253,13 +257,20 @@ class RequestPath:
                 await reply.aclose()
 
     def _count_kv_load(self, body: bytes) -> None:
-        """``wavepp_loaded`` of a non-streamed answer: did the KV load succeed on decode."""
+        """``wavepp_loaded`` of an answer: did the KV load succeed on decode."""
         try:
-            loaded = (json.loads(body).get("kv_transfer_params") or {}).get("wavepp_loaded")
+            loaded = (json.loads(body).get("kv_transfer_params") or {}).get(LOADED_KEY)
         except (ValueError, AttributeError):
             return
         if isinstance(loaded, dict):
             self._metrics.kv_loads.labels("ok" if loaded.get("ok") else "failed").inc()
+
+    def _count_kv_load_events(self, chunk: bytes) -> None:
+        """The same from a stream's SSE events (``data: {...}`` lines) in ``chunk``; an
+        event split across chunks is not counted."""
+        for line in chunk.split(b"\n"):
+            if line.startswith(b"data: {") and _LOADED in line:
+                self._count_kv_load(line[6:])
 
 
 def _outcome(exc: ApiError) -> str:
