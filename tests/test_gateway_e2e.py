@@ -285,3 +285,31 @@ def test_health_and_metrics_speak_the_operators_language(tier):
         assert name in text, name
     assert h.get(f"{tier['gateway']}/health") == (200, "")
     assert json.loads(h.get(f"{tier['gateway']}/v1/models")[1])["data"][0]["id"] == h.SERVED
+
+
+def test_a_chat_template_that_differs_on_decode_is_refused_there_never_served_wrong(tier, tmp_path):
+    """The gateway renders chat with another template than decode's: the prompt digest in
+    kv_transfer_params does not match decode's ids, so decode refuses the KV and computes
+    the prompt itself (its recompute policy): the answer is decode's own, the metric says
+    the load failed. (Last in the module: a refused load's leases wait for their TTL.)"""
+    import shutil
+
+    other = tmp_path / "other-template"
+    shutil.copytree(tier["model"], other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("}} {% endfor", "}} ? {% endfor")
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    proc, base = h.gateway(other, tier["decodes"][:1], "--router", tier["router"],
+                           "--local-max-tokens", "8")  # fmt: skip
+    try:
+        wait_until(lambda: h.get(f"{base}/health")[0] == 200, 30, "gateway ready")
+        body = {"model": h.SERVED, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+        code, headers, answer = h.post(f"{base}/v1/chat/completions", body)
+        assert code == 200 and headers["x-wavepp-prefill"] == "remote"
+        assert answer["kv_transfer_params"]["wavepp_loaded"]["ok"] is False
+        _, _, reference = h.post(f"http://{tier['decodes'][0]}/v1/chat/completions", body)
+        assert answer["choices"][0]["message"] == reference["choices"][0]["message"]
+        assert h.metric(base, "wavepp_gateway_kv_loads_total") == {
+            'wavepp_gateway_kv_loads_total{outcome="failed"}': 1.0}  # fmt: skip
+    finally:
+        terminate(proc)
