@@ -117,7 +117,7 @@ class DecodeFleet:
                 inst.tasks.append(asyncio.create_task(self._follow_events(inst)))
             log.info("decode instance %s at %s (KV events: %s)", iid, inst.url, inst.events)
 
-    def _remove(self, iid: str) -> None:
+    def _remove(self, iid: str, why: str = "left the discovery") -> None:
         inst = self._instances.pop(iid)
         for task in inst.tasks:
             task.cancel()
@@ -127,7 +127,7 @@ class DecodeFleet:
                       self._metrics.decode_waiting, self._metrics.decode_blocks):  # fmt: skip
             with contextlib.suppress(KeyError):  # never polled yet
                 gauge.remove(iid)
-        log.info("decode instance %s left the discovery", iid)
+        log.info("decode instance %s %s", iid, why)
 
     async def _poll(self, inst: DecodeInstance) -> None:
         while True:
@@ -238,6 +238,6 @@ class DecodeFleet:
     async def aclose(self) -> None:
         await asyncio.to_thread(self._discovery.stop)
         for iid in list(self._instances):
-            self._remove(iid)
+            self._remove(iid, "no longer followed: the gateway stops")
         if self._http is not None:
             await self._http.aclose()
