@@ -6,9 +6,11 @@ remote, a decode instance dead before the first token, bad requests leaving noth
 
 from __future__ import annotations
 
+import http.server
 import json
 import signal
 import socket
+import threading
 
 import httpx
 import openai
@@ -274,6 +276,66 @@ def test_a_decode_instance_dead_before_the_first_token_is_retried_once_elsewhere
         terminate(proc)
         terminate(victim[0])
     assert integrity(tier["pipeline"]) == (True, True)
+
+
+class _FailingDecode(http.server.BaseHTTPRequestHandler):
+    """A test double of a decode instance that is up (its /metrics reads) but fails every
+    request before its first token: a 500, then a stream that ends before any byte."""
+
+    posts = 0
+
+    def do_GET(self):
+        body = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        type(self).posts += 1
+        if type(self).posts == 1:
+            self.send_error(500, "engine dead")
+            return
+        self.send_response(200)  # a stream that ends before its first event
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("connection", "close")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_decode_failing_before_the_first_token_is_retried_without_the_used_kv(tier):
+    double = http.server.ThreadingHTTPServer(("127.0.0.1", _low_free_port()), _FailingDecode)
+    threading.Thread(target=double.serve_forever, daemon=True).start()
+    failing = f"127.0.0.1:{double.server_address[1]}"  # sorts first: tried first
+    survivor = tier["decodes"][0]
+    proc, base = h.gateway(tier["model"], [failing, survivor], "--router", tier["router"],
+                           "--local-max-tokens", "8")  # fmt: skip
+    try:
+        wait_until(lambda: sum(h.metric(base, "wavepp_gateway_decode_ready").values()) == 2,
+                   30, "both ready")  # fmt: skip
+        body = {"model": h.SERVED, "prompt": LONG, "max_tokens": 4, "temperature": 0}
+        code, headers, answer = h.post(f"{base}/v1/completions", body)
+        assert code == 200 and headers["x-wavepp-decode"] == survivor
+        # the first instance may have taken the leases: the retry computes the prompt
+        assert (headers["x-wavepp-prefill"], headers["x-wavepp-prefill-reason"]) == (
+            "local", "decode_retry")  # fmt: skip
+        assert answer["kv_transfer_params"] is None
+        reference = sdk(f"http://{survivor}").completions.create(**body)
+        assert answer["choices"][0]["text"] == reference.choices[0].text
+        stream = sdk(base).completions.with_raw_response.create(**body, stream=True)
+        assert stream.headers["x-wavepp-decode"] == survivor
+        text = "".join(c.choices[0].text for c in stream.parse() if c.choices)
+        assert text == reference.choices[0].text
+        errors = h.metric(base, "wavepp_gateway_decode_errors_total")
+        key = 'wavepp_gateway_decode_errors_total{instance="%s",kind="%s"}'
+        assert errors == {key % (failing, "http_500"): 1.0, key % (failing, "empty_stream"): 1.0}
+        assert _FailingDecode.posts == 2
+    finally:
+        terminate(proc)
+        double.shutdown()
 
 
 def test_health_and_metrics_speak_the_operators_language(tier):

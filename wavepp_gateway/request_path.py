@@ -65,6 +65,7 @@ class _Answer:
 
     instance: str
     status: int
+    with_kv: bool  # kv_transfer_params were sent with the request
     body: bytes = b""
     stream: Any = None  # httpx.Response, open
     chunks: Any = None  # its raw byte iterator, the first chunk read already
@@ -154,6 +155,12 @@ class RequestPath:
         params = prefill.kv_transfer_params if prefill is not None else None
         answer = await self._decode(req, decode, params, views)
         headers["x-wavepp-decode"] = answer.instance
+        if params is not None and not answer.with_kv:  # the retry computed the prompt
+            headers["x-wavepp-prefill"] = "local"
+            headers["x-wavepp-prefill-reason"] = "decode_retry"
+            del headers["x-wavepp-prefill-pipeline"]
+            cached = next((v.cached_tokens for v in views if v.instance == answer.instance), 0)
+            headers["x-wavepp-cached-tokens"] = str(cached)
         return answer, headers, decision
 
     async def _prefill(
@@ -238,7 +245,7 @@ class RequestPath:
             if reply.status_code >= 500:
                 raise _DecodeAttemptFailed(iid, f"http_{reply.status_code}", delivered=True)
             if not req.stream or reply.status_code != 200:
-                return _Answer(iid, reply.status_code, body=await reply.aread())
+                return _Answer(iid, reply.status_code, params is not None, await reply.aread())
             chunks = reply.aiter_raw()
             first = b""
             async for chunk in chunks:
@@ -247,7 +254,8 @@ class RequestPath:
                     break
             if not first:
                 raise _DecodeAttemptFailed(iid, "empty_stream", delivered=True)
-            answer = _Answer(iid, 200, stream=reply, chunks=chunks, first=first)
+            answer = _Answer(iid, 200, params is not None, stream=reply, chunks=chunks,
+                             first=first)  # fmt: skip
             reply = None  # the relay's now: it closes it
             return answer
         except httpx.HTTPError as exc:
