@@ -16,8 +16,6 @@ Failure semantics (docs/gateway.md):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -31,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kv_transfer.vllm_decode.params import LOADED_KEY
 from wavepp_gateway.api_errors import ApiError, BadRequest, DecodeFailed, Unavailable
+from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
 from wavepp_gateway.config import GatewayConfig, PrefillMode
 from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
 from wavepp_gateway.decode_fleet import DecodeFleet
@@ -46,10 +45,6 @@ from wavepp_gateway.tier import PrefillTier, TierError, TierPrefill
 
 log = logging.getLogger(__name__)
 _LOADED = LOADED_KEY.encode()
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer started."""
 
 
 class _DecodeAttemptFailed(Exception):
@@ -98,7 +93,7 @@ class RequestPath:
                                 max_model_len=self.config.max_model_len,
                                 default_max_tokens=self.config.default_max_tokens,
                                 tokenizer=self._tokenizer)  # fmt: skip
-            answer, headers, decision = await _until_disconnected(request, self._serve(req))
+            answer, headers, decision = await until_disconnected(request, self._serve(req))
         except ApiError as exc:
             self._metrics.requests.labels(label, _outcome(exc)).inc()
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -285,27 +280,3 @@ def _outcome(exc: ApiError) -> str:
     return {400: "bad_request", 404: "not_found", 503: "unavailable"}.get(
         exc.status, "decode_failed"
     )
-
-
-async def _until_disconnected(request: Request, work):
-    """Run ``work`` until done, or cancel it when the client disconnects (ClientGone)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone()
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
