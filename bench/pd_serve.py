@@ -17,7 +17,10 @@ machine first (bench/quiet.py) and uses its own seed, so no two rows share promp
 
 Rows: system, dataset, rate, ttft_p50_ms, ttft_p95_ms, itl_p50_ms, output_tok_s,
 request_per_s, remote_prefill_share (the gateway's decisions during the row; null for
-systems without a gateway), plus completed / failed requests, lengths and cores.
+systems without a gateway), decode_kv_transfer_share (of the prompt tokens the decode
+instance processed during the row, the share it loaded over NIXL rather than computed, from
+its vllm:prompt_tokens_by_source_total; null for `vllm`), plus completed / failed requests,
+lengths and cores.
 
   VLLM_PEER_ENV=/path/.venv-vllm .venv/bin/python bench/pd_serve.py --json out/pd_serve.json
   .venv/bin/python bench/pd_serve.py --json /tmp/pd.json --systems pd-auto --datasets random \\
@@ -32,7 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,8 +92,8 @@ class Wavepp:
         terminate(self.proc, 30)
 
 
-def gateway_decisions(url: str) -> dict[str, float]:
-    """``wavepp_gateway_prefill_decisions_total`` summed by ``prefill`` (remote / local)."""
+def counter_sums(url: str, name: str, label: str) -> dict[str, float]:
+    """The counter ``name`` at ``url``/metrics, summed by ``label``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
@@ -99,9 +101,19 @@ def gateway_decisions(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "wavepp_gateway_prefill_decisions_total":
-                out[s.labels["prefill"]] = out.get(s.labels["prefill"], 0) + s.value
+            if s.name == name:
+                out[s.labels[label]] = out.get(s.labels[label], 0) + s.value
     return out
+
+
+def share(before: dict[str, float], after: dict[str, float], part: str, whole: tuple) -> float:
+    """``part``'s share of what the counters in ``whole`` grew by between two reads."""
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in whole}
+    return grew[part] / max(1.0, sum(grew.values()))
+
+
+DECISIONS = ("wavepp_gateway_prefill_decisions_total", "prefill")
+SOURCES = ("vllm:prompt_tokens_by_source_total", "source")
 
 
 def run_load(args, url: str, dataset: str, rate: str, seed: int, out: Path) -> dict:
@@ -111,6 +123,7 @@ def run_load(args, url: str, dataset: str, rate: str, seed: int, out: Path) -> d
             "--served-model-name", NAME, "--dataset-name", dataset,
             "--num-prompts", str(args.num_prompts), "--ignore-eos", "--temperature", "0",
             "--seed", str(seed), "--disable-tqdm", "--save-result",
+            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,95",
             "--result-dir", str(out.parent), "--result-filename", out.name]  # fmt: skip
     if rate == "c1":
         argv += ["--request-rate", "inf", "--max-concurrency", "1"]
@@ -132,14 +145,10 @@ def run_load(args, url: str, dataset: str, rate: str, seed: int, out: Path) -> d
 
 
 def row(system: str, dataset: str, rate: str, result: dict, share: float | None, args) -> dict:
-    ttfts = sorted(t * 1000 for t in result["ttfts"] if t)
-    itls = [t * 1000 for per_request in result["itls"] for t in per_request]
-    pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (  # noqa: E731
-        xs[0] if xs else None)  # fmt: skip
     return {
         "system": system, "dataset": dataset, "rate": rate,
-        "ttft_p50_ms": pct(ttfts, 50), "ttft_p95_ms": pct(ttfts, 95),
-        "itl_p50_ms": statistics.median(itls) if itls else None,
+        "ttft_p50_ms": result["p50_ttft_ms"], "ttft_p95_ms": result["p95_ttft_ms"],
+        "itl_p50_ms": result["p50_itl_ms"],
         "output_tok_s": result["output_throughput"],
         "request_per_s": result["request_throughput"],
         "remote_prefill_share": share,
@@ -232,21 +241,27 @@ def main() -> None:
     print(f"cores {args.cpus} (tier {args.tier_cores}); logs in {logs}", file=sys.stderr)
     seed = 0
 
-    def measure(system: str, url: str, gateway: bool) -> None:
+    def measure(system: str, url: str, gateway: bool, decode_url: str | None = None) -> None:
         nonlocal seed
         for dataset in args.datasets.split(","):
             for rate in args.rates.split(","):
                 seed += 1
                 settle = wait_quiet()
-                before = gateway_decisions(url) if gateway else None
+                decisions = counter_sums(url, *DECISIONS) if gateway else None
+                sources = counter_sums(decode_url, *SOURCES) if decode_url else None
                 result = run_load(args, url, dataset, rate, seed, logs / f"{system}-{seed}.json")
-                share = None
-                if before is not None:
-                    after = gateway_decisions(url)
-                    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("remote", "local")}
-                    share = d["remote"] / max(1, d["remote"] + d["local"])
-                rows.append({**row(system, dataset, rate, result, share, args),
-                             "settle_s": round(settle, 2)})  # fmt: skip
+                extra = {"settle_s": round(settle, 2), "decode_kv_transfer_share": None}
+                remote = None
+                if decisions is not None:
+                    after = counter_sums(url, *DECISIONS)
+                    remote = share(decisions, after, "remote", ("remote", "local"))
+                if sources is not None:  # prompt tokens decode loaded over NIXL vs computed
+                    after = counter_sums(decode_url, *SOURCES)
+                    extra["decode_kv_transfer_share"] = share(
+                        sources, after, "external_kv_transfer",
+                        ("external_kv_transfer", "local_compute"),
+                    )  # fmt: skip
+                rows.append({**row(system, dataset, rate, result, remote, args), **extra})
                 print(json.dumps(rows[-1]), file=sys.stderr)
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(rows, indent=1))
@@ -263,11 +278,11 @@ def main() -> None:
         pd = PdSystem(args, logs)
         try:
             if "decode" in systems:
-                measure("decode", pd.decode.url, gateway=False)
+                measure("decode", pd.decode.url, False, pd.decode.url)
             for system in systems:
                 if system.startswith("pd-"):
                     gateway = pd.gateway(system.removeprefix("pd-"))
-                    measure(system, f"http://{gateway.target}", gateway=True)
+                    measure(system, f"http://{gateway.target}", True, pd.decode.url)
                     gateway.stop()
         finally:
             pd.stop()
