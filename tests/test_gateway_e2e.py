@@ -341,7 +341,9 @@ def test_a_decode_failing_before_the_first_token_is_retried_without_the_used_kv(
 def test_health_and_metrics_speak_the_operators_language(tier):
     code, text = h.get(f"{tier['gateway']}/metrics")
     assert code == 200
-    for name in ("wavepp_gateway_requests_total", "wavepp_gateway_ttft_seconds_bucket",
+    for name in ("wavepp_gateway_decision_cached_tokens_total",
+                 "wavepp_gateway_tier_queue_seconds_count",
+                 "wavepp_gateway_requests_total", "wavepp_gateway_ttft_seconds_bucket",
                  "wavepp_gateway_e2e_seconds_bucket", "wavepp_gateway_prefill_decisions_total",
                  "wavepp_gateway_decode_running", "wavepp_gateway_kv_loads_total"):  # fmt: skip
         assert name in text, name

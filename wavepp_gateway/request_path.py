@@ -169,8 +169,13 @@ class RequestPath:
         prefill = None
         if decision.remote:
             prefill, decision = await self._remote(req, decision)
-        self._metrics.decisions.labels(decision.label, decision.reason.value).inc()
-        self._metrics.prompt_tokens.labels(decision.label).inc(len(req.prompt_ids))
+        m = self._metrics
+        m.decisions.labels(decision.label, decision.reason.value).inc()
+        m.prompt_tokens.labels(decision.label).inc(len(req.prompt_ids))
+        m.decision_cached.labels("decode").inc(decision.decode.cached_tokens)
+        if report is not None:
+            m.decision_cached.labels("tier").inc(report.cached_tokens)
+            m.tier_queue.observe(report.queued_s)
         log.debug("%s", decision.describe())
         return decision, prefill
 
