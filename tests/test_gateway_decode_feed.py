@@ -138,10 +138,15 @@ def test_load_sums_engines_and_averages_kv_usage():
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):
-    """A test double of a decode instance's /metrics (the process tests use real ones)."""
+    """A test double of a decode instance's /metrics and /v1/models (the process tests use
+    real ones)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, as real servers
 
     def do_GET(self):
         body = VLLM_METRICS.encode()
+        if self.path == "/v1/models":
+            body = b'{"object": "list", "data": [{"id": "tiny", "max_model_len": 2048}]}'
         self.send_response(200)
         self.send_header("content-length", str(len(body)))
         self.end_headers()
@@ -176,6 +181,7 @@ def test_the_fleet_follows_load_and_kv_events_over_real_sockets():
             (view,) = fleet.views(PROMPT, None)
             assert (view.instance, view.cached_tokens) == (address, 8)
             assert (view.running, view.waiting, view.kv_usage) == (4, 2, 0.5)
+            assert view.max_model_len == 2048 and view.fits(2048) and not view.fits(2049)
             assert fleet.views(PROMPT[:8], None)[0].cached_tokens == 7  # last token computed
             pub.send_multipart(frames(seq, BlockRemovedV([b"b"])))
             for _ in range(100):

@@ -198,6 +198,25 @@ def test_bad_requests_get_openai_errors_and_hold_nothing(tier, body, status, par
     assert integrity(tier["pipeline"]) == (True, True)
 
 
+def test_a_request_no_decode_instance_can_hold_is_400_before_the_tier_sees_it(tier):
+    proc, base = h.gateway(
+        tier["model"], tier["decodes"], "--router", tier["router"], "--max-model-len", "4096"
+    )  # more than the decode servers take
+    try:
+        wait_until(lambda: h.get(f"{base}/health")[0] == 200, 30, "gateway ready")
+        served = _requests_served(tier["decodes"])
+        body = {"model": h.SERVED, "prompt": LONG, "max_tokens": 600}
+        code, _, answer = h.post(f"{base}/v1/completions", body)
+        assert (code, answer["error"]["param"]) == (400, "prompt")
+        assert "take at most 512" in answer["error"]["message"]  # from their /v1/models
+        assert _requests_served(tier["decodes"]) == served
+        assert integrity(tier["pipeline"]) == (True, True)
+        body["max_tokens"] = 4
+        assert h.post(f"{base}/v1/completions", body)[0] == 200
+    finally:
+        terminate(proc)
+
+
 def _requests_served(decodes) -> float:
     return sum(sum(h.metric(f"http://{d}", "vllm:request_success_total").values())
                for d in decodes)  # fmt: skip

@@ -135,7 +135,14 @@ class RequestPath:
             self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
 
     async def _serve(self, req: GatewayRequest) -> tuple[_Answer, dict[str, str], Decision]:
-        views = self._fleet.views(req.prompt_ids, req.cache_salt)
+        ready = self._fleet.views(req.prompt_ids, req.cache_salt)
+        views = [v for v in ready if v.fits(req.min_context)]
+        if ready and not views:
+            longest = max(v.max_model_len or 0 for v in ready)
+            param = "prompt" if req.route is Route.COMPLETIONS else "messages"
+            raise BadRequest(f"the request needs {req.min_context} tokens (prompt + "
+                             f"completion); the decode instances take at most {longest}",
+                             param)  # fmt: skip
         decode = pick_decode(views, self.config.rule)
         if decode is None:
             raise Unavailable("no decode instance is ready; retry later")
