@@ -34,6 +34,11 @@ class DecodeView:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    max_model_len: int | None = None  # from its /v1/models (None: not known)
+
+    def fits(self, tokens: int) -> bool:
+        """True when a request of ``tokens`` (prompt + completion) fits its context."""
+        return self.max_model_len is None or tokens <= self.max_model_len
 
 
 @dataclass(frozen=True, slots=True)

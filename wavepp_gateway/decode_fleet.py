@@ -29,6 +29,7 @@ from wavepp_gateway.vllm_kv_events import (
 )
 
 log = logging.getLogger(__name__)
+_LIMIT_ASKS = 3
 
 EventsEndpoint = Callable[[PipelineEndpoint], str | None]
 """The ZMQ endpoint an instance publishes its KV events on (None: it publishes none)."""
@@ -43,6 +44,8 @@ class DecodeInstance:
     translator: VllmEventTranslator
     load: DecodeLoad = field(default_factory=DecodeLoad)
     ready: bool = False
+    max_model_len: int | None = None  # from its /v1/models once it answers
+    limit_asks: int = 0  # /v1/models reads so far (a few, until one states the limit)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -117,7 +120,7 @@ class DecodeFleet:
                 inst.tasks.append(asyncio.create_task(self._follow_events(inst)))
             log.info("decode instance %s at %s (KV events: %s)", iid, inst.url, inst.events)
 
-    def _remove(self, iid: str) -> None:
+    def _remove(self, iid: str, why: str = "left the discovery") -> None:
         inst = self._instances.pop(iid)
         for task in inst.tasks:
             task.cancel()
@@ -127,7 +130,7 @@ class DecodeFleet:
                       self._metrics.decode_waiting, self._metrics.decode_blocks):  # fmt: skip
             with contextlib.suppress(KeyError):  # never polled yet
                 gauge.remove(iid)
-        log.info("decode instance %s left the discovery", iid)
+        log.info("decode instance %s %s", iid, why)
 
     async def _poll(self, inst: DecodeInstance) -> None:
         while True:
@@ -135,8 +138,12 @@ class DecodeFleet:
                 reply = await self._http.get(f"{inst.url}/metrics")
                 reply.raise_for_status()
                 inst.load = parse_load(reply.text)
+                if inst.max_model_len is None and inst.limit_asks < _LIMIT_ASKS:
+                    inst.limit_asks += 1
+                    inst.max_model_len = await self._max_model_len(inst)
                 if not inst.ready:
-                    log.info("decode instance %s is ready", inst.id)
+                    log.info("decode instance %s is ready (max_model_len %s)", inst.id,
+                             inst.max_model_len)  # fmt: skip
                 inst.ready = True
             except Exception as exc:  # any failure: not ready until the next good read
                 if inst.ready:
@@ -148,6 +155,18 @@ class DecodeFleet:
             m.decode_waiting.labels(inst.id).set(inst.load.waiting)
             m.decode_blocks.labels(inst.id).set(self._index.num_blocks(inst.id))
             await asyncio.sleep(self._poll_s)
+
+    async def _max_model_len(self, inst: DecodeInstance) -> int | None:
+        """The context limit the instance's ``/v1/models`` states (vLLM's card field), or
+        None when it states none."""
+        try:
+            reply = await self._http.get(f"{inst.url}/v1/models")
+            reply.raise_for_status()
+            lengths = [c.get("max_model_len") for c in reply.json().get("data", ())]
+        except Exception:  # not an OpenAI server, or no answer: the limit stays unknown
+            return None
+        known = [n for n in lengths if isinstance(n, int) and n > 0]
+        return min(known) if known else None
 
     async def _follow_events(self, inst: DecodeInstance) -> None:
         import zmq
@@ -217,7 +236,12 @@ class DecodeFleet:
                 matches[inst.id] = min(found.get(inst.id, 0) * size, len(prompt_ids) - 1)
         return [
             DecodeView(
-                i.id, matches.get(i.id, 0), i.load.running, i.load.waiting, i.load.kv_usage
+                i.id,
+                matches.get(i.id, 0),
+                i.load.running,
+                i.load.waiting,
+                i.load.kv_usage,
+                i.max_model_len,
             )  # fmt: skip
             for i in ready
         ]
@@ -238,6 +262,6 @@ class DecodeFleet:
     async def aclose(self) -> None:
         await asyncio.to_thread(self._discovery.stop)
         for iid in list(self._instances):
-            self._remove(iid)
+            self._remove(iid, "no longer followed: the gateway stops")
         if self._http is not None:
             await self._http.aclose()

@@ -9,8 +9,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 class GatewayMetrics:
     """Requests by route and outcome, TTFT and end-to-end latency, the prefill decisions
-    with their reasons, tier and decode errors, decode retries, KV loads as decode reported
-    them, and each decode instance's last load and indexed prefix blocks."""
+    with their reasons and inputs, tier and decode errors, decode retries, KV loads as
+    decode reported them, and each decode instance's last load and indexed prefix blocks."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -26,6 +26,13 @@ class GatewayMetrics:
                                  ["prefill", "reason"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("wavepp_gateway_prompt_tokens", "prompt tokens by where "
                                      "they were prefilled", ["prefill"], registry=r)  # fmt: skip
+        self.decision_cached = Counter("wavepp_gateway_decision_cached_tokens", "prompt tokens "
+                                       "predicted cached when deciding, on the tier (the "
+                                       "router's Score) and on the chosen decode instance",
+                                       ["side"], registry=r)  # fmt: skip
+        self.tier_queue = Histogram("wavepp_gateway_tier_queue_seconds", "the tier's estimated "
+                                    "queue when deciding (the router's Score)",
+                                    buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.tier_errors = Counter("wavepp_gateway_prefill_errors", "prefill tier failures",
                                    ["status"], registry=r)  # fmt: skip
         self.decode_errors = Counter("wavepp_gateway_decode_errors", "decode instance failures",

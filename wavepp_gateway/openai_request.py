@@ -47,6 +47,7 @@ class GatewayRequest:
     stream: bool
     max_tokens: int
     cache_salt: str | None
+    min_context: int  # prompt + the completion tokens asked for (1 when left to decode)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -96,7 +97,8 @@ def parse_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")
-    return GatewayRequest(route, body, tuple(ids), stream, max_tokens, salt)
+    min_context = len(ids) + (1 if limit is None else limit)
+    return GatewayRequest(route, body, tuple(ids), stream, max_tokens, salt, min_context)
 
 
 def _is_int(value: Any) -> bool:

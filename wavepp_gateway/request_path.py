@@ -16,8 +16,6 @@ Failure semantics (docs/gateway.md):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -29,7 +27,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kv_transfer.vllm_decode.params import LOADED_KEY
 from wavepp_gateway.api_errors import ApiError, BadRequest, DecodeFailed, Unavailable
+from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
 from wavepp_gateway.config import GatewayConfig, PrefillMode
 from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
 from wavepp_gateway.decode_fleet import DecodeFleet
@@ -44,10 +44,7 @@ from wavepp_gateway.openai_request import (
 from wavepp_gateway.tier import PrefillTier, TierError, TierPrefill
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer started."""
+_LOADED = LOADED_KEY.encode()
 
 
 class _DecodeAttemptFailed(Exception):
@@ -63,8 +60,10 @@ class _Answer:
 
     instance: str
     status: int
+    with_kv: bool  # kv_transfer_params were sent with the request
     body: bytes = b""
     stream: Any = None  # httpx.Response, open
+    chunks: Any = None  # its raw byte iterator, the first chunk read already
     first: bytes = b""
 
 
@@ -94,7 +93,7 @@ class RequestPath:
                                 max_model_len=self.config.max_model_len,
                                 default_max_tokens=self.config.default_max_tokens,
                                 tokenizer=self._tokenizer)  # fmt: skip
-            answer, headers, decision = await _until_disconnected(request, self._serve(req))
+            answer, headers, decision = await until_disconnected(request, self._serve(req))
         except ApiError as exc:
             self._metrics.requests.labels(label, _outcome(exc)).inc()
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -121,7 +120,9 @@ class RequestPath:
         outcome = "cancelled"  # the client went away unless the stream ends
         try:
             yield answer.first
-            async for chunk in answer.stream.aiter_raw():
+            async for chunk in answer.chunks:
+                if _LOADED in chunk:  # the last event, where decode puts kv_transfer_params
+                    self._count_kv_load_events(chunk)
                 yield chunk
             outcome = "ok"
         except Exception as exc:  # decode broke mid-stream: the client's stream just ends
@@ -134,7 +135,14 @@ class RequestPath:
             self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
 
     async def _serve(self, req: GatewayRequest) -> tuple[_Answer, dict[str, str], Decision]:
-        views = self._fleet.views(req.prompt_ids, req.cache_salt)
+        ready = self._fleet.views(req.prompt_ids, req.cache_salt)
+        views = [v for v in ready if v.fits(req.min_context)]
+        if ready and not views:
+            longest = max(v.max_model_len or 0 for v in ready)
+            param = "prompt" if req.route is Route.COMPLETIONS else "messages"
+            raise BadRequest(f"the request needs {req.min_context} tokens (prompt + "
+                             f"completion); the decode instances take at most {longest}",
+                             param)  # fmt: skip
         decode = pick_decode(views, self.config.rule)
         if decode is None:
             raise Unavailable("no decode instance is ready; retry later")
@@ -149,6 +157,12 @@ class RequestPath:
         params = prefill.kv_transfer_params if prefill is not None else None
         answer = await self._decode(req, decode, params, views)
         headers["x-wavepp-decode"] = answer.instance
+        if params is not None and not answer.with_kv:  # the retry computed the prompt
+            headers["x-wavepp-prefill"] = "local"
+            headers["x-wavepp-prefill-reason"] = "decode_retry"
+            del headers["x-wavepp-prefill-pipeline"]
+            cached = next((v.cached_tokens for v in views if v.instance == answer.instance), 0)
+            headers["x-wavepp-cached-tokens"] = str(cached)
         return answer, headers, decision
 
     async def _prefill(
@@ -162,8 +176,13 @@ class RequestPath:
         prefill = None
         if decision.remote:
             prefill, decision = await self._remote(req, decision)
-        self._metrics.decisions.labels(decision.label, decision.reason.value).inc()
-        self._metrics.prompt_tokens.labels(decision.label).inc(len(req.prompt_ids))
+        m = self._metrics
+        m.decisions.labels(decision.label, decision.reason.value).inc()
+        m.prompt_tokens.labels(decision.label).inc(len(req.prompt_ids))
+        m.decision_cached.labels("decode").inc(decision.decode.cached_tokens)
+        if report is not None:
+            m.decision_cached.labels("tier").inc(report.cached_tokens)
+            m.tier_queue.observe(report.queued_s)
         log.debug("%s", decision.describe())
         return decision, prefill
 
@@ -233,15 +252,18 @@ class RequestPath:
             if reply.status_code >= 500:
                 raise _DecodeAttemptFailed(iid, f"http_{reply.status_code}", delivered=True)
             if not req.stream or reply.status_code != 200:
-                return _Answer(iid, reply.status_code, body=await reply.aread())
+                return _Answer(iid, reply.status_code, params is not None, await reply.aread())
+            chunks = reply.aiter_raw()
             first = b""
-            async for chunk in reply.aiter_raw():
+            async for chunk in chunks:
                 if chunk:
                     first = chunk
                     break
             if not first:
                 raise _DecodeAttemptFailed(iid, "empty_stream", delivered=True)
-            answer, reply = _Answer(iid, 200, stream=reply, first=first), None  # the relay's now
+            answer = _Answer(iid, 200, params is not None, stream=reply, chunks=chunks,
+                             first=first)  # fmt: skip
+            reply = None  # the relay's now: it closes it
             return answer
         except httpx.HTTPError as exc:
             raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
@@ -250,40 +272,23 @@ class RequestPath:
                 await reply.aclose()
 
     def _count_kv_load(self, body: bytes) -> None:
-        """``wavepp_loaded`` of a non-streamed answer: did the KV load succeed on decode."""
+        """``wavepp_loaded`` of an answer: did the KV load succeed on decode."""
         try:
-            loaded = (json.loads(body).get("kv_transfer_params") or {}).get("wavepp_loaded")
+            loaded = (json.loads(body).get("kv_transfer_params") or {}).get(LOADED_KEY)
         except (ValueError, AttributeError):
             return
         if isinstance(loaded, dict):
             self._metrics.kv_loads.labels("ok" if loaded.get("ok") else "failed").inc()
+
+    def _count_kv_load_events(self, chunk: bytes) -> None:
+        """The same from a stream's SSE events (``data: {...}`` lines) in ``chunk``; an
+        event split across chunks is not counted."""
+        for line in chunk.split(b"\n"):
+            if line.startswith(b"data: {") and _LOADED in line:
+                self._count_kv_load(line[6:])
 
 
 def _outcome(exc: ApiError) -> str:
     return {400: "bad_request", 404: "not_found", 503: "unavailable"}.get(
         exc.status, "decode_failed"
     )
-
-
-async def _until_disconnected(request: Request, work):
-    """Run ``work`` until done, or cancel it when the client disconnects (ClientGone)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone()
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -33,7 +33,7 @@ def events_by_address(
     (Kubernetes: the same port on every pod), else nowhere."""
     if events and len(events) != len(decode):
         raise ValueError("give one --decode-kv-events per --decode, in the same order")
-    paired = dict(zip(decode, events, strict=True))
+    paired = dict(zip(decode, events, strict=False))  # empty events: none paired
 
     def endpoint(e: PipelineEndpoint) -> str | None:
         if e.address in paired:

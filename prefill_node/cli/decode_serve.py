@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def run_serve(args: argparse.Namespace, model_dir: Path) -> int:
                 timeout_graceful_shutdown=5,
             )
         )  # fmt: skip
+        # uvicorn re-raises the signal that stopped it once its own handlers are gone; with
+        # these in place that ends here, and a drained server exits 0 (as `wavepp serve`)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         print(f"wavepp decode: listening on {args.host}:{port}", flush=True)
         server.run(sockets=[sock])
     finally:

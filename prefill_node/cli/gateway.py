@@ -174,11 +174,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _discovery(args: argparse.Namespace, decode: list[str]) -> Any:
-    from prefill_node.cli.router import _own_namespace
-    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery
+    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
 
     if decode:
         return StaticDiscovery(decode)
     return EndpointSliceDiscovery(
-        args.k8s_service, args.namespace or _own_namespace(), port_name=args.k8s_port_name
+        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
     )

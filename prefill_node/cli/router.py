@@ -161,19 +161,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _discovery(args: argparse.Namespace) -> Any:
-    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery
+    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
 
     if args.pipeline:
         return StaticDiscovery(args.pipeline)
     return EndpointSliceDiscovery(
-        args.k8s_service, args.namespace or _own_namespace(), port_name=args.k8s_port_name
+        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
     )
-
-
-def _own_namespace() -> str:
-    """The pod's namespace (the service account mount), else "default"."""
-    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-    return path.read_text().strip() if path.is_file() else "default"
 
 
 async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:

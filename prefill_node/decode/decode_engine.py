@@ -191,6 +191,9 @@ class DecodeEngine:
                     self._end_loads()
                 self._admit()
                 self._step()
+        except Exception:
+            log.exception("the decode engine failed; every request in it is aborted")
+            raise
         finally:
             for active in [*self._waiting, *self._loading.values(), *self._running.values()]:
                 self._finish(active, "abort")
@@ -320,7 +323,10 @@ class DecodeEngine:
                 continue
             active.generated += 1
             self.counters.generation_tokens += 1
-            active.job.sink(Token(token))
+            if not self._emit(active, Token(token)):
+                del self._running[request_id]
+                self._finish(active, "abort")
+                continue
             stop = token in active.job.stop_ids
             if stop or active.generated == active.job.max_tokens:
                 del self._running[request_id]
@@ -332,7 +338,14 @@ class DecodeEngine:
             active.tokens.close()
         self._worker.release(active.job.request_id)
         self.counters.finished[reason] += 1
+        self._emit(active, Finished(reason, active.load, error))
+
+    def _emit(self, active: _Active, event: DecodeEvent) -> bool:
+        """Hand ``event`` to the request's sink; False when the sink failed (its reader is
+        gone, e.g. the server's event loop closed): the request is then dropped."""
         try:
-            active.job.sink(Finished(reason, active.load, error))
+            active.job.sink(event)
+            return True
         except Exception:  # a sink must not take the engine down
-            log.exception("the sink of %s failed", active.job.request_id)
+            log.warning("the sink of %s failed", active.job.request_id, exc_info=True)
+            return False
