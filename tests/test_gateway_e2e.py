@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import shutil
 import signal
 import socket
 import threading
@@ -20,6 +21,8 @@ from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.process_tree import terminate
 from tests import gateway_harness as h
 from tests.grpc_harness import wait_until
+from tests.router_harness import spawn
+from tests.test_grpc_tls import _make_pki
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -249,6 +252,46 @@ def test_tier_down_is_local_under_auto_and_503_under_remote(tier):
         assert errors == {'wavepp_gateway_prefill_errors_total{status="UNAVAILABLE"}': 1.0}
     finally:
         for proc, _ in procs:
+            terminate(proc)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_the_gateway_reaches_an_mtls_router_with_its_certificate_and_not_without(tier, tmp_path):
+    """--router-ca / -cert / -key: a router that requires client certificates prefills for
+    the gateway that presents one; without it the handshake fails and --prefill remote
+    answers 503 (the chart mounts these files, tests/test_helm_gateway.py)."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    _make_pki(pki)
+    procs = []
+    try:
+        router, port, _ = spawn(
+            ["router", "--model", str(tier["model"]), "--pipeline", tier["pipeline"],
+             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+             "--poll-interval", "0.2", "--log-level", "WARNING",
+             "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+             "--tls-client-ca", str(pki / "ca.pem")],
+            "wavepp router:",
+        )  # fmt: skip
+        procs.append((router, None))
+        address = f"127.0.0.1:{port}"
+        signed = ["--router-ca", str(pki / "ca.pem"), "--router-cert", str(pki / "client.pem"),
+                  "--router-key", str(pki / "client.key")]  # fmt: skip
+        for certs in (signed, signed[:2]):
+            procs.append(h.gateway(tier["model"], tier["decodes"][:1], "--router", address,
+                                   "--prefill", "remote", *certs))  # fmt: skip
+        (_, with_cert), (_, without) = procs[1:]
+        for base in (with_cert, without):
+            wait_until(lambda b=base: h.get(f"{b}/health")[0] == 200, 30, "gateway ready")
+        body = {"model": h.SERVED, "prompt": LONG, "max_tokens": 4, "temperature": 0}
+        code, headers, answer = h.post(f"{with_cert}/v1/completions", body)
+        assert code == 200 and answer["choices"][0]["text"], answer
+        assert headers["x-wavepp-prefill"] == "remote"
+        assert headers["x-wavepp-prefill-pipeline"] == tier["pipeline"]
+        code, _, answer = h.post(f"{without}/v1/completions", body)
+        assert code == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        for proc, _ in reversed(procs):
             terminate(proc)
 
 

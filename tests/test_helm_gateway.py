@@ -13,8 +13,8 @@ from tests.helm_harness import (
     TLS,
     merge,
     parse,
-    port_number,
     pod_volume,
+    port_number,
     render,
     render_result,
 )

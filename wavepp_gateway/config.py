@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from prefill_node.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from prefill_node.client.prefill_client import ClientTLS
 
 
 class InvalidGatewayConfigError(InvalidRequestError):
@@ -44,12 +48,14 @@ class DecisionRule:
 @dataclass(frozen=True)
 class GatewayConfig:
     """``served_model``: the name clients put in ``model`` (``/v1/models`` lists it);
-    ``router``: the prefill tier's gRPC address (None: no tier, every prompt local);
+    ``router``: the prefill tier's gRPC address (None: no tier, every prompt local), dialled
+    with ``router_tls`` (None: plaintext);
     ``max_model_len``: prompt + max_tokens limit, checked before anything is allocated."""
 
     served_model: str
     max_model_len: int
     router: str | None = None
+    router_tls: ClientTLS | None = None
     mode: PrefillMode = PrefillMode.AUTO
     rule: DecisionRule = field(default_factory=DecisionRule)
     score_timeout_s: float = 0.5

@@ -68,7 +68,9 @@ def serve(
         await fleet.start()
         tier = None
         if config.router is not None:
-            tier = PrefillTier(config.router, config.score_timeout_s, config.prefill_timeout_s)
+            tier = PrefillTier(
+                config.router, config.score_timeout_s, config.prefill_timeout_s, config.router_tls
+            )
 
         async def close() -> None:
             await fleet.aclose()

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from prefill_node.engine.types import ScoreReport
+
+if TYPE_CHECKING:
+    from prefill_node.client.prefill_client import ClientTLS
 
 
 class TierError(Exception):
@@ -40,11 +43,17 @@ class PrefillTier:
     (a client gone) cancels the call: the router cancels it on the pipeline, which aborts
     the request and frees its blocks on every stage."""
 
-    def __init__(self, address: str, score_timeout_s: float, prefill_timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        score_timeout_s: float,
+        prefill_timeout_s: float,
+        tls: ClientTLS | None = None,
+    ) -> None:
         from prefill_node.client.prefill_client import AsyncPrefillClient
 
         self.address = address
-        self._client = AsyncPrefillClient(address, max_reconnect_backoff_s=2.0)
+        self._client = AsyncPrefillClient(address, max_reconnect_backoff_s=2.0, tls=tls)
         self._score_timeout_s = score_timeout_s
         self._prefill_timeout_s = prefill_timeout_s
 

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from prefill_node.client.remote_args import add_client_tls_arguments
+
 DESCRIPTION = """\
 Serve OpenAI's HTTP API (POST /v1/completions and /v1/chat/completions, streamed or not;
 GET /v1/models, /health, /metrics) in front of the prefill tier (`wavepp router`) and a
@@ -110,6 +112,7 @@ def register(subparsers: Any) -> None:
         default=120.0,
         help="seconds a prefill on the tier may take (default 120)",
     )
+    add_client_tls_arguments(p, "router", "the router")
     m = p.add_argument_group("model")
     m.add_argument(
         "--model",
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from prefill_node.client.remote_args import client_tls
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
     from wavepp_gateway.config import DecisionRule, GatewayConfig, PrefillMode
@@ -160,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
         served_model=args.served_model_name or model.name,
         max_model_len=args.max_model_len or model.max_position_embeddings,
         router=args.router,
+        router_tls=client_tls(args.router_ca, args.router_cert, args.router_key, "router"),
         mode=PrefillMode(args.prefill),
         rule=DecisionRule(
             local_max_tokens=args.local_max_tokens, max_tier_queue_s=args.max_tier_queue

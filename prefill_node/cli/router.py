@@ -14,6 +14,7 @@ from prefill_node.cli.options import (
     server_config,
     start_server,
 )
+from prefill_node.client.remote_args import add_client_tls_arguments
 from prefill_router.scoring import DEFAULT_AFFINITY_SLACK
 
 DESCRIPTION = """\
@@ -102,10 +103,7 @@ def register(subparsers: Any) -> None:
         help="seconds between load checks of each pipeline, and between health checks of one "
         "whose health service cannot push its readiness (no Watch) (default 0.5)",
     )
-    u = p.add_argument_group("TLS to the pipelines (optional)")
-    u.add_argument("--pipeline-ca", type=Path, help="CA bundle (PEM) to verify pipelines")
-    u.add_argument("--pipeline-cert", type=Path, help="client certificate (PEM), mutual TLS")
-    u.add_argument("--pipeline-key", type=Path, help="client private key (PEM), mutual TLS")
+    add_client_tls_arguments(p, "pipeline", "the pipelines")
     add_network_arguments(p, port=50050, metrics_port=9401)
     add_tls_arguments(p)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
