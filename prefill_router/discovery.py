@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from prefill_node.errors import InvalidRequestError, InvariantError
@@ -85,6 +86,12 @@ def _address_problem(address: object) -> str | None:
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         return "needs a port number in 1-65535"
     return None
+
+
+def own_namespace() -> str:
+    """The pod's namespace (its service account mount), else "default" (outside a cluster)."""
+    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return path.read_text().strip() if path.is_file() else "default"
 
 
 def _join_host_port(host: str, port: int) -> str:

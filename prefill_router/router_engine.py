@@ -48,6 +48,7 @@ from prefill_node.engine.types import (
     EngineLoad,
     PrefillOptions,
     PrefillResult,
+    ScoreReport,
 )
 from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
 from prefill_node.server.convert import ParsedRequest, result_from_proto
@@ -364,6 +365,25 @@ class RouterEngine:
             response = prefill_pb2.PrefillResponse.FromString(data)
             self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
             return Relayed(data, response, routed.pid)
+
+    def score(self, token_ids: Sequence[int], cache_salt: str | None) -> ScoreReport:
+        """Where ``prefill`` would send this prompt now (the Score RPC): the same hashing,
+        index lookup and scoring, with nothing recorded (no pending entries, no accounting;
+        only round-robin's rotation moves). No pipeline connected yet -> UnavailableError."""
+        identity = self._identity
+        if identity is None:
+            raise UnavailableError("no pipeline has connected to the router yet; retry later")
+        hashes = hash_block_tokens(token_ids, identity.block_size,
+                                   self._extra_keys(identity, cache_salt))  # fmt: skip
+        with self._lock:
+            decision = self._decide(len(token_ids), hashes, time.monotonic(), ())
+        chosen = next((c for c in decision.candidates if c.pid == decision.pipeline), None)
+        return ScoreReport(
+            decision.pipeline or "", decision.reason.value, len(token_ids),
+            decision.cached_tokens, chosen.queued_cost_s if chosen else 0.0,
+            chosen.prefill_cost_s if chosen else 0.0,
+            sum(c.eligible for c in decision.candidates),
+        )  # fmt: skip
 
     def _extra_keys(self, identity: CacheIdentity, salt: str | None) -> ExtraKeys:
         """The cluster's ExtraKeys for ``salt``, made once per salt (their digest is the

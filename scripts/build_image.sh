@@ -102,7 +102,7 @@ case "$builder" in
   podman) podman build --ignorefile .containerignore "${args[@]}" . ;;
   docker)  # docker reads no .containerignore: send it exactly the files that file lets through
     tar -cf - --exclude=__pycache__ --exclude='*.pyc' Containerfile pyproject.toml README.md \
-      prefill_node prefill_router kv_transfer wavepp_proto build/wheels \
+      prefill_node prefill_router kv_transfer wavepp_proto wavepp_gateway build/wheels \
       | docker build "${args[@]}" - ;;
 esac
 echo "build_image.sh: built $TAG in $(( $(date +%s) - start )) s"

@@ -21,28 +21,9 @@ from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from tests.grpc_harness import TINY_CONFIG, wait_until
+from tests.tiny_models import save_word_tokenizer
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
-WORDS = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "be", "brief", "what", "is", "the"]
-WORDS += ["capital", "of", "france", "spain", "?"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def _save_word_tokenizer(directory) -> None:
-    """tokenizer.json (word level, vocabulary WORDS) + tokenizer_config.json with a template."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    backend = Backend(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    backend.add_special_tokens(["<|system|>", "<|user|>", "<|assistant|>"])
-    backend.save(str(directory / "tokenizer.json"))
-    config = {"chat_template": CHAT_TEMPLATE, "unk_token": "<unk>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def _start_serve(model_dir, *extra):
@@ -112,7 +93,7 @@ def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
     """Text goes to the server as text (chat template + system there, no model on the
     client); afterwards a killed stage leaves the `wavepp serve` process up, not ready."""
     save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=4))
-    _save_word_tokenizer(tmp_path)
+    save_word_tokenizer(tmp_path)
     text, system = "what is the capital of france ?", "be brief"
     server, port = _start_serve(tmp_path)
     try:

@@ -1,7 +1,9 @@
 """`wavepp demo`, the README's main job, end to end on the bundled model: router + 2 pipelines
-(4 stage processes) + a decode worker. Checks the story it tells is the system's behaviour:
-a tenant's second question reuses its system prompt on the same pipeline, the decode worker
-answers from shipped KV, and after SIGKILL the tenant is served by the other pipeline."""
+(4 stage processes) + a reference decode server + the gateway, driven by the openai SDK.
+Checks the story it tells is the system's behaviour: a tenant's second question reuses its
+system prompt on the same pipeline, decode answers from KV pulled over NIXL, a short
+question is prefilled on decode, and after SIGKILL the tenant is served by the other
+pipeline."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ASKED = re.compile(
     r"^\s+(?P<tenant>\S+)\s+(?P<pipeline>pipeline-\d)\s+prompt\s+(?P<prompt>\d+) tokens, "
-    r"cached\s+(?P<cached>\d+), computed\s+(?P<computed>\d+) \|"
+    r"cached\s+(?P<cached>\d+), computed\s+(?P<computed>\d+) \| prefill (?P<prefill>\w+),"
 )
 
 
@@ -34,6 +36,7 @@ def test_demo_routes_by_prefix_decodes_and_fails_over(default_model_cache):
     out = run.stdout
     asked = [m.groupdict() for m in map(ASKED.match, out.splitlines()) if m]
     assert len(asked) == 7  # 5 questions of two tenants, then 2 after the failover
+    assert all(a["prefill"] == "remote" for a in asked)  # long prompts: on the tier
     before, after = asked[:5], asked[5:]
     for tenant in ("acme-travel", "globex-support"):
         mine = [a for a in before if a["tenant"] == tenant]
@@ -45,5 +48,7 @@ def test_demo_routes_by_prefix_decodes_and_fails_over(default_model_cache):
     assert all(a["pipeline"] != killed for a in after)
     assert int(after[0]["cached"]) == 0 and int(after[1]["cached"]) > 0
     assert "still serving: True" in out
-    assert "The capital of France is Paris." in out  # decoded from KV shipped over NIXL
+    assert "-> The capital of France is Paris." in out  # decoded from KV pulled over NIXL
+    assert "prefill local (short_suffix)" in out  # the short question stays on decode
+    assert 'wavepp_gateway_kv_loads_total{outcome="ok"} 7.0' in out
     assert "demo done" in out

@@ -61,6 +61,13 @@ VARIANTS = {
             },
             "metrics": {"serviceMonitor": {"enabled": True}},
             "imagePullSecrets": [{"name": "regcred"}],
+            "gateway": {
+                "enabled": True,
+                "replicas": 2,
+                "podDisruptionBudget": {"enabled": True},
+                "service": {"type": "LoadBalancer", "port": 80},
+                "decode": {"serviceName": "vllm", "namespace": "decode", "kvEventsPort": 5557},
+            },
         },
         (),
     ),  # fmt: skip
@@ -74,6 +81,7 @@ VARIANTS = {
                 "ucx": {"transports": "rc,cuda_copy", "devices": "mlx5_0:1"},
             },
             "networkPolicy": {"enabled": True, "decodeCidrs": ["10.8.0.0/16"]},
+            "gateway": {"enabled": True, "decode": {"urls": ["10.8.0.5:8000"]}},
         },
         (LWS_API, "monitoring.coreos.com/v1/ServiceMonitor"),
     ),

@@ -54,5 +54,6 @@ def test_stubs_import_under_a_collision_free_name() -> None:
         "GetLoad",
         "SubscribeKvEvents",
         "GetServerInfo",
+        "Score",
     ]
     assert hasattr(prefill_pb2_grpc, "PrefillServiceStub")

@@ -85,6 +85,25 @@ def test_shared_prefix_lands_where_it_is_cached_and_the_prediction_is_exact(clus
     assert predicted == actual > 0
 
 
+def test_score_predicts_the_prefill_without_computing_or_reserving(cluster):
+    client = cluster["client"]
+    prompt = [*SYSTEM[1:], 7, 7, 7, 7, 7]  # 68 tokens, a prefix nobody holds
+    cold = client.score(prompt, cache_salt="t-score")
+    assert cold.cached_tokens == 0 and cold.prompt_tokens == 68 and cold.ready_pipelines == 2
+    assert cold.pipeline_id in cluster["addresses"] and cold.prefill_s > 0
+    assert client.score(prompt, cache_salt="t-score").cached_tokens == 0  # nothing pending
+    served = client.prefill(prompt, cache_salt="t-score").result
+    assert served.cached_tokens == 0
+    wait_until(lambda: client.score(prompt, cache_salt="t-score").cached_tokens == 67, 10,
+               "the prefix indexed")  # fmt: skip
+    warm = client.score([*prompt, 1], cache_salt="t-score")
+    assert (warm.pipeline_id, warm.cached_tokens) == (served.served_by, 68)
+    assert warm.prefill_s < cold.prefill_s
+    with PrefillClient(warm.pipeline_id) as direct, pytest.raises(grpc.RpcError) as err:
+        direct.score(prompt)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_salts_never_share_and_a_burst_sticks_to_one_pipeline(cluster):
     client, addresses = cluster["client"], cluster["addresses"]
     prompt = [*SYSTEM[::-1], 3, 1]

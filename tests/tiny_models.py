@@ -200,3 +200,35 @@ TINY_KIMI_HF: dict[str, Any] = {
 def tiny_kimi(name: str = "tiny-kimi", **overrides: Any) -> ModelConfig:
     """The tiny Kimi Linear as a ModelConfig."""
     return ModelConfig.from_hf_config({**TINY_KIMI_HF, **overrides}, name=name)
+
+
+# A word-level tokenizer for the tiny models: text prompts and chat templates without a
+# real vocabulary. Words beyond WORDS are "w14", "w15", ... up to ``vocab_size``.
+WORDS = ("<unk>", "<|system|>", "<|user|>", "<|assistant|>", "be", "brief", "what", "is", "the",
+         "capital", "of", "france", "spain", "?")  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_word_tokenizer(directory: Any, vocab_size: int = len(WORDS)) -> None:
+    """tokenizer.json (word level: WORDS, then filler words up to ``vocab_size``, so every
+    id decodes to a word) + tokenizer_config.json with CHAT_TEMPLATE."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.decoders import WordPiece
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), vocab_size))]
+    backend = Backend(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    backend.decoder = WordPiece(prefix="##")  # joins words with spaces
+    backend.add_special_tokens(["<|system|>", "<|user|>", "<|assistant|>"])
+    directory = Path(directory)
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -105,7 +105,8 @@ class WavePPConnector(KVConnectorBase_V1):
             )
         # scheduler side
         self._to_load: list[_Load] = []
-        self._loaded: dict[str, LoadReport] = {}
+        self._planned: set[str] = set()  # loads handed to the worker, not reported back yet
+        self._loaded: dict[str, LoadReport] = {}  # reported, for request_finished
         # worker side
         self._receiver: KVReceiver | None = None
         self._live: dict[str, int] = {}  # request id -> tokens being read
@@ -134,6 +135,7 @@ class WavePPConnector(KVConnectorBase_V1):
         params[_SEEN] = True  # one load per request: a preempted one recomputes
         if num_external_tokens <= 0:
             return
+        self._planned.add(request.request_id)
         self._to_load.append(
             _Load(
                 request.request_id,
@@ -152,7 +154,10 @@ class WavePPConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, _Loaded):
-            self._loaded.update(meta.by_request)
+            for request_id, report in meta.by_request.items():
+                if request_id in self._planned:  # else its request finished first: drop it
+                    self._planned.discard(request_id)
+                    self._loaded[request_id] = report
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -160,7 +165,12 @@ class WavePPConnector(KVConnectorBase_V1):
         loaded = self._loaded.pop(request.request_id, None)
         if loaded is None and not (request.kv_transfer_params or {}).get(PULL_KEY):
             return False, None
-        if loaded is None:
+        if loaded is None and request.request_id in self._planned:
+            # finished (aborted: a client gone) while its load runs; vLLM keeps the blocks
+            # until the worker reports the load, whose report is then dropped
+            self._planned.discard(request.request_id)
+            loaded = LoadReport(0, 0, "the request finished before its load did")
+        elif loaded is None:
             loaded = LoadReport(0, 0, "nothing loaded: no load was planned for this request")
         return False, {LOADED_KEY: loaded.to_dict()}
 

@@ -10,6 +10,10 @@ Server mode (``--prefill-server HOST:PORT``): the decode worker runs in this pro
 a running `wavepp serve` (KV shipping is on by default there) to prefill over gRPC with a
 push destination (the receiver's transfer id travels in ``KvPushDestination.transfer_id``) or,
 with ``--mode pull``, READs the blocks named by the response's leased manifests.
+
+``--serve``: the decode worker behind an OpenAI-compatible HTTP endpoint with vLLM's contract
+(``decode.http_server``): a request's ``kv_transfer_params`` name the prefill stages' leased
+blocks to READ, or the worker computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ examples:
   wavepp decode --local-stages 3 --mode pull --max-new-tokens 48 "Name three colours."
   wavepp decode --prefill-server 127.0.0.1:50051 "Hello"
   wavepp decode --model ./tiny --ids --no-chat "1,2,3,4,5"   # token ids in, ids out
+  wavepp decode --serve --port 8000      # OpenAI-compatible HTTP decode server (as vllm serve)
 """
 
 
@@ -42,7 +47,7 @@ def register(subparsers: Any) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s), run in order")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text(s), run in order")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
     where = p.add_mutually_exclusive_group()
     where.add_argument(
@@ -70,6 +75,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decode-blocks", type=int, default=256, help="decode pool size in blocks")
     p.add_argument("--timeout", type=float, default=30.0, help="KV transfer timeout, seconds")
     add_kv_progress(p)
+    s = p.add_argument_group("HTTP server (--serve)")
+    s.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve OpenAI-compatible /v1/completions and /v1/chat/completions (no PROMPT)",
+    )
+    s.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port, 0 = any (default 8000)")
+    s.add_argument("--served-model-name", help="the model's name in the API (default: its path)")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        help="prompt + generated tokens per request (default: the model's, within the pool)",
+    )
+    s.add_argument(
+        "--kv-load-failure-policy",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="a failed KV load: compute the prompt here (default) or fail the request",
+    )
+    s.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     p.set_defaults(func=run)
 
 
@@ -79,6 +105,14 @@ def run(args: argparse.Namespace) -> int:
     from prefill_node.errors import WaveppError
 
     try:
+        if args.serve:
+            if args.prompts:
+                raise ValueError("--serve takes no PROMPT: send requests over HTTP")
+            from prefill_node.cli.decode_serve import run_serve
+
+            return run_serve(args, _model_dir(args))
+        if not args.prompts:
+            raise ValueError("give at least one PROMPT (or --serve)")
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
         return _run_server(args) if args.prefill_server else _run_local(args)

@@ -1,18 +1,20 @@
-"""`wavepp demo`: the whole local tier in one command (router + pipelines + NIXL + decode).
+"""`wavepp demo`: the whole local stack in one command, driven by the openai SDK.
 
 Starts ``--pipelines`` pipelines (``wavepp serve``, each a multi-process pipeline of
-``--stages`` stage processes with KV shipping on) and ``wavepp router`` in front of them,
-all as child processes on loopback. Then, through the router:
+``--stages`` stage processes with KV shipping on), ``wavepp router`` in front of them, a
+reference decode server (``wavepp decode --serve``, OpenAI-compatible as ``vllm serve``) and
+``wavepp gateway`` in front of both, all as child processes on loopback. Then, as a client
+of the gateway (the ``openai`` SDK):
 
 1. two tenants (their own ``cache_salt`` and a long system prompt each) ask questions; each
-   line shows the pipeline the router chose and how many prompt tokens it found cached
-   (the second question of a tenant reuses its system prompt on the same pipeline);
-2. one question goes through a reference decode worker (``wavepp decode --prefill-server``
-   pointed at the router): the stages WRITE their KV straight into the decode worker over
-   NIXL, and it streams the answer;
+   line shows the pipeline that prefilled the prompt and the tokens it found cached there
+   (the gateway's response headers), and the decode server answers from the KV it pulled
+   over NIXL (the second question of a tenant reuses its system prompt on the same pipeline);
+2. a short question is prefilled on the decode server itself (the gateway's decision), and
+   its answer streams back;
 3. the pipeline holding the first tenant's prefix is killed (SIGKILL): the router drops it
-   from its candidates and the tenant's next question is served by the other pipeline;
-4. the router's per-pipeline load and its routing metrics are printed, and everything stops.
+   and the gateway's next requests are prefilled on the other pipeline;
+4. the router's per-pipeline view and the gateway's metrics are printed, and all stops.
 """
 
 from __future__ import annotations
@@ -31,20 +33,27 @@ from typing import Any
 from prefill_node.cli.options import parse_listening
 
 DESCRIPTION = """\
-Run the local prefill tier on the default model (or --model): --pipelines pipelines of
---stages stage processes each (KV shipping on), the cluster router in front of them, and a
-reference decode worker. Two tenants with long system prompts ask questions through the
-router (each line shows where it went and how many tokens were cached), one answer is
-decoded from KV shipped over NIXL, then a pipeline is killed and the router fails over.
+Run the local stack on the default model (or --model): --pipelines pipelines of --stages
+stage processes each (KV shipping on), the cluster router in front of them, a reference
+decode server (OpenAI-compatible, as vllm serve) and the gateway (the OpenAI endpoint) in
+front of both. Two tenants with long system prompts ask questions through the gateway with
+the openai SDK (each line shows which pipeline prefilled the prompt, how many tokens were
+cached there, and the answer decoded from KV pulled over NIXL); a short question is
+prefilled on decode instead; then a pipeline is killed and the router fails over.
 
 examples:
   wavepp demo
   wavepp demo --pipelines 3 --policy least-loaded
-  wavepp demo --mode pull --max-new-tokens 48
+  wavepp demo --max-new-tokens 48
 """
 
 SHOWN_METRICS = ("wavepp_router_decisions_total", "wavepp_router_cached_tokens_total",
-                 "wavepp_router_failovers_total", "wavepp_pipeline_ready")  # fmt: skip
+                 "wavepp_router_failovers_total", "wavepp_pipeline_ready",
+                 "wavepp_gateway_prefill_decisions_total", "wavepp_gateway_requests_total",
+                 "wavepp_gateway_kv_loads_total")  # fmt: skip
+SERVED = "smollm2"
+LOCAL_MAX_TOKENS = 64  # the tenants' prompts (system prompt + question) are longer: remote
+SHORT_QUESTION = "What is the capital of France?"
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,6 @@ def register(subparsers: Any) -> None:
         default="prefix",
         help="the router's policy (default prefix)",
     )
-    p.add_argument("--mode", choices=("push", "pull"), default="push", help="KV hand-off mode")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens to decode (default 24)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for serve")
     p.set_defaults(func=run)
@@ -119,25 +127,37 @@ def run(args: argparse.Namespace) -> int:
             cmd = [*cli, "serve", *model, "--stages", str(args.stages), "--host", "127.0.0.1",
                    "--port", "0", "--metrics-port", "-1", "--pipeline-id", f"pipeline-{i}",
                    "--log-level", "WARNING"]  # fmt: skip
-            print(f"$ {' '.join(cmd[2:])}", flush=True)
-            children.append(_spawn(cmd, env))
+            children.append(_start(cmd, env))
             pipelines.append(children[-1])
+        cmd = [*cli, "decode", "--serve", *model, "--served-model-name", SERVED,
+               "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
+        children.append(_start(cmd, env))
+        decode = children[-1]
         addresses = [_wait_listening(p, "serve", args.startup_timeout)[0] for p in pipelines]
         cmd = [*cli, "router", *model, *sum((["--pipeline", a] for a in addresses), []),
                "--policy", args.policy, "--host", "127.0.0.1", "--port", "0",
                "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--poll-interval", "0.25",
                "--log-level", "WARNING"]  # fmt: skip
-        print(f"$ {' '.join(cmd[2:])}", flush=True)
-        children.append(_spawn(cmd, env))
+        children.append(_start(cmd, env))
         router, metrics_url = _wait_listening(children[-1], "router", args.startup_timeout)
+        decode_address, _ = _wait_listening(decode, "decode", args.startup_timeout)
+        cmd = [*cli, "gateway", *model, "--served-model-name", SERVED, "--router", router,
+               "--decode", decode_address, "--local-max-tokens", str(LOCAL_MAX_TOKENS),
+               "--host", "127.0.0.1", "--port", "0", "--decode-poll-interval", "0.25",
+               "--log-level", "WARNING"]  # fmt: skip
+        children.append(_start(cmd, env))
+        gateway, _ = _wait_listening(children[-1], "gateway", args.startup_timeout)
         names = dict(zip(addresses, (f"pipeline-{i}" for i in range(len(addresses))), strict=True))
-        _wait_ready(router, len(addresses))
-        print(f"router {router} ready in front of {len(addresses)} pipelines "
+        _wait_ready(router, len(addresses), f"http://{gateway}")
+        print(f"gateway http://{gateway}/v1 ready: router {router} in front of "
+              f"{len(addresses)} pipelines, decode server {decode_address} "
               f"({time.monotonic() - started:.0f}s)\n", flush=True)  # fmt: skip
-        holder = _tenants(router, names)
-        _decode(cli, model, router, args, env)
-        _failover(router, names, holder, pipelines[addresses.index(holder)], len(addresses))
-        _show(router, metrics_url, names)
+        client = _openai(gateway)
+        holder = _tenants(client, names, args.max_new_tokens)
+        _short(client, args.max_new_tokens)
+        _failover(client, router, names, holder, pipelines[addresses.index(holder)],
+                  args.max_new_tokens)  # fmt: skip
+        _show(router, metrics_url, f"http://{gateway}/metrics", names)
     finally:
         for child in reversed(children):
             terminate(child)
@@ -145,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    print(f"$ {' '.join(cmd[2:])}", flush=True)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -164,7 +185,7 @@ def _wait_listening(proc: subprocess.Popen, what: str, timeout_s: float) -> tupl
     raise SystemExit(f"wavepp demo: {what} not ready after {timeout_s:.0f}s")
 
 
-def _wait_ready(router: str, pipelines: int, timeout_s: float = 60.0) -> None:
+def _wait_ready(router: str, pipelines: int, gateway: str, timeout_s: float = 60.0) -> None:
     from prefill_node.client.prefill_client import PrefillClient
 
     deadline = time.monotonic() + timeout_s
@@ -172,66 +193,92 @@ def _wait_ready(router: str, pipelines: int, timeout_s: float = 60.0) -> None:
         while time.monotonic() < deadline:
             load = client.load()
             if sum(p.ready for p in load.pipelines) == pipelines and client.is_ready():
-                return
+                break
             time.sleep(0.2)
-    raise SystemExit("wavepp demo: the router did not see every pipeline ready")
+        else:
+            raise SystemExit("wavepp demo: the router did not see every pipeline ready")
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{gateway}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit("wavepp demo: the gateway saw no ready decode server")
 
 
-def _ask(client: Any, tenant: Tenant, question: str, names: dict[str, str]) -> str:
-    remote = client.prefill(question, chat=True, system=tenant.system, cache_salt=tenant.name,
-                            deadline_s=120)  # fmt: skip
-    r = remote.result
-    print(f"  {tenant.name:<15} {names.get(r.served_by, r.served_by):<11} prompt "
-          f"{r.prompt_tokens:>4} tokens, cached {r.cached_tokens:>4}, computed "
-          f"{r.computed_tokens:>3} | {question}", flush=True)  # fmt: skip
-    return r.served_by
+def _openai(gateway: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{gateway}/v1", api_key="none", max_retries=0)
 
 
-def _tenants(router: str, names: dict[str, str]) -> str:
+def _ask(client: Any, tenant: Tenant, question: str, names: dict[str, str],
+         max_tokens: int) -> str:  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(
+        model=SERVED, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": tenant.system},
+                  {"role": "user", "content": question}],
+        extra_body={"cache_salt": tenant.name},
+    )  # fmt: skip
+    answer, headers = raw.parse(), raw.headers
+    pipeline = headers.get("x-wavepp-prefill-pipeline", "")
+    prompt, cached = answer.usage.prompt_tokens, int(headers["x-wavepp-cached-tokens"])
+    print(f"  {tenant.name:<15} {names.get(pipeline, pipeline or 'decode'):<11} prompt "
+          f"{prompt:>4} tokens, cached {cached:>4}, computed {prompt - cached:>3} | prefill "
+          f"{headers['x-wavepp-prefill']}, decoded on {headers['x-wavepp-decode']} | {question}"
+          f"\n{'':<30}-> {answer.choices[0].message.content.strip()}", flush=True)  # fmt: skip
+    return pipeline
+
+
+def _tenants(client: Any, names: dict[str, str], max_tokens: int) -> str:
     """Both tenants' questions, interleaved; returns the pipeline of the first tenant."""
-    from prefill_node.client.prefill_client import PrefillClient
-
-    print("1. two tenants ask through the router (cache_salt = tenant):", flush=True)
+    print("1. two tenants ask through the gateway (openai SDK, cache_salt = tenant):",
+          flush=True)  # fmt: skip
     first: dict[str, str] = {}
-    with PrefillClient(router) as client:
-        for round_ in range(max(len(t.questions) for t in TENANTS)):
-            for tenant in TENANTS:
-                if round_ < len(tenant.questions):
-                    where = _ask(client, tenant, tenant.questions[round_], names)
-                    first.setdefault(tenant.name, where)
+    for round_ in range(max(len(t.questions) for t in TENANTS)):
+        for tenant in TENANTS:
+            if round_ < len(tenant.questions):
+                where = _ask(client, tenant, tenant.questions[round_], names, max_tokens)
+                first.setdefault(tenant.name, where)
     return first[TENANTS[0].name]
 
 
-def _decode(cli: list[str], model: list[str], router: str, args: argparse.Namespace,
-            env: dict[str, str]) -> None:  # fmt: skip
-    print("\n2. a decode worker gets its KV over NIXL from the stages the router chose:",
+def _short(client: Any, max_tokens: int) -> None:
+    print("\n2. a short question: cheaper to prefill on the decode server itself (streamed):",
           flush=True)  # fmt: skip
-    cmd = [*cli, "decode", *model, "--prefill-server", router, "--mode", args.mode,
-           "--max-new-tokens", str(args.max_new_tokens), TENANTS[0].questions[0]]  # fmt: skip
-    print(f"$ {' '.join(cmd[2:])}", flush=True)
-    code = subprocess.call(cmd, env=env, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise SystemExit(f"wavepp demo: decode exited {code}")
+    raw = client.chat.completions.with_raw_response.create(
+        model=SERVED, max_tokens=max_tokens, temperature=0, stream=True,
+        messages=[{"role": "user", "content": SHORT_QUESTION}],
+    )  # fmt: skip
+    headers = raw.headers
+    print(f"  prefill {headers['x-wavepp-prefill']} ({headers['x-wavepp-prefill-reason']}), "
+          f"decoded on {headers['x-wavepp-decode']} | {SHORT_QUESTION}\n  -> ", end="",
+          flush=True)  # fmt: skip
+    for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print(flush=True)
 
 
-def _failover(router: str, names: dict[str, str], holder: str, victim: subprocess.Popen,
-              pipelines: int) -> None:  # fmt: skip
+def _failover(client: Any, router: str, names: dict[str, str], holder: str,
+              victim: subprocess.Popen, max_tokens: int) -> None:  # fmt: skip
     from prefill_node.client.prefill_client import PrefillClient
 
     print(f"\n3. SIGKILL {names[holder]} (it holds {TENANTS[0].name}'s prefix):", flush=True)
     killed = time.monotonic()
     victim.send_signal(signal.SIGKILL)
-    with PrefillClient(router) as client:
-        while any(p.ready for p in client.load().pipelines if p.address == holder):
+    with PrefillClient(router) as router_client:
+        while any(p.ready for p in router_client.load().pipelines if p.address == holder):
             time.sleep(0.05)
         print(f"  the router dropped it after {time.monotonic() - killed:.2f}s; still "
-              f"serving: {client.is_ready()}", flush=True)  # fmt: skip
-        tenant = TENANTS[0]
-        for question in tenant.questions[:2]:
-            _ask(client, tenant, question, names)
+              f"serving: {router_client.is_ready()}", flush=True)  # fmt: skip
+    tenant = TENANTS[0]
+    for question in tenant.questions[:2]:
+        _ask(client, tenant, question, names, max_tokens)
 
 
-def _show(router: str, metrics_url: str | None, names: dict[str, str]) -> None:
+def _show(router: str, metrics_url: str | None, gateway_metrics: str,
+          names: dict[str, str]) -> None:  # fmt: skip
     from prefill_node.client.prefill_client import PrefillClient
 
     with PrefillClient(router) as client:
@@ -241,9 +288,10 @@ def _show(router: str, metrics_url: str | None, names: dict[str, str]) -> None:
         state = "ready" if p.ready else "gone"
         print(f"  {names.get(p.address, p.address)} ({p.address}): {state}, "
               f"{p.indexed_blocks} prefix blocks indexed")  # fmt: skip
-    if metrics_url is None:
-        return
-    with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        text = response.read().decode()
-    lines = [ln for ln in text.splitlines() if ln.startswith(SHOWN_METRICS)]
+    lines = []
+    for url in (metrics_url, gateway_metrics):
+        if url is not None:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+            lines += [ln for ln in text.splitlines() if ln.startswith(SHOWN_METRICS)]
     print("  metrics:\n    " + "\n    ".join(lines), flush=True)

@@ -17,6 +17,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "prefill_node.cli.prefill",
     "prefill_node.cli.serve",
     "prefill_node.cli.router",
+    "prefill_node.cli.gateway",
     "prefill_node.cli.sim",
     "prefill_node.cli.stage",
     "prefill_node.cli.decode",

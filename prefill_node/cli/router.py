@@ -14,6 +14,7 @@ from prefill_node.cli.options import (
     server_config,
     start_server,
 )
+from prefill_node.client.remote_args import add_client_tls_arguments
 from prefill_router.scoring import DEFAULT_AFFINITY_SLACK
 
 DESCRIPTION = """\
@@ -102,10 +103,7 @@ def register(subparsers: Any) -> None:
         help="seconds between load checks of each pipeline, and between health checks of one "
         "whose health service cannot push its readiness (no Watch) (default 0.5)",
     )
-    u = p.add_argument_group("TLS to the pipelines (optional)")
-    u.add_argument("--pipeline-ca", type=Path, help="CA bundle (PEM) to verify pipelines")
-    u.add_argument("--pipeline-cert", type=Path, help="client certificate (PEM), mutual TLS")
-    u.add_argument("--pipeline-key", type=Path, help="client private key (PEM), mutual TLS")
+    add_client_tls_arguments(p, "pipeline", "the pipelines")
     add_network_arguments(p, port=50050, metrics_port=9401)
     add_tls_arguments(p)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -161,19 +159,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _discovery(args: argparse.Namespace) -> Any:
-    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery
+    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
 
     if args.pipeline:
         return StaticDiscovery(args.pipeline)
     return EndpointSliceDiscovery(
-        args.k8s_service, args.namespace or _own_namespace(), port_name=args.k8s_port_name
+        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
     )
-
-
-def _own_namespace() -> str:
-    """The pod's namespace (the service account mount), else "default"."""
-    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-    return path.read_text().strip() if path.is_file() else "default"
 
 
 async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:

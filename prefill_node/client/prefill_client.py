@@ -19,6 +19,7 @@ from prefill_node.engine.types import (
     KVPullDestination,
     KVPushDestination,
     PrefillResult,
+    ScoreReport,
 )
 from prefill_node.server.convert import load_from_proto, result_from_proto
 from prefill_node.server.kv_convert import destination_to_proto
@@ -136,6 +137,18 @@ def to_remote_result(resp: prefill_pb2.PrefillResponse) -> RemoteResult:
     )
 
 
+def to_score_report(resp: prefill_pb2.ScoreResponse) -> ScoreReport:
+    return ScoreReport(
+        resp.pipeline_id,
+        resp.reason,
+        resp.prompt_tokens,
+        resp.cached_tokens,
+        resp.queued_seconds,
+        resp.prefill_seconds,
+        resp.ready_pipelines,
+    )
+
+
 def channel_options(
     max_message_bytes: int, max_reconnect_backoff_s: float | None = None
 ) -> list[tuple[str, int]]:
@@ -181,6 +194,13 @@ class PrefillClient:
         return to_remote_result(
             self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
         )
+
+    def score(
+        self, prompt: Sequence[int] | str, *, cache_salt: str = "", timeout_s: float | None = 30.0
+    ) -> ScoreReport:
+        """A router's dry run (Score): where this prompt would be prefilled now."""
+        request = build_request(prompt, cache_salt=cache_salt)
+        return to_score_report(self._stub.Score(request, timeout=timeout_s))
 
     def prefill_stream(
         self, requests: Iterable[prefill_pb2.PrefillRequest]
@@ -266,6 +286,13 @@ class AsyncPrefillClient:
     ) -> grpc.aio.UnaryUnaryCall:
         """The raw call object (cancel() it to cancel the request)."""
         return self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
+
+    async def score(
+        self, prompt: Sequence[int] | str, *, cache_salt: str = "", timeout_s: float | None = None
+    ) -> ScoreReport:
+        """A router's dry run (Score): where this prompt would be prefilled now."""
+        request = build_request(prompt, cache_salt=cache_salt)
+        return to_score_report(await self._stub.Score(request, timeout=timeout_s))
 
     async def prefill_stream(
         self, requests: Iterable[prefill_pb2.PrefillRequest]

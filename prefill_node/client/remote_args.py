@@ -21,6 +21,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", type=Path, help="client private key (PEM) for mutual TLS")
 
 
+def add_client_tls_arguments(parser: argparse.ArgumentParser, flags: str, peer: str) -> None:
+    """Adds ``--FLAGS-ca`` / ``-cert`` / ``-key``: TLS to ``peer`` (read with ``client_tls``)."""
+    g = parser.add_argument_group(f"TLS to {peer} (optional)")
+    g.add_argument(
+        f"--{flags}-ca", type=Path, help=f"CA bundle (PEM) to verify {peer}; enables TLS"
+    )
+    g.add_argument(f"--{flags}-cert", type=Path, help="client certificate (PEM), mutual TLS")
+    g.add_argument(f"--{flags}-key", type=Path, help="client private key (PEM), mutual TLS")
+
+
 def client_tls(ca: Path | None, cert: Path | None, key: Path | None, flags: str) -> Any:
     """ClientTLS from a ``--FLAGS-ca`` / ``-cert`` / ``-key`` triple (None without a CA:
     plaintext); a certificate or key without the CA is an error naming the flags."""

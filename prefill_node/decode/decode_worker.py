@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kv_transfer.agent import KVAgent
-from kv_transfer.messages import TransferOutcome
+from kv_transfer.messages import StageManifest, TransferOutcome
 from kv_transfer.progress import KVProgress
 from kv_transfer.receiver import KVReceiver, ReceiverConfig
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
@@ -142,10 +142,27 @@ class DecodeWorker:
         self, request_id: str, prompt_ids: Sequence[int], manifests: Sequence[StageKVManifest]
     ) -> None:
         """Start READing every stage's blocks named by the prefill result's manifests."""
+        wire = [wire_manifest(m, request_id, len(manifests)) for m in manifests]
+        self.pull_wire(request_id, prompt_ids, wire)
+
+    def pull_wire(
+        self, request_id: str, prompt_ids: Sequence[int], manifests: Sequence[StageManifest]
+    ) -> None:
+        """``pull`` from manifests already in wire form (``kv_transfer_params``), each named
+        ``request_id``. Nothing stays allocated when it raises."""
         seq = self._new_sequence(request_id, prompt_ids)
         try:
-            wire = [wire_manifest(m, request_id, len(manifests)) for m in manifests]
-            self.receiver.pull(wire, seq.blocks)
+            self.receiver.pull(manifests, seq.blocks)
+        except Exception:
+            self.release(request_id)
+            raise
+
+    def compute_prompt(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        """Local prefill: allocate the prompt's blocks, compute its KV in one forward; the
+        greedy first token. Nothing stays allocated when it raises."""
+        seq = self._new_sequence(request_id, prompt_ids)
+        try:
+            return self._compute_from(seq, 0)
         except Exception:
             self.release(request_id)
             raise
@@ -164,14 +181,23 @@ class DecodeWorker:
     ) -> DecodeSequence:
         """Block (bounded) until the prompt's KV arrived, polling every ``poll_s``;
         KVHandoffError if it failed."""
-        seq = self._sequences[request_id]
         deadline = time.monotonic() + timeout_s
-        while request_id not in self._outcomes:
+        while self.kv_outcome(request_id) is None:
             if time.monotonic() > deadline:
                 self.receiver.cancel(request_id)
                 raise KVHandoffError(f"KV of {request_id} did not arrive within {timeout_s}s")
             self.pump()
             time.sleep(poll_s)
+        return self.take_kv(request_id)
+
+    def kv_outcome(self, request_id: str) -> TransferOutcome | None:
+        """How the reception of ``request_id`` ended, None while it runs (no polling here)."""
+        return self._outcomes.get(request_id)
+
+    def take_kv(self, request_id: str) -> DecodeSequence:
+        """Consume the ended reception: the sequence, its prompt's KV in place; KVHandoffError
+        (the blocks stay with the sequence until ``release``) if it failed."""
+        seq = self._sequences[request_id]
         outcome = self._outcomes.pop(request_id)
         if outcome.error is not None:
             raise KVHandoffError(
@@ -181,6 +207,14 @@ class DecodeWorker:
             )
         seq.num_kv = len(seq.prompt_ids)
         return seq
+
+    def recompute_last(self, request_id: str) -> int:
+        """The greedy first token after a received prompt: its last token is fed again over
+        the received KV (as vLLM does for a full prompt hit, to get its logits)."""
+        seq = self._sequences[request_id]
+        if seq.num_kv != len(seq.prompt_ids):
+            raise InvalidRequestError(f"KV of {request_id} has not arrived; call take_kv first")
+        return self._compute_from(seq, len(seq.prompt_ids) - 1)
 
     # ---- generation ------------------------------------------------------------------
 
@@ -214,6 +248,14 @@ class DecodeWorker:
         seq.blocks.extend(more)
         return True
 
+    def _compute_from(self, seq: DecodeSequence, start: int) -> int:
+        """Feed prompt tokens ``[start, end)`` in one chunk; the greedy next token."""
+        batch = ChunkBatch((ChunkSpec(start, len(seq.prompt_ids) - start, tuple(seq.blocks)),))
+        x = torch.tensor(seq.prompt_ids[start:], dtype=torch.long, device=self.model.device)
+        hidden = self.model(x, batch, self.kv)
+        seq.num_kv = len(seq.prompt_ids)
+        return int(torch.argmax(self.model.compute_logits(hidden[-1:])[0]).item())
+
     def _step(self, seq: DecodeSequence, token: int) -> int:
         """Feed ``token`` at the next position; the greedy next token."""
         batch = ChunkBatch((ChunkSpec(seq.num_kv, 1, tuple(seq.blocks)),))
@@ -221,6 +263,11 @@ class DecodeWorker:
         hidden = self.model(x, batch, self.kv)
         seq.num_kv += 1
         return int(torch.argmax(self.model.compute_logits(hidden[-1:])[0]).item())
+
+    def held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (0 when it has none)."""
+        seq = self._sequences.get(request_id)
+        return 0 if seq is None else len(seq.blocks)
 
     def release(self, request_id: str) -> None:
         """Free the request's blocks (after generation, or after a failed reception)."""

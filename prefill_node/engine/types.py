@@ -189,6 +189,21 @@ class EngineLoad:
 
 
 @dataclass(frozen=True)
+class ScoreReport:
+    """A router's dry run for one prompt (the Score RPC): where a Prefill would go now
+    (``pipeline_id`` empty: nowhere, see ``reason``), what it would find cached there, and
+    the estimated seconds queued ahead of it and of its uncached suffix's compute."""
+
+    pipeline_id: str
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    queued_s: float
+    prefill_s: float
+    ready_pipelines: int
+
+
+@dataclass(frozen=True)
 class EngineHealth:
     """``ready``: all stages up and serving. ``detail`` says what is wrong when not."""
 

@@ -8,7 +8,8 @@ policy (every message says what to fix):
 - the earlier of the request's ``timeout`` and the call's deadline passing -> the request is
   aborted in the engine (its blocks freed on every stage) -> DEADLINE_EXCEEDED;
 - the client cancelling the call -> engine abort -> CANCELLED; an ``Abort`` RPC -> CANCELLED;
-- anything else -> INTERNAL, logged with the request id.
+- anything else -> INTERNAL, logged with the request id;
+- Score on an engine that does not route (a pipeline) -> UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from prefill_node import __version__
-from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult
+from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult, ScoreReport
 from prefill_node.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -80,6 +81,14 @@ class ResponseForwarder(Protocol):
     async def forward(
         self, request: prefill_pb2.PrefillRequest, parsed: ParsedRequest, raw: bytes | None
     ) -> Relayed: ...
+
+
+@runtime_checkable
+class PrefillScorer(Protocol):
+    """An engine that can say where a prompt would be prefilled without prefilling it (a
+    router): ``score`` reserves and records nothing; bad input raises the typed errors."""
+
+    def score(self, token_ids: tuple[int, ...], cache_salt: str | None) -> ScoreReport: ...
 
 
 class RequestFailure(Exception):
@@ -288,6 +297,31 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             kv_events=self._kv_events is not None,
             router=self._forward is not None,  # a forwarder sits in front of pipelines
             snapshot_interval_blocks=identity.snapshot_interval_blocks or 0,
+        )
+
+    async def Score(self, request, context):
+        """A router's dry run of Prefill (``PrefillScorer``): validated like Prefill, then
+        scored on the loop (no engine call, nothing reserved)."""
+        if not isinstance(self._engine, PrefillScorer):
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "Score is a router's call; this is a pipeline"
+            )
+        request_id = request.request_id or "score"
+        try:
+            parsed = parse_request(request, request_id=request_id, limits=self._limits,
+                                   tokenizer=self._tokenizer)  # fmt: skip
+            report = self._engine.score(parsed.token_ids, parsed.options.cache_salt)
+        except Exception as exc:
+            f = _failure(request_id, exc)
+            await context.abort(f.code, f.message)
+        return prefill_pb2.ScoreResponse(
+            pipeline_id=report.pipeline_id,
+            reason=report.reason,
+            prompt_tokens=report.prompt_tokens,
+            cached_tokens=report.cached_tokens,
+            queued_seconds=report.queued_s,
+            prefill_seconds=report.prefill_s,
+            ready_pipelines=report.ready_pipelines,
         )
 
     async def SubscribeKvEvents(

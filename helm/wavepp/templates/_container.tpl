@@ -1,8 +1,8 @@
 {{/*
-What runs in each container: the command lines of the three roles (they drive the real CLI:
-`wavepp serve` on the leader, stage 0; `wavepp stage` on stages 1..P-1; `wavepp router`), the
-flags every gRPC server shares, the probes, the rendezvous environment, and the environment
-and mounts every container has. tests/test_helm_chart.py parses the commands with wavepp's own
+What runs in each container: the command lines of the four roles (they drive the real CLI:
+`wavepp serve` on the leader, stage 0; `wavepp stage` on stages 1..P-1; `wavepp router`;
+`wavepp gateway`), the flags every gRPC server shares, the probes, the rendezvous
+environment, and the environment and mounts every container has. tests/test_helm_chart.py parses the commands with wavepp's own
 parsers. Each command helper takes (dict "root" $ ["index" i]).
 */}}
 
@@ -97,6 +97,58 @@ args:
   {{- end }}
 {{- end }}
 
+{{/* `wavepp gateway`: the prefill tier is the release's router (unless `prefill` is `local`
+or the router is off: then every prompt is computed on decode), the decode fleet is a list of
+URLs or a Service's EndpointSlices. */}}
+{{- define "wavepp.command.gateway" -}}
+{{- $v := .root.Values -}}
+{{- $g := $v.gateway -}}
+command: [wavepp]
+args:
+  - gateway
+  {{- if and $v.router.enabled (ne $g.prefill "local") }}
+  - --router={{ include "wavepp.routerName" .root }}:{{ int $v.router.port }}
+  {{- if $v.tls.router.secretName }}
+  - --router-ca=/etc/wavepp/tls/router/ca.crt
+  {{- if $v.tls.router.clientAuth }}
+  - --router-cert=/etc/wavepp/tls/router/tls.crt
+  - --router-key=/etc/wavepp/tls/router/tls.key
+  {{- end }}
+  {{- end }}
+  {{- end }}
+  - --prefill={{ $g.prefill }}
+  - --local-max-tokens={{ int $g.localMaxTokens }}
+  - --max-tier-queue={{ $g.maxTierQueueSeconds }}
+  - --prefill-timeout={{ $g.prefillTimeoutSeconds }}
+  {{- if include "wavepp.gatewayDiscovers" .root }}
+  - --k8s-service={{ $g.decode.serviceName }}
+  - --namespace={{ $g.decode.namespace | default .root.Release.Namespace }}
+  - --k8s-port-name={{ $g.decode.portName }}
+  {{- else }}
+  {{- if not $g.decode.urls }}
+  {{- fail "gateway.enabled needs a decode fleet: gateway.decode.urls or gateway.decode.serviceName" }}
+  {{- end }}
+  {{- range $g.decode.urls }}
+  - --decode={{ . }}
+  {{- end }}
+  {{- end }}
+  {{- with $g.decode.kvEventsPort }}
+  - --decode-kv-events-port={{ int . }}
+  {{- end }}
+  - --decode-poll-interval={{ $g.decode.pollIntervalSeconds }}
+  {{- with $g.servedModelName }}
+  - --served-model-name={{ . }}
+  {{- end }}
+  - --port={{ int $g.port }}
+  - --log-level={{ $v.grpc.logLevel }}
+  {{- if ne $v.model.source "bundled" }}
+  - --model={{ $v.model.mountPath }}
+  {{- end }}
+  {{- with $g.extraArgs }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
 {{/* Server TLS flags from a Secret mounted at /etc/wavepp/tls/<name>: (dict "tls" ... "name" ...). */}}
 {{- define "wavepp.serverTlsArgs" -}}
 {{- if .tls.secretName }}
@@ -146,6 +198,32 @@ PrefillService); kubelet's gRPC probe speaks no TLS, so a TLS server gets TCP pr
   failureThreshold: 2
   {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+Probes of the gateway's HTTP server: (the gateway values). Startup and liveness ask
+/v1/models (answered while the server runs), readiness /health (503 while no decode instance
+is ready, so the Service sends no client to a gateway that cannot answer).
+*/}}
+{{- define "wavepp.httpProbes" -}}
+startupProbe:
+  httpGet:
+    path: /v1/models
+    port: http
+  periodSeconds: {{ .startupProbe.periodSeconds }}
+  failureThreshold: {{ .startupProbe.failureThreshold }}
+livenessProbe:
+  httpGet:
+    path: /v1/models
+    port: http
+  periodSeconds: 10
+  failureThreshold: 3
+readinessProbe:
+  httpGet:
+    path: /health
+    port: http
+  periodSeconds: 5
+  failureThreshold: 2
 {{- end }}
 
 {{/*

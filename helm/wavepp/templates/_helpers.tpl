@@ -25,6 +25,16 @@ may have (its pods' controller-revision-hash label appends 11).
 {{ include "wavepp.fullname" . }}-router
 {{- end }}
 
+{{/* The gateway's Deployment, Service, ServiceAccount and Role. */}}
+{{- define "wavepp.gatewayName" -}}
+{{ include "wavepp.fullname" . }}-gateway
+{{- end }}
+
+{{/* The gateway discovers its decode fleet from a Service's EndpointSlices (else static URLs). */}}
+{{- define "wavepp.gatewayDiscovers" -}}
+{{- if .Values.gateway.decode.serviceName }}true{{ end }}
+{{- end }}
+
 {{/* The LeaderWorkerSet, or the leaders' StatefulSet, and its headless Service: leader i is
 pod `<pipelineName>-<i>`, reachable as `<pipelineName>-<i>.<pipelineName>.<namespace>.svc`. */}}
 {{- define "wavepp.pipelineName" -}}
@@ -84,21 +94,24 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
-The pod template of one role: (dict "root" $ "role" "router|leader|stage"), plus "index" i
-for the stages of StatefulSet pipeline i.
-One helper for all three, so volumes, security, the model and the cache are set up the same
+The pod template of one role: (dict "root" $ "role" "router|gateway|leader|stage"), plus
+"index" i for the stages of StatefulSet pipeline i.
+One helper for all four, so volumes, security, the model and the cache are set up the same
 way everywhere; what differs is the command (_container.tpl), ports, probes and rendezvous.
+The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on the same port).
 */}}
 {{- define "wavepp.pod" -}}
 {{- $root := .root }}
 {{- $v := $root.Values }}
 {{- $router := eq .role "router" }}
-{{- $serves := ne .role "stage" }}
-{{- $cfg := ternary $v.router $v.pipelines $router }}
+{{- $gateway := eq .role "gateway" }}
+{{- $pipeline := has .role (list "leader" "stage") }}
+{{- $serves := has .role (list "leader" "router") }}
+{{- $cfg := get (dict "router" $v.router "gateway" $v.gateway "leader" $v.pipelines "stage" $v.pipelines) .role }}
 {{- $port := ternary $v.router.port $v.pipelines.port $router }}
-{{- $metricsPort := ternary $v.router.metricsPort $v.pipelines.metricsPort $router }}
+{{- $metricsPort := ternary $v.gateway.port (ternary $v.router.metricsPort $v.pipelines.metricsPort $router) $gateway }}
 {{- $tls := list }}
-{{- if and $router $v.tls.router.secretName }}{{ $tls = append $tls (dict "name" "router" "secret" $v.tls.router.secretName) }}{{ end }}
+{{- if and (or $router $gateway) $v.tls.router.secretName }}{{ $tls = append $tls (dict "name" "router" "secret" $v.tls.router.secretName) }}{{ end }}
 {{- if and $serves $v.tls.pipelines.secretName }}{{ $tls = append $tls (dict "name" "pipelines" "secret" $v.tls.pipelines.secretName) }}{{ end }}
 {{- $serverTls := ternary $v.tls.router.secretName $v.tls.pipelines.secretName $router -}}
 metadata:
@@ -110,9 +123,9 @@ metadata:
     {{- with $cfg.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- if or $cfg.podAnnotations (and $serves $v.metrics.podAnnotations) }}
+  {{- if or $cfg.podAnnotations (and (or $serves $gateway) $v.metrics.podAnnotations) }}
   annotations:
-    {{- if and $serves $v.metrics.podAnnotations }}
+    {{- if and (or $serves $gateway) $v.metrics.podAnnotations }}
     prometheus.io/scrape: "true"
     prometheus.io/port: {{ $metricsPort | quote }}
     prometheus.io/path: /metrics
@@ -124,6 +137,8 @@ metadata:
 spec:
   {{- if $router }}
   serviceAccountName: {{ include "wavepp.routerServiceAccountName" $root }}
+  {{- else if and $gateway (include "wavepp.gatewayDiscovers" $root) }}
+  serviceAccountName: {{ include "wavepp.gatewayName" $root }}
   {{- else }}
   automountServiceAccountToken: false
   {{- end }}
@@ -164,7 +179,7 @@ spec:
             fieldRef:
               fieldPath: status.podIP
         {{- include "wavepp.commonEnv" $root | nindent 8 }}
-        {{- if not $router }}
+        {{- if $pipeline }}
         {{- include "wavepp.rendezvousEnv" . | trim | nindent 8 }}
         {{- with include "wavepp.ucxEnv" $v.pipelines.ucx }}
         {{- . | trim | nindent 8 }}
@@ -184,8 +199,13 @@ spec:
           containerPort: {{ $v.pipelines.rendezvousPort }}
         {{- end }}
       {{- include "wavepp.probes" (dict "port" $port "tls" (ne $serverTls "") "startup" $cfg.startupProbe) | trim | nindent 6 }}
+      {{- else if $gateway }}
+      ports:
+        - name: http
+          containerPort: {{ $v.gateway.port }}
+      {{- include "wavepp.httpProbes" $cfg | trim | nindent 6 }}
       {{- end }}
-      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" (and (not $router) $v.pipelines.gpus.enabled) "gpu" $v.pipelines.gpus.resourceName) }}
+      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" (and $pipeline $v.pipelines.gpus.enabled) "gpu" $v.pipelines.gpus.resourceName) }}
       resources:
         {{- . | trim | nindent 8 }}
       {{- end }}
@@ -193,7 +213,7 @@ spec:
         {{- toYaml $v.securityContext | nindent 8 }}
       volumeMounts:
         {{- include "wavepp.commonMounts" $root | nindent 8 }}
-        {{- if not $router }}
+        {{- if $pipeline }}
         - name: shm
           mountPath: /dev/shm
         {{- end }}
@@ -208,7 +228,7 @@ spec:
         sizeLimit: {{ $v.cache.sizeLimit }}
     - name: tmp
       emptyDir: {}
-    {{- if not $router }}
+    {{- if $pipeline }}
     - name: shm
       emptyDir:
         medium: Memory

@@ -175,6 +175,24 @@ class PipelineLoad(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     def __init__(self, pipeline_id: _Optional[str] = ..., address: _Optional[str] = ..., ready: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ...) -> None: ...
 
+class ScoreResponse(_message.Message):
+    __slots__ = ("pipeline_id", "reason", "prompt_tokens", "cached_tokens", "queued_seconds", "prefill_seconds", "ready_pipelines")
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    pipeline_id: str
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    queued_seconds: float
+    prefill_seconds: float
+    ready_pipelines: int
+    def __init__(self, pipeline_id: _Optional[str] = ..., reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., ready_pipelines: _Optional[int] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -65,6 +65,11 @@ class PrefillServiceStub:
                 request_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/wavepp.prefill.v1.PrefillService/Score',
+                request_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -113,6 +118,15 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """A router's dry run of Prefill: the pipeline this prompt would go to now, the tokens it
+        would find cached there and the queue it would wait behind. Nothing is computed,
+        reserved or recorded as pending. A pipeline answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.GetServerInfoRequest.FromString,
                     response_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ServerInfo.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class PrefillService:
             '/wavepp.prefill.v1.PrefillService/GetServerInfo',
             wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.GetServerInfoRequest.SerializeToString,
             wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wavepp.prefill.v1.PrefillService/Score',
+            wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

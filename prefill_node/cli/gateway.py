@@ -1,0 +1,188 @@
+"""`wavepp gateway`: the OpenAI-compatible front door over the prefill tier and a decode fleet."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from prefill_node.client.remote_args import add_client_tls_arguments
+
+DESCRIPTION = """\
+Serve OpenAI's HTTP API (POST /v1/completions and /v1/chat/completions, streamed or not;
+GET /v1/models, /health, /metrics) in front of the prefill tier (`wavepp router`) and a
+fleet of decode instances (`vllm serve` with the WavePPConnector as kv_consumer, or
+`wavepp decode --serve`). The openai SDK, curl and `vllm bench serve` work unchanged.
+
+Per request: the prompt is tokenised once (the model's tokenizer and chat template), a
+decode instance is picked (least load from its /metrics, longest cached prefix from its
+vLLM KV events), and the prompt is prefilled either on the tier in pull mode (its leased
+KV manifests go to decode in kv_transfer_params) or on the decode instance itself. The
+decode's answer is relayed unchanged; headers say where it went: x-wavepp-prefill
+(remote|local), x-wavepp-prefill-pipeline, x-wavepp-cached-tokens, x-wavepp-decode.
+
+--prefill auto (default) decides per request: local when the tier is unavailable, or when
+what decode would compute (prompt minus its cached prefix) is at most --local-max-tokens,
+or when the tier's queue exceeds --max-tier-queue and decode has nothing waiting; remote
+otherwise (docs/gateway.md). remote: always the tier (503 when it is down); local: never.
+
+Decode instances must serve the model under --served-model-name (vllm serve
+--served-model-name NAME).
+
+examples:
+  wavepp gateway --router 127.0.0.1:50050 --decode 127.0.0.1:8100 --port 8000
+  wavepp gateway --router 127.0.0.1:50050 --decode 10.0.0.7:8000 --decode 10.0.0.8:8000 \\
+      --decode-kv-events-port 5557
+  wavepp gateway --router wavepp-router:50050 --k8s-service vllm-decode --prefill remote
+  curl localhost:8000/v1/completions -H content-type:application/json \\
+      -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is"}'
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "gateway",
+        help="OpenAI-compatible HTTP front door: prefill on the tier or decode, decode fleet",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = p.add_argument_group("decode fleet (one of)")
+    where = d.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--decode",
+        action="append",
+        metavar="HOST:PORT",
+        help="a decode instance's HTTP address (http:// optional); repeatable",
+    )
+    where.add_argument("--k8s-service", metavar="NAME",
+                       help="discover decode instances from this Service's EndpointSlices "
+                       "(needs get/list/watch on endpointslices)")  # fmt: skip
+    d.add_argument("--namespace", default=None, help="the Service's namespace (default: own)")
+    d.add_argument("--k8s-port-name", default="http",
+                   help="the EndpointSlice port serving HTTP (default http)")  # fmt: skip
+    d.add_argument(
+        "--decode-kv-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="a decode instance's KV-event publisher (vllm serve --kv-events-config "
+        "endpoint, e.g. tcp://127.0.0.1:5557), one per --decode in order",
+    )
+    d.add_argument(
+        "--decode-kv-events-port",
+        type=int,
+        metavar="PORT",
+        help="every instance publishes KV events on this port of its own host",
+    )
+    d.add_argument(
+        "--decode-poll-interval",
+        type=float,
+        default=1.0,
+        help="seconds between reads of each instance's /metrics (default 1)",
+    )
+    t = p.add_argument_group("prefill")
+    t.add_argument(
+        "--router",
+        metavar="HOST:PORT",
+        help="the prefill tier (`wavepp router`); without it every prompt is local",
+    )
+    t.add_argument(
+        "--prefill",
+        choices=("auto", "remote", "local"),
+        default="auto",
+        help="where prompts are computed (default auto: per request)",
+    )
+    t.add_argument(
+        "--local-max-tokens",
+        type=int,
+        default=256,
+        help="auto: a suffix decode would compute of at most this many tokens is "
+        "computed there (default 256)",
+    )
+    t.add_argument(
+        "--max-tier-queue",
+        type=float,
+        default=2.0,
+        help="auto: local when the tier's estimated queue exceeds this many "
+        "seconds and decode has nothing waiting (default 2)",
+    )
+    t.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a prefill on the tier may take (default 120)",
+    )
+    add_client_tls_arguments(p, "router", "the router")
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        type=Path,
+        help="HF checkpoint dir: tokenizer, chat template, context length "
+        "(default: built-in SmolLM2)",
+    )
+    m.add_argument(
+        "--served-model-name",
+        help="the name clients send as `model` and decode serves (default: the model's name)",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=int,
+        help="prompt + completion limit (default: the model's context length)",
+    )
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    n.add_argument("--port", type=int, default=8000, help="HTTP port, 0 = any (default 8000)")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="logging level; DEBUG logs each prefill decision (default INFO)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill_node.cli.options import run_logged
+
+    return run_logged("gateway", args, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from prefill_node.client.remote_args import client_tls
+    from prefill_node.model.loader_hf import load_hf_config
+    from prefill_node.model.tokenizer import Tokenizer
+    from wavepp_gateway.config import DecisionRule, GatewayConfig, PrefillMode
+    from wavepp_gateway.serve import Listener, events_by_address, serve
+
+    model_dir = args.model
+    if model_dir is None:
+        from prefill_node.model.default_model import default_model_dir
+
+        model_dir = default_model_dir()
+    model = load_hf_config(model_dir)
+    decode = [a.removeprefix("http://").rstrip("/") for a in args.decode or ()]
+    config = GatewayConfig(
+        served_model=args.served_model_name or model.name,
+        max_model_len=args.max_model_len or model.max_position_embeddings,
+        router=args.router,
+        router_tls=client_tls(args.router_ca, args.router_cert, args.router_key, "router"),
+        mode=PrefillMode(args.prefill),
+        rule=DecisionRule(
+            local_max_tokens=args.local_max_tokens, max_tier_queue_s=args.max_tier_queue
+        ),  # fmt: skip
+        prefill_timeout_s=args.prefill_timeout,
+        decode_poll_s=args.decode_poll_interval,
+    )
+    events = events_by_address(decode, args.decode_kv_events, args.decode_kv_events_port)
+    serve(config, Tokenizer.from_dir(model_dir), _discovery(args, decode), events,
+          Listener(args.host, args.port))  # fmt: skip
+    return 0
+
+
+def _discovery(args: argparse.Namespace, decode: list[str]) -> Any:
+    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
+
+    if decode:
+        return StaticDiscovery(decode)
+    return EndpointSliceDiscovery(
+        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
+    )

@@ -1,0 +1,117 @@
+"""Remote or local prefill, and which decode instance: the gateway's per-request decision.
+
+Sans-IO: plain values in, a frozen ``Decision`` out, so tests and a simulator drive the same
+rule the server runs (docs/gateway.md has the rule and where its thresholds come from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from prefill_node.engine.types import ScoreReport
+from wavepp_gateway.config import DecisionRule, PrefillMode
+
+
+class Reason(Enum):
+    """Why ``decide`` chose remote or local."""
+
+    POLICY = "policy"  # --prefill remote|local
+    TIER_UNAVAILABLE = "tier_unavailable"  # no answer from the tier, or no ready pipeline
+    SHORT_SUFFIX = "short_suffix"  # what decode would compute is at most local_max_tokens
+    TIER_BUSY = "tier_busy"  # the tier's queue is long and the decode instance is not
+    LONG_SUFFIX = "long_suffix"  # the tier computes it
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeView:
+    """A decode instance as the gateway last saw it: its load (its own ``/metrics``) and
+    the prompt's leading tokens its prefix cache holds (from its KV events)."""
+
+    instance: str
+    cached_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    max_model_len: int | None = None  # from its /v1/models (None: not known)
+
+    def fits(self, tokens: int) -> bool:
+        """True when a request of ``tokens`` (prompt + completion) fits its context."""
+        return self.max_model_len is None or tokens <= self.max_model_len
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``remote``: prefill on the tier; the inputs are kept for the metrics and the log."""
+
+    remote: bool
+    reason: Reason
+    prompt_tokens: int
+    decode: DecodeView
+    tier: ScoreReport | None
+
+    @property
+    def label(self) -> str:
+        return "remote" if self.remote else "local"
+
+    def describe(self) -> str:
+        """One line for the debug log: the choice and every input it came from."""
+        tier = self.tier
+        tier_part = (
+            "tier=none"
+            if tier is None
+            else f"tier={tier.pipeline_id or '-'} cached={tier.cached_tokens} "
+            f"queue={tier.queued_s:.3f}s suffix={tier.prefill_s:.3f}s"
+        )
+        d = self.decode
+        return (
+            f"prefill={self.label} reason={self.reason.value} prompt={self.prompt_tokens} "
+            f"decode={d.instance} decode_cached={d.cached_tokens} running={d.running} "
+            f"waiting={d.waiting} kv={d.kv_usage:.2f} {tier_part}"
+        )
+
+
+def pick_decode(
+    views: Sequence[DecodeView], rule: DecisionRule, exclude: Sequence[str] = ()
+) -> DecodeView | None:
+    """The decode instance with the least work ahead for this prompt: its load in
+    token-equivalents (``request_tokens`` per running request, twice that per waiting one)
+    minus the prompt tokens it already caches; ties by fewer waiting, then by id. None when
+    no instance is left after ``exclude``."""
+    best = None
+    for v in views:
+        if v.instance in exclude:
+            continue
+        load = (v.running + 2 * v.waiting) * rule.request_tokens - v.cached_tokens
+        key = (load, v.waiting, v.instance)
+        if best is None or key < best[0]:
+            best = (key, v)
+    return None if best is None else best[1]
+
+
+def decide(
+    mode: PrefillMode,
+    rule: DecisionRule,
+    prompt_tokens: int,
+    decode: DecodeView,
+    tier: ScoreReport | None,
+) -> Decision:
+    """Remote or local for one prompt on the chosen ``decode`` instance. ``tier`` is the
+    router's dry run (None: the tier did not answer). Under ``auto``: no usable tier ->
+    local; a suffix the decode instance would compute (prompt minus its cached prefix) of
+    at most ``local_max_tokens`` -> local; a tier queue over ``max_tier_queue_s`` while
+    the decode instance has nothing waiting -> local; else remote. ``remote`` and
+    ``local`` force the choice (the caller answers 503 for remote without a tier)."""
+    if mode is not PrefillMode.AUTO:
+        return Decision(mode is PrefillMode.REMOTE, Reason.POLICY, prompt_tokens, decode, tier)
+    local_suffix = prompt_tokens - min(decode.cached_tokens, prompt_tokens)
+    if tier is None or not tier.pipeline_id:
+        reason, remote = Reason.TIER_UNAVAILABLE, False
+    elif local_suffix <= rule.local_max_tokens:
+        reason, remote = Reason.SHORT_SUFFIX, False
+    elif tier.queued_s > rule.max_tier_queue_s and decode.waiting == 0:
+        reason, remote = Reason.TIER_BUSY, False
+    else:
+        reason, remote = Reason.LONG_SUFFIX, True
+    return Decision(remote, reason, prompt_tokens, decode, tier)

@@ -1,0 +1,294 @@
+"""One request through the gateway: validate and tokenise, pick a decode instance, decide
+remote or local prefill, prefill on the tier (pull mode), send decode the request with
+``kv_transfer_params``, relay its answer unchanged (streamed or not).
+
+Failure semantics (docs/gateway.md):
+- a bad request -> 400 (unknown model 404) before the tier or decode sees it;
+- the tier unavailable -> local prefill under ``auto``, 503 under ``remote``;
+- a decode instance that fails before the first token (no connection, a 5xx, a stream that
+  breaks before its first byte) -> retried once on another instance: with the same
+  ``kv_transfer_params`` when the first never got the request, as local prefill otherwise
+  (the first may have consumed the leases); a 4xx from decode is relayed as it is;
+- the client gone before the answer starts -> the prefill call and the decode request are
+  cancelled (the pipeline aborts and frees its blocks); gone mid-stream -> the decode
+  stream is closed, so the instance aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kv_transfer.vllm_decode.params import LOADED_KEY
+from wavepp_gateway.api_errors import ApiError, BadRequest, DecodeFailed, Unavailable
+from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
+from wavepp_gateway.config import GatewayConfig, PrefillMode
+from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
+from wavepp_gateway.decode_fleet import DecodeFleet
+from wavepp_gateway.metrics import GatewayMetrics
+from wavepp_gateway.openai_request import (
+    GatewayRequest,
+    PromptTokenizer,
+    Route,
+    parse_body,
+    parse_request,
+)
+from wavepp_gateway.tier import PrefillTier, TierError, TierPrefill
+
+log = logging.getLogger(__name__)
+_LOADED = LOADED_KEY.encode()
+
+
+class _DecodeAttemptFailed(Exception):
+    def __init__(self, instance: str, kind: str, delivered: bool) -> None:
+        super().__init__(f"decode instance {instance}: {kind}")
+        self.instance, self.kind, self.delivered = instance, kind, delivered
+
+
+@dataclass
+class _Answer:
+    """Decode's answer, not yet relayed: its status, headers to pass on, and either the
+    whole body or an open stream with its first chunk read."""
+
+    instance: str
+    status: int
+    with_kv: bool  # kv_transfer_params were sent with the request
+    body: bytes = b""
+    stream: Any = None  # httpx.Response, open
+    chunks: Any = None  # its raw byte iterator, the first chunk read already
+    first: bytes = b""
+
+
+class RequestPath:
+    """See the module contract; one per gateway, used on the serving loop."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tokenizer: PromptTokenizer,
+        fleet: DecodeFleet,
+        tier: PrefillTier | None,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._fleet = fleet
+        self._tier = tier
+        self._metrics = metrics
+
+    async def handle(self, route: Route, request: Request) -> Response:
+        started = time.monotonic()
+        label = route.label
+        try:
+            raw = await request.body()
+            req = parse_request(route, parse_body(raw), served_model=self.config.served_model,
+                                max_model_len=self.config.max_model_len,
+                                default_max_tokens=self.config.default_max_tokens,
+                                tokenizer=self._tokenizer)  # fmt: skip
+            answer, headers, decision = await until_disconnected(request, self._serve(req))
+        except ApiError as exc:
+            self._metrics.requests.labels(label, _outcome(exc)).inc()
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except ClientGone:
+            self._metrics.requests.labels(label, "cancelled").inc()
+            return Response(status_code=499)
+        prefill = decision.label
+        if answer.stream is None:
+            self._finish(label, prefill, answer, started)
+            self._count_kv_load(answer.body)
+            return Response(answer.body, answer.status, headers, media_type="application/json")
+        self._metrics.ttft.labels(label, prefill).observe(time.monotonic() - started)
+        return StreamingResponse(self._relay(answer, label, prefill, started), answer.status,
+                                 headers, media_type="text/event-stream")  # fmt: skip
+
+    def _finish(self, label: str, prefill: str, answer: _Answer, started: float) -> None:
+        outcome = "ok" if answer.status < 400 else f"decode_{answer.status}"
+        self._metrics.requests.labels(label, outcome).inc()
+        self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
+
+    async def _relay(
+        self, answer: _Answer, label: str, prefill: str, started: float
+    ) -> AsyncIterator[bytes]:
+        outcome = "cancelled"  # the client went away unless the stream ends
+        try:
+            yield answer.first
+            async for chunk in answer.chunks:
+                if _LOADED in chunk:  # the last event, where decode puts kv_transfer_params
+                    self._count_kv_load_events(chunk)
+                yield chunk
+            outcome = "ok"
+        except Exception as exc:  # decode broke mid-stream: the client's stream just ends
+            outcome = "decode_error"
+            self._metrics.decode_errors.labels(answer.instance, "mid_stream").inc()
+            log.warning("decode instance %s broke a stream: %s", answer.instance, exc)
+        finally:
+            await answer.stream.aclose()  # closing it makes decode abort an unfinished one
+            self._metrics.requests.labels(label, outcome).inc()
+            self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
+
+    async def _serve(self, req: GatewayRequest) -> tuple[_Answer, dict[str, str], Decision]:
+        ready = self._fleet.views(req.prompt_ids, req.cache_salt)
+        views = [v for v in ready if v.fits(req.min_context)]
+        if ready and not views:
+            longest = max(v.max_model_len or 0 for v in ready)
+            param = "prompt" if req.route is Route.COMPLETIONS else "messages"
+            raise BadRequest(f"the request needs {req.min_context} tokens (prompt + "
+                             f"completion); the decode instances take at most {longest}",
+                             param)  # fmt: skip
+        decode = pick_decode(views, self.config.rule)
+        if decode is None:
+            raise Unavailable("no decode instance is ready; retry later")
+        decision, prefill = await self._prefill(req, decode)
+        headers = {"x-wavepp-prefill": decision.label,
+                   "x-wavepp-prefill-reason": decision.reason.value}  # fmt: skip
+        if prefill is not None:
+            headers["x-wavepp-prefill-pipeline"] = prefill.pipeline
+            headers["x-wavepp-cached-tokens"] = str(prefill.cached_tokens)
+        else:
+            headers["x-wavepp-cached-tokens"] = str(decision.decode.cached_tokens)
+        params = prefill.kv_transfer_params if prefill is not None else None
+        answer = await self._decode(req, decode, params, views)
+        headers["x-wavepp-decode"] = answer.instance
+        if params is not None and not answer.with_kv:  # the retry computed the prompt
+            headers["x-wavepp-prefill"] = "local"
+            headers["x-wavepp-prefill-reason"] = "decode_retry"
+            del headers["x-wavepp-prefill-pipeline"]
+            cached = next((v.cached_tokens for v in views if v.instance == answer.instance), 0)
+            headers["x-wavepp-cached-tokens"] = str(cached)
+        return answer, headers, decision
+
+    async def _prefill(
+        self, req: GatewayRequest, decode: DecodeView
+    ) -> tuple[Decision, TierPrefill | None]:
+        mode, tier = self.config.mode, self._tier
+        report = None
+        if mode is PrefillMode.AUTO and tier is not None:
+            report = await tier.score(req.prompt_ids, req.cache_salt)
+        decision = decide(mode, self.config.rule, len(req.prompt_ids), decode, report)
+        prefill = None
+        if decision.remote:
+            prefill, decision = await self._remote(req, decision)
+        m = self._metrics
+        m.decisions.labels(decision.label, decision.reason.value).inc()
+        m.prompt_tokens.labels(decision.label).inc(len(req.prompt_ids))
+        m.decision_cached.labels("decode").inc(decision.decode.cached_tokens)
+        if report is not None:
+            m.decision_cached.labels("tier").inc(report.cached_tokens)
+            m.tier_queue.observe(report.queued_s)
+        log.debug("%s", decision.describe())
+        return decision, prefill
+
+    async def _remote(
+        self, req: GatewayRequest, decision: Decision
+    ) -> tuple[TierPrefill | None, Decision]:
+        """Prefill on the tier; under ``auto`` a tier failure falls back to local."""
+        if self._tier is None:
+            raise Unavailable("--prefill remote, but no prefill tier (--router) is configured")
+        request_id = f"gw-{uuid.uuid4().hex}"
+        try:
+            return await self._tier.prefill(req.prompt_ids, request_id, req.cache_salt), decision
+        except TierError as exc:
+            self._metrics.tier_errors.labels(exc.status).inc()
+            if self.config.mode is PrefillMode.AUTO:
+                log.info("prefill tier failed (%s); prefilling on decode instead", exc)
+                local = Decision(False, Reason.TIER_UNAVAILABLE, decision.prompt_tokens,
+                                 decision.decode, decision.tier)  # fmt: skip
+                return None, local
+            if exc.status == "INVALID_ARGUMENT":
+                raise BadRequest(str(exc)) from None
+            raise Unavailable(f"{exc}; retry later") from None
+
+    async def _decode(
+        self, req: GatewayRequest, decode: DecodeView, params: dict | None, views
+    ) -> _Answer:
+        try:
+            return await self._attempt(req, decode.instance, params)
+        except _DecodeAttemptFailed as first:
+            self._metrics.decode_errors.labels(first.instance, first.kind).inc()
+            retry = pick_decode(views, self.config.rule, exclude=(first.instance,))
+            if retry is None:
+                raise DecodeFailed(f"{first}; no other decode instance to retry on") from None
+            self._metrics.decode_retries.inc()
+            log.info("%s; retrying on %s", first, retry.instance)
+            try:
+                return await self._attempt(req, retry.instance,
+                                           None if first.delivered else params)  # fmt: skip
+            except _DecodeAttemptFailed as second:
+                self._metrics.decode_errors.labels(second.instance, second.kind).inc()
+                raise DecodeFailed(f"{first}; retried: {second}") from None
+
+    async def _attempt(self, req: GatewayRequest, iid: str, params: dict | None) -> _Answer:
+        import httpx
+
+        inst = self._fleet.instance(iid)
+        if inst is None:
+            raise _DecodeAttemptFailed(iid, "gone", delivered=False)
+        body = dict(req.body)
+        if req.route is Route.COMPLETIONS:
+            body["prompt"] = list(req.prompt_ids)  # tokenised once, here
+        if params is not None:
+            body["kv_transfer_params"] = params
+        http = self._fleet.http
+        timeout = httpx.Timeout(None, connect=self.config.decode_connect_timeout_s)
+        outgoing = http.build_request("POST", inst.url + req.route.value,
+                                      content=json.dumps(body).encode(), timeout=timeout,
+                                      headers={"content-type": "application/json"})  # fmt: skip
+        try:
+            reply = await http.send(outgoing, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._fleet.mark_down(iid)
+            raise _DecodeAttemptFailed(iid, "connect", delivered=False) from exc
+        except httpx.HTTPError as exc:
+            raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
+        try:
+            if reply.status_code >= 500:
+                raise _DecodeAttemptFailed(iid, f"http_{reply.status_code}", delivered=True)
+            if not req.stream or reply.status_code != 200:
+                return _Answer(iid, reply.status_code, params is not None, await reply.aread())
+            chunks = reply.aiter_raw()
+            first = b""
+            async for chunk in chunks:
+                if chunk:
+                    first = chunk
+                    break
+            if not first:
+                raise _DecodeAttemptFailed(iid, "empty_stream", delivered=True)
+            answer = _Answer(iid, 200, params is not None, stream=reply, chunks=chunks,
+                             first=first)  # fmt: skip
+            reply = None  # the relay's now: it closes it
+            return answer
+        except httpx.HTTPError as exc:
+            raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
+        finally:
+            if reply is not None:
+                await reply.aclose()
+
+    def _count_kv_load(self, body: bytes) -> None:
+        """``wavepp_loaded`` of an answer: did the KV load succeed on decode."""
+        try:
+            loaded = (json.loads(body).get("kv_transfer_params") or {}).get(LOADED_KEY)
+        except (ValueError, AttributeError):
+            return
+        if isinstance(loaded, dict):
+            self._metrics.kv_loads.labels("ok" if loaded.get("ok") else "failed").inc()
+
+    def _count_kv_load_events(self, chunk: bytes) -> None:
+        """The same from a stream's SSE events (``data: {...}`` lines) in ``chunk``; an
+        event split across chunks is not counted."""
+        for line in chunk.split(b"\n"):
+            if line.startswith(b"data: {") and _LOADED in line:
+                self._count_kv_load(line[6:])
+
+
+def _outcome(exc: ApiError) -> str:
+    return {400: "bad_request", 404: "not_found", 503: "unavailable"}.get(
+        exc.status, "decode_failed"
+    )
