@@ -185,15 +185,15 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     async def _collect(state: _Request, shape: _Shape) -> Any:
-        detok = _Detokenizer(model.tokenizer)
+        token_ids = []
         while not isinstance(event := await state.next_event(), Finished):
-            detok.add(event.token_id)
-        text = detok.shown + detok.rest()
+            token_ids.append(event.token_id)
         if event.reason in ("error", "abort"):
             status = HTTPStatus.INTERNAL_SERVER_ERROR
             return error(OpenAIError(event.error or "the request was aborted", None, status,
                                      "InternalServerError"))  # fmt: skip
-        return shape.full(text, detok.token_ids, event)
+        text = model.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return shape.full(text, token_ids, event)
 
     return app
 
