@@ -318,3 +318,45 @@ def test_a_failed_kv_load_is_recomputed_and_says_so(system):
     after = system.settled()
     key = 'wavepp_decode_kv_loads_total{engine="0",outcome="failed_recomputed"}'
     assert after[key] - before[key] == 2
+
+
+@pytest.mark.slow
+def test_a_failed_kv_load_under_the_fail_policy_is_an_error_and_holds_nothing(
+    system, default_model_cache, tmp_path
+):
+    """`--kv-load-failure-policy fail`: the request ends with OpenAI's 500 (streamed: an
+    error event, then [DONE]), as vLLM answers a request finished with "error"."""
+    env = {**os.environ, "WAVEPP_CACHE_DIR": str(default_model_cache[0])}
+    decode, address = _start(
+        ["decode", "--serve", "--model", str(system.model), "--served-model-name", NAME,
+         "--host", "127.0.0.1", "--port", "0", "--decode-blocks", "32",
+         "--kv-load-failure-policy", "fail"], env, tmp_path / "decode-fail.err",
+    )  # fmt: skip
+    try:
+        http = httpx.Client(base_url=f"http://{address}", trust_env=False, timeout=60)
+        ids = system.tokenizer.encode_chat(CHAT)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = f"127.0.0.1:{s.getsockname()[1]}"
+        for stream in (False, True):
+            wire, _ = system.prefill(ids)
+            wire = [dataclasses.replace(m, endpoint=closed) for m in wire]
+            body = {"model": NAME, "prompt": ids, "max_tokens": 8, "stream": stream,
+                    "kv_transfer_params": pull_params(wire, ids)}  # fmt: skip
+            response = http.post("/v1/completions", json=body)
+            if not stream:
+                assert response.status_code == 500, response.text
+                error = response.json()["error"]
+            else:
+                assert response.status_code == 200
+                events = [line[6:] for line in response.text.splitlines() if line]
+                assert events[-1] == "[DONE]" and len(events) == 2, events
+                error = json.loads(events[0])["error"]
+            assert (error["type"], error["code"]) == ("InternalServerError", 500)
+            assert "KV load failed" in error["message"] and "Unreachable" in error["message"]
+        metrics = http.get("/metrics").text
+        assert 'outcome="failed"} 2.0' in metrics
+        assert 'vllm:kv_cache_usage_perc{engine="0",model_name="smol"} 0.0' in metrics
+        http.close()
+    finally:
+        assert terminate(decode, 30) == 0

@@ -138,8 +138,9 @@ class DecodeEngine:
     def blocks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
         return -(-(prompt_tokens + max_tokens - 1) // self.spec.block_size)
 
-    def submit(self, job: DecodeJob) -> None:
-        """Queue ``job``; InvalidPromptError when it could never fit in the pool."""
+    def check(self, job: DecodeJob) -> int:
+        """The blocks ``job`` needs; InvalidPromptError when it could never fit in the pool,
+        UnavailableError when the engine is not running."""
         need = self.blocks_needed(len(job.prompt_ids), job.max_tokens)
         if need > self.spec.num_blocks:
             raise InvalidPromptError(
@@ -149,7 +150,11 @@ class DecodeEngine:
             )
         if not self._thread.is_alive():
             raise UnavailableError("the decode engine is not running")
-        self._inbox.put(("submit", _Active(job, need)))
+        return need
+
+    def submit(self, job: DecodeJob) -> None:
+        """Queue ``job`` (``check`` first)."""
+        self._inbox.put(("submit", _Active(job, self.check(job))))
 
     def cancel(self, request_id: str) -> None:
         """Stop the request and free its blocks (its sink gets ``Finished("abort")``)."""

@@ -162,7 +162,9 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
             )  # fmt: skip
             state = _Request(engine, request_id, req, model.tokenizer.eos_token_ids)
             try:
-                engine.submit(state.job)
+                engine.check(state.job)
+                if not req.stream:  # a stream submits when it starts: see _sse
+                    engine.submit(state.job)
             except InvalidRequestError as exc:
                 raise OpenAIError(str(exc), "max_tokens") from exc
             except UnavailableError as exc:
@@ -183,15 +185,15 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     async def _collect(state: _Request, shape: _Shape) -> Any:
-        detok = _Detokenizer(model.tokenizer)
+        token_ids = []
         while not isinstance(event := await state.next_event(), Finished):
-            detok.add(event.token_id)
-        text = detok.shown + detok.rest()
+            token_ids.append(event.token_id)
         if event.reason in ("error", "abort"):
             status = HTTPStatus.INTERNAL_SERVER_ERROR
             return error(OpenAIError(event.error or "the request was aborted", None, status,
                                      "InternalServerError"))  # fmt: skip
-        return shape.full(text, detok.token_ids, event)
+        text = model.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return shape.full(text, token_ids, event)
 
     return app
 
@@ -216,9 +218,11 @@ async def _until_disconnect(raw: Any, work: Any) -> Any:
 
 
 async def _sse(state: _Request, shape: _Shape, tokenizer: Any) -> AsyncIterator[str]:
-    """The stream: a chunk per text delta, the finishing chunk, usage, ``[DONE]``; a client
+    """The stream: a chunk per text delta, the finishing chunk, usage, ``[DONE]``. The request
+    is submitted here, so a client gone before the stream starts leaves nothing running; one
     gone mid-stream cancels this generator, whose ``finally`` frees the request."""
     detok = _Detokenizer(tokenizer)
+    state.engine.submit(state.job)
     try:
         if shape.chat:
             yield _data(shape.chunk({"role": "assistant", "content": ""}, None, None))
