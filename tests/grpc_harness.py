@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 from prefill_node.engine.types import Engine
+from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
-from prefill_node.server.convert import PromptTokenizer
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.server import PrefillServer, ServerConfig
 from tests.tiny_models import tiny_llama_hf, tiny_qwen3

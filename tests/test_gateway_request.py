@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from prefill_node.model.tokenizer import Tokenizer
+from prefill_node.openai_api.errors import BadRequest, ModelNotFound
 from tests.tiny_models import WORDS, save_word_tokenizer
-from wavepp_gateway.api_errors import BadRequest, ModelNotFound
 from wavepp_gateway.openai_request import Route, parse_body, parse_request
 
 

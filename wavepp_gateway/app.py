@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from wavepp_gateway.api_errors import error_body
+from prefill_node.openai_api.errors import Unavailable
 from wavepp_gateway.decode_fleet import DecodeFleet
 from wavepp_gateway.metrics import GatewayMetrics
 from wavepp_gateway.openai_request import Route
@@ -56,8 +56,8 @@ def build_app(factory: Factory, metrics: GatewayMetrics) -> FastAPI:
         """200 while at least one decode instance is ready (vLLM's /health answers 200)."""
         if state["fleet"].num_ready():
             return Response(status_code=200)
-        body = error_body("no decode instance is ready", "ServiceUnavailableError", 503)
-        return JSONResponse(body, status_code=503)
+        error = Unavailable("no decode instance is ready")
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -28,7 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kv_transfer.vllm_decode.params import LOADED_KEY
-from wavepp_gateway.api_errors import ApiError, BadRequest, DecodeFailed, Unavailable
+from prefill_node.model.tokenizer import PromptTokenizer
+from prefill_node.openai_api.errors import ApiError, BadRequest, DecodeFailed, Unavailable
 from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
 from wavepp_gateway.config import GatewayConfig, PrefillMode
 from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
@@ -36,7 +37,6 @@ from wavepp_gateway.decode_fleet import DecodeFleet
 from wavepp_gateway.metrics import GatewayMetrics
 from wavepp_gateway.openai_request import (
     GatewayRequest,
-    PromptTokenizer,
     Route,
     parse_body,
     parse_request,

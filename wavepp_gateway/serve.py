@@ -10,11 +10,11 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from wavepp_gateway.config import GatewayConfig
 from wavepp_gateway.decode_fleet import DecodeFleet, EventsEndpoint
 from wavepp_gateway.metrics import GatewayMetrics
-from wavepp_gateway.openai_request import PromptTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
 the vLLM connector takes them) gets the prompt's KV READ from the prefill stages; without
 them the prompt is computed here. The answer carries ``kv_transfer_params: {"wavepp_loaded":
 ...}`` as the connector's does (non-streaming: in the body; streaming: in the last chunk,
-which vLLM's server does not do). Errors are OpenAI's JSON (``openai_protocol.OpenAIError``).
+which vLLM's server does not do). Errors are OpenAI's JSON (``prefill_node.openai_api.errors``).
 A client that goes away stops its request: the engine frees its blocks. Imports FastAPI:
 import this module only to serve.
 """
@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,13 +28,9 @@ from starlette.exceptions import HTTPException
 
 from kv_transfer.vllm_decode.params import LOADED_KEY
 from prefill_node.decode.decode_engine import DecodeEngine, DecodeEvent, DecodeJob, Finished
-from prefill_node.decode.openai_protocol import (
-    GenerateRequest,
-    OpenAIError,
-    PromptLimits,
-    parse_request,
-)
+from prefill_node.decode.openai_protocol import GenerateRequest, PromptLimits, parse_request
 from prefill_node.errors import InvalidRequestError, UnavailableError
+from prefill_node.openai_api.errors import ApiError, BadRequest, Unavailable, status_error_body
 
 
 @dataclass(frozen=True)
@@ -109,20 +104,17 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
     """The FastAPI application serving ``engine``."""
     app = FastAPI(title="wavepp decode", docs_url=None, redoc_url=None)
 
-    def error(exc: OpenAIError) -> JSONResponse:
+    def error(exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=int(exc.status))
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        status = HTTPStatus(exc.status_code)
-        err_type = status.phrase.replace(" ", "") + "Error"
-        return error(OpenAIError(str(exc.detail), None, status, err_type))
+        body = status_error_body(exc.status_code, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        status = HTTPStatus.INTERNAL_SERVER_ERROR
-        return error(OpenAIError(f"{type(exc).__name__}: {exc}", None, status,
-                                 "InternalServerError"))  # fmt: skip
+        return error(ApiError(f"{type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -155,7 +147,7 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
             try:
                 body = json.loads(await raw.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
+                raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
             req = parse_request(
                 body, chat=chat, served_model=model.name, limits=model.limits,
                 tokenizer=model.tokenizer, request_id=request_id,
@@ -166,11 +158,10 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
                 if not req.stream:  # a stream submits when it starts: see _sse
                     engine.submit(state.job)
             except InvalidRequestError as exc:
-                raise OpenAIError(str(exc), "max_tokens") from exc
+                raise BadRequest(str(exc), "max_tokens") from exc
             except UnavailableError as exc:
-                raise OpenAIError(str(exc), None, HTTPStatus.SERVICE_UNAVAILABLE,
-                                  "ServiceUnavailableError") from exc  # fmt: skip
-        except OpenAIError as exc:
+                raise Unavailable(str(exc)) from exc
+        except ApiError as exc:
             return error(exc)
         shape = _Shape(model.name, request_id, state, chat)
         if req.stream:
@@ -189,9 +180,7 @@ def build_app(engine: DecodeEngine, model: ServedModel, registry: Any) -> FastAP
         while not isinstance(event := await state.next_event(), Finished):
             token_ids.append(event.token_id)
         if event.reason in ("error", "abort"):
-            status = HTTPStatus.INTERNAL_SERVER_ERROR
-            return error(OpenAIError(event.error or "the request was aborted", None, status,
-                                     "InternalServerError"))  # fmt: skip
+            return error(ApiError(event.error or "the request was aborted"))
         text = model.tokenizer.decode(token_ids, skip_special_tokens=True)
         return shape.full(text, token_ids, event)
 
@@ -232,8 +221,7 @@ async def _sse(state: _Request, shape: _Shape, tokenizer: Any) -> AsyncIterator[
                 yield _data(shape.chunk(delta, None, [event.token_id]))
         if event.reason in ("error", "abort"):
             message = event.error or "the request was aborted"
-            body = OpenAIError(message, None, HTTPStatus.INTERNAL_SERVER_ERROR,
-                               "InternalServerError").body()  # fmt: skip
+            body = ApiError(message).body()
             yield _data(body)
         else:
             last = shape.chunk(detok.rest(), event.reason, [])

@@ -2,7 +2,8 @@
 
 The reference decode worker decodes greedily, one sequence per request: a body asking for
 anything else (sampling, several choices, logprobs, stop strings, ...) is refused with
-``OpenAIError`` (HTTP 400) naming the parameter and what is supported, never ignored.
+``BadRequest`` (HTTP 400) naming the parameter and what is supported, never ignored. Prompts
+and chats become ids as the gateway computes them (``prefill_node.openai_api.prompt``).
 Parameters with their neutral value are accepted, as are fields this server does not know
 (vLLM ignores those too). An absent ``temperature`` means greedy here: the only decoding
 there is.
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from kv_transfer.errors import InvalidTransferRequest
 from kv_transfer.messages import StageManifest
 from kv_transfer.vllm_decode.params import PULL_KEY, prompt_mismatch, pull_manifests
+from prefill_node.model.tokenizer import PromptTokenizer
+from prefill_node.openai_api.errors import BadRequest, unknown_model
+from prefill_node.openai_api.prompt import flag, is_int, prompt_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
 
@@ -53,31 +56,6 @@ SUPPORTED = (
 )
 
 
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param",
-    "code"}}`` with ``code`` the HTTP status (as vLLM's server does)."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-        err_type: str = "BadRequestError",
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.err_type = message, param, status, err_type
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": int(self.status),
-            }
-        }
-
-
 @dataclass(frozen=True)
 class GenerateRequest:
     """A validated completion or chat request. ``prompt_ids`` is what the model sees;
@@ -108,73 +86,57 @@ def parse_request(
     chat: bool,
     served_model: str,
     limits: PromptLimits,
-    tokenizer: Any,
+    tokenizer: PromptTokenizer,
     request_id: str,
 ) -> GenerateRequest:
-    """Validate ``body`` (parsed JSON); OpenAIError says what to fix."""
+    """Validate ``body`` (parsed JSON); BadRequest / ModelNotFound say what to fix."""
     if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
+        raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_model:
-        raise OpenAIError(
-            f"The model `{model}` does not exist. Valid aliases: {served_model}.",
-            "model",
-            HTTPStatus.NOT_FOUND,
-            "NotFoundError",
-        )
+        raise unknown_model(model, served_model)
     _check_greedy(body)
-    prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
-    _check_prompt(prompt_ids, limits)
-    max_tokens = _max_tokens(body, chat, len(prompt_ids), limits)
-    stream = _bool(body, "stream")
+    ids = prompt_ids(body, tokenizer, chat)
+    _check_prompt(ids, limits)
+    max_tokens = _max_tokens(body, chat, len(ids), limits)
+    stream = flag(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise OpenAIError("stream_options must be an object", "stream_options")
+        raise BadRequest("stream_options must be an object", "stream_options")
     if options and not stream:
-        raise OpenAIError("stream_options is only allowed when stream is true", "stream_options")
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(i) for i in stop_ids):
-        raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
-    manifests, refused = _kv_transfer(body.get("kv_transfer_params"), prompt_ids, request_id)
+    if not isinstance(stop_ids, list) or not all(is_int(i) for i in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+    manifests, refused = _kv_transfer(body.get("kv_transfer_params"), ids, request_id)
     return GenerateRequest(
         chat=chat,
-        prompt_ids=tuple(prompt_ids),
+        prompt_ids=tuple(ids),
         max_tokens=max_tokens,
-        ignore_eos=_bool(body, "ignore_eos"),
+        ignore_eos=flag(body, "ignore_eos", False),
         stop_token_ids=tuple(stop_ids),
         stream=stream,
         include_usage=bool(options and options.get("include_usage")),
-        return_token_ids=_bool(body, "return_token_ids"),
+        return_token_ids=flag(body, "return_token_ids", False),
         manifests=manifests,
         refused=refused,
     )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _bool(body: Mapping[str, Any], key: str) -> bool:
-    value = body.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise OpenAIError(f"{key} must be true or false", key)
-    return bool(value)
 
 
 def _check_greedy(body: Mapping[str, Any]) -> None:
     temperature = body.get("temperature")
     if temperature is not None:
         if not isinstance(temperature, int | float) or isinstance(temperature, bool):
-            raise OpenAIError("temperature must be a number", "temperature")
+            raise BadRequest("temperature must be a number", "temperature")
         if temperature != 0:
-            raise OpenAIError(
+            raise BadRequest(
                 f"temperature {temperature} is not supported: this decode worker decodes "
                 f"greedily only (temperature 0). Supported: {SUPPORTED}",
                 "temperature",
             )
     for key, neutral in _NEUTRAL.items():
         if key in body and not _neutral(body[key], neutral):
-            raise OpenAIError(
+            raise BadRequest(
                 f"{key}={body[key]!r} is not supported by this decode worker. Supported: "
                 f"{SUPPORTED}",
                 key,
@@ -192,63 +154,16 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return False
 
 
-def _completion_prompt(body: Mapping[str, Any], tokenizer: Any) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise OpenAIError("prompt must not be empty", "prompt")
-        add_special = body.get("add_special_tokens", True)
-        return tokenizer.encode(prompt, add_special_tokens=bool(add_special))
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise OpenAIError(
-            "one prompt per request is supported (a string or a list of token ids)", "prompt"
-        )
-    raise OpenAIError("prompt must be a non-empty string or list of token ids", "prompt")
-
-
-def _chat_prompt(body: Mapping[str, Any], tokenizer: Any) -> list[int]:
-    from prefill_node.model.tokenizer import ChatTemplateError
-
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("messages must be a non-empty list", "messages")
-    rows = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError("each message needs a role and content", "messages")
-        rows.append({"role": message["role"], "content": _text_content(message.get("content"))})
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    try:
-        return tokenizer.encode_chat(rows, add_generation_prompt=bool(add_generation_prompt))
-    except ChatTemplateError as exc:
-        raise OpenAIError(str(exc), "messages") from exc
-
-
-def _text_content(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise OpenAIError("message content must be text (a string or text parts)", "messages")
-
-
 def _check_prompt(prompt_ids: Sequence[int], limits: PromptLimits) -> None:
     if not prompt_ids:
-        raise OpenAIError("the prompt is empty", "prompt")
+        raise BadRequest("the prompt is empty", "prompt")
     bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise OpenAIError(
+        raise BadRequest(
             f"token id {bad[0]} is out of vocabulary (0..{limits.vocab_size - 1})", "prompt"
         )
     if len(prompt_ids) >= limits.max_model_len:
-        raise OpenAIError(
+        raise BadRequest(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, "
             f"your prompt has {len(prompt_ids)} tokens (no room for one generated token).",
             "prompt",
@@ -261,10 +176,10 @@ def _max_tokens(body: Mapping[str, Any], chat: bool, prompt_len: int, limits: Pr
     room = limits.max_model_len - prompt_len
     if value is None:
         return room if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
-    if not _is_int(value) or value < 1:
-        raise OpenAIError(f"{key} must be an integer >= 1", key)
+    if not is_int(value) or value < 1:
+        raise BadRequest(f"{key} must be an integer >= 1", key)
     if value > room:
-        raise OpenAIError(
+        raise BadRequest(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, "
             f"you requested {prompt_len + value} tokens ({prompt_len} in the prompt, {value} "
             f"for the completion). Please reduce the length of the prompt or {key}.",
@@ -281,13 +196,13 @@ def _kv_transfer(
     if params is None:
         return None, None
     if not isinstance(params, dict):
-        raise OpenAIError("kv_transfer_params must be an object", "kv_transfer_params")
+        raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
     if PULL_KEY not in params:
         return None, None
     try:
         manifests = pull_manifests(params, request_id)
     except (InvalidTransferRequest, KeyError, TypeError, ValueError) as exc:
-        raise OpenAIError(
+        raise BadRequest(
             f"kv_transfer_params.{PULL_KEY} is malformed: {exc}", "kv_transfer_params"
         ) from exc
     return tuple(manifests or ()), prompt_mismatch(params, prompt_ids)

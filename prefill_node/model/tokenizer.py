@@ -13,9 +13,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prefill_node.errors import InvalidRequestError, ModelFileNotFoundError, ModelLoadError
+
+
+class PromptTokenizer(Protocol):
+    """What the servers need of a tokenizer to turn prompts into ids (``Tokenizer`` below;
+    tests pass small stand-ins)."""
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
 
 class ChatTemplateError(InvalidRequestError):

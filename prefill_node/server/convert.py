@@ -8,9 +8,8 @@ InvalidRequestError whose message names the field to fix.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from prefill_node.engine.types import (
     MAX_TOP_LOGPROBS,
@@ -22,6 +21,7 @@ from prefill_node.engine.types import (
     StageLoad,
 )
 from prefill_node.errors import InvalidPromptError, InvalidRequestError
+from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.server.kv_convert import (
     destination_from_proto,
     manifest_from_proto,
@@ -30,19 +30,6 @@ from prefill_node.server.kv_convert import (
 from wavepp_proto.prefill.v1 import prefill_pb2
 
 MAX_ID_CHARS = 256
-
-
-class PromptTokenizer(Protocol):
-    """What the server needs to tokenise text prompts (prefill_node.model.tokenizer.Tokenizer)."""
-
-    @property
-    def has_chat_template(self) -> bool: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]: ...
 
 
 @dataclass(frozen=True)

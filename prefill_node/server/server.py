@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from prefill_node.engine.types import Engine, EngineHealth
-from prefill_node.server.convert import PromptTokenizer
+from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.server.debug_servicer import DebugServicer, IntegrityCheckable
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.metrics import ServerMetrics

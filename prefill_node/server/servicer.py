@@ -34,10 +34,10 @@ from prefill_node.errors import (
     RequestAbortedError,
     UnavailableError,
 )
+from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.server.convert import (
     ModelLimits,
     ParsedRequest,
-    PromptTokenizer,
     load_to_proto,
     parse_request,
     response_to_proto,

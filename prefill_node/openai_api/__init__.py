@@ -1,0 +1,1 @@
+"""OpenAI's HTTP API as the decode server and the gateway both speak it: errors and prompts."""
