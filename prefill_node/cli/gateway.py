@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from prefill_node.cli.options import add_discovery_arguments, discovery_from_args
 from prefill_node.client.remote_args import add_client_tls_arguments
 
 DESCRIPTION = """\
@@ -46,27 +47,22 @@ def register(subparsers: Any) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = p.add_argument_group("decode fleet (one of)")
-    where = d.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--decode",
-        action="append",
-        metavar="HOST:PORT",
-        help="a decode instance's HTTP address (http:// optional); repeatable",
+    add_discovery_arguments(
+        p,
+        "decode",
+        "decode instances",
+        "a decode instance's HTTP address (http:// optional); repeatable",
+        port_name="http",
     )
-    where.add_argument("--k8s-service", metavar="NAME",
-                       help="discover decode instances from this Service's EndpointSlices "
-                       "(needs get/list/watch on endpointslices)")  # fmt: skip
-    d.add_argument("--namespace", default=None, help="the Service's namespace (default: own)")
-    d.add_argument("--k8s-port-name", default="http",
-                   help="the EndpointSlice port serving HTTP (default http)")  # fmt: skip
+    d = p.add_argument_group("decode instances' load and caches")
     d.add_argument(
         "--decode-kv-events",
         action="append",
         default=[],
         metavar="ENDPOINT",
-        help="a decode instance's KV-event publisher (vllm serve --kv-events-config "
-        "endpoint, e.g. tcp://127.0.0.1:5557), one per --decode in order",
+        help="a decode instance's KV-event publisher, e.g. tcp://10.0.0.7:5557, one per "
+        "--decode in order; the gateway connects, so vLLM must bind (--kv-events-config "
+        "endpoint tcp://*:5557 or ipc://...)",
     )
     d.add_argument(
         "--decode-kv-events-port",
@@ -173,16 +169,6 @@ def _run(args: argparse.Namespace) -> int:
         decode_poll_s=args.decode_poll_interval,
     )
     events = events_by_address(decode, args.decode_kv_events, args.decode_kv_events_port)
-    serve(config, Tokenizer.from_dir(model_dir), _discovery(args, decode), events,
+    serve(config, Tokenizer.from_dir(model_dir), discovery_from_args(args, decode), events,
           Listener(args.host, args.port))  # fmt: skip
     return 0
-
-
-def _discovery(args: argparse.Namespace, decode: list[str]) -> Any:
-    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
-
-    if decode:
-        return StaticDiscovery(decode)
-    return EndpointSliceDiscovery(
-        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
-    )

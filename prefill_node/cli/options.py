@@ -91,6 +91,42 @@ def add_network_arguments(parser: argparse.ArgumentParser, port: int, metrics_po
     )
 
 
+def add_discovery_arguments(
+    parser: argparse.ArgumentParser, static_flag: str, peers: str, static_help: str, port_name: str
+) -> None:
+    """Where a server finds its peers (``peers``, e.g. "pipelines"), one of: repeated
+    ``--STATIC_FLAG HOST:PORT``, or ``--k8s-service NAME`` (list + watch of that Service's
+    EndpointSlices in ``--namespace``, their port ``--k8s-port-name``, default ``port_name``).
+    ``discovery_from_args`` builds it."""
+    d = parser.add_argument_group(f"{peers} (one of)")
+    where = d.add_mutually_exclusive_group(required=True)
+    where.add_argument(f"--{static_flag}", action="append", metavar="HOST:PORT", help=static_help)
+    where.add_argument(
+        "--k8s-service",
+        metavar="NAME",
+        help=f"discover the {peers} from the EndpointSlices of this Kubernetes Service "
+        "(list + watch; needs get/list/watch on endpointslices)",
+    )
+    d.add_argument("--namespace", default=None, help="the Service's namespace (default: own)")
+    d.add_argument(
+        "--k8s-port-name",
+        default=port_name,
+        help=f"the EndpointSlice port to reach them on (default {port_name})",
+    )
+
+
+def discovery_from_args(args: argparse.Namespace, static: list[str] | None) -> Any:
+    """The peers ``add_discovery_arguments`` named: ``static`` addresses when given, else
+    the Service's EndpointSlices (in the pod's own namespace unless ``--namespace``)."""
+    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
+
+    if static:
+        return StaticDiscovery(static)
+    return EndpointSliceDiscovery(
+        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
+    )
+
+
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """Server-side TLS flags."""
     t = parser.add_argument_group("TLS (optional)")

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from prefill_node.cli.options import (
+    add_discovery_arguments,
     add_network_arguments,
     add_tls_arguments,
+    discovery_from_args,
     run_logged,
     serve_until_signal,
     server_config,
@@ -52,25 +54,12 @@ def register(subparsers: Any) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = p.add_argument_group("pipelines (one of)")
-    where = d.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--pipeline",
-        action="append",
-        metavar="HOST:PORT",
-        help="a pipeline leader's gRPC address (`wavepp serve`); repeatable",
-    )
-    where.add_argument(
-        "--k8s-service",
-        metavar="NAME",
-        help="discover pipeline leaders from the EndpointSlices of this Kubernetes Service "
-        "(list + watch; needs get/list/watch on endpointslices)",
-    )
-    d.add_argument("--namespace", default=None, help="the Service's namespace (default: own)")
-    d.add_argument(
-        "--k8s-port-name",
-        default="grpc",
-        help="the EndpointSlice port carrying gRPC (default grpc)",
+    add_discovery_arguments(
+        p,
+        "pipeline",
+        "pipelines",
+        "a pipeline leader's gRPC address (`wavepp serve`); repeatable",
+        port_name="grpc",
     )
     r = p.add_argument_group("routing")
     r.add_argument("--policy", choices=tuple(POLICIES), default="prefix", help="default prefix")
@@ -148,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         ),
         model_name=model.name,
     )
-    engine = RouterEngine(_discovery(args), config)
+    engine = RouterEngine(discovery_from_args(args, args.pipeline), config)
     # submit only hashes, scores and starts a call: the server calls it inline
     server_cfg = replace(server_config(args, model.name), blocking_submit=False)
     try:
@@ -156,16 +145,6 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
-
-
-def _discovery(args: argparse.Namespace) -> Any:
-    from prefill_router.discovery import EndpointSliceDiscovery, StaticDiscovery, own_namespace
-
-    if args.pipeline:
-        return StaticDiscovery(args.pipeline)
-    return EndpointSliceDiscovery(
-        args.k8s_service, args.namespace or own_namespace(), port_name=args.k8s_port_name
-    )
 
 
 async def _serve(engine: Any, config: Any, tokenizer: Any) -> None:
