@@ -174,21 +174,28 @@ def _stream(tokenizer: Any, tokens: Any) -> list[int]:
     return answer
 
 
-def _run_local(args: argparse.Namespace) -> int:
-    from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
-    from prefill_node.engine.types import KVPullDestination, PrefillOptions
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
-    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+def worker_spec(args: argparse.Namespace, model_dir: Path) -> Any:
+    """The decode worker process's DecodeWorkerSpec from the flags (both modes)."""
+    from prefill_node.decode.worker_process import DecodeWorkerSpec
 
-    model_dir = _model_dir(args)
-    tokenizer = _tokenizer(args, model_dir)
-    spec = DecodeWorkerSpec(
+    return DecodeWorkerSpec(
         model_dir=str(model_dir),
         num_blocks=args.decode_blocks,
         block_size=args.decode_block_size,
         timeout_s=args.timeout,
         kv_progress=args.kv_progress,
     )
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from prefill_node.decode.worker_process import DecodeWorkerProcess
+    from prefill_node.engine.types import KVPullDestination, PrefillOptions
+    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+
+    model_dir = _model_dir(args)
+    tokenizer = _tokenizer(args, model_dir)
+    spec = worker_spec(args, model_dir)
     shipping = KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
     with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
         config = LocalEngineConfig(

@@ -17,11 +17,11 @@ from pathlib import Path
 def run_serve(args: argparse.Namespace, model_dir: Path) -> int:
     import uvicorn
 
+    from prefill_node.cli.decode import worker_spec
     from prefill_node.decode.decode_engine import DecodeEngine, KVLoadFailurePolicy
     from prefill_node.decode.http_server import ServedModel, build_app
     from prefill_node.decode.metrics import decode_registry
     from prefill_node.decode.openai_protocol import PromptLimits
-    from prefill_node.decode.worker_process import DecodeWorkerSpec
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
 
@@ -36,13 +36,7 @@ def run_serve(args: argparse.Namespace, model_dir: Path) -> int:
         if args.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
         max_len = min(max_len, args.max_model_len)
-    spec = DecodeWorkerSpec(
-        model_dir=str(model_dir),
-        num_blocks=args.decode_blocks,
-        block_size=args.decode_block_size,
-        timeout_s=args.timeout,
-        kv_progress=args.kv_progress,
-    )
+    spec = worker_spec(args, model_dir)
     engine = DecodeEngine(spec, KVLoadFailurePolicy(args.kv_load_failure_policy))
     engine.start()
     try:
