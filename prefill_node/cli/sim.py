@@ -110,7 +110,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--reproduce-paper",
         action="store_true",
         help="the paper's figures beside the simulator's, in-sample (fitted) apart from "
-        "out-of-sample, with the ablations of the headline ratio (about a minute)",
+        "out-of-sample, with the ablations of the headline ratio (about 1.5 minutes)",
     )
     p.add_argument(
         "--fit-paper",
