@@ -176,6 +176,11 @@ class KVSender:
         self._ensure_handshake(dest.endpoint)
         return push.part
 
+    def posted(self, part_id: int) -> bool:
+        """True once streamed range ``part_id``'s WRITE is posted, or when it is over."""
+        part = self._parts.get(part_id)
+        return part is None or part.transfer is not None
+
     def withdraw(self, part_id: int) -> bool:
         """Take back streamed range ``part_id`` if its WRITE is not posted yet (it was handed
         over since the last ``poll``): it is forgotten, without ``on_part_end``. False when

@@ -1,7 +1,8 @@
 """The router in front of two real `wavepp serve` pipelines (2 stage processes each), all real
 processes on loopback: prefix-aware placement with exact cached-token predictions, tenant
 isolation by cache_salt, a pending burst sticking to one pipeline, results equal to the
-pipeline's own, client cancel freeing blocks on the pipeline, and SIGKILL failover."""
+pipeline's own, a client cancel, an Abort and a deadline stopping the pipeline part-way
+(its blocks freed, less than the prompt computed), and SIGKILL failover."""
 
 from __future__ import annotations
 
@@ -150,17 +151,24 @@ def test_results_through_the_router_equal_the_pipelines_own(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_client_cancel_through_the_router_frees_the_blocks_on_the_pipeline(cluster):
+# A long prompt: 480 tokens in waves of 16 are >= 30 waves of >= 10 ms each (the pipelines'
+# --debug-wave-delay) on stage 0 alone, so it cannot finish within 0.3 s.
+LONG = 480
+FULL = LONG - 1  # what a later request finds cached had it run to the end (one to compute)
+
+
+def test_client_cancel_through_the_router_stops_the_pipeline_part_way(cluster):
     client, addresses = cluster["client"], cluster["addresses"]
-    long = [(13 * i + 5) % 64 for i in range(400)]  # 25 waves of 16 tokens, >= 0.5 s
+    long = [(13 * i + 5) % 64 for i in range(LONG)]
     call = client._stub.Prefill.future(build_request(long, cache_salt="cancel"), timeout=60)
 
-    wait_until(lambda: _mid_flight(addresses, len(long)), 10, "part-way through its pipeline")
+    wait_until(lambda: _part_way(addresses, LONG), 10, "part-way through its pipeline")
     call.cancel()
     wait_until(lambda: _idle(addresses), 10, "the cancelled request's blocks freed on every stage")
+    _assert_stopped_part_way(addresses, long, salt="cancel")
 
 
-def test_stream_info_abort_and_deadline_through_the_router(cluster):
+def test_stream_info_and_abort_through_the_router(cluster):
     client, addresses = cluster["client"], cluster["addresses"]
     info = client.server_info()
     assert info.router and not info.kv_events and info.block_size == BS
@@ -174,30 +182,50 @@ def test_stream_info_abort_and_deadline_through_the_router(cluster):
     assert sorted(a.request_id for a in answers) == ["s0", "s1", "s2"]
     assert all(a.WhichOneof("outcome") == "response" for a in answers)
 
-    long = [(17 * i + 3) % 64 for i in range(400)]
+    long = [(17 * i + 3) % 64 for i in range(LONG)]
     call = client._stub.Prefill.future(build_request(long, request_id="abort-me"), timeout=60)
-    wait_until(lambda: _mid_flight(addresses, len(long)), 10, "part-way through")
+    wait_until(lambda: _part_way(addresses, LONG), 10, "part-way through")
     assert client.abort("abort-me")
     with pytest.raises(grpc.RpcError) as err:
         call.result()
     assert err.value.code() == grpc.StatusCode.CANCELLED
     wait_until(lambda: _idle(addresses), 10, "the aborted request's blocks freed")
+    _assert_stopped_part_way(addresses, long)
 
+
+@pytest.mark.parametrize("via", ["request timeout", "call deadline"])
+def test_a_deadline_through_the_router_stops_the_pipeline_part_way(cluster, via):
+    """A request timeout travels in the request the router forwards; a call deadline the
+    router must pass on as its own call's (or cancel that call when it passes)."""
+    client, addresses = cluster["client"], cluster["addresses"]
+    late = [(19 * i + len(via)) % 64 for i in range(LONG)]
+    limit = {"timeout_s": 0.3} if via == "request timeout" else {"deadline_s": 0.3}
     with pytest.raises(grpc.RpcError) as err:
-        client.prefill([(19 * i + 1) % 64 for i in range(400)], timeout_s=0.3)
+        client.prefill(late, cache_salt=via, **limit)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: _idle(addresses), 10, "the late request's blocks freed")
+    _assert_stopped_part_way(addresses, late, salt=via)
 
 
-def _mid_flight(addresses, prompt_tokens: int) -> bool:
+def _part_way(addresses, prompt_tokens: int) -> bool:
+    """A pipeline is running the prompt with at least half of it still to compute (>= 15
+    waves of >= 10 ms: time enough for a cancel to arrive before it could end)."""
     loads = [PrefillClient(a).load() for a in addresses]
-    return any(0 < load.inflight_tokens < prompt_tokens for load in loads)
+    return any(prompt_tokens // 2 <= load.inflight_tokens < prompt_tokens for load in loads)
 
 
 def _idle(addresses) -> bool:
     loads = [PrefillClient(a).load() for a in addresses]
     idle = all(load.inflight_requests == 0 for load in loads)
     return idle and all(s.used_blocks == 0 for load in loads for s in load.stages)
+
+
+def _assert_stopped_part_way(addresses, prompt, salt="") -> None:
+    """Its pipeline computed some of the prompt and stopped: a chunk's blocks are cached as
+    soon as every stage ran it, so asking again finds more than nothing and less than the
+    whole prompt. Had the pipeline not been told, it would have run it to the end (FULL)."""
+    held = _holders(addresses, prompt, salt)
+    assert sorted(held)[0] == 0 and 0 < max(held) < FULL, held
 
 
 def test_sigkill_of_a_pipeline_fails_over_and_the_router_stays_serving(cluster):

@@ -32,7 +32,11 @@ from tests.tiny_models import TINY_KIMI_HF, TINY_QWEN3_NEXT_HF
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 FAMILIES = {"qwen3-next": TINY_QWEN3_NEXT_HF, "kimi-linear": TINY_KIMI_HF}
-SHIPPING = KVShippingConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
+# debug_post_before_push: what stage 1 streams must not depend on when its shipping thread
+# gets a core (unposted ranges would ride the final push; test_runtime_kv_stream.py says why)
+SHIPPING = KVShippingConfig(
+    transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0, debug_post_before_push=True
+)
 NEW_TOKENS = 8
 
 
@@ -75,13 +79,18 @@ def test_decode_continues_from_shipped_state_like_transformers_generate(family):
     dest = decode.expect_push("push", first)
     pushed = engine.submit(first, PrefillOptions("push", kv_destination=dest)).result(30)
     assert [m.pushed for m in pushed.stage_manifests] == [True, True]
-    # stage 0 (no paged layer) streams nothing. Stage 1 streams its attention layer's group
-    # unless its shipping thread had not posted it yet when the final push came (a loaded
-    # machine): then the group rides the final push (KVSender.withdraw). Quiet runs post it,
-    # and only then does the final push carry fewer layers than the stage's states.
-    assert {stage for rid, stage, *_ in decode.kv_log()[0] if rid == "push"} <= {1}
     got = list(decode.generate("push", pushed.first_token_id, NEW_TOKENS))
     assert got == want[0]
+    # stage 0 (no paged layer) streams nothing. Stage 1 streams its attention layer's blocks
+    # of the earlier chunks (all its layers, whole blocks below the last one), then that
+    # layer's group of the last chunk to the prompt's end; the final push carries layer 3's
+    # state (and "done")
+    parts = [p for p in decode.kv_log()[0] if p.request_id == "push"]
+    assert {p.stage for p in parts} == {1}
+    ends = sorted(p.end_token for p in parts if (p.layer_start, p.layer_end) == (2, 4))
+    assert ends and all(end % 4 == 0 and end <= 12 for end in ends)
+    groups = [(p.layer_start, p.layer_end, p.end_token) for p in parts if p.layer_end < 4]
+    assert groups == [(2, 3, len(first))]
     wait_idle(engine)
 
     pull = PrefillOptions("pull", kv_destination=KVPullDestination())

@@ -20,7 +20,10 @@ class KVShippingConfig:
     ``stream_max_inflight``: streamed WRITEs in flight per stage, beyond which ranges queue.
     ``stream_layer_groups``: the last chunk's layers on a stage are split into up to this
     many groups; each but the last is WRITten as soon as the forward wrote it (1: the whole
-    last chunk after the forward)."""
+    last chunk after the forward). ``debug_post_before_push`` (tests only): a final push
+    first waits until every range handed over before it is posted, instead of taking the
+    unposted ones back to carry them itself, so which ranges stream does not depend on
+    when the shipping thread gets a core (it makes the push wait for them to land)."""
 
     allow: AllowList = field(default_factory=AllowList.loopback)
     transfer_timeout_s: float = 30.0
@@ -32,6 +35,7 @@ class KVShippingConfig:
     stream: bool = True
     stream_max_inflight: int = 8
     stream_layer_groups: int = 4
+    debug_post_before_push: bool = False
 
     def __post_init__(self) -> None:
         if self.stream_max_inflight < 1 or self.stream_layer_groups < 1:

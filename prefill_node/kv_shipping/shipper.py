@@ -197,6 +197,8 @@ class StageKVShipper:
         """
         now = time.monotonic()
         held = _Held(list(blocks), manifest, now)
+        if self.config.debug_post_before_push and request_id in self._streams:
+            self._post_streamed(request_id, self._streams[request_id])
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             held.streamed = stream.queued + stream.group_queued
@@ -315,6 +317,21 @@ class StageKVShipper:
                 self.parts_posted += 1
             if len(self._parts) >= self.config.stream_max_inflight:
                 return
+
+    def _post_streamed(self, request_id: str, stream: _Stream) -> None:
+        """``debug_post_before_push``: poll until every range of the request handed over so
+        far is posted (decode's metadata fetched, an in-flight slot free), its stream
+        failed, or ``wait_limit_s`` passed."""
+        deadline = time.monotonic() + self.config.wait_limit_s
+        while not stream.failed and time.monotonic() < deadline:
+            self.poll()
+            queued = (
+                stream.posted_to < stream.ready_to or stream.layers_posted < stream.layers_ready
+            )
+            mine = [p for p, entry in self._parts.items() if entry.request_id == request_id]
+            if not queued and all(self.sender.posted(p) for p in mine):
+                return
+            time.sleep(0.0005)
 
     def _withdraw_unposted(self, request_id: str, stream: _Stream) -> list[KVBlock]:
         """At the final push: the request's ranges the sender has not posted yet (handed

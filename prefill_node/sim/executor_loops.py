@@ -82,9 +82,11 @@ class LoopCosts:
     add_s_per_token: float  # add_sequence in prepare_resources, per prompt token
     hop_s: float  # one host-to-host object send between adjacent ranks (per message)
     trtllm: TrtllmLoopCosts = TrtllmLoopCosts()  # prompt moves, pickling, retire walks
+    scheduler_walk_scale: float = 1.0  # the scheduler walks' share of the constants (ablation)
 
     def __post_init__(self) -> None:
-        if min(self.walk_s_per_token, self.add_s_per_token, self.hop_s) < 0:
+        costs = (self.walk_s_per_token, self.add_s_per_token, self.hop_s)
+        if min(*costs, self.scheduler_walk_scale) < 0:
             raise InvariantError(f"loop costs must be >= 0: {self}")
 
     @property
@@ -92,8 +94,10 @@ class LoopCosts:
         return self.trtllm.retire_walks * self.walk_s_per_token
 
     def walk_s(self, matched: int, prompt: int) -> float:
-        """One scheduler walk over prompts of ``prompt`` tokens, ``matched`` of them cached."""
-        return self.walk_s_per_token * matched + self.trtllm.walk_base_s_per_token * prompt
+        """One scheduler walk over prompts of ``prompt`` tokens, ``matched`` of them cached
+        (the retire walks are not scheduler walks: ``scheduler_walk_scale`` leaves them)."""
+        walk = self.walk_s_per_token * matched + self.trtllm.walk_base_s_per_token * prompt
+        return self.scheduler_walk_scale * walk
 
 
 @dataclass(frozen=True)

@@ -1,42 +1,41 @@
-"""The WavePP paper's reported figures beside the simulator's: ``wavepp sim --reproduce-paper``.
+"""The WavePP paper's figures beside the simulator's, each marked fitted or predicted.
 
-Cited (secondary summaries of arXiv 2609.35263, unverified): at 4K suffix, 131,072-token
-inputs, concurrency 128, TP1 x PP4 on 4x B300, TensorRT-LLM PP4 reached 416K input tok/s
-on GLM-5 and 551K on MiniMax-M2; WavePP 1,213K and 1,113K (2.91x and 2.02x). Those four
-numbers are every absolute figure the summaries give; the ablations and the 37-of-40 count
-are relative and not reproduced here.
+Cited (secondary summaries of arXiv 2609.35263, unverified). Absolute, at 4K suffix,
+131,072-token inputs, concurrency 128, TP1 x PP4 on 4x B300: TensorRT-LLM PP4 reached 416K
+input tok/s on GLM-5 and 551K on MiniMax-M2; WavePP 1,213K and 1,113K (2.91x and 2.02x).
+Relative (the ablation; the summaries do not say on which model): wave admission +236% over
+the baseline at cold 131K c=16, read here as WavePP with a fixed budget M against
+TensorRT-LLM PP4 (3.36x; the simulated WavePP always has lease and escrow, which on cold
+prompts have nothing to lease); MPU -9.7% against a fixed M at 90% reuse 262K c=32. The
+ablation's other figures name no setting (MPU +41.7%) or a mechanism the simulator cannot
+switch off (lease + escrow +54%), and are not checked.
 
-The reproduction runs the paper's own planner (``mpu``) for WavePP and the modelled
-TensorRT-LLM executor loops for the baseline. What is fitted, and on which rows
-(``fit_presets`` does it; the presets keep the results with a comment):
-
-- ``host_time_scale`` (one value, both presets, every host cost of both policies): fitted
-  so that the geometric mean of the two simulated lockstep rows equals the paper's (416K,
-  551K). The baseline at these settings is bound by its loops' host work, so these rows
-  identify how fast the paper's host CPU runs the measured constants.
-- the GLM-5-class preset's compute efficiency: fitted on its wave row alone.
-- not fitted: the MiniMax-M2-class preset's compute efficiency (0.5, the estimate shared by
-  the GPU presets), so its wave row is a prediction; so are the lockstep rows' split
-  between the two models and every wave/lockstep ratio.
-
-``sim_cost_*`` columns are this project's own addition (the cost-aware planner, the
-runtime's default off the paper) at the same settings; the paper has no figure for it.
+Two constants are FITTED on the absolute figures (``FITTED``; ``paper_fit.py`` refits them):
+``host_time_scale`` on the two TensorRT-LLM rows, the GLM-5-class compute efficiency on GLM's
+WavePP row. A figure is in-sample when a constant was fitted on it or on a term of it (a
+ratio's), out-of-sample otherwise: of the absolute figures only MiniMax's WavePP row; both
+relative figures. ``reproduce`` also runs the ablations that say what the headline ratio
+rests on: the baseline's per-iteration scheduler walks (the cost WavePP is exempt from) at
+0, half and the measured constant, the host scale at 1.0 (not fitted), and this project's
+cost-aware planner in place of MPU.
 """
 
 from __future__ import annotations
 
-import math
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import Policy, lockstep_policy, wave_policy
 from prefill_node.sim.presets import Preset, get_preset
-from prefill_node.sim.results import SimResult
 from prefill_node.sim.sweep import Setting, default_requests, run_setting
 from prefill_node.sim.workloads import WorkloadKind
 
-TOLERANCE = 0.20  # |sim / paper - 1| the reproduction promises for every absolute figure
+WAVE, LOCKSTEP = "wave", "lockstep"  # the two policies of an absolute figure (row keys)
+RATIO = "WavePP / TRT-LLM"
+Where = tuple[WorkloadKind, int, int]  # workload, input length, concurrency
 
 
 @dataclass(frozen=True)
@@ -61,134 +60,198 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
 )
 
 
-def _setting(fig: PaperFigure, preset: Preset, requests: int | None) -> Setting:
-    n = requests or default_requests(fig.concurrency)
-    return Setting(preset, fig.kind, fig.input_len, fig.concurrency, n)
+@dataclass(frozen=True)
+class PaperRatio:
+    """A relative figure of the paper's ablation: ``numerator`` / ``denominator`` throughput
+    at one setting (policies built for P stages)."""
+
+    figure: str
+    kind: WorkloadKind
+    input_len: int
+    concurrency: int
+    ratio: float
+    numerator: Callable[[int], Policy]
+    denominator: Callable[[int], Policy]
 
 
-def simulate(
-    fig: PaperFigure, preset: Preset | None = None, requests: int | None = None
-) -> dict[str, SimResult]:
-    """The figure's setting under WavePP (mpu), the lockstep baseline and our cost planner."""
-    preset = preset or get_preset(fig.preset)
-    setting = _setting(fig, preset, requests)
+PAPER_RATIOS: tuple[PaperRatio, ...] = (
+    PaperRatio(
+        "wave admission (fixed M) / TRT-LLM",
+        WorkloadKind.COLD,
+        131_072,
+        16,
+        3.36,
+        partial(wave_policy, planner_mode=PlannerMode.FIXED),
+        lockstep_policy,
+    ),
+    PaperRatio(
+        "MPU / fixed M",
+        WorkloadKind.REUSE,
+        262_144,
+        32,
+        0.903,
+        partial(wave_policy, planner_mode=PlannerMode.MPU),
+        partial(wave_policy, planner_mode=PlannerMode.FIXED),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class FittedConstant:
+    """A preset constant fitted on paper figures: ``fitted_on`` as (preset, WAVE or LOCKSTEP)."""
+
+    name: str
+    value: float
+    fitted_on: tuple[tuple[str, str], ...]
+    how: str
+
+
+FITTED: tuple[FittedConstant, ...] = (
+    FittedConstant(
+        "host_time_scale",
+        get_preset("glm5-pp4").host_time_scale,
+        (("glm5-pp4", LOCKSTEP), ("minimax-pp4", LOCKSTEP)),
+        "geometric mean of the two TRT-LLM PP4 rows = the paper's",
+    ),
+    FittedConstant(
+        "glm5-pp4 flops_efficiency",
+        get_preset("glm5-pp4").gpu.flops_efficiency,
+        (("glm5-pp4", WAVE),),
+        "GLM's WavePP row = the paper's",
+    ),
+)
+
+
+def fitted_on(preset: str, *terms: str) -> tuple[FittedConstant, ...]:
+    """The constants fitted on the figure made of ``terms`` (WAVE, LOCKSTEP) of ``preset``."""
+    return tuple(c for c in FITTED if any((preset, t) in c.fitted_on for t in terms))
+
+
+class Sample(enum.Enum):
+    IN = "in-sample"  # a constant was fitted on the figure or on a term of it
+    OUT = "out-of-sample"  # no constant was fitted on it
+    ABLATION = "ablation"  # the simulator with one thing changed; no paper figure
+
+
+@dataclass(frozen=True)
+class FigureRow:
+    """One figure: the paper's value (None: it gives none) beside the simulator's.
+    Ratio figures carry the two throughputs they divide (``sim_num`` / ``sim_den``)."""
+
+    sample: Sample
+    preset: str
+    kind: WorkloadKind
+    input_len: int
+    concurrency: int
+    figure: str
+    paper: float | None
+    sim: float
+    fitted: tuple[FittedConstant, ...] = ()
+    change: str = ""  # an ablation: what differs from the preset
+    sim_num: float | None = None
+    sim_den: float | None = None
+
+    @property
+    def error(self) -> float | None:
+        return None if self.paper is None else self.sim / self.paper - 1
+
+    @property
+    def is_ratio(self) -> bool:
+        return self.sim_num is not None
+
+    def row(self) -> dict[str, object]:
+        return {
+            "sample": self.sample.value,
+            "preset": self.preset,
+            "workload": self.kind.value,
+            "input_len": self.input_len,
+            "concurrency": self.concurrency,
+            "figure": self.figure,
+            "paper": self.paper,
+            "sim": self.sim,
+            "error": self.error,
+            "fitted": bool(self.fitted),
+            "fitted_on": "; ".join(f"{c.name} = {c.value:g} ({c.how})" for c in self.fitted),
+            "change": self.change,
+            "sim_numerator": self.sim_num,
+            "sim_denominator": self.sim_den,
+        }
+
+
+def _throughput(preset: Preset, where: Where, policy: Policy, requests: int | None) -> float:
+    kind, input_len, concurrency = where
+    n = requests or default_requests(concurrency)
+    setting = Setting(preset, kind, input_len, concurrency, n)
+    return run_setting(setting, policy).throughput_tok_s
+
+
+def headline(fig: PaperFigure, requests: int | None = None) -> list[FigureRow]:
+    """The figure's three rows (WavePP, TRT-LLM, their ratio), then the ablations of its
+    ratio: the scheduler walks at 0, half and as measured, host scale 1, our planner."""
+    preset = get_preset(fig.preset)
+    p, where = preset.num_stages, (fig.kind, fig.input_len, fig.concurrency)
+    mpu = wave_policy(p, PlannerMode.MPU)
+
+    def pair(variant: Preset) -> tuple[float, float]:
+        wave = _throughput(variant, where, mpu, requests)
+        return wave, _throughput(variant, where, lockstep_policy(p), requests)
+
+    wave, lock = pair(preset)
+    cost = _throughput(preset, where, wave_policy(p, PlannerMode.COST_AWARE), requests)
+    measured = f"scheduler walks x1 (measured); host_time_scale {preset.host_time_scale:g}"
+    return [
+        _figure(fig, "WavePP tok/s", fig.wave_tok_s, wave, (WAVE,)),
+        _figure(fig, "TRT-LLM PP4 tok/s", fig.lockstep_tok_s, lock, (LOCKSTEP,)),
+        _figure(fig, RATIO, fig.ratio, wave / lock, (WAVE, LOCKSTEP), wave, lock),
+        _ablation(fig, "scheduler walks x0", *pair(replace(preset, scheduler_walk_scale=0.0))),
+        _ablation(fig, "scheduler walks x0.5", *pair(replace(preset, scheduler_walk_scale=0.5))),
+        _ablation(fig, measured, wave, lock),
+        _ablation(
+            fig, "host_time_scale 1 (not fitted)", *pair(replace(preset, host_time_scale=1.0))
+        ),
+        _ablation(fig, "planner: cost-aware (ours) for MPU", cost, lock),
+    ]
+
+
+def _figure(
+    fig: PaperFigure,
+    label: str,
+    paper: float,
+    sim: float,
+    terms: tuple[str, ...],
+    num: float | None = None,
+    den: float | None = None,
+) -> FigureRow:
+    """A paper figure's row, in-sample when a constant was fitted on one of its ``terms``."""
+    fitted = fitted_on(fig.preset, *terms)
+    sample = Sample.IN if fitted else Sample.OUT
+    where = (fig.kind, fig.input_len, fig.concurrency)
+    return FigureRow(sample, fig.preset, *where, label, paper, sim, fitted, "", num, den)
+
+
+def _ablation(fig: PaperFigure, change: str, wave: float, lock: float) -> FigureRow:
+    where = (fig.kind, fig.input_len, fig.concurrency)
+    return FigureRow(
+        Sample.ABLATION, fig.preset, *where, RATIO, fig.ratio, wave / lock, (), change, wave, lock
+    )
+
+
+def relative(fig: PaperRatio, preset_name: str, requests: int | None = None) -> FigureRow:
+    """One relative figure of the paper on one preset (out-of-sample: nothing fitted on it)."""
+    preset = get_preset(preset_name)
+    where = (fig.kind, fig.input_len, fig.concurrency)
     p = preset.num_stages
-    return {
-        "wave": run_setting(setting, wave_policy(p, PlannerMode.MPU)),
-        "lockstep": run_setting(setting, lockstep_policy(p)),
-        "cost": run_setting(setting, wave_policy(p, PlannerMode.COST_AWARE)),
-    }
-
-
-def _err(sim: float, paper: float) -> float:
-    return sim / paper - 1
-
-
-def row(fig: PaperFigure, runs: dict[str, SimResult]) -> dict[str, object]:
-    """One flat row: ``paper_<figure>`` beside ``sim_<figure>`` and the relative error."""
-    wave, lock, cost = (runs[k].throughput_tok_s for k in ("wave", "lockstep", "cost"))
-    return {
-        "preset": fig.preset,
-        "workload": fig.kind.value,
-        "input_len": fig.input_len,
-        "concurrency": fig.concurrency,
-        "paper_wave_tok_s": fig.wave_tok_s,
-        "sim_wave_tok_s": wave,
-        "wave_err": _err(wave, fig.wave_tok_s),
-        "paper_lockstep_tok_s": fig.lockstep_tok_s,
-        "sim_lockstep_tok_s": lock,
-        "lockstep_err": _err(lock, fig.lockstep_tok_s),
-        "paper_ratio": fig.ratio,
-        "sim_ratio": wave / lock,
-        "ratio_err": _err(wave / lock, fig.ratio),
-        "sim_cost_tok_s": cost,
-        "sim_cost_ratio": cost / lock,
-        "sim_wave_p50_s": runs["wave"].p50_latency_s,
-        "sim_lockstep_p50_s": runs["lockstep"].p50_latency_s,
-        "within_tolerance": max(
-            abs(_err(wave, fig.wave_tok_s)), abs(_err(lock, fig.lockstep_tok_s))
-        )
-        <= TOLERANCE,
-    }
-
-
-def reproduce(requests: int | None = None) -> list[dict[str, object]]:
-    """One row per reported setting, with the presets as they are."""
-    return [row(fig, simulate(fig, requests=requests)) for fig in PAPER_FIGURES]
-
-
-def format_table(rows: list[dict[str, object]]) -> str:
-    head = (
-        f"{'preset':<12} {'setting':<22} {'policy':<18} {'paper tok/s':>12} {'sim tok/s':>12} "
-        f"{'error':>7}"
+    num = _throughput(preset, where, fig.numerator(p), requests)
+    den = _throughput(preset, where, fig.denominator(p), requests)
+    return FigureRow(
+        Sample.OUT, preset_name, *where, fig.figure, fig.ratio, num / den, (), "", num, den
     )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        where = f"{r['workload']} {int(r['input_len']) // 1024}K c={r['concurrency']}"
-        for label, key in (("WavePP (mpu)", "wave"), ("TRT-LLM PP4", "lockstep")):
-            lines.append(
-                f"{r['preset']:<12} {where:<22} {label:<18} {r[f'paper_{key}_tok_s']:>12,.0f} "
-                f"{r[f'sim_{key}_tok_s']:>12,.0f} {r[f'{key}_err']:>+7.1%}"
-            )
-        lines.append(
-            f"{r['preset']:<12} {where:<22} {'ratio':<18} {r['paper_ratio']:>11.2f}x "
-            f"{r['sim_ratio']:>11.2f}x {r['ratio_err']:>+7.1%}"
-        )
-        lines.append(
-            f"{r['preset']:<12} {where:<22} {'ours: cost planner':<18} {'-':>12} "
-            f"{r['sim_cost_tok_s']:>12,.0f} {r['sim_cost_ratio']:>6.2f}x"
-        )
-    ok = all(r["within_tolerance"] for r in rows)
-    lines.append(
-        f"\nevery absolute figure within {TOLERANCE:.0%} of the paper: {'yes' if ok else 'NO'}"
-    )
-    return "\n".join(lines)
 
 
-def _bisect(f: Callable[[float], float], lo: float, hi: float, steps: int) -> float:
-    """The x in [lo, hi] where the increasing function ``f`` crosses 0 (geometric steps)."""
-    for _ in range(steps):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
-def fit_presets(requests: int | None = None, steps: int = 10) -> dict[str, float]:
-    """Refit ``host_time_scale`` (on both lockstep rows) and the GLM-class compute efficiency
-    (on its wave row), alternating twice; returns the values to put in presets.py."""
-    glm, mini = PAPER_FIGURES
-    presets = {f.preset: get_preset(f.preset) for f in PAPER_FIGURES}
-    scale = presets[glm.preset].host_time_scale
-    eff = presets[glm.preset].gpu.flops_efficiency
-
-    def current(name: str) -> Preset:
-        p = replace(presets[name], host_time_scale=scale)
-        if name == glm.preset:
-            p = replace(p, gpu=replace(p.gpu, flops_efficiency=eff))
-        return p
-
-    def lockstep(fig: PaperFigure) -> float:
-        setting = _setting(fig, current(fig.preset), requests)
-        return run_setting(setting, lockstep_policy(4)).throughput_tok_s
-
-    def wave_glm() -> float:
-        setting = _setting(glm, current(glm.preset), requests)
-        return run_setting(setting, wave_policy(4, PlannerMode.MPU)).throughput_tok_s
-
-    target = math.sqrt(glm.lockstep_tok_s * mini.lockstep_tok_s)
-    for _ in range(2):
-
-        def gap_scale(k: float) -> float:
-            nonlocal scale
-            scale = k
-            return target - math.sqrt(lockstep(glm) * lockstep(mini))  # slower as k grows
-
-        scale = _bisect(gap_scale, 0.25, 4.0, steps)
-
-        def gap_eff(e: float) -> float:
-            nonlocal eff
-            eff = e
-            return wave_glm() - glm.wave_tok_s
-
-        eff = _bisect(gap_eff, 0.05, 1.0, steps)
-    return {"host_time_scale": scale, f"{glm.preset}.flops_efficiency": eff}
+def reproduce(requests: int | None = None) -> list[FigureRow]:
+    """Every row: each absolute figure with its ablations, then each relative figure on
+    each preset. ``requests`` per run (default: ``default_requests`` of the setting)."""
+    rows = [r for fig in PAPER_FIGURES for r in headline(fig, requests)]
+    for fig in PAPER_RATIOS:
+        rows += [relative(fig, f.preset, requests) for f in PAPER_FIGURES]
+    return rows

@@ -122,7 +122,11 @@ class Simulator(TrtllmLockstepIssue):
         self.hosts: StageHosts | None = None
         rounds = p.rounds
         costs = LoopCosts(
-            rounds.walk_s_per_token, rounds.host_s_per_token, p.link.latency_s, p.trtllm
+            rounds.walk_s_per_token,
+            rounds.host_s_per_token,
+            p.link.latency_s,
+            p.trtllm,
+            p.scheduler_walk_scale,
         )
         if policy.admission_on_loop and p.lockstep_model is LockstepModel.LEADER_ROUNDS:
             self.leader_rounds = LeaderRounds(p.num_stages, rounds.phases, rounds.phase_latency_s)
