@@ -8,8 +8,9 @@ planner (mode, fragment rule) and every stage's admission (escrow headroom).
 - ``WAVE`` (WavePP): admission rounds run ahead of execution on their own thread or
   timeline; ``R = 2P`` waves in flight; a request may have chunks in several in-flight
   waves; the planner sizes waves (MPU, or an ablation) under the fragment rule.
-- ``LOCKSTEP`` (the TensorRT-LLM PP baseline): admission runs on the executor loop before
-  each wave; ``P`` waves in flight (TRT-LLM's ``num_micro_batches = pp_size``); at most one
+- ``LOCKSTEP`` (an ablation with TensorRT-LLM PP's knobs; its scheduler itself decides on rank
+  0 alone, which the simulator's executor model follows): admission runs on the executor loop
+  before each wave; ``P`` waves in flight (TRT-LLM's ``num_micro_batches = pp_size``); at most one
   chunk of a request in flight (``inflight_req_ids``); a fixed budget of ``M`` filled to
   the brim (no fragment rule).
 
