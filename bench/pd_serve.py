@@ -42,6 +42,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from provenance import provenance
 from quiet import wait_quiet
 from vllm_server import REPO, VllmServer
 
@@ -261,7 +262,8 @@ def main() -> None:
                         sources, after, "external_kv_transfer",
                         ("external_kv_transfer", "local_compute"),
                     )  # fmt: skip
-                rows.append({**row(system, dataset, rate, result, remote, args), **extra})
+                row_ = {**row(system, dataset, rate, result, remote, args), **extra}
+                rows.append({**row_, **provenance()})
                 print(json.dumps(rows[-1]), file=sys.stderr)
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(rows, indent=1))

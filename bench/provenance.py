@@ -1,0 +1,37 @@
+"""Where a benchmark row comes from: commit, date, command line and the machine's load.
+
+Every figure the README quotes must say which code produced it, when, with what command and
+beside what else; a benchmark adds ``provenance()`` to each row it writes (flat keys).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def provenance() -> dict[str, object]:
+    """``commit`` (with ``+dirty`` when the work tree differs from it), ``date_utc``,
+    ``command`` (as typed, relative to the repo), ``cpus`` this process may use and
+    ``load_1m``, the 1-minute load average when the row was taken."""
+    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if _git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return {
+        "commit": commit,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_1m": round(os.getloadavg()[0], 2),
+    }
