@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefill_node.model.tokenizer import PromptTokenizer
+from prefill_node.openai_api.listener import tcp_listener
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from wavepp_gateway.config import GatewayConfig
 from wavepp_gateway.decode_fleet import DecodeFleet, EventsEndpoint
@@ -79,9 +79,7 @@ def serve(
 
         return RequestPath(config, tokenizer, fleet, tier, metrics), fleet, close
 
-    sock = socket.socket(socket.AF_INET6 if ":" in listener.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((listener.host, listener.port))
+    sock = tcp_listener(listener.host, listener.port)
     app = build_app(factory, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 from pathlib import Path
 
 
@@ -24,6 +23,7 @@ def run_serve(args: argparse.Namespace, model_dir: Path) -> int:
     from prefill_node.decode.openai_protocol import PromptLimits
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.openai_api.listener import tcp_listener
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -44,7 +44,7 @@ def run_serve(args: argparse.Namespace, model_dir: Path) -> int:
         limits = PromptLimits(config.vocab_size, max_len)
         model = ServedModel(name, tokenizer, limits, str(model_dir))
         app = build_app(engine, model, decode_registry(engine, name))
-        sock = socket.create_server((args.host, args.port))
+        sock = tcp_listener(args.host, args.port)
         port = sock.getsockname()[1]
         server = uvicorn.Server(
             uvicorn.Config(
