@@ -128,15 +128,18 @@ class Driver:
                 self.proc.wait()
 
 
-def _serve(model: Path, err: Path) -> tuple[subprocess.Popen, str]:
+def serve_pipeline(model: Path, err: Path) -> tuple[subprocess.Popen, str]:
+    """A 2-stage `wavepp serve` of ``model`` (float32, KV shipping on) on loopback, its
+    stderr in ``err``: (process, gRPC address), once it announces it (every tests_vllm file
+    starts its pipeline here)."""
     server = subprocess.Popen(
         [sys.executable, "-m", "prefill_node.cli.main", "serve", "--model", str(model),
          "--stages", "2", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
     )  # fmt: skip
-    line = server.stdout.readline()
-    listening = parse_listening(line)
+    line = LineReader(server.stdout, "serve-stdout").next_line(240)
+    listening = parse_listening(line or "")
     assert listening, f"first line {line!r}; stderr: {err.read_text()[-2000:]}"
     return server, listening.target
 
@@ -153,7 +156,7 @@ def test_vllm_decodes_from_our_kv_exactly_as_from_its_own_prefill(tmp_path):
     tokenizer = Tokenizer.from_dir(model)
     started = time.monotonic()
     driver = Driver(model, tmp_path / "vllm.log")  # starts first: it takes the longest
-    server, target = _serve(model, tmp_path / "serve.err")
+    server, target = serve_pipeline(model, tmp_path / "serve.err")
     try:
         ready = driver.read(420)
         print(f"  vLLM ready after {time.monotonic() - started:.0f} s", file=sys.stderr)

@@ -16,19 +16,17 @@ Not part of the default suite (it needs the vLLM peer environment, ``$VLLM_PEER_
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import openai
 import pytest
 
 from bench.vllm_server import VllmServer
-from prefill_node.cli.options import parse_listening
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.process_tree import terminate
 from tests.grpc_harness import wait_until
 from tests.router_harness import spawn
-from tests_vllm.test_vllm_decode_e2e import _peer_python
+from tests_vllm.test_vllm_decode_e2e import _peer_python, serve_pipeline
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -52,14 +50,8 @@ def stack(tmp_path_factory):
                       decode=True, events_endpoint=events)  # fmt: skip
     procs: list[subprocess.Popen] = []
     try:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "prefill_node.cli.main", "serve", "--model", str(model),
-             "--stages", "2", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0",
-             "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stderr=(logs / "serve.log").open("w"), text=True,
-        )  # fmt: skip
+        serve, pipeline = serve_pipeline(model, logs / "serve.log")
         procs.append(serve)
-        pipeline = parse_listening(serve.stdout.readline()).target
         router, router_port, _ = spawn(
             ["router", "--pipeline", pipeline, "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", "-1", "--log-level", "WARNING"], "wavepp router:")  # fmt: skip

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 import uuid
@@ -29,19 +28,19 @@ import httpx
 import pytest
 
 from kv_transfer.vllm_decode.params import LOADED_KEY, pull_params
-from prefill_node.cli.options import parse_listening
 from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.engine.types import KVPullDestination
 from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
-from prefill_node.process_tree import LineReader, terminate
+from prefill_node.process_tree import terminate
 from tests_vllm.test_vllm_decode_e2e import (
     PROMPTS,
     REPO,
     _closed_port,
     _kv_bytes_per_token,
     _peer_python,
+    serve_pipeline,
 )
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -50,19 +49,6 @@ from vllm_server import VllmServer, free_port  # noqa: E402
 NEW_TOKENS = 24
 NAME = "smol"
 VLLM_BLOCK = 128  # vLLM's CPU cache block size
-
-
-def _wavepp_serve(model, err) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefill_node.cli.main", "serve", "--model", str(model),
-         "--stages", "2", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0",
-         "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
-    )  # fmt: skip
-    line = LineReader(proc.stdout, "serve-stdout").next_line(240)
-    listening = parse_listening(line or "")
-    assert listening, f"first line {line!r}; stderr: {err.read_text()[-2000:]}"
-    return proc, listening.target
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +63,7 @@ def system(tmp_path_factory):
     prefill = None
     http = httpx.Client(base_url=vllm.url, trust_env=False, timeout=180)
     try:
-        prefill, target = _wavepp_serve(model, logs / "serve.err")
+        prefill, target = serve_pipeline(model, logs / "serve.err")
         vllm.wait_ready()
         print(f"  vLLM serving after {time.monotonic() - started:.0f} s", file=sys.stderr)
         with PrefillClient(target) as client:
