@@ -10,6 +10,8 @@ SYSTEMS (all on the same N cores: this process's affinity, or the first --cores 
               `wavepp gateway --prefill MODE` in front of `wavepp router` + one `wavepp serve`
               pipeline (--tier-cores cores, one stage per core) and one vLLM decode instance
               (WavePPConnector as kv_consumer, KV events to the gateway) on the other cores.
+With ``--runs N`` every row runs N times (the PD systems back to back in each cell, their
+order rotated by run) and a median row per cell follows (``run: "median"``).
 Load: vLLM's own generator (`vllm bench serve`, openai completions backend, streaming,
 temperature 0, --ignore-eos), datasets `random` and `prefix_repetition`, at each --rates
 value (requests/s; `inf`; `c1` = one request at a time). Every row waits for a quiet
@@ -35,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,7 +159,34 @@ def row(system: str, dataset: str, rate: str, result: dict, share: float | None,
         "completed": result["completed"], "failed": result.get("failed", 0),
         "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "cores": len(args.cpus),
+        "local_max_tokens": args.local_max_tokens,
     }  # fmt: skip
+
+
+METRICS = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "output_tok_s", "request_per_s",
+           "remote_prefill_share", "decode_kv_transfer_share")  # fmt: skip
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (system, dataset, rate): the median of each metric over its runs."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["system"], r["dataset"], r["rate"]), []).append(r)
+    out = []
+    for runs in cells.values():
+        median = {**runs[-1], "run": "median", "runs": len(runs)}
+        for key in METRICS:
+            values = [r[key] for r in runs if r[key] is not None]
+            median[key] = statistics.median(values) if values else None
+        median["completed"] = sum(r["completed"] for r in runs)
+        median["failed"] = sum(r["failed"] for r in runs)
+        out.append(median)
+    return out
+
+
+def write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1))
 
 
 class PdSystem:
@@ -189,11 +219,13 @@ class PdSystem:
         return part
 
     def gateway(self, mode: str) -> Wavepp:
+        budget = self.args.local_max_tokens
+        budget = [] if budget is None else ["--local-max-tokens", str(budget)]
         return self._start(
             ["gateway", "--router", self.router.target, "--decode", self.decode.url,
              "--decode-kv-events", self.events, "--prefill", mode, "--model",
              str(self.args.model), "--served-model-name", NAME, "--host", "127.0.0.1",
-             "--port", "0", "--log-level", "WARNING"], f"gateway-{mode}",
+             "--port", "0", "--log-level", "WARNING", *budget], f"gateway-{mode}",
             self.args.gateway_checkout,
         )  # fmt: skip
 
@@ -221,6 +253,13 @@ def main() -> None:
     ap.add_argument("--gateway-checkout", type=Path, default=REPO,
                     help="a checkout with `wavepp gateway` (default: this one)")  # fmt: skip
     ap.add_argument("--row-timeout", type=float, default=1800.0)
+    ap.add_argument("--local-max-tokens", type=int,
+                    help="the gateways' --local-max-tokens (default: the gateway's)")  # fmt: skip
+    ap.add_argument(
+        "--runs", type=int, default=1,
+        help="runs of every row; with 2+, a median row per cell follows (run 'median'); the "
+        "PD systems run each cell back to back, in an order rotated by run",
+    )  # fmt: skip
     args = ap.parse_args()
     allowed = sorted(os.sched_getaffinity(0))
     args.cpus = allowed[: args.cores] if args.cores else allowed
@@ -242,52 +281,61 @@ def main() -> None:
     print(f"cores {args.cpus} (tier {args.tier_cores}); logs in {logs}", file=sys.stderr)
     seed = 0
 
-    def measure(system: str, url: str, gateway: bool, decode_url: str | None = None) -> None:
+    def measure(system: str, url: str, gateway: bool, decode_url: str | None,
+                dataset: str, rate: str, run: int) -> None:  # fmt: skip
         nonlocal seed
-        for dataset in args.datasets.split(","):
-            for rate in args.rates.split(","):
-                seed += 1
-                settle = wait_quiet()
-                decisions = counter_sums(url, *DECISIONS) if gateway else None
-                sources = counter_sums(decode_url, *SOURCES) if decode_url else None
-                result = run_load(args, url, dataset, rate, seed, logs / f"{system}-{seed}.json")
-                extra = {"settle_s": round(settle, 2), "decode_kv_transfer_share": None}
-                remote = None
-                if decisions is not None:
-                    after = counter_sums(url, *DECISIONS)
-                    remote = share(decisions, after, "remote", ("remote", "local"))
-                if sources is not None:  # prompt tokens decode loaded over NIXL vs computed
-                    after = counter_sums(decode_url, *SOURCES)
-                    extra["decode_kv_transfer_share"] = share(
-                        sources, after, "external_kv_transfer",
-                        ("external_kv_transfer", "local_compute"),
-                    )  # fmt: skip
-                row_ = {**row(system, dataset, rate, result, remote, args), **extra}
-                rows.append({**row_, **provenance()})
-                print(json.dumps(rows[-1]), file=sys.stderr)
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(rows, indent=1))
+        seed += 1
+        settle = wait_quiet()
+        decisions = counter_sums(url, *DECISIONS) if gateway else None
+        sources = counter_sums(decode_url, *SOURCES) if decode_url else None
+        result = run_load(args, url, dataset, rate, seed, logs / f"{system}-{seed}.json")
+        extra = {"run": run, "settle_s": round(settle, 2), "decode_kv_transfer_share": None}
+        remote = None
+        if decisions is not None:
+            after = counter_sums(url, *DECISIONS)
+            remote = share(decisions, after, "remote", ("remote", "local"))
+        if sources is not None:  # prompt tokens decode loaded over NIXL vs computed
+            after = counter_sums(decode_url, *SOURCES)
+            extra["decode_kv_transfer_share"] = share(
+                sources, after, "external_kv_transfer", ("external_kv_transfer", "local_compute")
+            )
+        row_ = {**row(system, dataset, rate, result, remote, args), **extra}
+        rows.append({**row_, **provenance()})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+        write(args.json, rows)
 
+    cells = [(d, r) for d in args.datasets.split(",") for r in args.rates.split(",")]
     if "vllm" in systems:
         alone = VllmServer(args.peer_python, args.model, logs / "vllm-alone.log",
                            served_model_name=NAME, cores=",".join(map(str, args.cpus)))  # fmt: skip
         try:
             alone.wait_ready()
-            measure("vllm", alone.url, gateway=False)
+            for run in range(args.runs):
+                for dataset, rate in cells:
+                    measure("vllm", alone.url, False, None, dataset, rate, run)
         finally:
             alone.stop()
     if any(s != "vllm" for s in systems):
         pd = PdSystem(args, logs)
         try:
-            if "decode" in systems:
-                measure("decode", pd.decode.url, False, pd.decode.url)
+            # every gateway up at once, so each cell runs the systems back to back, in an
+            # order rotated by run (none always first on a fresh tier or decode cache)
+            urls = {"decode": pd.decode.url}
             for system in systems:
                 if system.startswith("pd-"):
-                    gateway = pd.gateway(system.removeprefix("pd-"))
-                    measure(system, f"http://{gateway.target}", True, pd.decode.url)
-                    gateway.stop()
+                    urls[system] = f"http://{pd.gateway(system.removeprefix('pd-')).target}"
+            order = [s for s in systems if s != "vllm"]
+            for run in range(args.runs):
+                turn = order[run % len(order) :] + order[: run % len(order)]
+                for dataset, rate in cells:
+                    for system in turn:
+                        measure(system, urls[system], system != "decode", pd.decode.url,
+                                dataset, rate, run)  # fmt: skip
         finally:
             pd.stop()
+    if args.runs > 1:
+        rows.extend(medians(rows))
+        write(args.json, rows)
     print(json.dumps(rows, indent=1))
 
 

@@ -25,14 +25,14 @@ def model_dir(root: Path) -> Path:
     return root
 
 
-def pipeline(model: Path):
+def pipeline(model: Path, *extra: str):
     """A 2-stage `wavepp serve` with KV shipping (pull leases), the debug service, and
-    ``WAVE_DELAY_S`` added to every wave (32-token chunks)."""
+    ``WAVE_DELAY_S`` added to every wave (32-token chunks); ``extra``: more flags."""
     proc, port, _ = spawn(
         ["serve", "--model", str(model), "--stages", "2", "--num-blocks", "128",
          "--block-size", str(BS), "--max-chunk-tokens", "32", "--host", "127.0.0.1",
          "--port", "0", "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING",
-         "--debug-service", "--debug-wave-delay", str(WAVE_DELAY_S)],
+         "--debug-service", "--debug-wave-delay", str(WAVE_DELAY_S), *extra],
         "wavepp serve:",
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"

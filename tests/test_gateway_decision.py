@@ -34,6 +34,21 @@ def test_a_prefix_held_by_decode_makes_a_long_prompt_local():
     assert decide(Mode.AUTO, RULE, 500, DecodeView("d0", cached_tokens=400), tier()).remote
 
 
+def test_decode_prefill_budget_counts_prompts_it_is_still_computing():
+    # 40 tokens on their own fit the 64-token budget; on top of 30 pending they do not
+    d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=24), tier())
+    assert (d.remote, d.reason) == (False, Reason.SHORT_SUFFIX)  # 24 + 40 = 64: in budget
+    d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier())
+    assert (d.remote, d.reason) == (True, Reason.DECODE_BUSY)
+    # ... unless the tier's queue is long too: a short suffix stays local
+    d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier(queued_s=1.5))
+    assert (d.remote, d.reason) == (False, Reason.SHORT_SUFFIX)
+    # a long suffix on a busy tier goes local only while decode has nothing pending
+    busy = tier(queued_s=1.5)
+    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0", prefilling_tokens=1), busy).remote
+    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0"), busy).reason is Reason.TIER_BUSY
+
+
 def test_no_tier_answer_or_no_ready_pipeline_is_local():
     assert decide(Mode.AUTO, RULE, 500, DecodeView("d0"), None).reason is Reason.TIER_UNAVAILABLE
     none_ready = tier(pipeline="")
@@ -60,7 +75,7 @@ def test_describe_names_every_input():
     d = decide(Mode.AUTO, RULE, 500, DecodeView("d0", 16, 2, 1, 0.5), tier(cached=32))
     line = d.describe()
     for part in ("prefill=remote", "reason=long_suffix", "prompt=500", "decode=d0",
-                 "decode_cached=16", "running=2", "waiting=1", "kv=0.50", "tier=p0",
+                 "decode_cached=16", "running=2", "waiting=1", "prefilling=0", "kv=0.50", "tier=p0",
                  "cached=32"):  # fmt: skip
         assert part in line
 
@@ -75,6 +90,8 @@ def test_pick_prefers_less_load_then_a_cached_prefix_then_the_id():
     assert pick_decode([idle, waiting], RULE).instance == "b"
     assert pick_decode([idle, busy], RULE, exclude=("b",)).instance == "a"
     assert pick_decode([idle], RULE, exclude=("b",)) is None
+    computing = DecodeView("e", prefilling_tokens=101)  # outweighs one running request
+    assert pick_decode([computing, DecodeView("f", running=1)], RULE).instance == "f"
     assert pick_decode([], RULE) is None
 
 

@@ -27,6 +27,7 @@ from tests.test_grpc_tls import _make_pki
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 LONG = "what is the capital of france ? " * 6  # 42 tokens: remote under --local-max-tokens 8
+LEASE_TTL_S = 3
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": LONG}]
 
 
@@ -35,7 +36,8 @@ def tier(tmp_path_factory):
     model = h.model_dir(tmp_path_factory.mktemp("tiny-gateway"))
     procs = []
     try:
-        proc, pipeline = h.pipeline(model)
+        # leases a decode instance never pulls (a test double's) expire in seconds
+        proc, pipeline = h.pipeline(model, "--kv-lease-ttl", str(LEASE_TTL_S))
         procs.append(proc)
         proc, router = h.router(model, [pipeline])
         procs.append(proc)
@@ -439,3 +441,71 @@ def test_a_chat_template_that_differs_on_decode_is_refused_there_never_served_wr
             'wavepp_gateway_kv_loads_total{outcome="failed"}': 1.0}  # fmt: skip
     finally:
         terminate(proc)
+
+
+class _HeldDecode(http.server.BaseHTTPRequestHandler):
+    """A test double of a decode instance that holds its first request (no byte of the
+    answer) until ``release`` is set; every later one is answered at once."""
+
+    bodies: list[dict] = []
+    arrived = threading.Event()
+    release = threading.Event()
+
+    do_GET = _FailingDecode.do_GET  # its /metrics: idle
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).bodies.append(body)
+        if len(type(self).bodies) == 1:
+            type(self).arrived.set()
+            type(self).release.wait(60)
+        answer = json.dumps({"id": "cmpl-held", "object": "text_completion", "created": 0,
+                             "model": h.SERVED, "kv_transfer_params": None,
+                             "choices": [{"index": 0, "text": "x", "logprobs": None,
+                                          "finish_reason": "length"}]}).encode()  # fmt: skip
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_prompt_decode_is_still_computing_spends_its_budget_and_the_next_goes_remote(tier):
+    double = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HeldDecode)
+    threading.Thread(target=double.serve_forever, daemon=True).start()
+    held = f"127.0.0.1:{double.server_address[1]}"
+    proc, base = h.gateway(tier["model"], [held], "--router", tier["router"],
+                           "--local-max-tokens", "64")  # fmt: skip
+    pending = f'wavepp_gateway_decode_prefilling_tokens{{instance="{held}"}}'
+    try:
+        wait_until(lambda: h.get(f"{base}/health")[0] == 200, 30, "the gateway ready")
+        body = {"model": h.SERVED, "prompt": LONG, "max_tokens": 1, "temperature": 0}
+        first: list = []
+        asking = threading.Thread(target=lambda: first.append(
+            h.post(f"{base}/v1/completions", body)))  # fmt: skip
+        asking.start()
+        assert _HeldDecode.arrived.wait(30)  # 42 prompt tokens: within the 64-token budget
+        assert h.metric(base, "wavepp_gateway_decode_prefilling_tokens")[pending] == 42
+        code, headers, _ = h.post(f"{base}/v1/completions", body)  # 42 + 42 > 64
+        assert code == 200
+        assert (headers["x-wavepp-prefill"], headers["x-wavepp-prefill-reason"]) == (
+            "remote", "decode_busy")  # fmt: skip
+        assert "wavepp_pull" in _HeldDecode.bodies[1]["kv_transfer_params"]
+        _HeldDecode.release.set()
+        asking.join(30)
+        code, headers, _ = first[0]
+        assert code == 200
+        assert (headers["x-wavepp-prefill"], headers["x-wavepp-prefill-reason"]) == (
+            "local", "short_suffix")  # fmt: skip
+        assert "kv_transfer_params" not in _HeldDecode.bodies[0]
+        assert h.metric(base, "wavepp_gateway_decode_prefilling_tokens")[pending] == 0
+    finally:
+        _HeldDecode.release.set()
+        terminate(proc)
+        double.shutdown()
+    # the double never pulled the remote request's KV: its leases expire, nothing leaks
+    wait_until(lambda: integrity(tier["pipeline"]) == (True, True), 5 * LEASE_TTL_S,
+               "the unpulled leases expired")  # fmt: skip

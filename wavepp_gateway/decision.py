@@ -19,7 +19,8 @@ class Reason(Enum):
 
     POLICY = "policy"  # --prefill remote|local
     TIER_UNAVAILABLE = "tier_unavailable"  # no answer from the tier, or no ready pipeline
-    SHORT_SUFFIX = "short_suffix"  # what decode would compute is at most local_max_tokens
+    SHORT_SUFFIX = "short_suffix"  # decode's prefill work with this prompt stays in budget
+    DECODE_BUSY = "decode_busy"  # a short suffix, but decode's prefill budget is spent
     TIER_BUSY = "tier_busy"  # the tier's queue is long and the decode instance is not
     LONG_SUFFIX = "long_suffix"  # the tier computes it
 
@@ -35,6 +36,7 @@ class DecodeView:
     waiting: int = 0
     kv_usage: float = 0.0
     max_model_len: int | None = None  # from its /v1/models (None: not known)
+    prefilling_tokens: int = 0  # prompt tokens this gateway sent it to compute, no answer yet
 
     def fits(self, tokens: int) -> bool:
         """True when a request of ``tokens`` (prompt + completion) fits its context."""
@@ -68,7 +70,8 @@ class Decision:
         return (
             f"prefill={self.label} reason={self.reason.value} prompt={self.prompt_tokens} "
             f"decode={d.instance} decode_cached={d.cached_tokens} running={d.running} "
-            f"waiting={d.waiting} kv={d.kv_usage:.2f} {tier_part}"
+            f"waiting={d.waiting} prefilling={d.prefilling_tokens} kv={d.kv_usage:.2f} "
+            f"{tier_part}"
         )
 
 
@@ -76,14 +79,16 @@ def pick_decode(
     views: Sequence[DecodeView], rule: DecisionRule, exclude: Sequence[str] = ()
 ) -> DecodeView | None:
     """The decode instance with the least work ahead for this prompt: its load in
-    token-equivalents (``request_tokens`` per running request, twice that per waiting one)
+    token-equivalents (``request_tokens`` per running request, twice that per waiting one,
+    plus the prompt tokens this gateway sent it to compute that have not answered yet)
     minus the prompt tokens it already caches; ties by fewer waiting, then by id. None when
     no instance is left after ``exclude``."""
     best = None
     for v in views:
         if v.instance in exclude:
             continue
-        load = (v.running + 2 * v.waiting) * rule.request_tokens - v.cached_tokens
+        load = (v.running + 2 * v.waiting) * rule.request_tokens
+        load += v.prefilling_tokens - v.cached_tokens
         key = (load, v.waiting, v.instance)
         if best is None or key < best[0]:
             best = (key, v)
@@ -98,20 +103,29 @@ def decide(
     tier: ScoreReport | None,
 ) -> Decision:
     """Remote or local for one prompt on the chosen ``decode`` instance. ``tier`` is the
-    router's dry run (None: the tier did not answer). Under ``auto``: no usable tier ->
-    local; a suffix the decode instance would compute (prompt minus its cached prefix) of
-    at most ``local_max_tokens`` -> local; a tier queue over ``max_tier_queue_s`` while
-    the decode instance has nothing waiting -> local; else remote. ``remote`` and
-    ``local`` force the choice (the caller answers 503 for remote without a tier)."""
+    router's dry run (None: the tier did not answer). Under ``auto``, with ``suffix`` the
+    tokens decode would compute (prompt minus its cached prefix) and ``pending`` the prompt
+    tokens this gateway already sent it to compute that have not answered yet:
+    no usable tier -> local; ``pending + suffix`` at most ``local_max_tokens`` (decode's
+    prefill budget) -> local; the tier's queue over ``max_tier_queue_s`` while decode has
+    nothing waiting or pending -> local; a suffix within the budget on its own but not on
+    top of ``pending``, with the tier's queue short -> remote (decode busy); any other
+    suffix within the budget -> local; else remote. ``remote`` and ``local`` force the
+    choice (the caller answers 503 for remote without a tier)."""
     if mode is not PrefillMode.AUTO:
         return Decision(mode is PrefillMode.REMOTE, Reason.POLICY, prompt_tokens, decode, tier)
-    local_suffix = prompt_tokens - min(decode.cached_tokens, prompt_tokens)
+    suffix = prompt_tokens - min(decode.cached_tokens, prompt_tokens)
+    pending = decode.prefilling_tokens
+    budget = rule.local_max_tokens
+    tier_busy = tier is not None and tier.queued_s > rule.max_tier_queue_s
     if tier is None or not tier.pipeline_id:
         reason, remote = Reason.TIER_UNAVAILABLE, False
-    elif local_suffix <= rule.local_max_tokens:
+    elif pending + suffix <= budget:
         reason, remote = Reason.SHORT_SUFFIX, False
-    elif tier.queued_s > rule.max_tier_queue_s and decode.waiting == 0:
+    elif tier_busy and decode.waiting == 0 and pending == 0:
         reason, remote = Reason.TIER_BUSY, False
+    elif suffix <= budget:
+        reason, remote = (Reason.SHORT_SUFFIX, False) if tier_busy else (Reason.DECODE_BUSY, True)
     else:
         reason, remote = Reason.LONG_SUFFIX, True
     return Decision(remote, reason, prompt_tokens, decode, tier)

@@ -46,6 +46,10 @@ class GatewayMetrics:
                                     "last read", ["instance"], registry=r)  # fmt: skip
         self.decode_waiting = Gauge("wavepp_gateway_decode_waiting", "vllm:num_requests_waiting "
                                     "last read", ["instance"], registry=r)  # fmt: skip
+        self.decode_prefilling = Gauge("wavepp_gateway_decode_prefilling_tokens", "prompt "
+                                       "tokens sent to the instance to compute that have not "
+                                       "answered yet (auto's decode prefill budget)",
+                                       ["instance"], registry=r)  # fmt: skip
         self.decode_ready = Gauge("wavepp_gateway_decode_ready", "1 while the instance answers",
                                   ["instance"], registry=r)  # fmt: skip
         self.decode_blocks = Gauge("wavepp_gateway_decode_indexed_blocks", "prefix blocks "

@@ -33,7 +33,7 @@ from prefill_node.openai_api.errors import ApiError, BadRequest, DecodeFailed, U
 from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
 from wavepp_gateway.config import GatewayConfig, PrefillMode
 from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
-from wavepp_gateway.decode_fleet import DecodeFleet
+from wavepp_gateway.decode_fleet import DecodeFleet, DecodeInstance
 from wavepp_gateway.metrics import GatewayMetrics
 from wavepp_gateway.openai_request import (
     GatewayRequest,
@@ -45,6 +45,7 @@ from wavepp_gateway.tier import PrefillTier, TierError, TierPrefill
 
 log = logging.getLogger(__name__)
 _LOADED = LOADED_KEY.encode()
+_JSON = {"content-type": "application/json"}
 
 
 class _DecodeAttemptFailed(Exception):
@@ -62,7 +63,7 @@ class _Answer:
     status: int
     with_kv: bool  # kv_transfer_params were sent with the request
     body: bytes = b""
-    stream: Any = None  # httpx.Response, open
+    stream: Any = None  # aiohttp.ClientResponse, open
     chunks: Any = None  # its raw byte iterator, the first chunk read already
     first: bytes = b""
 
@@ -130,7 +131,10 @@ class RequestPath:
             self._metrics.decode_errors.labels(answer.instance, "mid_stream").inc()
             log.warning("decode instance %s broke a stream: %s", answer.instance, exc)
         finally:
-            await answer.stream.aclose()  # closing it makes decode abort an unfinished one
+            if outcome == "ok":
+                answer.stream.release()  # read to its end: the connection goes back to the pool
+            else:
+                answer.stream.close()  # closing it makes decode abort the unfinished request
             self._metrics.requests.labels(label, outcome).inc()
             self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
 
@@ -210,7 +214,7 @@ class RequestPath:
         self, req: GatewayRequest, decode: DecodeView, params: dict | None, views
     ) -> _Answer:
         try:
-            return await self._attempt(req, decode.instance, params)
+            return await self._attempt(req, decode, params)
         except _DecodeAttemptFailed as first:
             self._metrics.decode_errors.labels(first.instance, first.kind).inc()
             retry = pick_decode(views, self.config.rule, exclude=(first.instance,))
@@ -219,41 +223,56 @@ class RequestPath:
             self._metrics.decode_retries.inc()
             log.info("%s; retrying on %s", first, retry.instance)
             try:
-                return await self._attempt(req, retry.instance,
-                                           None if first.delivered else params)  # fmt: skip
+                return await self._attempt(req, retry, None if first.delivered else params)
             except _DecodeAttemptFailed as second:
                 self._metrics.decode_errors.labels(second.instance, second.kind).inc()
                 raise DecodeFailed(f"{first}; retried: {second}") from None
 
-    async def _attempt(self, req: GatewayRequest, iid: str, params: dict | None) -> _Answer:
-        import httpx
-
+    async def _attempt(self, req: GatewayRequest, view: DecodeView, params: dict | None) -> _Answer:
+        """One request to ``view``'s instance; while it computes the prompt (no ``params``),
+        the instance counts those tokens as pending prefill work (``decide`` reads it)."""
+        iid = view.instance
         inst = self._fleet.instance(iid)
         if inst is None:
             raise _DecodeAttemptFailed(iid, "gone", delivered=False)
+        local = 0 if params is not None else len(req.prompt_ids) - view.cached_tokens
+        gauge = self._metrics.decode_prefilling.labels(iid)
+        inst.prefilling_tokens += local
+        gauge.set(inst.prefilling_tokens)
+        try:
+            return await self._send(req, inst, params)
+        finally:
+            inst.prefilling_tokens -= local
+            gauge.set(inst.prefilling_tokens)
+
+    async def _send(
+        self, req: GatewayRequest, inst: DecodeInstance, params: dict | None
+    ) -> _Answer:
+        import aiohttp
+
+        iid = inst.id
         body = dict(req.body)
         if req.route is Route.COMPLETIONS:
             body["prompt"] = list(req.prompt_ids)  # tokenised once, here
         if params is not None:
             body["kv_transfer_params"] = params
-        http = self._fleet.http
-        timeout = httpx.Timeout(None, connect=self.config.decode_connect_timeout_s)
-        outgoing = http.build_request("POST", inst.url + req.route.value,
-                                      content=json.dumps(body).encode(), timeout=timeout,
-                                      headers={"content-type": "application/json"})  # fmt: skip
+        connect_s = self.config.decode_connect_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
         try:
-            reply = await http.send(outgoing, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            reply = await self._fleet.http.post(inst.url + req.route.value,
+                                                data=json.dumps(body).encode(), timeout=timeout,
+                                                headers=_JSON)  # fmt: skip
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._fleet.mark_down(iid)
             raise _DecodeAttemptFailed(iid, "connect", delivered=False) from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
         try:
-            if reply.status_code >= 500:
-                raise _DecodeAttemptFailed(iid, f"http_{reply.status_code}", delivered=True)
-            if not req.stream or reply.status_code != 200:
-                return _Answer(iid, reply.status_code, params is not None, await reply.aread())
-            chunks = reply.aiter_raw()
+            if reply.status >= 500:
+                raise _DecodeAttemptFailed(iid, f"http_{reply.status}", delivered=True)
+            if not req.stream or reply.status != 200:
+                return _Answer(iid, reply.status, params is not None, await reply.read())
+            chunks = reply.content.iter_any()
             first = b""
             async for chunk in chunks:
                 if chunk:
@@ -265,14 +284,16 @@ class RequestPath:
                              first=first)  # fmt: skip
             reply = None  # the relay's now: it closes it
             return answer
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise _DecodeAttemptFailed(iid, "transport", delivered=True) from exc
         finally:
             if reply is not None:
-                await reply.aclose()
+                reply.release()  # back to the pool when read to its end, else closed
 
     def _count_kv_load(self, body: bytes) -> None:
         """``wavepp_loaded`` of an answer: did the KV load succeed on decode."""
+        if _LOADED not in body:  # no kv_transfer_params came back: nothing to parse
+            return
         try:
             loaded = (json.loads(body).get("kv_transfer_params") or {}).get(LOADED_KEY)
         except (ValueError, AttributeError):

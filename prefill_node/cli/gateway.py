@@ -23,8 +23,9 @@ decode's answer is relayed unchanged; headers say where it went: x-wavepp-prefil
 (remote|local), x-wavepp-prefill-pipeline, x-wavepp-cached-tokens, x-wavepp-decode.
 
 --prefill auto (default) decides per request: local when the tier is unavailable, or when
-what decode would compute (prompt minus its cached prefix) is at most --local-max-tokens,
-or when the tier's queue exceeds --max-tier-queue and decode has nothing waiting; remote
+what decode would compute (prompt minus its cached prefix), added to the prompt tokens the
+gateway sent it to compute that have not answered yet, is at most --local-max-tokens, or
+when the tier's queue exceeds --max-tier-queue and decode has nothing waiting; remote
 otherwise (docs/gateway.md). remote: always the tier (503 when it is down); local: never.
 
 Decode instances must serve the model under --served-model-name (vllm serve
@@ -92,8 +93,9 @@ def register(subparsers: Any) -> None:
         "--local-max-tokens",
         type=int,
         default=256,
-        help="auto: a suffix decode would compute of at most this many tokens is "
-        "computed there (default 256)",
+        help="auto: decode's prefill budget: a suffix decode would compute is computed "
+        "there while it and decode's unanswered local prompts stay within this many "
+        "tokens (default 256)",
     )
     t.add_argument(
         "--max-tier-queue",
