@@ -229,3 +229,18 @@ def test_reused_request_id_supersedes_a_live_lease(engine, decode):
     tokens = list(decode.generate("again", second.first_token_id, NEW_TOKENS))
     assert tokens == reference_greedy(prompt)
     wait_idle(engine)
+
+
+def test_abort_after_the_answer_revokes_leases_decode_never_pulled(engine):
+    """A pull-mode answer whose decode never came (its caller gave up): Abort revokes the
+    leases on every stage at once, well before their TTL, and only once."""
+    prompt = prompt_of(14, seed=11)
+    options = PrefillOptions("unpulled", kv_destination=KVPullDestination())
+    engine.submit(prompt, options).result(30)
+    assert [s.kv_held_blocks for s in engine.stage_stats()] == [4, 4]
+    started = time.monotonic()
+    assert engine.abort("unpulled")
+    wait_idle(engine, timeout_s=SHIPPING.lease_ttl_s / 2)
+    assert time.monotonic() - started < SHIPPING.lease_ttl_s / 2  # revoked, not expired
+    assert not engine.abort("unpulled")  # nothing left to revoke
+    assert not engine.abort("never-seen")

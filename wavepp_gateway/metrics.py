@@ -35,6 +35,10 @@ class GatewayMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.tier_errors = Counter("wavepp_gateway_prefill_errors", "prefill tier failures",
                                    ["status"], registry=r)  # fmt: skip
+        self.tier_releases = Counter("wavepp_gateway_prefill_releases", "remote prefills "
+                                     "whose KV decode did not use, given back to the tier "
+                                     "(outcome: released, or none held)", ["outcome"],
+                                     registry=r)  # fmt: skip
         self.decode_errors = Counter("wavepp_gateway_decode_errors", "decode instance failures",
                                      ["instance", "kind"], registry=r)  # fmt: skip
         self.decode_retries = Counter("wavepp_gateway_decode_retries", "requests retried on "

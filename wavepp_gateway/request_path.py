@@ -16,6 +16,7 @@ Failure semantics (docs/gateway.md):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -84,6 +85,7 @@ class RequestPath:
         self._fleet = fleet
         self._tier = tier
         self._metrics = metrics
+        self._releasing: set[asyncio.Task] = set()  # lease releases under way
 
     async def handle(self, route: Route, request: Request) -> Response:
         started = time.monotonic()
@@ -159,7 +161,14 @@ class RequestPath:
         else:
             headers["x-wavepp-cached-tokens"] = str(decision.decode.cached_tokens)
         params = prefill.kv_transfer_params if prefill is not None else None
-        answer = await self._decode(req, decode, params, views)
+        try:
+            answer = await self._decode(req, decode, params, views)
+        except BaseException:  # no decode answered, or the client went away meanwhile
+            if prefill is not None:
+                self._release(prefill)
+            raise
+        if prefill is not None and (not answer.with_kv or answer.status >= 400):
+            self._release(prefill)  # the retry computed the prompt, or decode refused it
         headers["x-wavepp-decode"] = answer.instance
         if params is not None and not answer.with_kv:  # the retry computed the prompt
             headers["x-wavepp-prefill"] = "local"
@@ -189,6 +198,18 @@ class RequestPath:
             m.tier_queue.observe(report.queued_s)
         log.debug("%s", decision.describe())
         return decision, prefill
+
+    def _release(self, prefill: TierPrefill) -> None:
+        """The tier's leases for ``prefill`` will not be pulled: give them back now, in the
+        background (the answer does not wait for it)."""
+
+        async def release() -> None:
+            released = await self._tier.release(prefill.request_id)
+            self._metrics.tier_releases.labels("released" if released else "none_held").inc()
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _remote(
         self, req: GatewayRequest, decision: Decision

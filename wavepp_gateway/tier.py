@@ -33,6 +33,7 @@ class TierPrefill:
     kv_transfer_params: dict[str, Any]
     pipeline: str
     cached_tokens: int
+    request_id: str
 
 
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -89,9 +90,17 @@ class PrefillTier:
                             code in _UNAVAILABLE) from None  # fmt: skip
         stages = remote.result.stage_manifests
         manifests = [wire_manifest(m, request_id, len(stages)) for m in stages]
-        return TierPrefill(
-            pull_params(manifests, ids), remote.result.served_by, remote.result.cached_tokens
-        )
+        return TierPrefill(pull_params(manifests, ids), remote.result.served_by,
+                           remote.result.cached_tokens, request_id)  # fmt: skip
+
+    async def release(self, request_id: str) -> bool:
+        """Give back the leases of a prefill whose KV decode will not pull (Abort of an
+        answered request: every stage revokes them instead of waiting for their TTL).
+        False when nothing was held (decode pulled it already, or the tier is gone)."""
+        try:
+            return await self._client.abort(request_id, timeout_s=self._score_timeout_s)
+        except (TimeoutError, grpc.RpcError):
+            return False
 
     async def close(self) -> None:
         await self._client.close()

@@ -300,9 +300,9 @@ class AsyncPrefillClient:
         async for item in self._stub.PrefillStream(iter(requests)):
             yield item
 
-    async def abort(self, request_id: str) -> bool:
-        resp = await self._stub.Abort(prefill_pb2.AbortRequest(request_id=request_id))
-        return resp.aborted
+    async def abort(self, request_id: str, timeout_s: float | None = None) -> bool:
+        request = prefill_pb2.AbortRequest(request_id=request_id)
+        return (await self._stub.Abort(request, timeout=timeout_s)).aborted
 
     async def load(self, timeout_s: float | None = None) -> EngineLoad:
         call = self._stub.GetLoad(prefill_pb2.GetLoadRequest(), timeout=timeout_s)

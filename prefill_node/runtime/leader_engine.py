@@ -21,6 +21,7 @@ import operator
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from prefill_node.kv_shipping.shipper import KVShippingConfig
 
 log = logging.getLogger(__name__)
+_LEASED_KEPT = 4096  # answered pull-mode requests whose leases abort can still revoke
 
 
 class LeaderEngine:
@@ -95,7 +97,9 @@ class LeaderEngine:
         self._kv_shipping = kv_shipping
         self._feed = KVEventFeed(spec.num_stages, kv_events) if kv_events is not None else None
         self._handoffs: LeaderHandoffs | None = None
-        self._state_lock = threading.Lock()  # _dead and _closed
+        self._state_lock = threading.Lock()  # _dead, _closed and _leased
+        # answered pull-mode requests, newest last: abort revokes their leases
+        self._leased: OrderedDict[str, bool] = OrderedDict()
         self._requests = RequestTable()
         self._dead: str | None = None
         self._closed = False
@@ -275,8 +279,17 @@ class LeaderEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop ``request_id``: its future fails with RequestAbortedError at once and every
-        stage drops it once none of its chunks is in flight. False: no such request."""
-        return self._abort(request_id, None)
+        stage drops it once none of its chunks is in flight. A pull-mode request already
+        answered, whose leases decode may not have used: every stage revokes them now
+        instead of at their TTL (a caller whose decode never pulled). False: no such
+        request, live or leased."""
+        if self._abort(request_id, None):
+            return True
+        with self._state_lock:
+            leased = self._leased.pop(request_id, False)
+        if leased:
+            self._cancel_shipping((request_id,))
+        return leased
 
     def _expire(self, request_id: str) -> None:
         error = DeadlineExceededError(
@@ -408,6 +421,11 @@ class LeaderEngine:
             if leader is not None:  # stop scheduling its remaining chunks
                 leader.abort(req.request_id)
             return
+        if any(m.lease_id for m in manifests):  # pull mode: abort may still revoke them
+            with self._state_lock:
+                self._leased[req.request_id] = True
+                while len(self._leased) > _LEASED_KEPT:
+                    self._leased.popitem(last=False)
         settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
 
     def _cancel_shipping(self, request_ids: tuple[str, ...]) -> None:
