@@ -7,12 +7,18 @@ three policies run on the same kind of multi-process pipeline (one process and o
 stage when the machine has them). The three pipelines stay up for a whole run and every cell
 runs on them back to back (the order rotates from cell to cell and run to run), so the
 machine's slow drift hits every side of each ratio alike. The ceiling is measured beside the
-cells: two independent single-thread processes (one per stage slice) doing nothing but that
-stage's forward on the workload's wave shapes, concurrently; the pipeline can at best
-compute as fast as its slower stage, so ``efficiency = computed tok/s / min(stage tok/s)``.
-A cell's ceiling is the mean of two such measurements (``--ceiling-s`` each), just before
-and just after its pair. The other policy's pipeline idles meanwhile (gloo's loops wake ~100
-times a second each): measured at ~2% of the ceiling, inside the noise.
+cells, as the best pure forward the pipeline's cores allow (``CeilingRates``): two
+independent single-thread processes (one per stage slice, each on its stage's core) doing
+nothing but that stage's forward on the workload's wave shapes, concurrently - the pipeline
+can at best compute as fast as its slower stage - and then one process running the whole
+model on the same cores with one torch thread per stage (core sharing, on by default, lends
+a lone busy stage its idle neighbours' cores, so a pipeline may use both cores on one wave).
+``efficiency = computed tok/s / max(pair, wide)``; both are reported
+(``ceiling_pair_tok_s``, ``ceiling_wide_tok_s``). A cell's ceiling is the mean of two such
+measurements (``--ceiling-s`` each), just before and just after its cells. The other
+policies' pipelines idle meanwhile (gloo's loops wake ~100 times a second each): measured at
+~2% of the ceiling, inside the noise. Every row carries its provenance
+(bench/provenance.py).
 
 Every figure is a median over ``--runs`` runs. ``wave/trtllm`` and ``wave/sync-admission``
 are the medians of each run's own ratio (a paired comparison); ``efficiency per run``
@@ -41,10 +47,12 @@ from pipeline_workers import (  # noqa: F401  (MODEL, BLOCK, PROMPT, make_spec: 
     MODEL,
     PROMPT,
     WORKLOADS,
-    CeilingPair,
+    CeilingRates,
+    ForwardCeiling,
     make_spec,
     policy_driver,
 )
+from provenance import provenance
 from tqdm import tqdm
 
 POLICIES = ("wave", "trtllm", "sync-admission")
@@ -106,14 +114,14 @@ def run_grid(runs: int, levels: list[int], min_requests: int, ceiling_s: float) 
     per_run: list[dict] = []
     cells = [(w, c) for w in WORKLOADS for c in levels]
     bar = tqdm(total=runs * len(cells), desc="cells (every policy + ceiling)")
-    ceiling = CeilingPair()
+    ceiling = ForwardCeiling()
     try:
         for run in range(runs):
             drivers = {p: policy_driver(p) for p in POLICIES}
             try:
                 for d in drivers.values():
                     d.wait_ready()
-                last: tuple[str, float] | None = None  # (workload, tok/s) just measured
+                last: tuple[str, CeilingRates] | None = None  # (workload, rates) just measured
                 for i, (w, c) in enumerate(cells):
                     if last is None or last[0] != w.name:
                         last = (w.name, ceiling.measure(w.name, ceiling_s))
@@ -136,9 +144,12 @@ def run_grid(runs: int, levels: list[int], min_requests: int, ceiling_s: float) 
                                 "run": run,
                                 "first": order[0] == policy,
                                 **rows[policy],
-                                "ceiling_tok_s": (before + last[1]) / 2,
-                                "ceiling_before_tok_s": before,
-                                "ceiling_after_tok_s": last[1],
+                                "ceiling_tok_s": (before.best + last[1].best) / 2,
+                                "ceiling_pair_tok_s": (before.pair + last[1].pair) / 2,
+                                "ceiling_wide_tok_s": (before.wide + last[1].wide) / 2,
+                                "ceiling_before_tok_s": before.best,
+                                "ceiling_after_tok_s": last[1].best,
+                                **provenance(),
                             }
                         )
                     bar.update()
@@ -172,7 +183,12 @@ def summarise(per_run: list[dict]) -> list[dict]:
         row: dict = {"workload": wname, "policy": policy, "concurrency": c, "runs": len(runs)}
         for key in runs[0]:
             if key not in skip and all(key in r for r in runs):
-                row[key] = statistics.median(r[key] for r in runs)
+                values = [r[key] for r in runs]
+                if all(isinstance(v, int | float) for v in values):
+                    row[key] = statistics.median(values)
+                else:  # provenance: one value, or every distinct one
+                    distinct = sorted({str(v) for v in values})
+                    row[key] = distinct[0] if len(distinct) == 1 else distinct
         row["efficiency"] = row["computed_tok_s"] / row["ceiling_tok_s"]
         row["efficiency_per_run"] = statistics.median(
             r["computed_tok_s"] / r["ceiling_tok_s"] for r in runs
