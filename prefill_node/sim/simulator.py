@@ -143,7 +143,7 @@ class Simulator(TrtllmIssue):
         self._parked: dict[int, tuple[Wave, float]] = {}
         self._loop_index: dict[int, int] = {}
         self._leader_wakeup: float | None = None
-        self._loop_round_done = False  # LEADER_ROUNDS: a round ran since the last wave
+        self._loop_round_done = False  # SYNC_ADMISSION: a round ran since the last wave
         self._round_started = 0.0
         self._stage_busy = [False] * p.num_stages
         self._stage_queue: list[deque[Wave]] = [deque() for _ in range(p.num_stages)]
@@ -274,7 +274,7 @@ class Simulator(TrtllmIssue):
         return True
 
     def _on_phase_event(self, kind: int, stage: int | None) -> None:
-        """LEADER_ROUNDS: send a phase to every other stage, deliver it, collect replies."""
+        """SYNC_ADMISSION: send a phase to every other stage, deliver it, collect replies."""
         lr = self.leader_rounds
         if lr is None:
             raise InvariantError("phase event without sync-admission")

@@ -13,7 +13,7 @@ from prefill_node.sim.executor_loops import ExecutorLoops, WaveHostWork, wave_ho
 
 
 class TrtllmIssue:
-    """``Simulator`` methods of the ``TRTLLM_EXECUTOR`` trtllm (see the module docstring).
+    """``Simulator`` methods of the ``trtllm`` policy (see the module docstring).
 
     Only ``Simulator`` derives from it; the attributes these methods use are its own.
     """
