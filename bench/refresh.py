@@ -236,6 +236,8 @@ FIGURES = (
             "64",
             "--output-len",
             "2",
+            "--num-prefixes",
+            "1",
         ),
         needs="vllm",
     ),
