@@ -4,8 +4,9 @@ For each engine, the same requests run at the same concurrency (default 128) two
 ``inproc`` (threads calling ``engine.submit(...).result()`` directly) and ``grpc`` (an
 asyncio client in this process, the server and engine in a child process, loopback TCP).
 Paths: ``grpc`` (unary Prefill calls), ``grpc_stream`` (one PrefillStream call carrying all
-requests) and ``grpc_floor`` (unary calls to a bare servicer that only submits and answers:
-the cost of Python gRPC itself, so ``grpc - grpc_floor`` is what this servicer adds).
+requests) and ``grpc_floor`` (unary calls to a bare servicer that only parses the ids with
+our own function, submits and answers: the cost of Python gRPC itself, so ``grpc -
+grpc_floor`` is what this servicer adds). Every row carries its provenance.
 Reported per run: p50 / p99 / mean latency and throughput, the per-request overhead
 ``client latency - engine time`` (the engine time travels back in the response) and the
 server process's CPU time per request. Engines:
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from provenance import provenance
 from tqdm import tqdm
 
 from prefill_node.engine.types import (
@@ -142,16 +144,18 @@ def make_engine(kind: str, service_s: float, jitter: float):
 
 
 def _bare_server(engine):
-    """The floor: a bare grpc.aio servicer that only submits and answers (no validation,
-    metrics, health, deadlines or manifests) - what any Python gRPC front must pay."""
+    """The floor: a bare grpc.aio servicer that only parses the ids (as ours does:
+    ``convert.token_ids_of``), submits and answers (no validation, metrics, health,
+    deadlines or manifests) - what any Python gRPC front must pay."""
     import grpc
 
+    from prefill_node.server.convert import token_ids_of
     from wavepp_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
     class Bare(prefill_pb2_grpc.PrefillServiceServicer):
         async def Prefill(self, request, context):
             options = PrefillOptions(request_id=request.request_id, top_logprobs=1)
-            r = await asyncio.wrap_future(engine.submit(list(request.token_ids.ids), options))
+            r = await asyncio.wrap_future(engine.submit(token_ids_of(request.token_ids), options))
             timings = prefill_pb2.PrefillTimings(engine_seconds=r.timings.total_s)
             return prefill_pb2.PrefillResponse(
                 request_id=r.request_id, first_token_id=r.first_token_id, timings=timings
@@ -320,6 +324,7 @@ def bench_engine(kind: str, args, bar: tqdm) -> list[dict]:
                 rows.append(
                     {"engine": kind, "path": path, "run": run, "concurrency": args.concurrency}
                     | stats
+                    | provenance()
                 )
                 bar.update(1)
     finally:
@@ -358,6 +363,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "p50_ratio": g50 / i50,
                     "throughput_ratio": median(kind, path, "throughput_rps")
                     / median(kind, "inproc", "throughput_rps"),
+                    **provenance(),
                 }
             )
     return out

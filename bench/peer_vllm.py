@@ -27,8 +27,10 @@ vLLM idles at 0.01-0.05 cores here, a pipeline at ~0.02.
 
 METRICS: input tok/s = prompt tokens / wall time of the batch; computed tok/s = tokens not
 served from the prefix cache, by each engine's own count. Medians over --runs runs; ratios
-ours / vLLM paired by run (bench/peer_vllm_report.py). Each run row also says how many greedy
-first tokens agree with vllm-eager's (a check that both ran the same model on the same ids).
+ours / vLLM paired by run (bench/peer_vllm_report.py); the headline is against vLLM's
+default configuration (vllm-compiled), vllm-eager beside it. Every row says how many greedy
+first tokens agree with each vLLM mode's (a check that both ran the same model on the same
+ids); it is required: below 90%, or with no vLLM row to compare with, the bench exits 1.
 
     .venv/bin/python bench/peer_vllm.py --json out/peer_vllm.json   # ~13 min on 2 quiet cores
     .venv/bin/python bench/peer_vllm.py --quick --json /tmp/peer.json      # smoke, tiny sizes
@@ -55,6 +57,7 @@ from pathlib import Path
 from peer_vllm_cases import DEFAULT, QUICK, Case, estimate_seconds, make_cases
 from peer_vllm_report import PEERS, SYSTEMS, first_token_agreement, plot, rates, summarise
 from peer_vllm_report import table as markdown_table
+from provenance import provenance
 from quiet import wait_quiet
 from router_cluster import BLOCK, Cluster, warm_pipeline, warm_router
 from router_workload import run_closed_loop, token_stats
@@ -167,7 +170,7 @@ class OursTier:
         return token_stats(outcomes, wall_s) | {"wall_s": wall_s, "first_tokens": firsts}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, required=True, help="write the rows here")
     ap.add_argument("--plot", type=Path, help="the plot (default: PATH with .png)")
@@ -216,13 +219,17 @@ def main() -> None:
     t0 = time.perf_counter()
     per_run = run_all(args, systems, dtypes, cases)
     print(f"done in {(time.perf_counter() - t0) / 60:.1f} min (expected ~{expected / 60:.0f})")
-    summary = write(per_run, args)
+    summary, problems = write(per_run, args)
     print(markdown_table(summary))
     settles: dict[str, list[float]] = {}
     for r in per_run:
         settles.setdefault(r["after"] or "(start)", []).append(r["settle_s"])
     waits = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in sorted(settles.items()))
     print(f"wait for a quiet machine, by the system measured just before (median s): {waits}")
+    if problems:  # agreement is required: a row without it is not a comparison
+        print("first-token agreement FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_all(args, systems: list[str], dtypes: list[str], cases: tuple[Case, ...]) -> list[dict]:
@@ -290,19 +297,20 @@ def run_case(
     return rows
 
 
-def write(per_run: list[dict], args, final: bool = True) -> list[dict]:
-    """Every row to --json (run rows with their first tokens' agreement, medians, ratios); at
-    the end also the table (.md) and the plot."""
-    first_token_agreement(per_run)
+def write(per_run: list[dict], args, final: bool = True) -> tuple[list[dict], list[str]]:
+    """Every row to --json (run rows with their first tokens' agreement, medians, ratios,
+    each with its provenance); at the end also the table (.md) and the plot. Returns the
+    summary and the first-token agreement problems (``first_token_agreement``)."""
+    problems = first_token_agreement(per_run)
     summary = summarise(per_run)
     rows = [{k: v for k, v in r.items() if k != "first_tokens"} for r in per_run]
     serve_args = " ".join(args.serve_arg)
-    rows = [r | {"serve_args": serve_args} for r in rows + summary]
+    rows = [r | {"serve_args": serve_args} | provenance() for r in rows + summary]
     args.json.write_text(json.dumps(rows, indent=1))
     if final and summary:
         args.json.with_suffix(".md").write_text(markdown_table(summary) + "\n")
         plot(summary, args.plot or args.json.with_suffix(".png"))
-    return summary
+    return summary, problems
 
 
 if __name__ == "__main__":

@@ -5,7 +5,15 @@ Row kinds (all flat, all with ``system``, ``dtype``, ``case``, ``run``):
 - ``median``: the median of a (system, dtype, case) over its runs (``run`` = "median");
 - ``ratio``: one of our systems over one vLLM mode on a (dtype, case): the median over runs of
   each run's own ratio (paired: both sides measured in the same run), for input and computed
-  tok/s, and how many runs ours was ahead on input tok/s.
+  tok/s, and how many runs ours was ahead on input tok/s. The headline (``headline``) is
+  against vLLM's default configuration, ``vllm-compiled``; ``vllm-eager`` stands beside it.
+
+First-token agreement is part of every row and required: each ``run`` row says which share
+of its prompts got the same greedy first token as each vLLM mode in the same run
+(``agreement_vllm_compiled`` / ``_eager``; ``first_token_agreement`` against the headline
+peer, else eager), a ratio row the lowest of its pairs, and ``agreement_problems`` lists the
+rows below ``MIN_AGREEMENT`` or without any vLLM row to compare with; the bench fails on
+any.
 """
 
 from __future__ import annotations
@@ -14,9 +22,12 @@ import statistics
 from pathlib import Path
 
 OURS = ("wavepp-pipeline", "wavepp-router")
-PEERS = ("vllm-eager", "vllm-compiled")
+PEERS = ("vllm-compiled", "vllm-eager")  # vLLM's default (the headline) first
+HEADLINE_PEER = PEERS[0]
 SYSTEMS = OURS + PEERS
 METRICS = ("input_tok_s", "computed_tok_s")
+# random-token prompts have near-ties between the two engines' float sums, so not always 1
+MIN_AGREEMENT = 0.9
 
 
 def rates(prompt_tokens: int, cached_tokens: int, wall_s: float) -> dict:
@@ -40,6 +51,8 @@ def summarise(per_run: list[dict]) -> list[dict]:
                "run": "median", "runs": len(runs)}  # fmt: skip
         for key in ("input_tok_s", "computed_tok_s", "cached_share", "wall_s"):
             row[key] = statistics.median(r[key] for r in runs)
+        agreed = [r["first_token_agreement"] for r in runs if r.get("first_token_agreement")]
+        row["first_token_agreement"] = statistics.median(agreed) if agreed else None
         medians.append(row)
     ratios = []
     for (system, dtype, case), runs in cells.items():
@@ -51,9 +64,13 @@ def summarise(per_run: list[dict]) -> list[dict]:
             if not pairs:
                 continue
             ahead = sum(a["input_tok_s"] > b["input_tok_s"] for a, b in pairs)
+            agreed = [a.get(_agreement(peer)) for a, _ in pairs]
+            lowest = None if None in agreed else min(agreed)
             row = {"kind": "ratio", "system": system, "peer": peer, "dtype": dtype,
                    "case": case, "run": "median", "paired_runs": len(pairs),
-                   "ahead_runs": ahead}  # fmt: skip
+                   "ahead_runs": ahead, "headline": peer == HEADLINE_PEER,
+                   "first_token_agreement": lowest,
+                   "agreement_ok": lowest is not None and lowest >= MIN_AGREEMENT}  # fmt: skip
             for key in METRICS:
                 row[key] = statistics.median(a[key] / b[key] for a, b in pairs)
             ratios.append(row)
@@ -65,17 +82,41 @@ def summarise(per_run: list[dict]) -> list[dict]:
     return sorted(medians, key=key) + sorted(ratios, key=key)
 
 
-def first_token_agreement(per_run: list[dict], reference: str = "vllm-eager") -> None:
-    """Add to every ``run`` row the share of its prompts whose greedy first token equals the
-    ``reference`` system's on the same (dtype, case, run) - a sanity check that both ran the
-    same model on the same prompts (random-token prompts have near-ties, so not always 1)."""
-    ref = {(r["dtype"], r["case"], r["run"]): r["first_tokens"] for r in per_run
-           if r["system"] == reference}  # fmt: skip
+def _agreement(peer: str) -> str:
+    """The row key of the first-token agreement with ``peer`` (``agreement_vllm_eager``)."""
+    return "agreement_" + peer.replace("-", "_")
+
+
+def first_token_agreement(per_run: list[dict]) -> list[str]:
+    """Add to every ``run`` row, for each vLLM mode, the share of its prompts whose greedy
+    first token equals that mode's on the same (dtype, case, run) (``_agreement(peer)``; None
+    when that mode has no such row), and ``first_token_agreement``: against the headline
+    peer, else eager - a check that both ran the same model on the same prompts. Returns the
+    problems: rows below ``MIN_AGREEMENT``, or with nothing to compare with while a vLLM
+    mode ran."""
+    problems = []
+    any_peer = any(r["system"] in PEERS for r in per_run)
+    for peer in PEERS:
+        ref = {(r["dtype"], r["case"], r["run"]): r["first_tokens"] for r in per_run
+               if r["system"] == peer}  # fmt: skip
+        for r in per_run:
+            theirs = ref.get((r["dtype"], r["case"], r["run"]))
+            value = None
+            if theirs is not None and len(theirs) == len(r["first_tokens"]):
+                same = sum(a == b for a, b in zip(r["first_tokens"], theirs, strict=True))
+                value = same / len(theirs)
+            r[_agreement(peer)] = value
     for r in per_run:
-        theirs = ref.get((r["dtype"], r["case"], r["run"]))
-        if theirs is not None and len(theirs) == len(r["first_tokens"]):
-            same = sum(a == b for a, b in zip(r["first_tokens"], theirs, strict=True))
-            r["first_token_agreement"] = same / len(theirs)
+        found = [r[_agreement(p)] for p in PEERS if r[_agreement(p)] is not None]
+        r["first_token_agreement"] = found[0] if found else None
+        where = f"{r['system']} {r['dtype']} {r['case']} run {r['run']}"
+        if any_peer and not found:
+            problems.append(f"{where}: no vLLM row to compare first tokens with")
+        elif found and min(found) < MIN_AGREEMENT:
+            problems.append(
+                f"{where}: first tokens agree on {min(found):.0%} < {MIN_AGREEMENT:.0%}"
+            )
+    return problems
 
 
 def table(summary: list[dict]) -> str:

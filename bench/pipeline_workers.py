@@ -1,10 +1,10 @@
-"""bench/pipeline.py's long-lived worker processes: one pipeline per policy, one ceiling pair
-(``PipelineDriver`` also leads bench/stage_occupancy.py's pipelines).
+"""bench/pipeline.py's long-lived worker processes: one pipeline per policy, the ceiling's
+pure-forward processes (``PipelineDriver`` also leads bench/stage_occupancy.py's pipelines).
 
-Both policies' pipelines stay up for a whole run, each in its own driver process (a leader
-hosts torch.distributed state, so two cannot share a process), and the two ceiling
-processes stay up for the whole invocation. The bench can then run every cell on both
-policies back to back and measure the ceiling right after them, so that the VM's drift over
+Every policy's pipeline stays up for a whole run, each in its own driver process (a leader
+hosts torch.distributed state, so two cannot share a process), and the three ceiling
+processes stay up for the whole invocation. The bench can then run every cell on every
+policy back to back and measure the ceiling right after them, so that the VM's drift over
 minutes (+-10% on this machine) cancels out of the ratios instead of landing in them.
 """
 
@@ -244,7 +244,7 @@ def policy_driver(policy: str) -> PipelineDriver:
     return PipelineDriver(policy, _driver_main, policy)
 
 
-# -- ceiling: independent single-thread processes, pure forward ----------------------------------
+# -- ceiling: pure-forward processes on the pipeline's cores ------------------------------------
 def _wave_batches(w: Workload):
     """The waves the planner forms at full load: cold = M-token slices of whole prompts;
     warm = the (PROMPT - PREFIX)-token suffixes at offset PREFIX that fit in M."""
@@ -258,26 +258,34 @@ def _wave_batches(w: Workload):
     return warm * k + cold * (4 - k) if 0 < k < 4 else (warm if k == 4 else cold)
 
 
-def _forward_worker(stage: int, cpu: int | None, barrier: Any, jobs: Any, out: Any) -> None:
-    """Per job (workload name, seconds): this stage slice's pure-forward tok/s, measured
-    while the other stage's worker measures the same workload (``barrier``)."""
+def _forward_worker(
+    layers: tuple[int, int],
+    threads: int,
+    cpus: set[int] | None,
+    barrier: Any,
+    jobs: Any,
+    out: Any,
+) -> None:
+    """Per job (workload name, seconds): the pure-forward tok/s of ``layers`` on the
+    workload's waves with ``threads`` torch threads on ``cpus``, measured in step with the
+    other workers behind the same ``barrier``."""
     from prefill_node.model.config import ModelConfig
     from prefill_node.model.paged_kv import PagedKVCache
     from prefill_node.model.partition import LayerRange
     from prefill_node.model.stage_model import StageModel
 
-    torch.set_num_threads(1)
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(threads)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     cfg = ModelConfig.from_hf_config(MODEL, name="bench-tiny")
-    model = StageModel.random_init(cfg, LayerRange(2 * stage, 2 * stage + 2), 0)
+    model = StageModel.random_init(cfg, LayerRange(*layers), 0)
     kv = PagedKVCache.for_model(cfg, model.layer_range, PROMPT // BLOCK, BLOCK)
     shapes = {}
     for w in WORKLOADS:
         batches = _wave_batches(w)
         inputs = [
             torch.randn(b.total_tokens, cfg.hidden_size)
-            if stage
+            if layers[0]
             else torch.randint(0, 2048, (b.total_tokens,))
             for b in batches
         ]
@@ -289,51 +297,78 @@ def _forward_worker(stage: int, cpu: int | None, barrier: Any, jobs: Any, out: A
             return
         name, seconds = job
         batches, inputs = shapes[name]
-        barrier.wait()  # both stages measure the same workload at the same time
+        barrier.wait()  # the workers behind one barrier measure at the same time
         tokens, i = 0, 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             model(inputs[i % len(batches)], batches[i % len(batches)], kv)
             tokens += batches[i % len(batches)].total_tokens
             i += 1
-        out.put((name, stage, tokens / (time.perf_counter() - t0)))
+        out.put((name, layers, tokens / (time.perf_counter() - t0)))
 
 
-class CeilingPair:
-    """Two pure-forward processes, one per stage slice (each on its stage's core when the
-    machine has them); ``measure`` returns the slower one's tok/s on a workload's waves."""
+@dataclass(frozen=True)
+class CeilingRates:
+    """Two pure forwards on the cores a pipeline gets (tok/s of whole prompts' tokens):
+    ``pair``, each stage slice alone on its stage's core with one thread, concurrently (the
+    slower one); ``wide``, the whole model in one process with as many threads as the
+    pipeline's stages together (core sharing lends a lone busy stage the idle ones' cores).
+    ``best`` is the ceiling: the best pure forward the same cores allow."""
+
+    pair: float
+    wide: float
+
+    @property
+    def best(self) -> float:
+        return max(self.pair, self.wide)
+
+
+class ForwardCeiling:
+    """Three pure-forward processes for bench/pipeline.py's ceiling (``CeilingRates``): one
+    per stage slice (each on its stage's core when the machine has them, one thread) and
+    one for the whole model on all the pipeline's cores (``core_share``'s budget: one
+    thread per stage, at most the cores allowed). ``measure`` runs the pair, then the whole
+    model alone."""
 
     def __init__(self) -> None:
         from prefill_node.runtime.launcher import stage_cpus
 
         ctx = mp.get_context("spawn")
         cpus = stage_cpus(2)
+        allowed = len(os.sched_getaffinity(0))
+        wide_threads = max(1, min(allowed, 2))  # CoreShare's budget: base x stages, capped
         # kept: a child unpickles the barrier after start() returns
-        self._out, self._barrier = ctx.Queue(), ctx.Barrier(2)
-        self._jobs = [ctx.Queue() for _ in range(2)]
+        self._out, self._barrier, self._alone = ctx.Queue(), ctx.Barrier(2), ctx.Barrier(1)
+        self._jobs = [ctx.Queue() for _ in range(3)]
+        slices = [((2 * s, 2 * s + 2), 1, {cpus[s]} if cpus else None) for s in range(2)]
+        workers = [(*slice_, self._barrier) for slice_ in slices]
+        workers.append(((0, 4), wide_threads, set(cpus) if cpus else None, self._alone))
         self._procs = [
-            ctx.Process(
-                target=_forward_worker,
-                args=(s, cpus[s] if cpus else None, self._barrier, self._jobs[s], self._out),
-            )
-            for s in range(2)
+            ctx.Process(target=_forward_worker, args=(*w, self._jobs[i], self._out))
+            for i, w in enumerate(workers)
         ]
         for p in self._procs:
             p.start()
 
-    def measure(self, name: str, seconds: float) -> float:
-        for q in self._jobs:
+    def measure(self, name: str, seconds: float) -> CeilingRates:
+        for q in self._jobs[:2]:
             q.put((name, seconds))
+        pair = min(self._collect(2, seconds))
+        self._jobs[2].put((name, seconds))
+        (wide,) = self._collect(1, seconds)
+        return CeilingRates(pair, wide)
+
+    def _collect(self, n: int, seconds: float) -> list[float]:
         rates: list[float] = []
         deadline = time.monotonic() + seconds + 600
-        while len(rates) < 2:
+        while len(rates) < n:
             try:
                 rates.append(self._out.get(timeout=5.0)[2])
             except queue.Empty:
                 dead = [p.exitcode for p in self._procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(f"ceiling workers failed (exit codes {dead})") from None
-        return min(rates)
+        return rates
 
     def stop(self) -> None:
         for q in self._jobs:

@@ -21,17 +21,18 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def provenance() -> dict[str, object]:
+def provenance(command: list[str] | None = None) -> dict[str, object]:
     """``commit`` (with ``+dirty`` when the work tree differs from it), ``date_utc``,
-    ``command`` (as typed, relative to the repo), ``cpus`` this process may use and
-    ``load_1m``, the 1-minute load average when the row was taken."""
+    ``command`` (as typed, relative to the repo; or ``command`` for a row another program
+    wrote, as bench/refresh.py stamps them), ``cpus`` this process may use and ``load_1m``,
+    the 1-minute load average when the row was taken."""
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     return {
         "commit": commit,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join(command or [Path(sys.executable).name, *sys.argv]),
         "cpus": len(os.sched_getaffinity(0)),
         "load_1m": round(os.getloadavg()[0], 2),
     }

@@ -1,4 +1,4 @@
-"""Simulator benchmark: `wavepp sim`, by default over the paper's grid (wave vs lockstep).
+"""Simulator benchmark: `wavepp sim`, by default over the paper's grid (wave vs trtllm).
 
     python bench/sim.py --json sim.json --plot sim.png        # == wavepp sim --sweep paper ...
     python bench/sim.py --preset kimi-pp8 --workload suffix4k  # any `wavepp sim` arguments

@@ -6,8 +6,9 @@ throughput over the window in which every client stays busy, as bench/pipeline.p
 it) under both policies with the calibrated ``cpu-bench`` preset, median over 3 prompt
 draws (and, for reference, ``cpu-bench-forward``: the isolated forward's costs only), and
 flags predictions more than ``--tolerance`` off. The runtime's wave policy plans with the
-MPU planner (runtime/leader_core.py), so does the simulated one here; the simulated lockstep is our
-runtime's (the preset's ``LockstepModel.LEADER_ROUNDS``: rounds on stage 0's loop).
+MPU planner (runtime/leader_core.py), so does the simulated one here; the simulated
+sync-admission is our runtime's (rounds on stage 0's loop; the preset's executor is
+``ExecutorKind.WAVEPP_RUNTIME``).
 The simulator is deterministic given the draw.
 
 ``--fit`` grid-searches every pipeline term the ``cpu-bench`` preset fits (compute scale,
@@ -36,7 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import sync_admission_policy, wave_policy
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.simulator import Simulator
@@ -61,7 +62,7 @@ def _simulate_once(
 ) -> dict:
     n = concurrency + max(concurrency, tail)
     spec = WorkloadSpec(KINDS[workload], PROMPT, concurrency, n, preset.block_size, seed=seed)
-    pol = wave_policy(2, PlannerMode.MPU) if policy == "wave" else lockstep_policy(2)
+    pol = wave_policy(2, PlannerMode.MPU) if policy == "wave" else sync_admission_policy(2)
     sim = Simulator(preset, spec, pol)
     res = sim.run()
     done = sorted(sim.records, key=lambda r: r.finished)
@@ -88,7 +89,8 @@ def compare(
     ``tail``: the bench timed ``c + max(c, tail)`` requests a row, unless the row says
     (``requests``)."""
     out = []
-    for b in tqdm(bench_rows, desc="simulating", disable=not progress):
+    simulated = [b for b in bench_rows if b["policy"] in ("wave", "sync-admission")]
+    for b in tqdm(simulated, desc="simulating", disable=not progress):
         c = b["concurrency"]
         t = int(b["requests"]) - c if "requests" in b else max(c, tail)
         s = simulate(preset, b["workload"], c, b["policy"], t, seeds)
@@ -100,7 +102,7 @@ def compare(
         row["bench_busy"] = (b["busy_stage0"] + b["busy_stage1"]) / 2
         row["sim_busy"] = s["utilisation"]
         if "paired_runs" in b:  # bench/pipeline.py's paired ratio (median of per-run ratios)
-            row["bench_wave_over_lockstep"] = b["wave_over_lockstep"]
+            row["bench_wave_over_baseline"] = b["wave_over_sync_admission"]
         out.append(row)
     for row in out:
         other = next(
@@ -111,11 +113,11 @@ def compare(
         )
         wave, lock = (row, other) if row["policy"] == "wave" else (other, row)
         for src in ("bench", "sim"):
-            if f"{src}_wave_over_lockstep" not in row:
-                row[f"{src}_wave_over_lockstep"] = (
+            if f"{src}_wave_over_baseline" not in row:
+                row[f"{src}_wave_over_baseline"] = (
                     wave[f"{src}_input_tok_s"] / lock[f"{src}_input_tok_s"]
                 )
-        ratio = row["sim_wave_over_lockstep"] / row["bench_wave_over_lockstep"]
+        ratio = row["sim_wave_over_baseline"] / row["bench_wave_over_baseline"]
         row["sim_over_bench_ratio"] = ratio
         row["flag_input"] = abs(row["sim_over_bench_input_tok_s"] - 1) > tolerance
         row["flag_ratio"] = abs(ratio - 1) > tolerance
@@ -231,8 +233,8 @@ def markdown(rows: list[dict], in_sample: set[int] | None = None) -> str:
             f"| {r.get('sim_forward_only_input_tok_s', float('nan')):.0f} "
             f"| {r['bench_computed_tok_s'] / r['bench_input_tok_s']:.2f}/"
             f"{r['sim_computed_tok_s'] / r['sim_input_tok_s']:.2f} | {r['bench_busy']:.2f} "
-            f"| {r['sim_busy']:.2f} | {r['bench_wave_over_lockstep']:.2f}x "
-            f"| {r['sim_wave_over_lockstep']:.2f}x | {r['sim_over_bench_ratio']:.2f}{f2} |"
+            f"| {r['sim_busy']:.2f} | {r['bench_wave_over_baseline']:.2f}x "
+            f"| {r['sim_wave_over_baseline']:.2f}x | {r['sim_over_bench_ratio']:.2f}{f2} |"
         )
     return "\n".join(lines)
 
@@ -244,8 +246,8 @@ def summary(rows: list[dict], tolerance: float) -> str:
     ratio_err = statistics.mean(abs(math.log(r["sim_over_bench_ratio"])) for r in rows)
     return (
         f"{len(rows)} rows: {n_in} throughput cells and {n_ratio} of {len(rows) // 2} "
-        f"wave/lockstep ratios off by more than {tolerance:.0%}; mean |log(sim/bench)| "
-        f"input tok/s {_log_error(rows):.3f}, wave/lockstep {ratio_err:.3f}"
+        f"wave/baseline ratios off by more than {tolerance:.0%}; mean |log(sim/bench)| "
+        f"input tok/s {_log_error(rows):.3f}, wave/baseline {ratio_err:.3f}"
     )
 
 
@@ -315,10 +317,10 @@ def main() -> None:
         f"Preset terms: compute x{1 / gpu.flops_efficiency:.2f}, "
         f"{gpu.layer_overhead_s * 1e3:.2f} ms per layer per wave, "
         f"{rounds.host_s_per_token * 1e6:.1f} us leader host work per prompt token, "
-        f"{rounds.phases} round phases of {rounds.phase_latency_s * 1e3:.1f} ms; lockstep "
-        f"model {preset.lockstep_model.value}. Fit rows (in-sample): c in "
+        f"{rounds.phases} round phases of {rounds.phase_latency_s * 1e3:.1f} ms; executor "
+        f"model {preset.executor.value}. Fit rows (in-sample): c in "
         f"{sorted(in_sample)}; the others are out-of-sample. Cells more than "
-        f"{args.tolerance:.0%} off are marked. w/l = wave / lockstep input tok/s.",
+        f"{args.tolerance:.0%} off are marked. w/b = wave / sync-admission input tok/s.",
         "",
         markdown(rows, in_sample),
         "",

@@ -44,7 +44,8 @@ def test_ratios_pair_each_run_with_the_same_runs_peer():
     # no ratio row of a peer over anything, and every row names system, dtype, case, run
     assert {r["system"] for r in ratio.values()} == {"wavepp-pipeline"}
     assert all({"system", "dtype", "case", "run"} <= r.keys() for r in rows)
-    assert "| float32 | cold | 550 | 500 | 2,400 | 1.10x | 0.50x |" in report.table(rows)
+    assert compiled["headline"] and not eager["headline"]  # vLLM's default configuration
+    assert "| float32 | cold | 550 | 2,400 | 500 | 0.50x | 1.10x |" in report.table(rows)
 
 
 def test_summary_keeps_the_order_the_cases_ran_in():
@@ -52,16 +53,27 @@ def test_summary_keeps_the_order_the_cases_ran_in():
     assert [r["case"] for r in report.summarise(per_run)] == ["long", "cold", "b"]
 
 
-def test_first_token_agreement_compares_with_the_same_runs_reference():
+def test_first_token_agreement_is_in_every_row_and_required():
     per_run = [
-        {**_row("vllm-eager", 0, 1.0, 1.0), "first_tokens": [5, 6, 7, 8]},
+        {**_row("vllm-compiled", 0, 1.0, 1.0), "first_tokens": [5, 6, 7, 8]},
+        {**_row("vllm-eager", 0, 1.0, 1.0), "first_tokens": [5, 6, 7, 9]},
         {**_row("wavepp-pipeline", 0, 1.0, 1.0), "first_tokens": [5, 6, 0, 8]},
         {**_row("wavepp-pipeline", 1, 1.0, 1.0), "first_tokens": [5, 6, 7, 8]},  # no reference
     ]
-    report.first_token_agreement(per_run)
-    assert per_run[0]["first_token_agreement"] == 1.0
-    assert per_run[1]["first_token_agreement"] == 0.75
-    assert "first_token_agreement" not in per_run[2]
+    problems = report.first_token_agreement(per_run)
+    compiled, eager, ours, alone = per_run
+    assert (compiled["first_token_agreement"], compiled["agreement_vllm_eager"]) == (1.0, 0.75)
+    assert eager["first_token_agreement"] == 0.75  # against the headline peer, compiled
+    assert (ours["agreement_vllm_compiled"], ours["agreement_vllm_eager"]) == (0.75, 0.5)
+    assert ours["first_token_agreement"] == 0.75
+    assert alone["first_token_agreement"] is None and alone["agreement_vllm_eager"] is None
+    assert len(problems) == 4  # three rows below 90%, one with nothing to compare with
+    assert "no vLLM row" in problems[-1] and "75% < 90%" in problems[0]
+    ratio = {r["peer"]: r for r in report.summarise(per_run) if r["kind"] == "ratio"}
+    assert ratio["vllm-eager"]["first_token_agreement"] == 0.5
+    assert not ratio["vllm-compiled"]["agreement_ok"]
+    agreeing = [{**r, "first_tokens": [5, 6, 7, 8]} for r in per_run[:3]]
+    assert report.first_token_agreement(agreeing) == []
 
 
 def test_cases_draw_the_same_prompts_per_run_and_new_ones_per_run():

@@ -2,7 +2,7 @@
 sequence (whole-prompt reuse, partial reuse, eviction pressure, an abort mid-flight), report
 the same cached tokens, first tokens and per-stage KV manifests: one reuse rule, one cache.
 
-Both run ``lockstep`` (one chunk of a request in flight): an abort then stops the request
+Both run ``sync-admission`` (one chunk of a request in flight): an abort then stops the request
 before its last chunk is scheduled, on either transport. Under ``wave`` every chunk of a
 short prompt may already be in flight when the abort arrives; the stages then complete (and
 cache) it before the leader's cleanup, and how far it got depends on timing."""
@@ -41,7 +41,7 @@ def _local() -> LocalEngine:
         num_blocks=BLOCKS,
         block_size=4,
         max_chunk_tokens=CHUNK,
-        policy="lockstep",
+        policy="sync-admission",
         debug_wave_delay_s=DELAY_S,
     )
     return LocalEngine.from_weights(model, random_weights(model, seed=11), config)
@@ -103,7 +103,10 @@ def test_local_engine_and_pipeline_agree_on_reuse_tokens_and_manifests() -> None
     finally:
         local.shutdown()
     pipeline = start_tiny_pipeline(
-        stage_blocks=BLOCKS, max_wave_tokens=CHUNK, policy="lockstep", debug_wave_delay_s=DELAY_S
+        stage_blocks=BLOCKS,
+        max_wave_tokens=CHUNK,
+        policy="sync-admission",
+        debug_wave_delay_s=DELAY_S,
     )
     try:
         got = _sequence(pipeline)

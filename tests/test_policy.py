@@ -9,9 +9,10 @@ from prefill_node.core.policy import (
     Policy,
     PolicyKind,
     UnknownPolicyError,
-    lockstep_policy,
     parse_planner_mode,
     parse_policy_kind,
+    sync_admission_policy,
+    trtllm_policy,
     wave_policy,
 )
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
@@ -20,8 +21,13 @@ from prefill_node.sim.workloads import WorkloadKind, WorkloadSpec
 from tests.test_sim import TOY
 
 
-def test_wave_and_lockstep_knobs() -> None:
-    wave, lock = wave_policy(4, PlannerMode.MPU), lockstep_policy(4)
+def test_wave_trtllm_and_sync_admission_knobs() -> None:
+    wave, lock = wave_policy(4, PlannerMode.MPU), sync_admission_policy(4)
+    trt = trtllm_policy(4)
+    # the baseline and the ablation share every knob; only who decides admission differs
+    assert trt == Policy(**{**lock.__dict__, "kind": PolicyKind.TRTLLM})
+    assert trt.rank0_decides and not lock.rank0_decides and not wave.rank0_decides
+    assert trt.admission_on_loop and not wave.admission_on_loop and trt.name == "trtllm"
     assert (wave.kind, wave.ring_size, wave.max_chunks_in_flight, wave.fragment_rule) == (
         PolicyKind.WAVE,
         8,
@@ -29,13 +35,13 @@ def test_wave_and_lockstep_knobs() -> None:
         True,
     )
     assert (lock.kind, lock.ring_size, lock.max_chunks_in_flight, lock.fragment_rule) == (
-        PolicyKind.LOCKSTEP,
+        PolicyKind.SYNC_ADMISSION,
         4,
         1,
         False,
     )
     assert lock.planner_mode is PlannerMode.FIXED and lock.admission_on_loop
-    assert (wave.name, lock.name) == ("wave[mpu]", "lockstep")
+    assert (wave.name, lock.name) == ("wave[mpu]", "sync-admission")
 
 
 def test_headroom_is_2PM_tokens_capped_at_a_quarter_of_the_stage() -> None:
@@ -47,7 +53,7 @@ def test_headroom_is_2PM_tokens_capped_at_a_quarter_of_the_stage() -> None:
 
 
 def test_planner_config_takes_mode_and_fragment_rule_from_the_policy() -> None:
-    cfg = lockstep_policy(2).planner_config(
+    cfg = sync_admission_policy(2).planner_config(
         max_wave_tokens=64, min_wave_tokens=32, block_size=16, max_wave_requests=8
     )
     assert (cfg.mode, cfg.fragment_rule, cfg.num_stages) == (PlannerMode.FIXED, False, 2)
@@ -65,8 +71,10 @@ def test_runtime_spec_runs_the_core_policy_with_its_headroom() -> None:
     )
     assert spec.scheduling_policy == wave_policy(2, PlannerMode.MPU, 5)
     assert [spec.headroom_blocks(s) for s in (0, 1)] == [10, 16]
-    lock = PipelineSpec(**{**spec.__dict__, "policy": "lockstep"})
-    assert lock.scheduling_policy == lockstep_policy(2, 5) and lock.ring == 2
+    lock = PipelineSpec(**{**spec.__dict__, "policy": "sync-admission"})
+    assert lock.scheduling_policy == sync_admission_policy(2, 5) and lock.ring == 2
+    trt = PipelineSpec(**{**spec.__dict__, "policy": "trtllm"})
+    assert trt.scheduling_policy == trtllm_policy(2, 5) and trt.ring == 2
 
 
 def test_simulator_stages_get_the_policy_headroom() -> None:
@@ -82,9 +90,10 @@ def test_simulator_stages_get_the_policy_headroom() -> None:
 
 
 def test_names_parse_or_raise_a_typed_error() -> None:
-    assert parse_policy_kind("lockstep") is PolicyKind.LOCKSTEP
+    assert parse_policy_kind("sync-admission") is PolicyKind.SYNC_ADMISSION
+    assert parse_policy_kind("trtllm") is PolicyKind.TRTLLM
     assert parse_planner_mode("cost") is PlannerMode.COST_AWARE
-    with pytest.raises(UnknownPolicyError, match="choose one of wave, lockstep"):
+    with pytest.raises(UnknownPolicyError, match="choose one of wave, trtllm, sync-admission"):
         parse_policy_kind("eager")
     with pytest.raises(UnknownPolicyError):
         Policy(PolicyKind.WAVE, 0, PlannerMode.MPU, 0, True, True)

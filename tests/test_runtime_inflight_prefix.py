@@ -15,7 +15,7 @@ from tests.test_runtime_pipeline import VOCAB, _check_against_reference, _spec, 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+@pytest.mark.parametrize("policy", ["wave", "sync-admission"])
 def test_a_burst_sharing_a_new_prefix_computes_it_once(start, policy) -> None:  # noqa: F811
     engine = start(_spec(((0, 2), (2, 4)), (64, 64), policy))
     rng = random.Random(5)
@@ -30,7 +30,7 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(start, policy) -> None:  
     assert [s.pool.in_use for s in engine.stage_stats()] == [0, 0]
 
 
-@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+@pytest.mark.parametrize("policy", ["wave", "sync-admission"])
 def test_a_waiter_starts_when_the_shared_chunks_passed_not_when_the_producer_ends(
     start,  # noqa: F811
     policy,

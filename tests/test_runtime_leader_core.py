@@ -110,7 +110,7 @@ def test_prompt_larger_than_a_stage_never_fits() -> None:
 
 
 def test_spec_round_trips_as_json_and_rejects_bad_options() -> None:
-    spec = _spec("lockstep")
+    spec = _spec("sync-admission")
     assert PipelineSpec.from_json(spec.to_json()) == spec
     with pytest.raises(InvalidPipelineSpecError, match="contiguous"):
         PipelineSpec(ModelSource(config={}), ((0, 1), (2, 3)), (4, 4))
@@ -129,19 +129,19 @@ def test_spec_round_trips_as_json_and_rejects_bad_options() -> None:
         ModelSource()
 
 
-@pytest.mark.parametrize("policy", ["wave", "lockstep"])
-def test_lockstep_keeps_one_chunk_of_a_request_in_flight_wave_pipelines_them(policy) -> None:
-    """TensorRT-LLM's PP executor (the lockstep baseline) skips requests with a chunk in
+@pytest.mark.parametrize("policy", ["wave", "sync-admission"])
+def test_on_loop_policies_keep_one_chunk_of_a_request_in_flight_wave_pipelines_them(policy) -> None:
+    """TensorRT-LLM's PP executor (and both on-loop policies) skips requests with a chunk in
     flight and keeps P micro-batches; WavePP pipelines a request's chunks over R = 2P waves."""
     spec = _spec(policy)
-    assert spec.ring == (2 if policy == "lockstep" else 4)
+    assert spec.ring == (2 if policy == "sync-admission" else 4)
     core, stages = LeaderCore(spec, _Model()), _stages(spec)
     core.submit("a", tuple(range(40)), None)  # 40 tokens: 3 chunks of <= 16
     _admit_all(core, stages)
     first = core.next_wave()
     assert first is not None and [c.request_id for c in first.chunks] == ["a"]
     second = core.next_wave()
-    if policy == "lockstep":
+    if policy == "sync-admission":
         assert second is None  # "a" is in flight: nothing else to schedule
         core.wave_done(WaveResult(first.wave_id))
         second = core.next_wave()
@@ -160,7 +160,7 @@ def _run_on_stages(stages: list[StageAdmission], header) -> None:
                 s.publish(c.request_id, c.start + c.length)
 
 
-@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+@pytest.mark.parametrize("policy", ["wave", "sync-admission"])
 def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(policy) -> None:
     """b waits for the prefix a computes; a's chunks are cut where that prefix ends, and b
     is admitted once a's chunks holding it have returned from the last stage, while a

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from prefill_node.engine.types import PrefillOptions
-from prefill_node.errors import RequestAbortedError, UnavailableError
+from prefill_node.errors import RequestAbortedError, StageStateError, UnavailableError
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.reference import reference_forward
@@ -187,7 +187,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("policy", ["wave", "lockstep"])
+@pytest.mark.parametrize("policy", ["wave", "sync-admission"])
 @pytest.mark.parametrize(("family", "layer_ranges", "stage_blocks"), CASES)
 def test_pipeline_matches_reference_under_reuse_and_eviction(
     start, family, layer_ranges, stage_blocks, policy
@@ -207,6 +207,59 @@ def test_pipeline_matches_reference_under_reuse_and_eviction(
     assert [s.pool.in_use for s in stats] == [0] * len(stats)  # drained: nothing pinned
     assert sum(stats[0].pool.total for _ in stats) > 0
     assert engine.health().ready
+
+
+# ---- trtllm: rank 0 decides alone, the other stages follow (docs/wavepp.md) ----------
+
+
+@pytest.mark.parametrize(
+    ("layer_ranges", "stage_blocks"),
+    [
+        pytest.param(((0, 2), (2, 4)), (200, 200), id="P2"),
+        pytest.param(((0, 1), (1, 3), (3, 4)), (200, 200, 200), id="P3"),
+    ],
+)
+def test_trtllm_pipeline_matches_reference_under_reuse(start, layer_ranges, stage_blocks) -> None:
+    """Caches large enough that no stage evicts: every stage holds what rank 0 reuses, so
+    every request runs, and its logits and every stage's KV equal the reference's."""
+    engine = start(_spec(layer_ranges, stage_blocks, "trtllm"))
+    prompts = _workload(random.Random(11), 24)
+    results = []
+    for burst in (prompts[:12], prompts[12:]):  # the second burst reuses the first's blocks
+        futures = [engine.submit(p, PrefillOptions(top_logprobs=VOCAB)) for p in burst]
+        results += [f.result(timeout=60) for f in futures]
+    assert sum(r.cached_tokens for r in results) > 0, "the workload should reuse prefixes"
+    _check_against_reference(engine, prompts, results)
+    engine.debug_check_integrity()
+    assert [s.pool.in_use for s in engine.stage_stats()] == [0] * len(stage_blocks)
+
+
+@pytest.mark.parametrize("policy", ["trtllm", "sync-admission"])
+def test_stage_that_evicted_rank0s_prefix_fails_it_under_trtllm_only(start, policy) -> None:
+    """Stage 1 is small: B evicts A's blocks there while stage 0 still holds them. Asked for
+    A again, rank 0 alone decides to reuse all of A (``trtllm``); stage 1 cannot follow and
+    the request fails with the mismatch, instead of computing on a cache it does not have.
+    ``sync-admission`` negotiates the common prefix and serves A exactly."""
+    engine = start(_spec(((0, 2), (2, 4)), (200, 12), policy))
+    rng = random.Random(5)
+    a, b = ([rng.randrange(VOCAB) for _ in range(40)] for _ in range(2))
+    for prompt in (a, b):
+        engine.submit(prompt, PrefillOptions()).result(timeout=30)
+    again = engine.submit(a, PrefillOptions(top_logprobs=VOCAB))
+    if policy == "trtllm":
+        with pytest.raises(StageStateError, match="stage 1 .*cannot_follow.*prefix_missing"):
+            again.result(timeout=30)
+    else:
+        res = again.result(timeout=30)
+        # stage 1 kept A's first 2 blocks (B took the 2 free ones and evicted 8, tail first):
+        # the negotiated prefix, where rank 0 alone would have reused 39 tokens
+        assert res.cached_tokens == 8
+        _check_against_reference(engine, [a], [res])
+    # the pipeline keeps serving; stage 1 dropped what it held for the failed request
+    c = [rng.randrange(VOCAB) for _ in range(20)]
+    res = engine.submit(c, PrefillOptions(top_logprobs=VOCAB)).result(timeout=30)
+    _check_against_reference(engine, [c], [res])
+    engine.debug_check_integrity()
 
 
 def test_abort_in_flight_frees_blocks_on_every_stage(start) -> None:
@@ -273,7 +326,7 @@ def test_torchrun_env_launch_leader_plus_wavepp_stage_process(tmp_path, monkeypa
         engine = start_pipeline_engine(
             tmp_path,
             2,
-            "lockstep",
+            "sync-admission",
             num_blocks=(64, 32),
             block_size=4,
             max_wave_tokens=16,

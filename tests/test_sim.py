@@ -9,9 +9,9 @@ import pytest
 
 from prefill_node.cli.main import main
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import sync_admission_policy, trtllm_policy, wave_policy
 from prefill_node.core.wave import ScheduledChunk
-from prefill_node.sim.policies import LockstepModel
+from prefill_node.sim.policies import ExecutorKind
 from prefill_node.sim.presets import PRESETS, Preset, UnknownPresetError, get_preset
 from prefill_node.sim.report import compare, regressions
 from prefill_node.sim.roofline import PipelineRoofline
@@ -107,7 +107,7 @@ def test_reuse_goes_through_the_real_core_and_integrity_holds_throughout():
     assert (res.completed, res.rejected) == (12, 0)
     # 90% of 4096 = 3686 -> 3648 tokens (57 whole blocks) seeded, all found on both stages.
     assert res.cached_fraction == pytest.approx(3648 / 4096)
-    cold = run(WorkloadKind.COLD, 4, lockstep_policy(2), n=12, check=True)
+    cold = run(WorkloadKind.COLD, 4, trtllm_policy(2), n=12, check=True)
     assert cold.cached_fraction == 0.0
 
 
@@ -125,7 +125,7 @@ def test_every_planner_ablation_completes_with_integrity():
 
 def test_regressions_lists_settings_where_wave_is_behind_by_more_than_the_tolerance():
     wave = run(WorkloadKind.REUSE, 2, wave_policy(2), n=4)
-    lock = run(WorkloadKind.REUSE, 2, lockstep_policy(2), n=4)
+    lock = run(WorkloadKind.REUSE, 2, trtllm_policy(2), n=4)
     slow = replace(wave, throughput_tok_s=0.9 * lock.throughput_tok_s)
     assert [c.wave for c in regressions([slow, lock])] == [slow]
     assert regressions([replace(wave, throughput_tok_s=0.98 * lock.throughput_tok_s), lock]) == []
@@ -166,20 +166,20 @@ def test_cli_writes_rows_table_and_plot(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["concurrency"]) for r in rows] == [
         ("wave[cost]", 1),
-        ("lockstep", 1),
+        ("trtllm", 1),
         ("wave[cost]", 2),
-        ("lockstep", 2),
+        ("trtllm", 2),
     ]
     assert all(isinstance(v, int | float | str) for r in rows for v in r.values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
-    assert "wave/lockstep throughput over 2 settings" in text
+    assert "wave/baseline throughput over 2 settings" in text
     assert main(["sim", "--preset", "cpu", "--concurrency", "0"]) == 2
 
 
-def test_compare_pairs_wave_with_lockstep_of_the_same_setting():
+def test_compare_pairs_wave_with_the_baseline_of_the_same_setting():
     wave = run(WorkloadKind.REUSE, 2, wave_policy(2), n=4)
-    lock = run(WorkloadKind.REUSE, 2, lockstep_policy(2), n=4)
+    lock = run(WorkloadKind.REUSE, 2, trtllm_policy(2), n=4)
     (pair,) = compare([wave, lock])
     assert pair.ratio == pytest.approx(wave.throughput_tok_s / lock.throughput_tok_s)
 
@@ -241,7 +241,7 @@ def test_cpu_bench_preset_runs_deterministically_through_the_core():
     assert runs[0].cached_fraction == pytest.approx(448 / 512)  # 28 whole blocks seeded
 
 
-# ---- the lockstep baseline's executor loops (executor_loops.py) ---------------------
+# ---- the trtllm baseline's executor loops (executor_loops.py) ---------------------
 
 
 def test_executor_loops_charge_every_rank_serially_in_wave_order():
@@ -272,17 +272,17 @@ def test_executor_loops_charge_every_rank_serially_in_wave_order():
     assert loops.host_busy_s[0] == pytest.approx(2e-3 + 2e-4)
 
 
-def _lockstep_single(walk_s: float):
-    """One 4,096-token suffix request alone on TOY under lockstep, host costs given."""
+def _trtllm_single(walk_s: float):
+    """One 4,096-token suffix request alone on TOY under trtllm, host costs given."""
     preset = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=walk_s))
     spec = WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 1, 64, suffix_tokens=512)
-    sim = Simulator(preset, spec, lockstep_policy(2))
+    sim = Simulator(preset, spec, trtllm_policy(2))
     return sim.run(), sim.roof, preset
 
 
-def test_lockstep_request_waits_for_each_rank_loop_exactly():
+def test_trtllm_request_waits_for_each_rank_loop_exactly():
     # Cheap walks: rank 1's loop finishes while stage 0 computes, only rank 0 stalls.
-    res, roof, p = _lockstep_single(27e-9)
+    res, roof, p = _trtllm_single(27e-9)
     chunk = [ScheduledChunk("req-0", 3584, 512)]  # 3,584 tokens seeded, 512 computed
     t0, t1 = roof.stage_time(0, chunk), roof.stage_time(1, chunk)
     launch0 = 27e-9 * 3584 + 1e-6 * 4096  # pass walk + add_sequence of the whole prompt
@@ -291,7 +291,7 @@ def test_lockstep_request_waits_for_each_rank_loop_exactly():
     assert res.loop_stall_s == pytest.approx(launch0, rel=1e-9)
     # Dear walks: rank 1 re-walks the prefix twice (can_schedule + its replayed pass) after
     # rank 0's pass and a hop, and stage 1 idles until its own loop has launched the wave.
-    res, roof, p = _lockstep_single(1e-5)
+    res, roof, p = _trtllm_single(1e-5)
     walk0 = 1e-5 * 3584
     launch1 = walk0 + p.link.latency_s + 1e-5 * (3584 + 3584) + 1e-6 * 4096
     arrive1 = walk0 + 1e-6 * 4096 + t0 + roof.transfer_time(512)
@@ -300,21 +300,21 @@ def test_lockstep_request_waits_for_each_rank_loop_exactly():
     assert res.loop_stall_s == pytest.approx(walk0 + 1e-6 * 4096 + launch1 - arrive1, rel=1e-9)
 
 
-def test_lockstep_scheduler_pass_walks_every_admitted_context_request():
+def test_trtllm_scheduler_pass_walks_every_admitted_context_request():
     # At c=8 the pass walks all admitted requests' cached prefixes on every iteration,
-    # so dearer walks slow lockstep down while wave (no such pass) is unaffected.
+    # so dearer walks slow trtllm down while wave (no such pass) is unaffected.
     cheap = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=0.0))
     dear = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=1e-5))
-    lock = [run(WorkloadKind.SUFFIX, 8, lockstep_policy(2), preset=p) for p in (cheap, dear)]
+    lock = [run(WorkloadKind.SUFFIX, 8, trtllm_policy(2), preset=p) for p in (cheap, dear)]
     wave = [run(WorkloadKind.SUFFIX, 8, wave_policy(2), preset=p) for p in (cheap, dear)]
     assert wave[0] == replace(wave[1], preset=wave[0].preset)
     assert lock[1].throughput_tok_s < 0.8 * lock[0].throughput_tok_s
     assert lock[1].loop_stall_s > lock[0].loop_stall_s
-    again = run(WorkloadKind.SUFFIX, 8, lockstep_policy(2), preset=dear)
+    again = run(WorkloadKind.SUFFIX, 8, trtllm_policy(2), preset=dear)
     assert again == lock[1]  # deterministic
 
 
-# ---- our runtime's lockstep: rounds on the leader's loop (leader_rounds.py) ---------
+# ---- sync-admission: rounds on the leader's loop (leader_rounds.py) ---------
 
 
 def test_leader_rounds_phase_waits_for_a_busy_stage_then_advances():
@@ -342,15 +342,15 @@ def test_leader_rounds_phase_waits_for_a_busy_stage_then_advances():
 def _leader_rounds_single(walk_s: float):
     preset = replace(
         TOY,
-        lockstep_model=LockstepModel.LEADER_ROUNDS,
+        executor=ExecutorKind.WAVEPP_RUNTIME,
         rounds=replace(TOY.rounds, walk_s_per_token=walk_s),
     )
     spec = WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 1, 64, suffix_tokens=512)
-    sim = Simulator(preset, spec, lockstep_policy(2))
+    sim = Simulator(preset, spec, sync_admission_policy(2))
     return sim.run(), sim.roof
 
 
-def test_leader_rounds_lockstep_request_pays_the_round_on_stage0_loop_exactly():
+def test_sync_admission_request_pays_the_round_on_stage0_loop_exactly():
     res, roof = _leader_rounds_single(27e-9)
     chunk = [ScheduledChunk("req-0", 3584, 512)]
     t0, t1 = roof.stage_time(0, chunk), roof.stage_time(1, chunk)
@@ -376,14 +376,14 @@ def test_leader_sharing_stage0_core_delays_stage0_by_its_host_work_exactly():
     assert not get_preset("glm5-pp4").leader_shares_stage0_core
 
 
-def test_cpu_bench_lockstep_is_our_runtime_lockstep_and_gpu_presets_trtllm():
-    assert get_preset("cpu-bench").lockstep_model is LockstepModel.LEADER_ROUNDS
-    assert get_preset("cpu-bench-forward").lockstep_model is LockstepModel.LEADER_ROUNDS
+def test_cpu_bench_runs_our_runtime_and_gpu_presets_trtllm_executor():
+    assert get_preset("cpu-bench").executor is ExecutorKind.WAVEPP_RUNTIME
+    assert get_preset("cpu-bench-forward").executor is ExecutorKind.WAVEPP_RUNTIME
     for name in ("glm5-pp4", "minimax-pp4", "kimi-pp8"):
-        assert get_preset(name).lockstep_model is LockstepModel.TRTLLM_EXECUTOR
+        assert get_preset(name).executor is ExecutorKind.TRTLLM
     p = get_preset("cpu-bench")
     spec = WorkloadSpec(WorkloadKind.MIXED, 1024, 8, 16, p.block_size, seed=3)
-    runs = [Simulator(p, spec, lockstep_policy(2), check_integrity=True).run() for _ in "ab"]
+    runs = [Simulator(p, spec, sync_admission_policy(2), check_integrity=True).run() for _ in "ab"]
     assert runs[0] == runs[1] and (runs[0].completed, runs[0].rejected) == (16, 0)
     assert runs[0].loop_stall_s > 0
 

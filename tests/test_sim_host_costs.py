@@ -6,7 +6,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import trtllm_policy, wave_policy
 from prefill_node.core.wave import ScheduledChunk
 from prefill_node.sim.executor_loops import LoopCosts, WaveHostWork
 from prefill_node.sim.presets import InvalidRequestError, get_preset
@@ -71,25 +71,25 @@ def test_loop_costs_wave_keeps_slow_both_policies(field):
     dear = replace(COSTS, **{field: getattr(COSTS, field) * 20})
     # walks of 1 us a token: the retire work outlasts the next request's admission round
     preset = replace(TOY, rounds=replace(TOY.rounds, walk_s_per_token=1e-6))
-    for policy in (wave_policy(2), lockstep_policy(2)):
+    for policy in (wave_policy(2), trtllm_policy(2)):
         cheap_run = _sim(policy, base, n=3, preset=preset)[1]
         dear_run = _sim(policy, dear, n=3, preset=preset)[1]
         assert dear_run.makespan_s > cheap_run.makespan_s, (field, policy.name)
 
 
-def test_scheduler_walk_base_is_charged_to_lockstep_only():
+def test_scheduler_walk_base_is_charged_to_trtllm_only():
     """The capacity scheduler's per-iteration prefix walk is the exemption WavePP's escrow
     buys: wave's timeline does not depend on it at all."""
     dear = replace(COSTS, walk_base_s_per_token=1e-6)
     wave = [_sim(wave_policy(2), c, n=3)[1] for c in (COSTS, dear)]
-    lock = [_sim(lockstep_policy(2), c, n=3)[1] for c in (COSTS, dear)]
+    lock = [_sim(trtllm_policy(2), c, n=3)[1] for c in (COSTS, dear)]
     assert wave[0] == wave[1]
     assert lock[1].makespan_s > lock[0].makespan_s
 
 
-def test_transport_is_on_wave_rounds_and_on_lockstep_loops():
+def test_transport_is_on_wave_rounds_and_on_trtllm_loops():
     """Request transport and creation cost both policies, on different timelines."""
-    for policy in (wave_policy(2), lockstep_policy(2)):
+    for policy in (wave_policy(2), trtllm_policy(2)):
         free = _sim(policy, replace(COSTS, send_s_per_token=0.0, recv_s_per_token=0.0))[1]
         paid = _sim(policy, COSTS)[1]
         assert paid.p50_latency_s > free.p50_latency_s, policy.name
@@ -112,7 +112,7 @@ def test_host_time_scale_multiplies_every_host_cost_of_both_policies():
         COSTS.scaled(2.0), blocking_request_send=COSTS.blocking_request_send
     )
     assert scaled.trtllm.iteration_s == pytest.approx(1e-3)
-    for policy in (wave_policy(2), lockstep_policy(2)):
+    for policy in (wave_policy(2), trtllm_policy(2)):
         one = _sim(policy, COSTS)[1]
         two = _sim(policy, COSTS, preset=replace(TOY, host_time_scale=2.0))[1]
         assert two.p50_latency_s > one.p50_latency_s, policy.name

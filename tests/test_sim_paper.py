@@ -9,13 +9,13 @@ import pytest
 
 from prefill_node.cli.main import main
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import trtllm_policy, wave_policy
 from prefill_node.sim import paper
 from prefill_node.sim.paper import (
     FITTED,
-    LOCKSTEP,
     PAPER_FIGURES,
     PAPER_RATIOS,
+    TRTLLM,
     WAVE,
     fitted_on,
 )
@@ -27,7 +27,7 @@ from prefill_node.sim.workloads import WorkloadKind
 
 
 def test_cited_figures_are_the_papers_absolute_and_relative_numbers():
-    assert [(f.preset, f.wave_tok_s, f.lockstep_tok_s) for f in PAPER_FIGURES] == [
+    assert [(f.preset, f.wave_tok_s, f.trtllm_tok_s) for f in PAPER_FIGURES] == [
         ("glm5-pp4", 1_213_000, 416_000),
         ("minimax-pp4", 1_113_000, 551_000),
     ]
@@ -49,9 +49,9 @@ def test_fitted_constants_are_the_presets_and_mark_exactly_the_rows_they_were_fi
     assert get_preset("glm5-pp4").gpu.flops_efficiency == eff.value
     assert get_preset("minimax-pp4").gpu.flops_efficiency == 0.5  # estimated, not fitted
     assert fitted_on("glm5-pp4", WAVE) == (eff,)
-    assert fitted_on("glm5-pp4", LOCKSTEP) == fitted_on("minimax-pp4", LOCKSTEP) == (scale,)
+    assert fitted_on("glm5-pp4", TRTLLM) == fitted_on("minimax-pp4", TRTLLM) == (scale,)
     assert fitted_on("minimax-pp4", WAVE) == ()  # the one absolute prediction
-    assert fitted_on("minimax-pp4", WAVE, LOCKSTEP) == (scale,)  # a ratio: either term
+    assert fitted_on("minimax-pp4", WAVE, TRTLLM) == (scale,)  # a ratio: either term
 
 
 def test_reproduce_paper_marks_samples_and_its_ablations_move_only_what_they_change(
@@ -111,8 +111,8 @@ def test_the_fit_recovers_the_constants_a_synthetic_paper_was_simulated_with():
         preset = with_constants(presets[fig.preset], truth_scale, truth_eff if i == 0 else None)
         setting = Setting(preset, base.kind, base.input_len, base.concurrency, 32)
         wave = run_setting(setting, wave_policy(4, PlannerMode.MPU)).throughput_tok_s
-        lock = run_setting(setting, lockstep_policy(4)).throughput_tok_s
-        synthetic.append(replace(base, wave_tok_s=wave, lockstep_tok_s=lock))
+        lock = run_setting(setting, trtllm_policy(4)).throughput_tok_s
+        synthetic.append(replace(base, wave_tok_s=wave, trtllm_tok_s=lock))
     fit = fit_presets(synthetic, requests=32, steps=8, presets=presets)
     assert fit.converged and fit.rounds > 1, fit  # it starts from the presets' 1.15, 0.304
     assert fit.host_time_scale == pytest.approx(truth_scale, rel=0.02)

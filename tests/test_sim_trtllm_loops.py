@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from prefill_node.core.policy import lockstep_policy
+from prefill_node.core.policy import trtllm_policy
 from prefill_node.core.wave import ScheduledChunk
 from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, WaveHostWork
 from prefill_node.sim.simulator import Simulator
@@ -112,7 +112,7 @@ def test_loop_costs_reject_negative_values():
 def _single(trtllm: TrtllmLoopCosts):
     preset = replace(TOY, trtllm=trtllm)
     spec = WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 1, 64, suffix_tokens=512)
-    sim = Simulator(preset, spec, lockstep_policy(2))
+    sim = Simulator(preset, spec, trtllm_policy(2))
     return sim.run(), sim.roof, preset
 
 
@@ -133,18 +133,18 @@ def test_single_request_pays_broadcast_conversions_and_replay_exactly():
     assert _single(t)[0] == res  # deterministic
 
 
-def test_prompt_costs_slow_lockstep_and_runs_stay_deterministic():
+def test_prompt_costs_slow_trtllm_and_runs_stay_deterministic():
     measured = replace(TOY, trtllm=TRTLLM_PP_MEASURED)
-    base = run(WorkloadKind.SUFFIX, 8, lockstep_policy(2))
-    lock = run(WorkloadKind.SUFFIX, 8, lockstep_policy(2), preset=measured)
+    base = run(WorkloadKind.SUFFIX, 8, trtllm_policy(2))
+    lock = run(WorkloadKind.SUFFIX, 8, trtllm_policy(2), preset=measured)
     assert lock.throughput_tok_s < base.throughput_tok_s
     assert lock.completed == base.completed == 24
-    assert run(WorkloadKind.SUFFIX, 8, lockstep_policy(2), preset=measured) == lock
+    assert run(WorkloadKind.SUFFIX, 8, trtllm_policy(2), preset=measured) == lock
 
 
 def test_mixed_workload_with_every_cost_completes_with_integrity():
     measured = replace(TOY, trtllm=TRTLLM_PP_MEASURED)
-    res = run(WorkloadKind.MIXED, 4, lockstep_policy(2), preset=measured, n=12, check=True)
+    res = run(WorkloadKind.MIXED, 4, trtllm_policy(2), preset=measured, n=12, check=True)
     assert (res.completed, res.rejected) == (12, 0)
 
 
@@ -154,7 +154,7 @@ def test_an_idle_loop_fetches_each_lone_request_when_it_arrives():
     # three requests waits exactly as long as the first.
     preset = replace(TOY, trtllm=TRTLLM_PP_MEASURED)
     spec = WorkloadSpec(WorkloadKind.SUFFIX, 4096, 1, 3, 64, suffix_tokens=512)
-    sim = Simulator(preset, spec, lockstep_policy(2))
+    sim = Simulator(preset, spec, trtllm_policy(2))
     sim.run()
     first, *rest = [r.latency for r in sim.records]
     assert rest == [pytest.approx(first, rel=1e-9)] * 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefill_node.core.planner import PlannerMode, WavePlanner
-from prefill_node.core.policy import Policy, lockstep_policy, wave_policy
+from prefill_node.core.policy import Policy, sync_admission_policy, wave_policy
 from prefill_node.core.wave_scheduler import WaveDone, WaveScheduler
 from prefill_node.errors import InvariantError
 
@@ -22,7 +22,7 @@ def _spans(wave) -> list[tuple[str, int, int]]:
 
 
 def test_waves_cover_the_uncached_suffix_once_and_the_last_chunk_finishes() -> None:
-    s = _scheduler(lockstep_policy(1))
+    s = _scheduler(sync_admission_policy(1))
     s.admit("a", 8, 30)
     covered = []
     while (wave := s.next_wave()) is not None:
@@ -47,7 +47,7 @@ def test_the_ring_bounds_waves_in_flight() -> None:
 
 
 def test_without_pipelined_chunks_a_request_waits_for_its_chunk() -> None:
-    s = _scheduler(lockstep_policy(2))  # ring 2, one chunk per request in flight
+    s = _scheduler(sync_admission_policy(2))  # ring 2, one chunk per request in flight
     s.admit("a", 0, 40)
     s.admit("b", 0, 8)
     w1 = s.next_wave()

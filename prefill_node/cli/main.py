@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wavepp",
         description=(
             "WavePP prefill tier: pipeline-parallel LLM prefill with prefix reuse, "
-            "KV hand-off to decode workers, and a wave-vs-lockstep simulator."
+            "KV hand-off to decode workers, and a simulator of wave vs the TensorRT-LLM PP "
+            "baseline."
         ),
     )
     from prefill_node import __version__

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefill_node.core.policy import POLICY_NAMES
+
 DESCRIPTION = """\
 Prefill one or more prompts on the default model (SmolLM2-135M-Instruct, converted from the
 bundled GGUF on first use) or a Hugging Face checkpoint directory, with the model's layers
@@ -78,10 +80,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=("wave", "lockstep"),
+        choices=POLICY_NAMES,
         default="wave",
         help="admission policy of the pipeline engine: wave (WavePP, admission ahead of "
-        "execution) or lockstep (the TensorRT-LLM PP baseline) (default wave)",
+        "execution), trtllm (the TensorRT-LLM PP baseline: stage 0 admits alone, the other "
+        "stages follow) or sync-admission (an ablation: WavePP's cross-stage admission on "
+        "stage 0's loop) (default wave)",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the prompt list K times (default 1)")
     p.add_argument(

@@ -15,6 +15,7 @@ from prefill_node.cli.options import (
     server_config,
     start_server,
 )
+from prefill_node.core.policy import POLICY_NAMES
 
 DESCRIPTION = """\
 Serve the PrefillService (wavepp.prefill.v1) for one pipeline: the model's layers split over
@@ -55,9 +56,10 @@ def register(subparsers: Any) -> None:
     )
     m.add_argument(
         "--policy",
-        choices=("wave", "lockstep"),
+        choices=POLICY_NAMES,
         default="wave",
-        help="admission policy: wave (ahead of execution) or lockstep baseline (default wave)",
+        help="admission policy: wave (ahead of execution), trtllm (the TensorRT-LLM PP "
+        "baseline) or sync-admission (an ablation) (default wave)",
     )
     m.add_argument(
         "--num-blocks",

@@ -1,4 +1,4 @@
-"""`wavepp sim`: discrete-event simulation of WavePP vs the lockstep (TRT-LLM PP) baseline."""
+"""`wavepp sim`: discrete-event simulation of WavePP vs the trtllm (TRT-LLM PP) baseline."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import sys
 
 _DESCRIPTION = """\
 Simulate one prefill pipeline under the WavePP policy (admission rounds run ahead of
-execution, cost-aware wave planner by default) and the lockstep baseline (GPU presets:
-TensorRT-LLM's PP executor - every rank's loop schedules, walks cached prefixes and
-allocates serially before it launches a micro-batch; cpu-bench presets: this project's
-runtime lockstep - the leader's admission rounds on stage 0's loop; fixed chunk budget M in
-both), driving the real sans-IO admission core
+execution, cost-aware wave planner by default) and the trtllm baseline (TensorRT-LLM's PP
+executor - every rank's loop schedules, walks cached prefixes and allocates serially before
+it launches a micro-batch) or the sync-admission ablation (this project's runtime with the
+leader's admission rounds on stage 0's loop; what the cpu-bench presets are compared with
+the real pipeline on); fixed chunk budget M in both, driving the real sans-IO admission core
 (block pools, leases, escrows, coordinator) with a roofline cost model of the preset's
 model and GPUs. Closed loop: each of C clients sends its next request when the previous
 one completes. Deterministic given --seed.
 
 Prints one line per run (input tokens/s incl. cached ones, p50/p95 latency, cached
-fraction, mean stage utilisation) and the wave/lockstep throughput ratio per setting.
+fraction, mean stage utilisation) and the wave/baseline throughput ratio per setting.
 
 examples:
   wavepp sim --preset glm5-pp4 --workload suffix4k --concurrency 1 32 128
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "sim",
-        help="simulate wave vs lockstep admission on a pipeline (roofline cost model)",
+        help="simulate wave vs trtllm admission on a pipeline (roofline cost model)",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -70,13 +70,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fresh tokens of a suffix4k prompt (default 4096; lower it for short inputs)",
     )
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128])
-    p.add_argument("--policy", choices=["wave", "lockstep", "both"], default="both")
+    p.add_argument(
+        "--policy",
+        choices=["wave", "trtllm", "sync-admission", "both", "all"],
+        default="both",
+        help="both = wave and trtllm (the TensorRT-LLM PP baseline); all adds the "
+        "sync-admission ablation (default both)",
+    )
     p.add_argument(
         "--planner",
         choices=[m.value for m in PlannerMode] + ["all"],
         default=DEFAULT_PLANNER_MODE.value,
         help=(
-            "wave planner: fixed (M, like lockstep), mpu, mpu-nohyst, cost (cost-aware); "
+            "wave planner: fixed (M, like trtllm), mpu, mpu-nohyst, cost (cost-aware); "
             f"all = every ablation (default: {DEFAULT_PLANNER_MODE.value})"
         ),
     )
@@ -102,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help=(
-            "override the lockstep baseline's prefix-walk cost per cached token, paid by "
+            "override the trtllm baseline's prefix-walk cost per cached token, paid by "
             "every rank's scheduler pass on every loop iteration (sensitivity studies)"
         ),
     )
@@ -229,13 +235,13 @@ def run(args: argparse.Namespace) -> int:
     if pairs:
         ratios = [c.ratio for c in pairs]
         print(
-            f"\nwave/lockstep throughput over {len(pairs)} settings: "
+            f"\nwave/baseline throughput over {len(pairs)} settings: "
             f"min {min(ratios):.2f}x, max {max(ratios):.2f}x"
         )
         p50 = [c.p50_change * 100 for c in pairs]
-        print(f"wave p50 latency vs lockstep: {min(p50):+.0f}% .. {max(p50):+.0f}%")
+        print(f"wave p50 latency vs trtllm: {min(p50):+.0f}% .. {max(p50):+.0f}%")
         bad = regressions(results)
-        print(f"settings where wave is > 3% below lockstep: {len(bad)} of {len(pairs)}")
+        print(f"settings where wave is > 3% below trtllm: {len(bad)} of {len(pairs)}")
         for c in bad:
             w = c.wave
             print(f"  {w.preset} {w.workload} {w.input_len} c={w.concurrency}: {c.ratio:.3f}x")

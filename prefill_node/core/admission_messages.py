@@ -45,6 +45,9 @@ class ReserveStatus(Enum):
     # (coordinator only, never a stage's answer) the next blocks it needs are being computed
     # by an admitted request: it waits for them to be cached instead of computing them again
     PREFIX_IN_FLIGHT = "prefix_in_flight"
+    # (``StageAdmission.follow`` only, under ``trtllm``) this stage's cache lacks part of the
+    # prefix rank 0 decided to reuse: the request cannot run here
+    PREFIX_MISSING = "prefix_missing"
 
 
 @dataclass(frozen=True)

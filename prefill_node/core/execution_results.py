@@ -38,6 +38,7 @@ class MismatchReason(Enum):
     WRONG_POSITION = "wrong_position"  # chunk does not start where this stage's state ends
     OUT_OF_RANGE = "out_of_range"  # empty chunk or past the end of the prompt
     INCOMPLETE = "incomplete"  # completion before every token was materialised
+    CANNOT_FOLLOW = "cannot_follow"  # (trtllm) this stage's cache cannot take rank 0's decision
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ WAVEPP.md section 4, with these readings of the places where the text is terse:
   cached prefix - which does not drift as a request progresses. (Taking ``end/2`` for
   every prompt, as this mode first did, sized the waves of prefix-reuse work for half its
   real context: 3.5K-token waves where MPU packs 7K on GLM-5-class 64K 90%-reuse work,
-  0.89x lockstep at concurrency 32.) Long-context chunks therefore get fewer tokens and
+  0.89x trtllm at concurrency 32.) Long-context chunks therefore get fewer tokens and
   short-context chunks more (never more than ``M`` tokens per wave, the memory cap). The
   fragment rule applies in time: ``max(tau(b_min), tau(b)/2)``.
 
@@ -55,7 +55,7 @@ class InvalidPlannerConfigError(InvalidRequestError):
 class PlannerMode(enum.Enum):
     """Budget policy; the ablations of the simulator select one each."""
 
-    FIXED = "fixed"  # always M: the lockstep baseline's budget
+    FIXED = "fixed"  # always M: the trtllm baseline's budget
     MPU = "mpu"  # MPU with hysteresis
     MPU_NO_HYSTERESIS = "mpu-nohyst"  # MPU, budget follows every decision
     COST_AWARE = "cost"  # MPU budget, waves equalised in estimated time
@@ -64,9 +64,9 @@ class PlannerMode(enum.Enum):
 DEFAULT_PLANNER_MODE = PlannerMode.COST_AWARE
 """The mode to run when a cost model is at hand (the simulator always has one). Ablation
 on ``wavepp sim --sweep paper`` (80 settings: both PP4 presets; cold, 90% reuse, mixed at
-64K/128K/256K and 4K suffix at 128K; concurrency 1, 8, 32, 128; lockstep = TensorRT-LLM's
-PP executor loops), wave/lockstep input throughput: cost-aware min 1.002x, geometric mean
-1.395x, no setting more than 3% below lockstep; plain MPU min 0.948x (MiniMax-class cold
+64K/128K/256K and 4K suffix at 128K; concurrency 1, 8, 32, 128; trtllm = TensorRT-LLM's
+PP executor loops), wave/baseline input throughput: cost-aware min 1.002x, geometric mean
+1.395x, no setting more than 3% below trtllm; plain MPU min 0.948x (MiniMax-class cold
 256K at c = 8, 32, 128), geometric mean 1.364x; cost-aware beats MPU in 49 settings, MPU
 beats it in 5, 26 ties. The first cost-aware reference (``end/2`` for every prompt) had a
 geometric mean of 1.435x but lost 0.886x at GLM-5-class 90% reuse 64K c = 32: its waves

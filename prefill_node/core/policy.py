@@ -1,18 +1,25 @@
 """The scheduling policy: every knob the leader's scheduling reads, in one frozen value.
 
 One ``Policy`` is built once, at the edge (``PipelineSpec.scheduling_policy`` in the
-runtime, ``wave_policy`` / ``lockstep_policy`` in the simulator), and every consumer reads
+runtime, ``wave_policy`` / ``trtllm_policy`` / ``sync_admission_policy`` in the simulator), and
+every consumer reads
 its knobs from it: the wave scheduler (ring depth, chunks in flight per request), the
 planner (mode, fragment rule) and every stage's admission (escrow headroom).
 
 - ``WAVE`` (WavePP): admission rounds run ahead of execution on their own thread or
   timeline; ``R = 2P`` waves in flight; a request may have chunks in several in-flight
   waves; the planner sizes waves (MPU, or an ablation) under the fragment rule.
-- ``LOCKSTEP`` (an ablation with TensorRT-LLM PP's knobs; its scheduler itself decides on rank
-  0 alone, which the simulator's executor model follows): admission runs on the executor loop
-  before each wave; ``P`` waves in flight (TRT-LLM's ``num_micro_batches = pp_size``); at most one
-  chunk of a request in flight (``inflight_req_ids``); a fixed budget of ``M`` filled to
-  the brim (no fragment rule).
+- ``TRTLLM`` (the baseline: TensorRT-LLM's PP executor, ``PyExecutor._executor_loop_pp``):
+  admission runs on the executor loop before each wave, and rank 0 decides it ALONE from its
+  own cache view (no cross-stage negotiation); the other ranks take the decision from the
+  wave and re-check it against their own caches (``StageAdmission.follow``), retrying while
+  KV hand-offs drain and failing the request otherwise. ``P`` waves in flight (TRT-LLM's
+  ``num_micro_batches = pp_size``); at most one chunk of a request in flight
+  (``inflight_req_ids``); a fixed budget of ``M`` filled to the brim (no fragment rule).
+- ``SYNC_ADMISSION`` (an ablation, not a baseline): the knobs of ``TRTLLM``, but admission is
+  WavePP's own three-phase cross-stage round, run synchronously on stage 0's loop before each
+  wave. It isolates what running admission ahead of execution buys; it is not how
+  TensorRT-LLM schedules.
 
 Lease/escrow headroom (WAVEPP.md 2): while other requests hold reservations, a stage admits
 a new one only within ``num_blocks - headroom`` blocks, so pins never leave nothing
@@ -41,13 +48,18 @@ class UnknownPolicyError(InvalidRequestError):
 
 class PolicyKind(enum.Enum):
     WAVE = "wave"
-    LOCKSTEP = "lockstep"
+    TRTLLM = "trtllm"
+    SYNC_ADMISSION = "sync-admission"
+
+
+POLICY_NAMES = tuple(kind.value for kind in PolicyKind)  # what --policy accepts
 
 
 @dataclass(frozen=True)
 class Policy:
     """How admission is scheduled against execution and how waves are formed (see the module
-    docstring). Build it with ``wave_policy`` / ``lockstep_policy`` / ``policy_for``."""
+    docstring). Build it with ``wave_policy`` / ``trtllm_policy`` /
+    ``sync_admission_policy``."""
 
     kind: PolicyKind
     num_stages: int  # P
@@ -68,14 +80,20 @@ class Policy:
 
     @property
     def name(self) -> str:
-        if self.kind is PolicyKind.LOCKSTEP:
-            return "lockstep"
-        return f"wave[{self.planner_mode.value}]"
+        if self.kind is PolicyKind.WAVE:
+            return f"wave[{self.planner_mode.value}]"
+        return self.kind.value
 
     @property
     def admission_on_loop(self) -> bool:
-        """True when rounds stall the executor loop (lockstep)."""
-        return self.kind is PolicyKind.LOCKSTEP
+        """True when admission stalls the executor loop (``trtllm``, ``sync-admission``)."""
+        return self.kind is not PolicyKind.WAVE
+
+    @property
+    def rank0_decides(self) -> bool:
+        """True when stage 0 admits from its own cache alone and the other stages follow
+        (``trtllm``); False when the stages negotiate each admission (a round)."""
+        return self.kind is PolicyKind.TRTLLM
 
     @property
     def max_chunks_in_flight(self) -> int | None:
@@ -127,10 +145,19 @@ def wave_policy(
     )
 
 
-def lockstep_policy(num_stages: int, max_round_requests: int = 32) -> Policy:
-    """The TensorRT-LLM PP baseline: rounds on the loop, fixed M, P micro-batches."""
+def trtllm_policy(num_stages: int, max_round_requests: int = 32) -> Policy:
+    """The TensorRT-LLM PP baseline: rank 0 admits alone on its loop, fixed M, P micro-batches."""
+    return _on_loop(PolicyKind.TRTLLM, num_stages, max_round_requests)
+
+
+def sync_admission_policy(num_stages: int, max_round_requests: int = 32) -> Policy:
+    """The ablation: WavePP's cross-stage rounds on stage 0's loop, TRT-LLM's other knobs."""
+    return _on_loop(PolicyKind.SYNC_ADMISSION, num_stages, max_round_requests)
+
+
+def _on_loop(kind: PolicyKind, num_stages: int, max_round_requests: int) -> Policy:
     return Policy(
-        kind=PolicyKind.LOCKSTEP,
+        kind=kind,
         num_stages=num_stages,
         planner_mode=PlannerMode.FIXED,
         ring_size=num_stages,
@@ -141,7 +168,7 @@ def lockstep_policy(num_stages: int, max_round_requests: int = 32) -> Policy:
 
 
 def parse_policy_kind(name: str) -> PolicyKind:
-    """``wave`` / ``lockstep`` -> PolicyKind (typed error otherwise)."""
+    """``wave`` / ``trtllm`` / ``sync-admission`` -> PolicyKind (typed error otherwise)."""
     for kind in PolicyKind:
         if kind.value == name:
             return kind

@@ -25,7 +25,7 @@ from prefill_node.core.execution_results import (
     StageStateMismatch,
 )
 from prefill_node.core.kv_events import KVEvent
-from prefill_node.core.request import PromptBlocks
+from prefill_node.core.request import PromptBlocks, RequestSpec
 from prefill_node.core.reservation import Reservation
 from prefill_node.errors import InvalidRequestError, InvariantError
 
@@ -216,6 +216,42 @@ class StageAdmission:
         rsv = self._reservations.pop(request_id, None)
         if rsv is not None:
             rsv.release(self.pool)
+
+    # ---- trtllm: follow rank 0's decision ---------------------------------------------
+
+    def follow(self, spec: RequestSpec, cached_tokens: int) -> ReserveStatus:
+        """Take rank 0's admission of a request this stage first sees in a wave (``trtllm``,
+        stages > 0), as TensorRT-LLM's ranks > 0 take rank 0's schedule: re-check it on this
+        stage's own cache (``_pp_retry_until_can_schedule`` -> ``can_schedule``), then
+        allocate (``add_sequence``). No negotiation: lease exactly the prefix rank 0 reuses
+        (``cached_tokens``, the first chunk's start), escrow the rest and commit at once, with
+        no headroom cap (rank 0's capacity decision stands).
+
+        Returns OK (reserved and committed, as after a round), PREFIX_MISSING (this stage's
+        cache holds less of that prefix than rank 0's, or not at a snapshot boundary: the
+        request cannot run here) or NO_CAPACITY (the suffix does not fit now; the caller may
+        retry while capacity is being released). Nothing is held unless OK."""
+        rid = spec.request_id
+        if rid in self._reservations or rid in self._prompts:
+            raise InvariantError(f"stage {self.stage}: {rid!r} followed twice")
+        prompt = PromptBlocks(spec, self.config.block_size)
+        if prompt.num_blocks > self.config.num_blocks:
+            return ReserveStatus.NO_CAPACITY
+        boundary = -(-cached_tokens // self.config.block_size)
+        rsv = Reservation(prompt)
+        confirmed = rsv.lease.acquire(self.pool, prompt, boundary, self._may_take_over)
+        status = ReserveStatus.OK
+        snaps = (0, *rsv.lease.snapshot_boundaries()) if self._needs_snapshot else (boundary,)
+        if confirmed < boundary or boundary not in snaps:
+            status = ReserveStatus.PREFIX_MISSING
+        elif not rsv.reserve_suffix(self.pool) or not rsv.commit(self.pool, boundary):
+            status = ReserveStatus.NO_CAPACITY
+        if status is not ReserveStatus.OK:
+            rsv.release(self.pool)
+            return status
+        self._prompts[rid] = prompt
+        self._reservations[rid] = rsv
+        return status
 
     # ---- execution loop --------------------------------------------------------------
 

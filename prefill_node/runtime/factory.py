@@ -45,8 +45,9 @@ def start_pipeline_engine(
     are started elsewhere with ``wavepp stage`` (one pod per stage); otherwise the stages are
     spawned locally as child processes on a free loopback port. ``num_blocks``: KV blocks per
     stage, one value or one per stage. ``layer_ranges`` defaults to an even split.
-    ``max_wave_tokens`` is the wave budget M (lockstep's fixed chunk budget) and must be a
-    multiple of ``block_size``; ``min_wave_tokens`` (b_min) defaults to M/2 as in the paper.
+    ``max_wave_tokens`` is the wave budget M (the fixed chunk budget under ``trtllm`` and
+    ``sync-admission``) and must be a multiple of ``block_size``; ``min_wave_tokens`` (b_min)
+    defaults to M/2 as in the paper.
     ``kv_shipping``: ship each request's KV to its ``kv_destination`` over NIXL (None: off).
     ``kv_events``: a sink for the pipeline's KV events, e.g. ``KVEventHub.publish``.
     ``debug_wave_delay_s``: every stage sleeps this long per wave (tests: requests that stay

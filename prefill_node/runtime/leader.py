@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LeaderConfig:
-    policy: PolicyKind  # wave: rounds on their own thread; lockstep: on stage 0's loop
+    policy: PolicyKind  # wave: rounds on their own thread; else on stage 0's loop
     world_size: int
     tick_s: float = 2.0  # idle rounds-plane keep-alive (the plane never times out: 1 h)
 
@@ -34,7 +34,11 @@ class Leader:
 
     Threads: the WAVE thread (policy ``wave``) runs admission rounds whenever the core has
     round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
-    the policy's ring) and, under ``lockstep``, runs the rounds itself first; the
+    the policy's ring) and, under ``trtllm`` and ``sync-admission``, runs the rounds itself
+    first. Under ``trtllm`` an admission round never leaves stage 0: the core's coordinator
+    knows stage 0 alone (``LeaderCore``), so rank 0 decides from its own cache and each wave
+    carries the decision to the other stages, which follow it or fail the request
+    (``StageAdmission.follow``). The
     collector receives each wave's result from the last stage. All core calls happen under
     ``self._lock``; no collective is ever made while holding it.
 
@@ -128,7 +132,7 @@ class Leader:
             if t.is_alive():
                 t.join(timeout)
 
-    # -- rounds (WAVE thread, or stage 0's LOOP under lockstep) -----------------------------
+    # -- rounds (WAVE thread, or stage 0's LOOP when admission is on the loop) ---------------
     def _round(self, message: RoundMessage) -> list[Any]:
         return self._planes.rounds.lead(message, self._answer_local)
 
@@ -154,7 +158,11 @@ class Leader:
         verdicts: list[AdmissionVerdict] = []
         t0 = time.monotonic()
         while message is not None:
-            replies = self._round(RoundMessage(RoundKind.ADMIT, message))
+            envelope = RoundMessage(RoundKind.ADMIT, message)
+            if self.config.policy is PolicyKind.TRTLLM:  # rank 0's own cache view alone
+                replies = [self._answer_local(envelope)]
+            else:
+                replies = self._round(envelope)
             with self._lock:
                 message, verdicts = self._core.finish_phase(replies)
         with self._lock:
@@ -190,12 +198,12 @@ class Leader:
     # -- waves (stage 0's LOOP) ---------------------------------------------------------------
     def next_wave(self) -> WaveHeader:
         """Stage 0's wave source: the next wave (at most ``ring`` in flight), or the STOP
-        sentinel once stopping and drained. Under ``lockstep`` it first runs one admission
-        round itself, so admission and execution alternate on this thread."""
-        lockstep = self.config.policy is PolicyKind.LOCKSTEP
+        sentinel once stopping and drained. Under ``trtllm`` and ``sync-admission`` it first
+        runs one admission round itself, so admission and execution alternate on this thread."""
+        on_loop = self.config.policy is not PolicyKind.WAVE
         last_round = time.monotonic()
         while True:
-            if lockstep:
+            if on_loop:
                 self._serve_controls()
                 if self._admission_round():
                     last_round = time.monotonic()
@@ -209,10 +217,10 @@ class Leader:
                     header = self._core.next_wave()
                     if header is not None:
                         return header
-                if lockstep and self._core.has_round_work():
+                if on_loop and self._core.has_round_work():
                     continue
-                self._lock.wait(timeout=0.05 if lockstep else self.config.tick_s)
-        if lockstep and not self._dead:
+                self._lock.wait(timeout=0.05 if on_loop else self.config.tick_s)
+        if on_loop and not self._dead:
             self._serve_controls()
             self._round(RoundMessage(RoundKind.STOP))
         return WaveHeader(wave_id=-1, chunks=(), stop=True)

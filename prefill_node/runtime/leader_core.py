@@ -59,13 +59,17 @@ class LeaderCore:
       something may have changed (new request, completion, abort, or the last round admitted
       someone), so requests waiting for capacity do not spin the rounds plane.
     - ``next_wave`` packs admitted work (FCFS) into the next wave; ``wave_done`` accounts
-      its result. Under ``lockstep`` a request with a chunk in flight is skipped until that
+      its result. Under ``sync-admission`` a request with a chunk in flight is skipped until that
       chunk returns (TensorRT-LLM's PP executor skips ``inflight_req_ids``), so a request's
       chunks never overlap in the pipeline; under ``wave`` they do. A request's stages
       complete it on their own when its last chunk passes.
     - ``abort`` of an admitted request defers the stage-side cleanup (the coordinator's
       ``forgets``) until none of its chunks is still in flight, so a stage never frees blocks
       that a forward is writing.
+    - Under ``trtllm`` (``Policy.rank0_decides``) the coordinator knows stage 0 alone, so a
+      round is rank 0's decision from its own cache; ``next_wave`` carries each admitted
+      prompt with its first chunk and the stage-side cleanups since the last wave
+      (``WaveHeader.new_requests`` / ``forgets``) to the stages that follow.
     """
 
     def __init__(
@@ -75,10 +79,11 @@ class LeaderCore:
         chunk_options: Callable[[str], ChunkOptions] = lambda _rid: (1, None),
     ):
         policy = spec.scheduling_policy
+        self._rank0_decides = policy.rank0_decides
         self._coordinator = AdmissionCoordinator(
             CoordinatorConfig(
                 spec.block_size,
-                spec.stage_blocks,
+                spec.stage_blocks[:1] if self._rank0_decides else spec.stage_blocks,
                 policy.max_round_requests,
                 share_inflight_prefix=policy.share_inflight_prefix,
             )
@@ -95,6 +100,8 @@ class LeaderCore:
         self.model_id = model_cache_id(model_config.name, spec.dtype)
         self._chunk_options = chunk_options
         self._dirty = False
+        self._to_follow: dict[str, RequestSpec] = {}  # trtllm: admitted, first chunk not sent
+        self._stage_forgets: list[str] = []  # trtllm: cleanups not yet sent to stages > 0
 
     # -- admission -----------------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
@@ -114,6 +121,8 @@ class LeaderCore:
         rejected = self._coordinator.submit(spec)
         if rejected is not None:
             raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
+        if self._rank0_decides:
+            self._to_follow[request_id] = spec
         self._dirty = True
 
     def has_round_work(self) -> bool:
@@ -139,6 +148,7 @@ class LeaderCore:
                 verdicts.append(AdmissionVerdict(out.request_id, out.cached_len))
                 self._dirty = True  # progress: try the next queued requests
             elif isinstance(out, Rejected):
+                self._to_follow.pop(out.request_id, None)
                 verdicts.append(AdmissionVerdict(out.request_id, error=NeverFitsError(out.reason)))
         for rid, positions in self._coordinator.take_cuts().items():  # waiters' prefix ends
             for position in positions:
@@ -151,8 +161,16 @@ class LeaderCore:
         self._dirty = True
         admitted = request_id in self._scheduler
         if self._scheduler.abort(request_id):
-            self._coordinator.abort(request_id)
+            self._forget(request_id)
         return admitted
+
+    def _forget(self, request_id: str) -> None:
+        """Every stage drops the request: stage 0 through the coordinator's next round, the
+        stages that follow (``trtllm``) through the next wave."""
+        self._coordinator.abort(request_id)
+        if self._rank0_decides:
+            self._stage_forgets.append(request_id)
+            self._to_follow.pop(request_id, None)
 
     # -- waves ---------------------------------------------------------------------------------
     def next_wave(self) -> WaveHeader | None:
@@ -161,17 +179,24 @@ class LeaderCore:
         if wave is None:
             return None
         chunks = []
+        new_requests = []
         for c in wave.chunks:
             last = self._scheduler.is_last(c)
             top_k, dest = self._chunk_options(c.request_id)  # every chunk: stages may stream
             chunks.append(WaveChunk(c.request_id, c.start, c.length, last, top_k, dest))
-        return WaveHeader(wave.wave_id, tuple(chunks))
+            spec = self._to_follow.pop(c.request_id, None)
+            if spec is not None:
+                new_requests.append(spec)
+        forgets, self._stage_forgets = tuple(self._stage_forgets), []
+        return WaveHeader(
+            wave.wave_id, tuple(chunks), new_requests=tuple(new_requests), forgets=forgets
+        )
 
     def wave_done(self, result: WaveResult) -> None:
         """Account a returned wave: finished, failed and aborted requests leave the core."""
         done = self._scheduler.wave_done(result.wave_id, {rid for rid, _ in result.failed})
         for rid in done.dropped:  # aborted or failed: every stage drops what it still holds
-            self._coordinator.abort(rid)
+            self._forget(rid)
         for rid in done.finished:
             self._coordinator.finished(rid)
         if done.dropped or done.finished:

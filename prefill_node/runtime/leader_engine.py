@@ -127,7 +127,7 @@ class LeaderEngine:
             world_size,
             planes,
             compute,
-            lockstep=self.spec.policy == "lockstep",
+            admission_on_loop=self.spec.scheduling_policy.admission_on_loop,
             wave_source=self._leader.next_wave,
             result_sink=self._leader.handle_result,
             on_error=self._on_dead,

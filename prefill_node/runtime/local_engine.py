@@ -27,6 +27,7 @@ import torch
 
 from prefill_node.core.hashing import model_cache_id
 from prefill_node.core.planner import check_min_wave_tokens, default_min_wave_tokens
+from prefill_node.core.policy import POLICY_NAMES
 from prefill_node.engine.types import MAX_TOP_LOGPROBS, PrefillOptions, PrefillResult, StageLoad
 from prefill_node.errors import (
     InvalidRequestError,
@@ -37,7 +38,7 @@ from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.local_planes import local_planes
-from prefill_node.runtime.spec import POLICIES, PipelineSpec
+from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_compute import PipelineStageCompute
 from prefill_node.runtime.stage_worker import StageWorker
 
@@ -53,7 +54,8 @@ class LocalEngineConfig:
     stage. ``max_chunk_tokens``: the wave budget M, rounded up to whole blocks
     (``wave_tokens``: the planner plans in blocks). ``min_wave_tokens``: the planner's b_min,
     whole blocks up to M (None: M/2). ``max_model_len`` None = the model's
-    ``max_position_embeddings``. ``policy``: ``wave`` or ``lockstep``, as for a pipeline.
+    ``max_position_embeddings``. ``policy``: ``wave``, ``trtllm`` or ``sync-admission``, as
+    for a pipeline.
     ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
 
     num_stages: int = 1
@@ -82,8 +84,8 @@ class LocalEngineConfig:
             raise InvalidRequestError(f"every stage needs >= 2 blocks, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.policy not in POLICIES:
-            raise InvalidRequestError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise InvalidRequestError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
 
     @property
     def stage_num_blocks(self) -> tuple[int, ...]:
@@ -161,7 +163,8 @@ class LocalEngine(LeaderEngine):
         planes = local_planes(config.num_stages)
         self._followers = [
             StageWorker(s, config.num_stages, planes[s], stages[s],
-                        lockstep=spec.policy == "lockstep", on_error=self._on_dead)
+                        admission_on_loop=spec.scheduling_policy.admission_on_loop,
+                        on_error=self._on_dead)
             for s in range(1, config.num_stages)
         ]  # fmt: skip
         for worker in self._followers:

@@ -10,6 +10,7 @@ import torch
 
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.core.kv_events import KVEvent
+from prefill_node.core.request import RequestSpec
 from prefill_node.engine.types import (
     KVPullDestination,
     KVPushDestination,
@@ -49,6 +50,10 @@ class WaveHeader:
     ``kv_events``: each stage's KV event batch drained after this wave (only when the
     pipeline publishes KV events; kv_event_feed.py).
     ``stop``: the shutdown sentinel, forwarded down the pipeline and back to the leader.
+    ``new_requests`` and ``forgets`` (``trtllm`` only: rank 0 admits alone, so the wave
+    carries its decisions): the prompts whose first chunk is in this wave, each to be taken
+    at that chunk's start (``StageAdmission.follow``), and the requests stages > 0 drop
+    first (aborted or failed). Stage 0 already holds both from its own admission.
     """
 
     wave_id: int
@@ -57,6 +62,8 @@ class WaveHeader:
     manifests: tuple[tuple[str, StageKVManifest], ...] = ()
     stop: bool = False
     kv_events: tuple[StageEventBatch, ...] = ()
+    new_requests: tuple[RequestSpec, ...] = ()
+    forgets: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -7,10 +7,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import Policy, PolicyKind, lockstep_policy, wave_policy
+from prefill_node.core.policy import (
+    POLICY_NAMES,
+    Policy,
+    PolicyKind,
+    parse_policy_kind,
+    sync_admission_policy,
+    trtllm_policy,
+    wave_policy,
+)
 from prefill_node.errors import InvalidRequestError
-
-POLICIES = tuple(k.value for k in PolicyKind)
 
 
 class InvalidPipelineSpecError(InvalidRequestError):
@@ -83,8 +89,10 @@ class PipelineSpec:
             prev_end = b
         if any(n < 2 for n in self.stage_blocks):
             raise InvalidPipelineSpecError(f"every stage needs >= 2 KV blocks: {self.stage_blocks}")
-        if self.policy not in POLICIES:
-            raise InvalidPipelineSpecError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise InvalidPipelineSpecError(
+                f"policy must be one of {POLICY_NAMES}, got {self.policy!r}"
+            )
         if self.block_size < 1 or self.max_wave_tokens < self.block_size:
             raise InvalidPipelineSpecError("need block_size >= 1 and max_wave_tokens >= block_size")
         if not 0 < self.min_wave_tokens <= self.max_wave_tokens:
@@ -121,13 +129,17 @@ class PipelineSpec:
     def scheduling_policy(self) -> Policy:
         """The core policy this pipeline runs. The runtime has no chunk cost model, so its
         wave policy plans with plain MPU."""
-        if self.policy == PolicyKind.LOCKSTEP.value:
-            return lockstep_policy(self.num_stages, self.max_requests_per_round)
+        kind = parse_policy_kind(self.policy)
+        if kind is PolicyKind.TRTLLM:
+            return trtllm_policy(self.num_stages, self.max_requests_per_round)
+        if kind is PolicyKind.SYNC_ADMISSION:
+            return sync_admission_policy(self.num_stages, self.max_requests_per_round)
         return wave_policy(self.num_stages, PlannerMode.MPU, self.max_requests_per_round)
 
     @property
     def ring(self) -> int:
-        """Waves in flight: the policy's ring (R = 2P under ``wave``, P under ``lockstep``)."""
+        """Waves in flight: the policy's ring (R = 2P under ``wave``, P under ``trtllm`` and
+        ``sync-admission``)."""
         return self.scheduling_policy.ring_size
 
     def headroom_blocks(self, stage: int) -> int:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from prefill_node.core.admission_messages import RoundRequest, StageReply
+from prefill_node.core.admission_messages import ReserveStatus, RoundRequest, StageReply
 from prefill_node.core.block_pool import BlockPool, PoolStats
-from prefill_node.core.execution_results import BlockTable, StageStateMismatch
+from prefill_node.core.execution_results import BlockTable, MismatchReason, StageStateMismatch
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.errors import InvariantError
@@ -40,6 +40,11 @@ from prefill_node.runtime.stage_worker import StepOutput
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# trtllm: a stage short of capacity for rank 0's decision retries this often while its KV
+# hand-offs (the counterpart of TensorRT-LLM's disaggregated cache transfers) release blocks
+FOLLOW_RETRIES = 20
+FOLLOW_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -239,9 +244,44 @@ class PipelineStageCompute:
         finally:
             cores.computing(False)
 
+    def _follow(self, header: WaveHeader, skip: set[str]) -> list[tuple[str, str]]:
+        """``trtllm``, stages > 0: drop the requests rank 0 dropped, then take rank 0's
+        admission of each new prompt (``StageAdmission.follow``) at its first chunk's start.
+
+        As in TensorRT-LLM's ``_pp_retry_until_can_schedule``: when this stage lacks the
+        capacity, it retries only while its KV hand-offs are releasing blocks (up to
+        ``FOLLOW_RETRIES`` times); otherwise, or when its cache lacks part of the prefix rank
+        0 reused, it raises, here as a failure of that request (TensorRT-LLM's executor
+        raises out of its loop). Returns the failures."""
+        with self._lock:
+            for request_id in header.forgets:
+                self.admission.abort(request_id)
+        starts = {c.request_id: c.start for c in header.chunks}
+        failed: list[tuple[str, str]] = []
+        for spec in header.new_requests:
+            rid = spec.request_id
+            if rid in skip:
+                continue
+            for attempt in range(FOLLOW_RETRIES + 1):
+                with self._lock:
+                    status = self.admission.follow(spec, starts[rid])
+                held = self.shipping.held().blocks if self.shipping is not None else 0
+                if status is not ReserveStatus.NO_CAPACITY or held == 0:
+                    break
+                if attempt < FOLLOW_RETRIES:
+                    time.sleep(FOLLOW_RETRY_S)
+            if status is not ReserveStatus.OK:
+                detail = f"rank 0 reuses {starts[rid]} tokens; here: {status.value}"
+                mismatch = StageStateMismatch(rid, self.stage, MismatchReason.CANNOT_FOLLOW, detail)
+                failed.append((rid, str(mismatch.to_error())))
+        return failed
+
     def _run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
         already_failed = {rid for rid, _ in header.failed}
         failed: list[tuple[str, str]] = []
+        if self.stage > 0 and (header.new_requests or header.forgets):
+            failed = self._follow(header, already_failed)
+            already_failed |= {rid for rid, _ in failed}
         tables: list[tuple[int, WaveChunk, BlockTable]] = []
         rows = 0
         with self._lock:

@@ -74,7 +74,11 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     store.set(ready_key(env.rank), "1")
     planes = Planes.join_stage(env.rank, env.world_size, store, compute.model, spec.max_wave_tokens)
     worker = StageWorker(
-        env.rank, env.world_size, planes, compute, lockstep=spec.policy == "lockstep"
+        env.rank,
+        env.world_size,
+        planes,
+        compute,
+        admission_on_loop=spec.scheduling_policy.admission_on_loop,
     )
 
     def leader_lost(reason: str) -> None:

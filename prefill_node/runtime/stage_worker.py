@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -83,8 +83,8 @@ class StageWorker:
     or, on the last stage, a ``WaveResult`` to the leader (``result_sink`` when P = 1).
     WAVE (non-leader only; the leader drives rounds itself): follow rounds and reply.
 
-    ``lockstep=True`` reproduces the TensorRT-LLM PP baseline on this stage: a round is only
-    answered between waves (the WAVE handler takes the same lock the LOOP holds while it
+    ``admission_on_loop=True`` (``trtllm``, ``sync-admission``): a round is only answered
+    between waves (the WAVE handler takes the same lock the LOOP holds while it
     executes), as when admission runs on the executor loop.
     """
 
@@ -94,7 +94,7 @@ class StageWorker:
         world_size: int,
         planes: Planes,
         compute: StageCompute,
-        lockstep: bool = False,
+        admission_on_loop: bool = False,
         wave_source: Callable[[], WaveHeader] | None = None,
         result_sink: Callable[[WaveResult], None] | None = None,
         on_error: Callable[[str], None] | None = None,
@@ -103,7 +103,7 @@ class StageWorker:
         self.world_size = world_size
         self._planes = planes
         self._compute = compute
-        self._lockstep = lockstep
+        self._admission_on_loop = admission_on_loop
         self._wave_source = wave_source
         self._result_sink = result_sink
         self._on_error = on_error
@@ -173,7 +173,7 @@ class StageWorker:
         manifests = header.manifests + step.manifests
         events = header.kv_events + step.kv_events
         if not self.is_last:
-            out = WaveHeader(header.wave_id, header.chunks, failed, manifests, header.stop, events)
+            out = replace(header, failed=failed, manifests=manifests, kv_events=events)
             hidden = step.hidden
             if hidden is None and not header.stop:
                 hidden = torch.zeros(0, 1)
@@ -210,7 +210,7 @@ class StageWorker:
 
     def answer(self, message: RoundMessage) -> Any:
         """This stage's reply to one round (the leader calls it for stage 0 as well)."""
-        if self._lockstep and message.kind is RoundKind.ADMIT:
+        if self._admission_on_loop and message.kind is RoundKind.ADMIT:
             with self._exec_lock:
                 return self._answer(message)
         return self._answer(message)

@@ -112,7 +112,7 @@ def _prompt_tokens(
         else:
             ids = tuple(tokenizer.encode(req.text.text))
     else:
-        ids = tuple(req.token_ids.ids)  # uint32 on the wire: never negative
+        ids = token_ids_of(req.token_ids)
     if not ids:
         raise InvalidPromptError("the prompt is empty: send at least one token")
     if len(ids) > limits.max_model_len:
@@ -127,6 +127,12 @@ def _prompt_tokens(
             f"[0, {limits.vocab_size})"
         )
     return ids, kind == "text"
+
+
+def token_ids_of(token_ids: prefill_pb2.TokenIds) -> tuple[int, ...]:
+    """A prompt's ids off the wire, as the engine takes them (uint32: never negative). The
+    servicer and bench/grpc_overhead.py's bare floor both parse with this one function."""
+    return tuple(token_ids.ids)
 
 
 def response_to_proto(

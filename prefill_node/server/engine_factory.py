@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from prefill_node.core.planner import check_min_wave_tokens
+from prefill_node.core.policy import POLICY_NAMES
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
 from prefill_node.runtime.kv_event_feed import KVEventSink
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from prefill_node.kv_shipping.shipper import KVShippingConfig
 
 
-POLICIES = ("wave", "lockstep")
 ENGINES = ("pipeline", "local")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -54,8 +54,10 @@ class EngineSpec:
             raise InvalidRequestError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
         if self.stages < 1:
             raise InvalidRequestError(f"--stages must be >= 1, got {self.stages}")
-        if self.policy not in POLICIES:
-            raise InvalidRequestError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise InvalidRequestError(
+                f"--policy must be one of {POLICY_NAMES}, got {self.policy!r}"
+            )
         if len(self.num_blocks) not in (1, self.stages) or min(self.num_blocks) < 2:
             raise InvalidRequestError(
                 f"--num-blocks: give one value or one per stage ({self.stages}), each >= 2"

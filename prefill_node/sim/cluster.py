@@ -10,7 +10,7 @@ What is modelled: a pipeline is one FCFS server at the speed of its bottleneck s
 preset's roofline cost model, ``PipelineRoofline.chunk_cost_model``): a request of
 ``n`` tokens, ``c`` of them cached, occupies it for ``chunk_cost(c, n - c)`` and completes
 ``P - 1`` such times later (its last stage). That is the pipeline's compute bound; host
-costs and the wave/lockstep difference are the single-pipeline simulator's business. A
+costs and the wave/baseline difference are the single-pipeline simulator's business. A
 pipeline's cache holds what its smallest stage holds. Admission runs when the request
 reaches the pipeline (the lease pins the cached prefix then; a request that does not fit
 waits, FCFS); the blocks a request computed become cached, and are published to the index,

@@ -1,10 +1,10 @@
-"""Phases of an admission round that our runtime's lockstep leader runs on stage 0's loop.
+"""Phases of an admission round that the ``sync-admission`` leader runs on stage 0's loop.
 
-This is the lockstep of OUR runtime (``prefill_node/runtime/leader.py`` ``Leader.next_wave``
-and ``stage_worker.py`` ``StageWorker.answer``), selected by a preset with
-``lockstep_model = LockstepModel.LEADER_ROUNDS`` (the ``cpu-bench`` preset, which is
-compared with the real CPU pipeline); the GPU presets model TensorRT-LLM's executor loops
-instead (``executor_loops.py``). Per call of ``next_wave`` on stage 0's execution thread:
+This is the ``sync-admission`` ablation of OUR runtime (``prefill_node/runtime/leader.py``
+``Leader.next_wave`` and ``stage_worker.py`` ``StageWorker.answer``), which the
+``cpu-bench`` preset is compared on with the real CPU pipeline; the ``trtllm`` policy models
+TensorRT-LLM's executor loops instead (``executor_loops.py``). Per call of ``next_wave`` on
+stage 0's execution thread:
 
 1. If the leader's core has round work (something arrived, finished, or the last round
    admitted someone), run one admission round, synchronously on that thread, so stage 0

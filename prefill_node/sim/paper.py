@@ -28,12 +28,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import Policy, lockstep_policy, wave_policy
+from prefill_node.core.policy import Policy, trtllm_policy, wave_policy
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.sweep import Setting, default_requests, run_setting
 from prefill_node.sim.workloads import WorkloadKind
 
-WAVE, LOCKSTEP = "wave", "lockstep"  # the two policies of an absolute figure (row keys)
+WAVE, TRTLLM = "wave", "trtllm"  # the two policies of an absolute figure (row keys)
 RATIO = "WavePP / TRT-LLM"
 Where = tuple[WorkloadKind, int, int]  # workload, input length, concurrency
 
@@ -47,11 +47,11 @@ class PaperFigure:
     input_len: int
     concurrency: int
     wave_tok_s: float
-    lockstep_tok_s: float
+    trtllm_tok_s: float
 
     @property
     def ratio(self) -> float:
-        return self.wave_tok_s / self.lockstep_tok_s
+        return self.wave_tok_s / self.trtllm_tok_s
 
 
 PAPER_FIGURES: tuple[PaperFigure, ...] = (
@@ -82,7 +82,7 @@ PAPER_RATIOS: tuple[PaperRatio, ...] = (
         16,
         3.36,
         partial(wave_policy, planner_mode=PlannerMode.FIXED),
-        lockstep_policy,
+        trtllm_policy,
     ),
     PaperRatio(
         "MPU / fixed M",
@@ -98,7 +98,7 @@ PAPER_RATIOS: tuple[PaperRatio, ...] = (
 
 @dataclass(frozen=True)
 class FittedConstant:
-    """A preset constant fitted on paper figures: ``fitted_on`` as (preset, WAVE or LOCKSTEP)."""
+    """A preset constant fitted on paper figures: ``fitted_on`` as (preset, WAVE or TRTLLM)."""
 
     name: str
     value: float
@@ -110,7 +110,7 @@ FITTED: tuple[FittedConstant, ...] = (
     FittedConstant(
         "host_time_scale",
         get_preset("glm5-pp4").host_time_scale,
-        (("glm5-pp4", LOCKSTEP), ("minimax-pp4", LOCKSTEP)),
+        (("glm5-pp4", TRTLLM), ("minimax-pp4", TRTLLM)),
         "geometric mean of the two TRT-LLM PP4 rows = the paper's",
     ),
     FittedConstant(
@@ -123,7 +123,7 @@ FITTED: tuple[FittedConstant, ...] = (
 
 
 def fitted_on(preset: str, *terms: str) -> tuple[FittedConstant, ...]:
-    """The constants fitted on the figure made of ``terms`` (WAVE, LOCKSTEP) of ``preset``."""
+    """The constants fitted on the figure made of ``terms`` (WAVE, TRTLLM) of ``preset``."""
     return tuple(c for c in FITTED if any((preset, t) in c.fitted_on for t in terms))
 
 
@@ -194,15 +194,15 @@ def headline(fig: PaperFigure, requests: int | None = None) -> list[FigureRow]:
 
     def pair(variant: Preset) -> tuple[float, float]:
         wave = _throughput(variant, where, mpu, requests)
-        return wave, _throughput(variant, where, lockstep_policy(p), requests)
+        return wave, _throughput(variant, where, trtllm_policy(p), requests)
 
     wave, lock = pair(preset)
     cost = _throughput(preset, where, wave_policy(p, PlannerMode.COST_AWARE), requests)
     measured = f"scheduler walks x1 (measured); host_time_scale {preset.host_time_scale:g}"
     return [
         _figure(fig, "WavePP tok/s", fig.wave_tok_s, wave, (WAVE,)),
-        _figure(fig, "TRT-LLM PP4 tok/s", fig.lockstep_tok_s, lock, (LOCKSTEP,)),
-        _figure(fig, RATIO, fig.ratio, wave / lock, (WAVE, LOCKSTEP), wave, lock),
+        _figure(fig, "TRT-LLM PP4 tok/s", fig.trtllm_tok_s, lock, (TRTLLM,)),
+        _figure(fig, RATIO, fig.ratio, wave / lock, (WAVE, TRTLLM), wave, lock),
         _ablation(fig, "scheduler walks x0", *pair(replace(preset, scheduler_walk_scale=0.0))),
         _ablation(fig, "scheduler walks x0.5", *pair(replace(preset, scheduler_walk_scale=0.5))),
         _ablation(fig, measured, wave, lock),

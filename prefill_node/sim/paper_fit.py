@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import trtllm_policy, wave_policy
 from prefill_node.sim.paper import PAPER_FIGURES, PaperFigure
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.sweep import Setting, default_requests, run_setting
@@ -73,7 +73,7 @@ def fit_presets(
         n = requests or default_requests(fig.concurrency)
         setting = Setting(preset, fig.kind, fig.input_len, fig.concurrency, n)
         p = preset.num_stages
-        policy = wave_policy(p, PlannerMode.MPU) if wave else lockstep_policy(p)
+        policy = wave_policy(p, PlannerMode.MPU) if wave else trtllm_policy(p)
         return run_setting(setting, policy).throughput_tok_s
 
     def gap_scale(k: float) -> float:  # increasing: the baseline slows as k grows
@@ -86,7 +86,7 @@ def fit_presets(
         eff = e
         return throughput(first, wave=True) - first.wave_tok_s
 
-    target = _geomean([f.lockstep_tok_s for f in figures])
+    target = _geomean([f.trtllm_tok_s for f in figures])
     for rounds in range(1, max_rounds + 1):
         before = (scale, eff)
         scale = bisect(gap_scale, *SCALE_RANGE, steps)

@@ -1,8 +1,9 @@
-"""How the simulator times the two policies, ``wave`` (WavePP) and ``lockstep`` (TRT-LLM PP).
+"""How the simulator times the three policies: ``wave`` (WavePP), ``trtllm`` (TRT-LLM PP) and
+``sync-admission`` (the ablation), and on which executor a preset's pipeline runs.
 
 The policy itself (its knobs: ring, chunks in flight, planner, fragment rule, headroom) is
 ``prefill_node.core.policy.Policy``, shared with the runtime; this module keeps only the
-choice of lockstep timing model.
+choice of executor (``ExecutorKind``).
 
 - WAVE: admission rounds run on their own timeline, concurrently with execution: a round
   starts as soon as requests are pending and the previous round is over, and packs up to
@@ -11,7 +12,7 @@ choice of lockstep timing model.
   waves in order, so chunk k+1 on stage s always runs after chunk k on stage s), and up to
   ``R = 2P`` waves are in flight. Per-request host work (``host_s_per_token``) is paid once
   per stage, in the rounds, off the executor loops.
-- LOCKSTEP: TensorRT-LLM's PyTorch PP executor (``PyExecutor._executor_loop_pp``, read at
+- TRTLLM: TensorRT-LLM's PyTorch PP executor (``PyExecutor._executor_loop_pp``, read at
   NVIDIA/TensorRT-LLM commit 0004396720054f). Every rank runs its own executor loop and
   does its host work for a micro-batch serially on it before launching that micro-batch
   (``executor_loops.py`` has the timing model and its source citations): every rank
@@ -33,17 +34,23 @@ choice of lockstep timing model.
   pp_size``), at most one chunk of a request in flight (``inflight_req_ids``). The
   admission core's round is applied at rank 0's iteration with no time of its own: in
   TRT-LLM there is no cross-stage negotiation, its cost is the loop work above. Not
-  modelled: a rank > 0 that cannot fit rank 0's schedule retries only while disaggregated
-  KV transfers drain and otherwise raises (``_pp_retry_until_can_schedule``); here both
-  policies take the admission core's all-stage capacity decision, so that never happens.
+  modelled here: a rank > 0 that cannot fit rank 0's schedule retries only while
+  disaggregated KV transfers drain and otherwise raises (``_pp_retry_until_can_schedule``);
+  the simulated round still takes the admission core's all-stage capacity decision, so that
+  never happens. The runtime's ``trtllm`` policy does run it: stage 0 admits from its own
+  cache alone and the other stages follow (``StageAdmission.follow``,
+  ``runtime/leader.py``).
 
-``LockstepModel`` says which lockstep a preset runs: ``TRTLLM_EXECUTOR`` (above; the GPU
-presets, the paper's baseline) or ``LEADER_ROUNDS``, the lockstep of our own runtime
-(``leader_rounds.py``: the leader runs the 3-phase admission rounds synchronously on stage
-0's execution loop, the other stages answer them between waves, no scheduler prefix walks
-and no per-rank replay; same fixed M, ``P`` waves in flight, one chunk of a request in
-flight), which the ``cpu-bench`` preset uses so that it can be compared with the real CPU
-pipeline (``bench/sim_vs_pipeline.py``).
+- SYNC_ADMISSION: the ablation of our own runtime (``leader_rounds.py``: the leader runs the
+  3-phase admission rounds synchronously on stage 0's execution loop, the other stages
+  answer them between waves, no scheduler prefix walks and no per-rank replay; same fixed
+  M, ``P`` waves in flight, one chunk of a request in flight), which the ``cpu-bench``
+  preset is compared on with the real CPU pipeline (``bench/sim_vs_pipeline.py``).
+
+``ExecutorKind`` says on which executor a preset's pipeline runs, which sets the host work
+``wave`` keeps on each stage's loop: ``TRTLLM`` (the GPU presets: WavePP is built on
+TensorRT-LLM's executor, ``stage_hosts.py``) or ``WAVEPP_RUNTIME`` (``cpu-bench``: our
+runtime, whose loop costs are in the measured chunk costs).
 
 Both policies drive the same admission core with the same per-token host cost; only when
 and where the host work runs, how often the scheduler repeats its prefix walks, and how
@@ -55,8 +62,8 @@ from __future__ import annotations
 import enum
 
 
-class LockstepModel(enum.Enum):
-    """Which lockstep baseline a preset simulates (see the module docstring)."""
+class ExecutorKind(enum.Enum):
+    """The executor a preset's pipeline runs on (see the module docstring)."""
 
-    TRTLLM_EXECUTOR = "trtllm-executor"
-    LEADER_ROUNDS = "leader-rounds"
+    TRTLLM = "trtllm-executor"
+    WAVEPP_RUNTIME = "wavepp-runtime"

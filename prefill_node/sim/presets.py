@@ -21,7 +21,7 @@ Shared estimates (all GPU presets):
   probe, lease, escrow, commit); lowest of five invocations' medians on the development VM
   (2026-12-01, load 1.0-1.3 on 2 cores from other sessions): 70 ns per cold token, 85 ns
   per token of a prompt whose prefix is cached. Both policies pay it once per request per
-  stage: ``wave`` in its rounds, the lockstep on every rank's loop (``add_sequence``). The
+  stage: ``wave`` in its rounds, the trtllm on every rank's loop (``add_sequence``). The
   earlier presets divided a loaded-VM figure by an estimated 3 for "a dedicated server
   core" and applied that to this constant only; every host constant here is now what the
   same VM measured, with no machine factor on any of them.
@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from prefill_node.errors import InvalidRequestError
 from prefill_node.model.config import ModelConfig
-from prefill_node.sim.policies import LockstepModel
+from prefill_node.sim.policies import ExecutorKind
 from prefill_node.sim.specs import GPUSpec, LinkSpec, ModelSpec, RoundCostSpec
 from prefill_node.sim.trtllm_costs import TRTLLM_PP_MEASURED, TrtllmLoopCosts
 
@@ -69,8 +69,8 @@ class Preset:
     token_scale: int = 1  # real tokens per id the core sees (workloads.py); divides block_size
     fill_factor: int = 2  # F
     input_lens: tuple[int, ...] = (65_536, 131_072, 262_144)  # the paper's grid
-    lockstep_model: LockstepModel = LockstepModel.TRTLLM_EXECUTOR  # policies.py
-    # TRTLLM_EXECUTOR lockstep: prompt broadcast / conversion / retire costs per token
+    executor: ExecutorKind = ExecutorKind.TRTLLM  # policies.py
+    # trtllm policy: prompt broadcast / conversion / retire costs per token
     # (trtllm_costs.py); the zero default charges the scheduler walks and add_sequence only
     trtllm: TrtllmLoopCosts = TrtllmLoopCosts()
     # The leader's host work for a round (rounds.host_s_per_token) runs on stage 0's core
@@ -80,7 +80,7 @@ class Preset:
     # Every host time (admission, walks, executor loop costs; both policies) is multiplied by
     # this: the host CPU the preset models against the VM that measured the constants
     host_time_scale: float = 1.0
-    # TRTLLM_EXECUTOR lockstep: its per-iteration scheduler walks (the capacity pass and the
+    # trtllm policy: its per-iteration scheduler walks (the capacity pass and the
     # ranks' can_schedule re-check, the cost ``wave`` is exempt from) are charged at this
     # fraction of the measured walk constants; 1 but in ``--reproduce-paper``'s ablations
     scheduler_walk_scale: float = 1.0
@@ -347,8 +347,8 @@ CPU_CORE_BENCH = GPUSpec(
 # and (x1.0, 2 ms, 5 us, 2 ms) are within 0.001; compute x1.0 sits on the grid's edge
 # (below 1 the pipeline would compute faster than the isolated forward). Validation on
 # the c = 4 and c = 128 rows, which the fit did not see (12 rows): mean |log| 0.114, 3 of
-# 12 cells off by > 20% (in-sample: 3 of 18); wave/lockstep ratios: mean |log| 0.174
-# out-of-sample, 0.146 in-sample. Systematic residuals: lockstep at c >= 32 is predicted
+# 12 cells off by > 20% (in-sample: 3 of 18); wave/baseline ratios: mean |log| 0.174
+# out-of-sample, 0.146 in-sample. Systematic residuals: sync-admission at c >= 32 is predicted
 # 20-26% slow (all the leader's per-token work is charged inside its rounds on stage 0's
 # loop, where in the runtime part of it runs on the collector and client threads) and
 # wave on reuse90 at c = 4-8 30% fast (the leader's Python shares the GIL with stage 0,
@@ -359,7 +359,7 @@ CPU_CORE_BENCH = GPUSpec(
 #   send/recv through the buffered channels, materialising the chunks' blocks;
 # - 6 us of the leader's host work per prompt token (6 ms per 1,024-token request): its
 #   Python per request (spec, hashing, results and logprobs, future callbacks); under
-#   ``lockstep`` it runs on stage 0's loop (leader_rounds.py), under ``wave`` off it;
+#   ``sync-admission`` it runs on stage 0's loop (leader_rounds.py), under ``wave`` off it;
 # - 2 ms per round phase (broadcast + all-gather of pickled messages on gloo; measured
 #   send + ack round trips are 0.5 ms each, the rest is the leader's and stages' Python).
 _FIT_SCALE, _FIT_WAVE_S, _FIT_HOST_S, _FIT_PHASE_S = 1.0, 2e-3, 6e-6, 2e-3
@@ -404,10 +404,10 @@ _BENCH_ROUNDS_PIPE = replace(
     host_s_per_token=_FIT_HOST_S,
     host_s_per_cached_token=_CACHED_HOST_S,
 )
-# bench/pipeline.py's setup (M, b_min, prompt; tests/test_sim.py checks it); its lockstep
-# is our runtime's (rounds on the leader's loop), not TensorRT-LLM's executor loops.
+# bench/pipeline.py's setup (M, b_min, prompt; tests/test_sim.py checks it); its baseline
+# is the sync-admission ablation (rounds on the leader's loop), as bench/pipeline.py's.
 _BENCH_SETUP = dict(
-    lockstep_model=LockstepModel.LEADER_ROUNDS,  # our runtime's lockstep, not TRT-LLM's
+    executor=ExecutorKind.WAVEPP_RUNTIME,  # our runtime, not TRT-LLM's executor
     num_stages=2,
     block_size=_BENCH_BLOCK,
     max_wave_tokens=512,

@@ -1,4 +1,4 @@
-"""Side-by-side reporting of simulator runs: wave/lockstep ratios, the printed table, the plot."""
+"""Side-by-side reporting of simulator runs: wave/baseline ratios, the printed table, the plot."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from prefill_node.sim.results import SimResult
 
+BASELINES = ("trtllm", "sync-admission")  # what wave is compared with, preferred first
 _Key = tuple[str, str, int, int]  # preset, workload, input_len, concurrency
 
 
@@ -16,38 +17,42 @@ def _key(r: SimResult) -> _Key:
 
 @dataclass(frozen=True)
 class Comparison:
-    """One setting run under both policies: ``ratio`` = wave / lockstep input throughput."""
+    """One setting run under wave and a baseline (``trtllm``, else the ``sync-admission``
+    ablation): ``ratio`` = wave / baseline input throughput."""
 
     wave: SimResult
-    lockstep: SimResult
+    baseline: SimResult
 
     @property
     def ratio(self) -> float:
-        base = self.lockstep.throughput_tok_s
+        base = self.baseline.throughput_tok_s
         return self.wave.throughput_tok_s / base if base else float("inf")
 
     @property
     def p50_change(self) -> float:
-        """Relative change of wave's p50 latency vs lockstep (negative = faster)."""
-        base = self.lockstep.p50_latency_s
+        """Relative change of wave's p50 latency vs the baseline (negative = faster)."""
+        base = self.baseline.p50_latency_s
         return self.wave.p50_latency_s / base - 1 if base else 0.0
 
 
 def compare(results: Sequence[SimResult]) -> list[Comparison]:
-    """Pair each wave run with the lockstep run of the same setting (first wave run wins)."""
-    lockstep = {_key(r): r for r in results if r.policy == "lockstep"}
+    """Pair each wave run with the baseline run of the same setting (``trtllm`` before
+    ``sync-admission``; the first wave run wins)."""
+    baseline: dict[_Key, SimResult] = {}
+    for name in reversed(BASELINES):
+        baseline.update({_key(r): r for r in results if r.policy == name})
     out: list[Comparison] = []
     seen: set[_Key] = set()
     for r in results:
         k = _key(r)
-        if r.policy != "lockstep" and k in lockstep and k not in seen:
+        if r.policy not in BASELINES and k in baseline and k not in seen:
             seen.add(k)
-            out.append(Comparison(r, lockstep[k]))
+            out.append(Comparison(r, baseline[k]))
     return out
 
 
 def format_table(results: Sequence[SimResult]) -> str:
-    """Plain-text table, one line per run, the wave/lockstep ratio on each wave line."""
+    """Plain-text table, one line per run, the wave/baseline ratio on each wave line."""
     ratios = {(_key(c.wave), c.wave.policy): c.ratio for c in compare(results)}
     head = (
         f"{'preset':<12} {'workload':<9} {'input':>7} {'conc':>4} {'policy':<16} "
@@ -66,13 +71,13 @@ def format_table(results: Sequence[SimResult]) -> str:
 
 
 def regressions(results: Sequence[SimResult], tolerance: float = 0.03) -> list[Comparison]:
-    """Settings where wave's throughput is more than ``tolerance`` below lockstep's."""
+    """Settings where wave's throughput is more than ``tolerance`` below the baseline's."""
     return [c for c in compare(results) if c.ratio < 1 - tolerance]
 
 
 def plot(results: Sequence[SimResult], path: str) -> None:
     """PNG: input throughput vs concurrency, one panel per (preset, workload), one line per
-    (policy, input length): one colour per length, wave solid, lockstep dashed."""
+    (policy, input length): one colour per length, wave solid, the baselines dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +98,7 @@ def plot(results: Sequence[SimResult], path: str) -> None:
             ax.plot(
                 [r.concurrency for r in runs],
                 [r.throughput_tok_s / 1e3 for r in runs],
-                linestyle="--" if policy == "lockstep" else "-",
+                linestyle="--" if policy in BASELINES else "-",
                 color=f"C{lengths.index(input_len)}",
                 marker="o",
                 markersize=3,

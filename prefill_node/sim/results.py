@@ -47,8 +47,8 @@ class SimResult:
     mean_wave_tokens: float
     rounds: int
     mean_round_requests: float
-    # lockstep: time stages wait for their loops, summed over stages (TRT-LLM executor:
-    # each rank's host work; leader rounds: stage 0's loop running admission rounds)
+    # trtllm, sync-admission: time stages wait for their loops, summed over stages (trtllm:
+    # each rank's host work; sync-admission: stage 0's loop running admission rounds)
     loop_stall_s: float
     stage_utilisation: float  # mean over stages of busy / makespan
 

@@ -19,14 +19,14 @@ Timeline rules (both policies, see ``policies.py`` for what differs):
 - WAVE pays, on its rounds timeline, the host work of moving each new request to every
   stage and creating it there (``TrtllmLoopCosts.admission_s_per_token``), and on each
   stage's loop the executor work WavePP keeps (``stage_hosts.py``: per-wave iteration and
-  prompt conversion, retire walks), with the same constants as the lockstep's loops.
-- LOCKSTEP instead runs the round inside rank 0's executor-loop iteration, with no time of
+  prompt conversion, retire walks), with the same constants as the trtllm's loops.
+- TRTLLM instead runs the round inside rank 0's executor-loop iteration, with no time of
   its own, and charges the loop work TensorRT-LLM does per wave on every rank
   (``executor_loops.py``); a stage's GPU starts a wave only once its own rank's loop has
-  launched it (the wait is reported as ``loop_stall_s``). A preset whose
-  ``lockstep_model`` is ``LEADER_ROUNDS`` (our runtime's lockstep) runs each round on
-  stage 0's loop instead, phase by phase, each phase answered by the other stages between
-  their waves (``leader_rounds.py``); stage 0 computes nothing meanwhile.
+  launched it (the wait is reported as ``loop_stall_s``). SYNC_ADMISSION (the ablation of
+  our runtime) runs each round on stage 0's loop instead, phase by phase, each phase
+  answered by the other stages between their waves (``leader_rounds.py``); stage 0
+  computes nothing meanwhile.
 
 Deterministic: no wall clock, no hashing of Python objects, ties broken by event order.
 """
@@ -39,23 +39,23 @@ from dataclasses import dataclass, replace
 
 from prefill_node.core.admission_messages import Admitted, Rejected, Wait
 from prefill_node.core.planner import WavePlanner
-from prefill_node.core.policy import Policy
+from prefill_node.core.policy import Policy, PolicyKind
 from prefill_node.core.wave import Wave
 from prefill_node.core.wave_scheduler import WaveScheduler
 from prefill_node.errors import InvariantError
 from prefill_node.sim.core_port import CorePort
 from prefill_node.sim.executor_loops import ExecutorLoops, LoopCosts, wave_host_work
 from prefill_node.sim.leader_rounds import LeaderRounds
-from prefill_node.sim.policies import LockstepModel
+from prefill_node.sim.policies import ExecutorKind
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import RequestRecord, SimResult, summarise
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.stage_hosts import StageHosts
-from prefill_node.sim.trtllm_issue import TrtllmLockstepIssue
+from prefill_node.sim.trtllm_issue import TrtllmIssue
 from prefill_node.sim.workloads import SimRequest, Workload, WorkloadSpec
 
 _ARRIVE, _ROUND_DONE, _STAGE_DONE, _WAVE_AT_STAGE, _HOST_LAUNCH, _LEADER_FREE = range(6)
-_PHASE_SEND, _PHASE_AT_STAGE, _PHASE_REPLY = range(6, 9)  # LEADER_ROUNDS lockstep only
+_PHASE_SEND, _PHASE_AT_STAGE, _PHASE_REPLY = range(6, 9)  # SYNC_ADMISSION only
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class _Admitted:
     cached_len: int
 
 
-class Simulator(TrtllmLockstepIssue):
+class Simulator(TrtllmIssue):
     """One run: ``spec.num_requests`` requests of one workload under one policy."""
 
     def __init__(
@@ -115,7 +115,7 @@ class Simulator(TrtllmLockstepIssue):
         self._rejected = 0
         self._round_busy = False  # WAVE: a round is in progress on the rounds timeline
         self._round_wanted = False  # something changed since the last round
-        # LOCKSTEP: every rank's executor loop (executor_loops.py); wave_id -> loop index
+        # TRTLLM: every rank's executor loop (executor_loops.py); wave_id -> loop index
         self.loops: ExecutorLoops | None = None
         self.leader_rounds: LeaderRounds | None = None
         # WAVE on the TensorRT-LLM executor: the loop work it keeps, same constants
@@ -128,13 +128,13 @@ class Simulator(TrtllmLockstepIssue):
             p.trtllm,
             p.scheduler_walk_scale,
         )
-        if policy.admission_on_loop and p.lockstep_model is LockstepModel.LEADER_ROUNDS:
+        if policy.kind is PolicyKind.SYNC_ADMISSION:
             self.leader_rounds = LeaderRounds(p.num_stages, rounds.phases, rounds.phase_latency_s)
-        elif policy.admission_on_loop:
+        elif policy.kind is PolicyKind.TRTLLM:
             self.loops = ExecutorLoops(p.num_stages, costs)
-        elif p.lockstep_model is LockstepModel.TRTLLM_EXECUTOR:
+        elif p.executor is ExecutorKind.TRTLLM:
             self.hosts = StageHosts(p.num_stages, costs)
-        # LOCKSTEP (executor loops): prompts not yet broadcast by rank 0's fetch, FCFS, and
+        # TRTLLM (executor loops): prompts not yet broadcast by rank 0's fetch, FCFS, and
         # waves whose launch on a rank waits for another rank's GPU (stage -> (wave, since))
         self._unfetched: deque[tuple[float, int]] = deque()
         self._fetched_until = 0.0  # the last fetch's cut-off: later arrivals wait for the next
@@ -143,7 +143,7 @@ class Simulator(TrtllmLockstepIssue):
         self._parked: dict[int, tuple[Wave, float]] = {}
         self._loop_index: dict[int, int] = {}
         self._leader_wakeup: float | None = None
-        self._loop_round_done = False  # LEADER_ROUNDS: a round ran since the last wave
+        self._loop_round_done = False  # SYNC_ADMISSION: a round ran since the last wave
         self._round_started = 0.0
         self._stage_busy = [False] * p.num_stages
         self._stage_queue: list[deque[Wave]] = [deque() for _ in range(p.num_stages)]
@@ -229,7 +229,7 @@ class Simulator(TrtllmLockstepIssue):
 
     def _submit_pending(self) -> None:
         """Hand arrivals to the coordinator while the batch limit allows (FCFS); under the
-        executor-loops lockstep only those rank 0's last fetch has broadcast."""
+        executor-loops trtllm only those rank 0's last fetch has broadcast."""
         while self._pending and (
             self.scheduler.num_running + len(self._submitted) < self.preset.max_batch
         ):
@@ -274,10 +274,10 @@ class Simulator(TrtllmLockstepIssue):
         return True
 
     def _on_phase_event(self, kind: int, stage: int | None) -> None:
-        """LEADER_ROUNDS: send a phase to every other stage, deliver it, collect replies."""
+        """SYNC_ADMISSION: send a phase to every other stage, deliver it, collect replies."""
         lr = self.leader_rounds
         if lr is None:
-            raise InvariantError("phase event without a leader-rounds lockstep")
+            raise InvariantError("phase event without sync-admission")
         if kind == _PHASE_SEND:
             for s in range(1, self.preset.num_stages):
                 self._push(self.now + lr.one_way_s, _PHASE_AT_STAGE, s)
@@ -337,7 +337,7 @@ class Simulator(TrtllmLockstepIssue):
     def _try_issue(self) -> None:
         """Plan and start the next wave on stage 0 if the leader and the ring allow it."""
         if self.loops is not None:
-            self._try_issue_lockstep(self.loops)
+            self._try_issue_trtllm(self.loops)
             return
         if self.leader_rounds is not None:
             self._try_issue_leader_rounds()
@@ -354,7 +354,7 @@ class Simulator(TrtllmLockstepIssue):
             self._start_on_stage(0, wave)
 
     def _try_issue_leader_rounds(self) -> None:
-        """Our runtime's lockstep (``Leader.next_wave``): when stage 0's loop is free, one
+        """The sync-admission ablation (``Leader.next_wave``): when stage 0's loop is free, one
         round if there is round work, then one wave if the ring allows; with no wave to run,
         a further round as soon as there is round work again."""
         if self._stage_busy[0] or self._round_busy:
@@ -381,7 +381,7 @@ class Simulator(TrtllmLockstepIssue):
         self._wave_tokens += wave.num_tokens
 
     def _start_on_stage(self, stage: int, wave: Wave) -> None:
-        if self.loops is not None:  # lockstep: the GPU waits for its rank's loop to launch
+        if self.loops is not None:  # trtllm: the GPU waits for its rank's loop to launch
             launch = self.loops.launch_time(stage, self._loop_index[wave.wave_id])
             if launch is None:  # its fetch waits for the next rank's loop (blocking send)
                 self._stage_busy[stage] = True

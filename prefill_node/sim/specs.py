@@ -252,7 +252,7 @@ class RoundCostSpec:
     is registered and hashed already; an FCFS-blocked reserve answers at once).
 
     ``walk_s_per_token``: host seconds per matched-prefix token of one radix-tree prefix
-    walk, which the lockstep baseline's scheduler repeats on every loop iteration
+    walk, which the trtllm baseline's scheduler repeats on every loop iteration
     (``executor_loops.py``). Default 27 ns (measured): ``bench/trtllm_walk.cpp`` times the
     operations of TensorRT-LLM's C++ ``findNewContextBlock`` (copy the prompt's tokens, cut
     them into per-block keys, walk a tree of hash maps hashing each key) at 3.8-3.9 ms for

@@ -2,7 +2,7 @@
 
 WavePP runs on the same executor as the baseline, so each stage's loop still does, per
 wave, the iteration's fixed work and the prompt-to-list conversion of every chunk
-(``executor_loops.loop_work_s``, the same function and constants the lockstep's loops use),
+(``executor_loops.loop_work_s``, the same function and constants the trtllm policy's loops use),
 and, when a request's last chunk leaves the stage, the retire walks (store its blocks, free
 the sequence). What WavePP moves off the loop (request transport, request creation,
 admission) is charged on its rounds timeline by the simulator; what it removes (scheduler

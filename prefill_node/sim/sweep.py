@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prefill_node.core.planner import PlannerMode
-from prefill_node.core.policy import Policy, lockstep_policy, wave_policy
+from prefill_node.core.policy import Policy, sync_admission_policy, trtllm_policy, wave_policy
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import SimResult
 from prefill_node.sim.simulator import Simulator
@@ -80,12 +80,15 @@ def paper_grid(presets: Iterable[Preset], *, seed: int = 0) -> list[Setting]:
 
 
 def policies_for(num_stages: int, which: str, planner_modes: Sequence[PlannerMode]) -> list[Policy]:
-    """``which``: wave, lockstep or both; one wave policy per planner mode."""
+    """``which``: wave, trtllm, sync-admission, both (wave and trtllm) or all; one wave policy
+    per planner mode."""
     out: list[Policy] = []
-    if which in ("wave", "both"):
+    if which in ("wave", "both", "all"):
         out += [wave_policy(num_stages, mode) for mode in planner_modes]
-    if which in ("lockstep", "both"):
-        out.append(lockstep_policy(num_stages))
+    if which in ("trtllm", "both", "all"):
+        out.append(trtllm_policy(num_stages))
+    if which in ("sync-admission", "all"):
+        out.append(sync_admission_policy(num_stages))
     return out
 
 

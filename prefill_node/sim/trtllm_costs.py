@@ -1,6 +1,6 @@
 """Host costs of TensorRT-LLM's PP executor loop that move or walk whole prompts, per token.
 
-The lockstep baseline (``executor_loops.py``) charges these on every rank's loop. Each is a
+The trtllm baseline (``executor_loops.py``) charges these on every rank's loop. Each is a
 per-token cost of a data operation the PyTorch executor does on a long prompt, measured
 here with our own code doing the same operations (``bench/trtllm_host_costs.py`` for the
 Python conversions and pickling, ``bench/trtllm_walk.cpp`` for radix-tree walks), or a
@@ -101,7 +101,7 @@ class TrtllmLoopCosts:
         return self.send_s_per_token + self.recv_s_per_token + self.merge_s_per_token
 
 
-# What the GPU presets' lockstep pays (the sources of each term are above).
+# What the GPU presets' trtllm pays (the sources of each term are above).
 TRTLLM_PP_MEASURED = TrtllmLoopCosts(
     send_s_per_token=VEC_TO_LIST_S + PICKLE_DUMPS_S,
     recv_s_per_token=2 * COPY_S + PICKLE_LOADS_S + LIST_TO_VEC_S,

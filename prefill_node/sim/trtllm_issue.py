@@ -1,4 +1,4 @@
-"""The simulator's TensorRT-LLM lockstep issue path: rank 0's loop fetches, admits, plans.
+"""The simulator's TensorRT-LLM trtllm issue path: rank 0's loop fetches, admits, plans.
 
 A mixin of ``Simulator`` (simulator.py owns the state it reads and writes): the executor
 loops' timing lives in ``executor_loops.py``, this is only where the event-driven
@@ -12,13 +12,13 @@ from prefill_node.core.wave import Wave
 from prefill_node.sim.executor_loops import ExecutorLoops, WaveHostWork, wave_host_work
 
 
-class TrtllmLockstepIssue:
-    """``Simulator`` methods of the ``TRTLLM_EXECUTOR`` lockstep (see the module docstring).
+class TrtllmIssue:
+    """``Simulator`` methods of the ``trtllm`` policy (see the module docstring).
 
     Only ``Simulator`` derives from it; the attributes these methods use are its own.
     """
 
-    def _try_issue_lockstep(self, loops: ExecutorLoops) -> None:
+    def _try_issue_trtllm(self, loops: ExecutorLoops) -> None:
         """Rank 0's loop iteration: fetch, admit (capacity), schedule one wave, charge loops.
 
         Runs when rank 0's loop is at the top of its iteration (``leader_free_at``) and

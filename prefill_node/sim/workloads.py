@@ -1,7 +1,7 @@
 """Benchmark workloads: cold, 90% seeded prefix reuse, mixed 75/25 warm/cold, 4K suffix.
 
 A workload is a deterministic sequence of prompts: the ``j``-th request issued gets prompt
-``j`` whatever the policy, so wave and lockstep see exactly the same requests. Warm
+``j`` whatever the policy, so wave and trtllm see exactly the same requests. Warm
 prompts start with one of ``num_prefixes`` seeded prefixes (computed into the cache before
 the measured run, like a system prompt / shared document warmed by earlier traffic),
 followed by fresh tokens; cold prompts are fresh throughout.

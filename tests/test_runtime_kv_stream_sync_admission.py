@@ -1,5 +1,5 @@
-"""Streamed push hand-off under the lockstep policy (one pipeline per process: see
-test_runtime_kv_handoff_lockstep.py): many-chunk prompts, decode block size 8 vs prefill's 4,
+"""Streamed push hand-off under the sync-admission policy (one pipeline per process: see
+test_runtime_kv_handoff_sync_admission.py): many-chunk prompts, decode block size 8 vs prefill's 4,
 push streamed and pull unchanged, tokens equal monolithic greedy, nothing leaks."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from tests.test_runtime_kv_stream import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def test_lockstep_pipeline_streams_push_and_pulls_unchanged():
+def test_sync_admission_pipeline_streams_push_and_pulls_unchanged():
     spec = DecodeWorkerSpec(model_config=CONFIG, seed=0, num_blocks=64, block_size=8, timeout_s=5)
     with DecodeWorkerProcess(spec) as decode:
         env = DistEnv(0, 2, "127.0.0.1", free_local_port())
         engine = PipelineEngine.start(
-            pipeline_spec("lockstep"), env, startup_timeout_s=60, kv_shipping=STREAM
+            pipeline_spec("sync-admission"), env, startup_timeout_s=60, kv_shipping=STREAM
         )
         try:
             prompt = prompt_of(59, seed=31)  # 8 chunks, one at a time in the pipeline

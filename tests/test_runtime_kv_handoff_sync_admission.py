@@ -1,4 +1,4 @@
-"""The KV hand-off under the lockstep policy, with uneven stages (one pipeline per process:
+"""The KV hand-off under the sync-admission policy, with uneven stages (one pipeline per process:
 torch.distributed has one default group, so it cannot share test_runtime_kv_handoff's)."""
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def decode():
         assert worker.stats().used_blocks == 0
 
 
-def test_lockstep_pipeline_ships_push_and_pull(decode):
-    """Under lockstep the leader serves KV_COLLECT rounds between waves on stage 0's loop."""
+def test_sync_admission_pipeline_ships_push_and_pull(decode):
+    """Under sync-admission the leader serves KV_COLLECT rounds between waves on stage 0's loop."""
     spec = PipelineSpec(
         model=ModelSource(config=HF_CONFIG, seed=0, name="tiny-llama"),
         layer_ranges=((0, 1), (1, 4)),  # uneven: each stage ships its own layer count
         stage_blocks=(24, 24),
         block_size=BS,
-        policy="lockstep",
+        policy="sync-admission",
         max_wave_tokens=8,
         min_wave_tokens=8,
     )

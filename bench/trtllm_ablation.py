@@ -1,8 +1,8 @@
-"""What each modelled TensorRT-LLM loop mechanism costs the lockstep baseline, one at a time.
+"""What each modelled TensorRT-LLM loop mechanism costs the trtllm baseline, one at a time.
 
 Runs one setting (default: suffix4k, c=128, each GPU preset, 131,072 tokens) under
-lockstep with the TensorRT-LLM loop costs switched on cumulatively, then wave once, and
-prints throughput and the wave/lockstep ratio per step (trtllm_costs.py has the sources):
+trtllm with the TensorRT-LLM loop costs switched on cumulatively, then wave once, and
+prints throughput and the wave/baseline ratio per step (trtllm_costs.py has the sources):
 
   walks        scheduler walks + add_sequence only (TrtllmLoopCosts(), the old model)
   +walk base   every walk also pays its per-prompt-token base
@@ -11,7 +11,7 @@ prints throughput and the wave/lockstep ratio per step (trtllm_costs.py has the 
   +blocking    the request forward blocks until the next rank's loop posts its receive
                (= TRTLLM_PP_MEASURED, what the GPU presets use)
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/lockstep_ablation.py --json out.json
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/trtllm_ablation.py --json out.json
 
 The simulator is deterministic: one run per step is its value.
 """
@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from prefill_node.core.policy import lockstep_policy, wave_policy
+from prefill_node.core.policy import trtllm_policy, wave_policy
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.simulator import Simulator
 from prefill_node.sim.sweep import default_requests
@@ -54,7 +54,7 @@ def steps() -> list[tuple[str, TrtllmLoopCosts]]:
 
 def faster_host(preset: Preset, speedup: float) -> Preset:
     """``preset`` with every host cost of both policies divided by ``speedup`` (its
-    ``host_time_scale``: the lockstep loops' walks, add_sequence and prompt moves, wave's
+    ``host_time_scale``: the trtllm loops' walks, add_sequence and prompt moves, wave's
     loop work, and the rounds' host work; counts such as ``retire_walks`` and the
     blocking-send switch are kept)."""
     return replace(preset, host_time_scale=preset.host_time_scale / speedup)
@@ -92,7 +92,7 @@ def main() -> None:
         if costs is None:
             policy = wave_policy(preset.num_stages)
         else:
-            preset, policy = replace(preset, trtllm=costs), lockstep_policy(preset.num_stages)
+            preset, policy = replace(preset, trtllm=costs), trtllm_policy(preset.num_stages)
         preset = faster_host(preset, args.host_speedup)  # both policies' host work
         res = Simulator(preset, spec, policy).run()
         rows.append({"step": label, **res.row()})
@@ -103,7 +103,7 @@ def main() -> None:
             if r["preset"] == name and r["step"] != "wave":
                 tps = r["throughput_tok_s"]
                 ratio = wave["throughput_tok_s"] / tps
-                print(f"  {r['step']:<11} lockstep {tps:>12,.0f} tok/s  {ratio:.2f}x")
+                print(f"  {r['step']:<11} trtllm {tps:>12,.0f} tok/s  {ratio:.2f}x")
         print(f"  {'wave':<11}          {wave['throughput_tok_s']:>12,.0f} tok/s")
     if args.json:
         with open(args.json, "w") as f:
