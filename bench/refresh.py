@@ -65,6 +65,11 @@ def _bench(script: str, *args: str) -> tuple[str, ...]:
     return (PY, f"bench/{script}.py", "--json", "{json}", *args)
 
 
+_PD_LOAD = ("--rates", "c1,1", "--num-prompts", "12", "--input-len", "1024",
+            "--output-len", "32")  # fmt: skip
+_PD_SMOKE = ("--rates", "c1", "--num-prompts", "2", "--input-len", "64", "--output-len", "2",
+             "--num-prefixes", "1")  # fmt: skip
+
 FIGURES = (
     Figure(
         "pipeline",
@@ -224,21 +229,25 @@ FIGURES = (
     ),
     Figure(
         "pd_serve",
-        "docs/gateway.md, README: PD serving vs vllm serve alone",
-        _bench("pd_serve"),
+        "docs/gateway.md, README: auto vs remote vs local prefill behind the gateway",
         _bench(
             "pd_serve",
-            "--rates",
-            "c1",
-            "--num-prompts",
-            "2",
-            "--input-len",
-            "64",
-            "--output-len",
-            "2",
-            "--num-prefixes",
-            "1",
-        ),
+            *_PD_LOAD,
+            "--systems",
+            "pd-auto,pd-remote,pd-local",
+            "--runs",
+            "3",
+            "--local-max-tokens",
+            "1100",
+        ),  # fmt: skip
+        _bench("pd_serve", *_PD_SMOKE, "--systems", "pd-auto,pd-local"),
+        needs="vllm",
+    ),
+    Figure(
+        "pd_serve_colocated",
+        "docs/gateway.md: vllm serve alone and its decode instance alone, same load",
+        _bench("pd_serve", *_PD_LOAD, "--systems", "vllm,decode"),
+        _bench("pd_serve", *_PD_SMOKE, "--systems", "vllm"),
         needs="vllm",
     ),
 )
