@@ -10,9 +10,14 @@ request there as a Prefill call: the bytes the router received, as they are (tok
 destinations pass through untouched, so the stages still ship straight to decode). The
 answer comes back as the pipeline's bytes; the router reads its cached tokens only.
 
-Failover: a call the pipeline refused BEFORE admitting anything (UNAVAILABLE "not ready", or
-no connection at all) is retried once on the next best pipeline; any other failure is the
-request's answer (no silent duplicate compute). ``abort`` (a client cancel, a deadline, or
+Failover: a prefill has no side effect a retry could duplicate (the cache is a cache) as long
+as nothing of it reached the caller or its decode side. So a call that failed that way is
+retried on the next best pipeline, at most once per pipeline, while the request's deadline
+lasts (``failover_reason``: the connection was lost or never made; the pipeline was not
+ready, a stage died, or a pull-mode KV hand-off failed, as the pipeline's ``wavepp-failover``
+trailer says); the reason goes to ``wavepp_router_failovers_total``. A lost connection also
+takes the pipeline out of routing at once. The caller gets UNAVAILABLE only when no pipeline
+could serve. Any other failure is the request's answer. ``abort`` (a client cancel, a deadline, or
 the Abort RPC) cancels the forwarded call, which makes the pipeline abort the request and
 free its blocks. Pipelines come and go through the discovery; a link that is not ready, or
 whose KV-event stream broke, has no entries in the index until its next snapshot.
@@ -50,9 +55,14 @@ from prefill_node.engine.types import (
     PrefillResult,
     ScoreReport,
 )
-from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
+from prefill_node.errors import (
+    DeadlineExceededError,
+    NeverFitsError,
+    RequestAbortedError,
+    UnavailableError,
+)
 from prefill_node.server.convert import ParsedRequest, result_from_proto
-from prefill_node.server.servicer import NOT_READY, Relayed
+from prefill_node.server.servicer import FAILOVER_KEY, FAILOVER_NO, Relayed
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
 from prefill_router.pipeline_link import LinkConfig, PipelineLink, start_loop_thread
@@ -105,12 +115,19 @@ class _Routed:
     aborted: bool = False
 
 
-def refused_before_admission(exc: grpc.RpcError) -> bool:
-    """True when a failed call never reached a pipeline's admission (safe to retry)."""
+CONNECTION_LOST = "connection_lost"
+
+
+def failover_reason(exc: grpc.aio.AioRpcError) -> str | None:
+    """Why the failed forwarded call may be run on another pipeline, or None. A pipeline's
+    servicer marks each UNAVAILABLE it sends (``FAILOVER_KEY``); one without the mark came
+    from the transport: no connection, or it broke (the pipeline died mid-request)."""
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    details = (exc.details() or "").lower()
-    return details.startswith(NOT_READY) or "failed to connect" in details
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == FAILOVER_KEY:
+            return None if value == FAILOVER_NO else str(value)
+    return CONNECTION_LOST
 
 
 class RouterEngine:
@@ -329,8 +346,8 @@ class RouterEngine:
     async def _forward(
         self, request: bytes, tokens: Sequence[int], options: PrefillOptions
     ) -> Relayed:
-        """Route the encoded ``request`` (``tokens``: its prompt) and forward it, retrying
-        once elsewhere when a pipeline refused it before admission."""
+        """Route the encoded ``request`` (``tokens``: its prompt) and forward it; fail over
+        to the next best pipeline while a failure allows it (module contract)."""
         identity = self._identity  # set once, never reset: no lock needed to read it
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
@@ -338,8 +355,17 @@ class RouterEngine:
                                    self._extra_keys(identity, options.cache_salt))  # fmt: skip
         request_id = options.request_id or ""
         tried: tuple[str, ...] = ()
+        failed: list[str] = []  # "pipeline: reason" of each failover, for the final error
         while True:
-            link, routed = self._route(tokens, hashes, request_id, tried)
+            try:
+                link, routed = self._route(tokens, hashes, request_id, tried)
+            except UnavailableError:
+                if not failed:
+                    raise
+                raise UnavailableError(
+                    f"no pipeline could serve request {request_id!r} (failed on "
+                    f"{'; '.join(failed)}; no other is ready); retry later"
+                ) from None
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
@@ -353,13 +379,22 @@ class RouterEngine:
                     raise RequestAbortedError(f"request {request_id} was aborted") from None
                 raise
             except grpc.aio.AioRpcError as exc:
-                if refused_before_admission(exc) and not tried:
-                    self.metrics.failover(routed.pid)
-                    log.info("pipeline %s refused %s before admission (%s); retrying elsewhere",
-                             routed.pid, request_id, exc.details())  # fmt: skip
-                    tried = routed.tried
-                    continue
-                raise error_from_rpc(exc) from None
+                reason = failover_reason(exc)
+                if reason is None:
+                    raise error_from_rpc(exc) from None
+                self.metrics.failover(routed.pid, reason)
+                if reason == CONNECTION_LOST:
+                    link.connection_lost(exc.details() or exc.code().name)
+                log.info("pipeline %s failed %s before answering (%s: %s); failing over",
+                         routed.pid, request_id, reason, exc.details())  # fmt: skip
+                failed.append(f"{routed.pid}: {reason}")
+                tried = routed.tried
+                if options.deadline_s is not None and time.monotonic() >= options.deadline_s:
+                    raise DeadlineExceededError(
+                        f"request {request_id!r} missed its deadline while failing over "
+                        f"({'; '.join(failed)})"
+                    ) from None
+                continue
             finally:
                 self._forget(request_id, routed)
             response = prefill_pb2.PrefillResponse.FromString(data)

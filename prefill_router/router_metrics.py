@@ -27,7 +27,7 @@ class RouterMetrics:
         self.actual_cached: Counter[str] = Counter()
         self.answered_requests: Counter[str] = Counter()
         self.resyncs: Counter[str] = Counter()
-        self.failovers: Counter[str] = Counter()  # by the pipeline that refused
+        self.failovers: Counter[tuple[str, str]] = Counter()  # by (failed pipeline, reason)
         self.lost: Counter[str] = Counter()  # by pipeline: left the candidate set
         self.refused: Counter[str] = Counter()  # by pipeline: wrong model / block size
 
@@ -45,9 +45,9 @@ class RouterMetrics:
         with self._lock:
             self.resyncs[pid] += 1
 
-    def failover(self, pid: str) -> None:
+    def failover(self, pid: str, reason: str) -> None:
         with self._lock:
-            self.failovers[pid] += 1
+            self.failovers[pid, reason] += 1
 
     def pipeline_lost(self, pid: str) -> None:
         with self._lock:
@@ -90,11 +90,18 @@ class _RouterCollector(Collector):
             cached.add_metric([pid, "predicted"], n)
             cached.add_metric([pid, "actual"], snapshot["actual_cached"].get(pid, 0))
         yield cached
+        failovers = CounterMetricFamily(
+            "wavepp_router_failovers",
+            "Requests run on another pipeline after this one failed them before answering, "
+            "by reason",
+            labels=["pipeline", "reason"],
+        )
+        for (pid, reason), n in snapshot["failovers"].items():
+            failovers.add_metric([pid, reason], n)
+        yield failovers
         per_pipeline = (
             ("answered_requests", "wavepp_router_answered", "Requests answered per pipeline"),
             ("resyncs", "wavepp_router_resyncs", "KV-event snapshots (re)applied per pipeline"),
-            ("failovers", "wavepp_router_failovers",
-             "Requests retried elsewhere after this pipeline refused them before admission"),
             ("lost", "wavepp_router_pipeline_lost", "Times a pipeline left the candidate set"),
             ("refused", "wavepp_router_pipeline_refused",
              "Times a pipeline was refused (another model or block size)"),

@@ -334,6 +334,14 @@ class AsyncPrefillClient:
         PrefillResponse out): for a proxy that passes both on as they are."""
         return self._channel.unary_unary(PREFILL_METHOD, _registered_method=True)
 
+    def connectivity(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        """The channel's connectivity state now (``try_to_connect``: leave IDLE)."""
+        return self._channel.get_state(try_to_connect)
+
+    async def connectivity_changed(self, last: grpc.ChannelConnectivity) -> None:
+        """Return once the channel's state is no longer ``last``."""
+        await self._channel.wait_for_state_change(last)
+
     async def close(self) -> None:
         await self._channel.close()
 
