@@ -20,6 +20,17 @@ class NeverFitsError(WaveppError):
     """The request can never fit, e.g. larger than a stage's whole cache (RESOURCE_EXHAUSTED)."""
 
 
+class OverloadedError(WaveppError):
+    """The tier is too busy to answer this request in time, said at once instead of late
+    (RESOURCE_EXHAUSTED, with the trailer ``retry-after-ms``): a router's queue is full, or
+    the request is predicted to finish after its deadline. ``retry_after_s``: when a retry is
+    predicted to fare better."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UnavailableError(WaveppError):
     """The pipeline is down or not ready (UNAVAILABLE).
 

@@ -10,6 +10,11 @@ request there as a Prefill call: the bytes the router received, as they are (tok
 destinations pass through untouched, so the stages still ship straight to decode). The
 answer comes back as the pipeline's bytes; the router reads its cached tokens only.
 
+Flow control (``_admit``, FlowControl): at most so many requests per ready pipeline are
+forwarded at once; the rest wait in a bounded queue by priority and tenant turns, and a
+request is rejected at once (OverloadedError: RESOURCE_EXHAUSTED + retry-after-ms) when the
+queue is full or the Scorer's prediction exceeds its deadline.
+
 Failover: a prefill has no side effect a retry could duplicate (the cache is a cache) as long
 as nothing of it reached the caller or its decode side. So a call that failed that way is
 retried on the next best pipeline, at most once per pipeline, while the request's deadline
@@ -39,6 +44,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import grpc
 
@@ -58,17 +64,20 @@ from prefill_node.engine.types import (
 from prefill_node.errors import (
     DeadlineExceededError,
     NeverFitsError,
+    OverloadedError,
     RequestAbortedError,
     UnavailableError,
 )
 from prefill_node.server.convert import ParsedRequest, result_from_proto
 from prefill_node.server.servicer import FAILOVER_KEY, FAILOVER_NO, Relayed
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
+from prefill_router.flow_control import FlowConfig, FlowControl, Verdict, Waiter
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
 from prefill_router.pipeline_link import LinkConfig, PipelineLink, start_loop_thread
 from prefill_router.router_metrics import RouterMetrics
 from prefill_router.scoring import (
     DEFAULT_AFFINITY_SLACK,
+    CandidateScore,
     PipelineView,
     RouteReason,
     RoutingDecision,
@@ -99,6 +108,7 @@ class RouterConfig:
     affinity_slack: float = DEFAULT_AFFINITY_SLACK  # prefer the cache hit within this share
     link: LinkConfig = field(default_factory=LinkConfig)
     model_name: str | None = None
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
 
 @dataclass(slots=True)
@@ -116,6 +126,11 @@ class _Routed:
 
 
 CONNECTION_LOST = "connection_lost"
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():  # a cancelled waiter gives its slot back itself
+        future.set_result(None)
 
 
 def failover_reason(exc: grpc.aio.AioRpcError) -> str | None:
@@ -139,6 +154,7 @@ class RouterEngine:
         self._discovery = discovery
         self._lock = threading.Lock()
         self._index = GlobalPrefixIndex(config.pending_ttl_s)
+        self._flow = FlowControl(config.flow)
         self._scorer: Scorer | None = None  # once the cluster's identity is known
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
@@ -258,6 +274,8 @@ class RouterEngine:
                     self._index.add_pipeline(link.pid)  # entries come with its snapshot
             else:
                 self._drop_index(link.pid)
+            woken = self._flow.drain(self._ready_count())  # more room, or none ready
+        self._wake(woken)
         if not ready:
             self.metrics.pipeline_lost(link.pid)
 
@@ -321,7 +339,9 @@ class RouterEngine:
         request = build_request(tokens, request_id=options.request_id or "",
                                 cache_salt=options.cache_salt or "",
                                 top_logprobs=options.top_logprobs,
-                                kv_destination=options.kv_destination)  # fmt: skip
+                                kv_destination=options.kv_destination,
+                                priority=options.priority,
+                                tenant_id=options.tenant or "")  # fmt: skip
         relayed = await self._forward(request.SerializeToString(), tokens, options)
         relayed.response.served_by = relayed.served_by
         return result_from_proto(relayed.response)
@@ -346,13 +366,93 @@ class RouterEngine:
     async def _forward(
         self, request: bytes, tokens: Sequence[int], options: PrefillOptions
     ) -> Relayed:
-        """Route the encoded ``request`` (``tokens``: its prompt) and forward it; fail over
-        to the next best pipeline while a failure allows it (module contract)."""
+        """Admit the encoded ``request`` (``tokens``: its prompt) through flow control, then
+        route and forward it."""
         identity = self._identity  # set once, never reset: no lock needed to read it
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
         hashes = hash_block_tokens(tokens, identity.block_size,
                                    self._extra_keys(identity, options.cache_salt))  # fmt: skip
+        slot = await self._admit(tokens, hashes, options)
+        try:
+            return await self._forward_admitted(request, tokens, hashes, options)
+        finally:
+            if slot:
+                self._release_slot()
+
+    async def _admit(
+        self, tokens: Sequence[int], hashes: Sequence[int], options: PrefillOptions
+    ) -> bool:
+        """Wait for a slot (FlowControl), or raise OverloadedError at once: the queue is
+        full, or the Scorer's prediction on the best pipeline now, plus the cost of what
+        waits ahead, exceeds the request's deadline. False: no pipeline can take it
+        (``_route`` raises why), so no slot is held."""
+        now = time.monotonic()
+        request_id = options.request_id or ""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            scores = [s for s in self._assess(len(tokens), hashes, now) if s.eligible]
+            if not scores:
+                return False
+            chosen = min(scores, key=attrgetter("score"))  # the earliest it could be done
+            tenant = options.tenant or options.cache_salt or ""
+            waiter = Waiter(request_id, options.priority, tenant, chosen.prefill_cost_s,
+                            (loop, loop.create_future()))  # fmt: skip
+            left = None if options.deadline_s is None else options.deadline_s - now
+            offer = self._flow.offer(waiter, chosen.score, left, self._ready_count())
+            waiting = self._flow.num_waiting
+        self.metrics.offered(offer.verdict.value, waiting)
+        if offer.verdict is Verdict.ADMIT:
+            return True
+        if offer.verdict is Verdict.QUEUE_FULL:
+            raise OverloadedError(
+                f"the router's queue is full ({self._flow.config.max_queue} requests wait); "
+                f"retry in {offer.retry_after_s:.3f}s", offer.retry_after_s)  # fmt: skip
+        if offer.verdict is Verdict.DEADLINE:
+            raise OverloadedError(
+                f"request {request_id!r} is predicted to take {offer.predicted_s:.3f}s, past "
+                f"its deadline in {left:.3f}s; retry in {offer.retry_after_s:.3f}s or with a "
+                "longer deadline", offer.retry_after_s)  # fmt: skip
+        try:
+            await waiter.handle[1]
+        except asyncio.CancelledError:
+            with self._lock:
+                withdrawn = self._flow.withdraw(waiter)
+                waiting = self._flow.num_waiting
+            if withdrawn:
+                self.metrics.offered("withdrawn", waiting)
+            else:  # admitted meanwhile: pass its slot on
+                self._release_slot()
+            raise
+        self.metrics.queue_wait(time.monotonic() - now)
+        return True
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            woken = self._flow.release(self._ready_count())
+        self._wake(woken)
+
+    def _wake(self, woken: list[Waiter]) -> None:
+        """Hand each admitted waiter its slot on its own loop."""
+        if woken:
+            self.metrics.offered("dequeued", self._flow.num_waiting, len(woken))
+        for waiter in woken:
+            loop, future = waiter.handle
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def _ready_count(self) -> int:
+        """Caller holds the lock."""
+        return sum(link.ready and link.refused is None for link in self._links.values())
+
+    async def _forward_admitted(
+        self,
+        request: bytes,
+        tokens: Sequence[int],
+        hashes: Sequence[int],
+        options: PrefillOptions,
+    ) -> Relayed:
+        """Route and forward; fail over to the next best pipeline while a failure allows
+        it (module contract)."""
         request_id = options.request_id or ""
         tried: tuple[str, ...] = ()
         failed: list[str] = []  # "pipeline: reason" of each failover, for the final error
@@ -470,15 +570,27 @@ class RouterEngine:
 
     def _decide(self, prompt_tokens: int, hashes, now: float, tried) -> RoutingDecision:
         """Caller holds the lock."""
+        return self._scorer_for().choose(prompt_tokens, *self._inputs(hashes, now, tried))
+
+    def _assess(self, prompt_tokens: int, hashes, now: float) -> tuple[CandidateScore, ...]:
+        """Every pipeline's score for the prompt, choosing nothing. Caller holds the lock."""
+        return self._scorer_for().assess(prompt_tokens, *self._inputs(hashes, now, ()))
+
+    def _scorer_for(self) -> Scorer:
         if self._scorer is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
+        return self._scorer
+
+    def _inputs(self, hashes, now: float, tried) -> tuple[dict, list[PipelineView]]:
+        """The index's matches and the candidates' views (not ``tried``). Caller holds
+        the lock."""
         matches = self._index.match(hashes, now)
         views = [
             self._view(link)
             for link in self._links.values()
             if link.refused is None and link.info is not None and link.pid not in tried
         ]
-        return self._scorer.choose(prompt_tokens, matches, views)  # fmt: skip
+        return matches, views
 
     def _view(self, link: PipelineLink) -> PipelineView:
         """Caller holds the lock. What changes per request (own accounting, the index) is

@@ -12,7 +12,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 
@@ -30,6 +30,11 @@ class RouterMetrics:
         self.failovers: Counter[tuple[str, str]] = Counter()  # by (failed pipeline, reason)
         self.lost: Counter[str] = Counter()  # by pipeline: left the candidate set
         self.refused: Counter[str] = Counter()  # by pipeline: wrong model / block size
+        # flow control, by outcome: admit, wait, queue_full, deadline (rejected at once),
+        # dequeued (a waiter got its slot), withdrawn (a waiter gave up)
+        self.admission: Counter[str] = Counter()
+        self.waiting = 0  # requests waiting in the router's queue now
+        self.queue_wait_s = 0.0  # summed over the waiters that got a slot
 
     def decision(self, reason: str) -> None:
         with self._lock:
@@ -49,6 +54,15 @@ class RouterMetrics:
         with self._lock:
             self.failovers[pid, reason] += 1
 
+    def offered(self, outcome: str, waiting: int, n: int = 1) -> None:
+        with self._lock:
+            self.admission[outcome] += n
+            self.waiting = waiting
+
+    def queue_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.queue_wait_s += seconds
+
     def pipeline_lost(self, pid: str) -> None:
         with self._lock:
             self.lost[pid] += 1
@@ -65,14 +79,32 @@ class _RouterCollector(Collector):
     def __init__(self, metrics: RouterMetrics) -> None:
         self._m = metrics
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         m = self._m
         with m._lock:
             snapshot = {
                 name: dict(getattr(m, name))
                 for name in ("decisions", "predicted_cached", "actual_cached",
-                             "answered_requests", "resyncs", "failovers", "lost", "refused")
+                             "answered_requests", "resyncs", "failovers", "lost", "refused",
+                             "admission")
             }  # fmt: skip
+            waiting, queue_wait_s = m.waiting, m.queue_wait_s
+        admission = CounterMetricFamily(
+            "wavepp_router_admission",
+            "Flow control outcomes: admit, wait, queue_full and deadline (rejected at once "
+            "with RESOURCE_EXHAUSTED), dequeued, withdrawn",
+            labels=["outcome"],
+        )
+        for outcome, n in snapshot["admission"].items():
+            admission.add_metric([outcome], n)
+        yield admission
+        yield GaugeMetricFamily(
+            "wavepp_router_queued_requests", "Requests waiting in the router's queue",
+            value=waiting)  # fmt: skip
+        yield CounterMetricFamily(
+            "wavepp_router_queue_wait_seconds",
+            "Seconds waited in the router's queue, summed over the requests that got a slot",
+            value=queue_wait_s)  # fmt: skip
         decisions = CounterMetricFamily(
             "wavepp_router_decisions",
             "Routing decisions by policy and reason",

@@ -187,6 +187,26 @@ class Scorer:
     ) -> RoutingDecision:
         """Pick a pipeline for a prompt of ``prompt_tokens`` tokens, given each pipeline's
         leading blocks held (``GlobalPrefixIndex.match``; a missing pid counts 0)."""
+        scores = self.assess(prompt_tokens, matched_blocks, candidates)
+        eligible = [s for s in scores if s.excluded is None]
+        if not eligible:
+            fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
+            reason = RouteReason.NO_CANDIDATE if fits or not scores else RouteReason.NEVER_FITS
+            return RoutingDecision(None, reason, self.policy, prompt_tokens, 0, scores)
+        chosen, reason = self._pick(eligible)
+        return RoutingDecision(
+            chosen.pid, reason, self.policy, prompt_tokens, chosen.cached_tokens, scores
+        )
+
+    def assess(
+        self,
+        prompt_tokens: int,
+        matched_blocks: Mapping[PipelineId, int],
+        candidates: Sequence[PipelineView],
+    ) -> tuple[CandidateScore, ...]:
+        """Every candidate's score for the prompt, in pid order, choosing nothing (no
+        policy state moves): what ``choose`` picks from, and what a router's flow control
+        predicts the prompt's time to its result from."""
         if prompt_tokens < 1:
             raise InvalidRoutingInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         full_blocks = prompt_tokens // self.block_size
@@ -204,16 +224,7 @@ class Scorer:
             raise InvalidRoutingInputError("candidate pipelines must have distinct pids")
         needed = blocks_needed(prompt_tokens, self.block_size)  # the same for every view
         get = matched_blocks.get
-        scores = tuple([self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views])
-        eligible = [s for s in scores if s.excluded is None]
-        if not eligible:
-            fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
-            reason = RouteReason.NO_CANDIDATE if fits or not scores else RouteReason.NEVER_FITS
-            return RoutingDecision(None, reason, self.policy, prompt_tokens, 0, scores)
-        chosen, reason = self._pick(eligible)
-        return RoutingDecision(
-            chosen.pid, reason, self.policy, prompt_tokens, chosen.cached_tokens, scores
-        )
+        return tuple([self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views])
 
     def _score(
         self, prompt_tokens: int, needed: int, matched: int, view: PipelineView

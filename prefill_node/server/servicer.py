@@ -4,6 +4,8 @@ Thin by design: validation lives in ``convert.parse_request``, scheduling in the
 policy (every message says what to fix):
 
 - InvalidRequestError -> INVALID_ARGUMENT; NeverFitsError -> RESOURCE_EXHAUSTED;
+  OverloadedError (a router shedding load) -> RESOURCE_EXHAUSTED with trailing metadata
+  ``retry-after-ms``;
   UnavailableError or a not-ready pipeline -> UNAVAILABLE, with trailing metadata
   ``wavepp-failover``: why a router may retry it on another pipeline, or ``no``;
 - the earlier of the request's ``timeout`` and the call's deadline passing -> the request is
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -32,6 +35,7 @@ from prefill_node.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     NeverFitsError,
+    OverloadedError,
     RequestAbortedError,
     UnavailableError,
 )
@@ -58,6 +62,8 @@ NOT_READY = "the pipeline is not ready"
 # without it never came from a servicer: the connection failed (``router_engine``).
 FAILOVER_KEY = "wavepp-failover"
 FAILOVER_NO = "no"
+# Trailing metadata of a RESOURCE_EXHAUSTED for overload: milliseconds to wait before a retry.
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 T = TypeVar("T")
@@ -117,6 +123,10 @@ class RequestFailure(Exception):
 def _failure(request_id: str, exc: BaseException) -> RequestFailure:
     if isinstance(exc, InvalidRequestError):
         return RequestFailure(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, OverloadedError):
+        retry_ms = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+        return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                              ((RETRY_AFTER_KEY, retry_ms),))  # fmt: skip
     if isinstance(exc, NeverFitsError):
         return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, UnavailableError):
