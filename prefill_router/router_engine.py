@@ -13,7 +13,9 @@ answer comes back as the pipeline's bytes; the router reads its cached tokens on
 Flow control (``_admit``, FlowControl): at most so many requests per ready pipeline are
 forwarded at once; the rest wait in a bounded queue by priority and tenant turns, and a
 request is rejected at once (OverloadedError: RESOURCE_EXHAUSTED + retry-after-ms) when the
-queue is full or the Scorer's prediction exceeds its deadline.
+queue is full or the Scorer's prediction exceeds its deadline. The Scorer's predictions, for
+routing and admission alike, are the cost model's seconds scaled by each pipeline's measured /
+predicted ratio of time to answer (``PredictionCalibration``, learned from every answer).
 
 Failover: a prefill has no side effect a retry could duplicate (the cache is a cache) as long
 as nothing of it reached the caller or its decode side. So a call that failed that way is
@@ -70,6 +72,7 @@ from prefill_node.errors import (
 )
 from prefill_node.server.convert import ParsedRequest, result_from_proto
 from prefill_node.server.servicer import FAILOVER_KEY, FAILOVER_NO, Relayed
+from prefill_router.calibration import CalibrationConfig, PredictionCalibration
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.flow_control import FlowConfig, FlowControl, Verdict, Waiter
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
@@ -109,6 +112,7 @@ class RouterConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
     model_name: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
 @dataclass(slots=True)
@@ -116,9 +120,10 @@ class _Routed:
     """One forwarded request (guarded by the engine lock)."""
 
     pid: str
-    cost_s: float
+    cost_s: float  # its prefill's cost-model seconds (what it adds to the pipeline's queue)
     computed_tokens: int
     predicted_cached: int
+    predicted_cost_s: float  # queued + prefill cost-model seconds there, at routing
     call: grpc.aio.UnaryUnaryCall | None = None
     loop: asyncio.AbstractEventLoop | None = None
     tried: tuple[str, ...] = ()
@@ -150,11 +155,12 @@ class RouterEngine:
 
     def __init__(self, discovery: PipelineDiscovery, config: RouterConfig) -> None:
         self.config = config
-        self.metrics = RouterMetrics(config.policy.value)
+        self.metrics = RouterMetrics(config.policy.value, self.prediction_ratios)
         self._discovery = discovery
         self._lock = threading.Lock()
         self._index = GlobalPrefixIndex(config.pending_ttl_s)
         self._flow = FlowControl(config.flow)
+        self._calibration = PredictionCalibration(config.calibration)
         self._scorer: Scorer | None = None  # once the cluster's identity is known
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
@@ -224,6 +230,7 @@ class RouterEngine:
             for link in gone:
                 del self._links[link.pid]
                 self._derived.pop(link.pid, None)
+                self._calibration.forget(link.pid)
                 self._drop_index(link.pid)
             new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
                    if pid not in self._links]  # fmt: skip
@@ -396,7 +403,7 @@ class RouterEngine:
                 return False
             chosen = min(scores, key=attrgetter("score"))  # the earliest it could be done
             tenant = options.tenant or options.cache_salt or ""
-            waiter = Waiter(request_id, options.priority, tenant, chosen.prefill_cost_s,
+            waiter = Waiter(request_id, options.priority, tenant, chosen.prefill_s,
                             (loop, loop.create_future()))  # fmt: skip
             left = None if options.deadline_s is None else options.deadline_s - now
             offer = self._flow.offer(waiter, chosen.score, left, self._ready_count())
@@ -471,6 +478,7 @@ class RouterEngine:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
             call = link.aio_prefill()(request, timeout=timeout)
             routed.call, routed.loop = call, asyncio.get_running_loop()
+            started = time.monotonic()
             try:
                 data = await call
             except asyncio.CancelledError:
@@ -497,9 +505,22 @@ class RouterEngine:
                 continue
             finally:
                 self._forget(request_id, routed)
+            self._calibrate(routed, started)
             response = prefill_pb2.PrefillResponse.FromString(data)
             self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
             return Relayed(data, response, routed.pid)
+
+    def _calibrate(self, routed: _Routed, started: float) -> None:
+        """An answer from ``routed.pid``, forwarded at ``started``: a calibration sample."""
+        now = time.monotonic()
+        with self._lock:
+            self._calibration.observe(routed.pid, routed.predicted_cost_s, now - started, now)
+
+    def prediction_ratios(self) -> dict[str, float]:
+        """Each pipeline's measured / predicted time ratio now (``PredictionCalibration``;
+        pipelines without an answer yet are absent: 1)."""
+        with self._lock:
+            return self._calibration.ratios(time.monotonic())
 
     def score(self, token_ids: Sequence[int], cache_salt: str | None) -> ScoreReport:
         """Where ``prefill`` would send this prompt now (the Score RPC): the same hashing,
@@ -515,8 +536,8 @@ class RouterEngine:
         chosen = next((c for c in decision.candidates if c.pid == decision.pipeline), None)
         return ScoreReport(
             decision.pipeline or "", decision.reason.value, len(token_ids),
-            decision.cached_tokens, chosen.queued_cost_s if chosen else 0.0,
-            chosen.prefill_cost_s if chosen else 0.0,
+            decision.cached_tokens, chosen.queued_s if chosen else 0.0,
+            chosen.prefill_s if chosen else 0.0,
             sum(c.eligible for c in decision.candidates),
         )  # fmt: skip
 
@@ -544,6 +565,7 @@ class RouterEngine:
                 self._index.record_pending(decision.pipeline, hashes, now)
                 routed = _Routed(decision.pipeline, chosen.prefill_cost_s,
                                  len(tokens) - decision.cached_tokens, decision.cached_tokens,
+                                 chosen.queued_cost_s + chosen.prefill_cost_s,
                                  tried=(*tried, decision.pipeline))  # fmt: skip
                 self._routed[request_id] = routed
                 self._account(routed, 1)
@@ -586,13 +608,13 @@ class RouterEngine:
         the lock."""
         matches = self._index.match(hashes, now)
         views = [
-            self._view(link)
+            self._view(link, now)
             for link in self._links.values()
             if link.refused is None and link.info is not None and link.pid not in tried
         ]
         return matches, views
 
-    def _view(self, link: PipelineLink) -> PipelineView:
+    def _view(self, link: PipelineLink, now: float) -> PipelineView:
         """Caller holds the lock. What changes per request (own accounting, the index) is
         read each time; what comes with a load or an identity is derived once per object."""
         pid, load, info = link.pid, link.load, link.info
@@ -609,7 +631,8 @@ class RouterEngine:
         indexed = pid in index
         return PipelineView(pid, link.ready and indexed, own_cost + others * self._per_token_s,
                             cached[3], cached[2], own_requests, cached[4],
-                            index.num_blocks(pid) if indexed else 0)  # fmt: skip
+                            index.num_blocks(pid) if indexed else 0,
+                            self._calibration.ratio(pid, now))  # fmt: skip
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:
         if decision.reason is RouteReason.NEVER_FITS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -19,8 +19,13 @@ from prometheus_client.registry import Collector
 class RouterMetrics:
     """Counters; every method is thread-safe and O(1)."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(
+        self, policy: str, prediction_ratios: Callable[[], Mapping[str, float]] = dict
+    ) -> None:
+        """``prediction_ratios``: each pipeline's measured / predicted time ratio, read at
+        scrape time (it drifts between answers)."""
         self.policy = policy
+        self.prediction_ratios = prediction_ratios
         self._lock = threading.Lock()
         self.decisions: Counter[str] = Counter()  # by reason
         self.predicted_cached: Counter[str] = Counter()  # by pipeline, answered requests
@@ -89,6 +94,15 @@ class _RouterCollector(Collector):
                              "admission")
             }  # fmt: skip
             waiting, queue_wait_s = m.waiting, m.queue_wait_s
+        ratios = GaugeMetricFamily(
+            "wavepp_router_prediction_ratio",
+            "Per pipeline: measured / predicted seconds to answer (EWMA over answered "
+            "requests); the router scales its cost model's predictions by it",
+            labels=["pipeline"],
+        )
+        for pid, ratio in sorted(m.prediction_ratios().items()):
+            ratios.add_metric([pid], ratio)
+        yield ratios
         admission = CounterMetricFamily(
             "wavepp_router_admission",
             "Flow control outcomes: admit, wait, queue_full and deadline (rejected at once "

@@ -17,6 +17,7 @@ from prefill_node.cli.options import (
     start_server,
 )
 from prefill_node.client.remote_args import add_client_tls_arguments
+from prefill_router.calibration import CalibrationConfig
 from prefill_router.scoring import DEFAULT_AFFINITY_SLACK
 
 DESCRIPTION = """\
@@ -110,6 +111,14 @@ def register(subparsers: Any) -> None:
         "A request whose predicted time to its result exceeds its deadline is rejected the "
         "same way (default 1024)",
     )
+    f.add_argument(
+        "--calibration-alpha",
+        type=float,
+        default=CalibrationConfig.alpha,
+        help="weight of the newest answer in each pipeline's measured / predicted time ratio "
+        "(an EWMA starting at 1), which scales the cost model's predictions for routing and "
+        f"the deadline check; 0 = off (default {CalibrationConfig.alpha})",
+    )
     add_client_tls_arguments(p, "pipeline", "the pipelines")
     add_network_arguments(p, port=50050, metrics_port=9401)
     add_tls_arguments(p)
@@ -156,6 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         ),
         model_name=model.name,
         flow=FlowConfig(args.max_inflight_per_pipeline, args.max_queue),
+        calibration=CalibrationConfig(alpha=args.calibration_alpha),
     )
     engine = RouterEngine(discovery_from_args(args, args.pipeline), config)
     # submit only hashes, scores and starts a call: the server calls it inline
