@@ -8,18 +8,24 @@ system prompts (cache_salt), unique prompts, PrefillStream batches, tight deadli
 cancellations and hostile requests (hypothesis-made fields and values, unknown fields,
 oversize messages, unknown KV destinations).
 
-Faults on a schedule (``--faults all`` for the full set, ``few`` for the default test):
-a decode worker SIGKILLed mid-transfer; a stage SIGKILLed (the harness's supervisor restarts
-the pipeline, as Kubernetes would on failed liveness); a stage SIGSTOPped past the heartbeat
-timeout, then SIGCONTed; the router SIGKILLed and restarted; a pipeline's connections
-(its KV-event stream included) cut; a burst of long unique prompts (cache pressure).
+Faults on a schedule (``--faults all`` for the full set, ``few`` for the default test),
+each with its effect verified (bench/soak_faults.py): a decode worker SIGKILLed
+mid-transfer; a stage SIGKILLed, and the leader (stage 0, the gRPC front) SIGKILLed (the
+harness's supervisor restarts the pipeline, as Kubernetes would on failed liveness); a stage
+SIGSTOPped past the heartbeat timeout, then SIGCONTed; the router SIGKILLed and restarted; a
+pipeline's connections (its KV-event stream included) cut; a burst of long unique prompts
+(cache pressure); two of them at once. Network faults (tc netem in namespaces) are skipped,
+with the reason in the summary, where the machine cannot run them.
 
-Invariants, continuously and at the end (bench/soak_report.py): every request ends exactly
-once, OK or a typed status, never later than its deadline + 5 s, never INTERNAL or UNKNOWN;
-once load stops, every stage of every pipeline holds 0 used blocks, passes check_integrity(),
-holds no WRITE or lease, and the decode side holds no block or reception; RSS and fd counts
-of long-lived processes stop growing; the router's index equals what each pipeline reports
-resident; the router's Prometheus counters agree with the client's tally.
+Invariants, continuously and at the end (bench/soak_report.py, bench/soak_outcomes.py): every
+request ends exactly once, with a status expected for its kind or explained by a fault
+overlapping it, never later than its deadline + 5 s; aborts of requests in flight take
+effect; availability: with one component faulted at a time, >= 99% of the well-formed
+requests without a short deadline or a client cancel end OK, and no other outcome is
+unexplained; once load stops, every stage of every pipeline holds 0 used blocks, passes
+check_integrity(), holds no WRITE or lease, and the decode side holds no block or reception;
+RSS and fd counts of long-lived processes stop growing; the router's index equals what each
+pipeline reports resident; the router's Prometheus counters equal the client's tally.
 
     python bench/soak.py --duration 60 --concurrency 32 --json out/soak.json --plot out/soak.png
 """
@@ -36,6 +42,7 @@ import time
 from pathlib import Path
 
 from soak_cluster import (  # bench/ is on sys.path: this file runs as a script
+    CLIENT_BACKOFF_S,
     DecodeDriver,
     Restartable,
     Supervisor,
@@ -44,10 +51,18 @@ from soak_cluster import (  # bench/ is on sys.path: this file runs as a script
     router_argv,
     write_model,
 )
-from soak_faults import Faults, schedule
-from soak_report import Sampler, final_checks, plot, summarise
+from soak_faults import INJECTORS, Faults, fault_names, netem_unavailable, schedule
+from soak_report import Sampler, final_checks, plot, residency, summarise
 from soak_workload import Tally, Workload
 from tqdm import tqdm
+
+
+def _faults(value: str) -> str:
+    try:
+        fault_names(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=10.0,
         help="KV transfer timeout and pull lease TTL, seconds (default 10)",
     )
-    p.add_argument("--faults", choices=("all", "few", "none"), default="all")
+    p.add_argument(
+        "--faults",
+        type=_faults,
+        default="all",
+        help="all (default), few, none, or a comma-separated list of faults, a+b for two at "
+        f"once ({', '.join(INJECTORS)})",
+    )
     p.add_argument("--settle", type=float, default=60.0, help="seconds allowed to settle")
     p.add_argument("--seed", default="soak")
     p.add_argument("--logs", type=Path, help="keep every process's log here (default: dropped)")
@@ -81,7 +102,9 @@ async def drive(
     from prefill_node.client.prefill_client import AsyncPrefillClient
 
     end = time.monotonic() + args.duration
-    async with AsyncPrefillClient(router.address) as client:
+    async with AsyncPrefillClient(
+        router.address, max_reconnect_backoff_s=CLIENT_BACKOFF_S
+    ) as client:
         work = Workload(client, client._channel, tally, args.seed)
         faults.workload = work
 
@@ -134,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         routes = [cut, *pipes[1:]]
         router = Restartable("router", router_argv(model, routes), "wavepp router:", tmp)
         decoders = [
-            DecodeDriver(f"decode-{i}", router.address, model, args, tmp, tally.external)
+            DecodeDriver(f"decode-{i}", router.address, model, args, tmp, tally)
             for i in range(args.decoders)
         ]
         supervisor = Supervisor(pipes, lambda *a: faults.note_restart(*a))
-        faults = Faults(pipes, router, decoders, supervisor, cut, tally)
+        faults = Faults(pipes, router, decoders, supervisor, cut, tally, residency=residency)
+        if args.faults != "none":
+            why = netem_unavailable()
+            faults.network = (f"skipped: {why}" if why else
+                              "skipped: tc netem works here, but delay and loss faults are "
+                              "not implemented yet")  # fmt: skip
         try:
             print(
                 f"starting {args.pipelines} pipelines, the router and {args.decoders} "

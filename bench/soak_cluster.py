@@ -42,6 +42,10 @@ STAGE_MAIN = "prefill_node.runtime.stage_main"
 # The chart probes every 10 s, 3 failures in a row restart the pod; faster here, but with
 # kubelet's 1 s probe timeout tripled, since 7 processes share 2 cores during a soak.
 LIVENESS_PERIOD_S, LIVENESS_TIMEOUT_S, LIVENESS_FAILURES = 1.0, 3.0, 3
+# The soak's clients cap gRPC's reconnect backoff (as the router does towards its pipelines):
+# a restarted router is reached within this long of listening again, not after a backoff
+# that grew while it was down.
+CLIENT_BACKOFF_S = 1.0
 
 
 def free_port() -> int:
@@ -253,16 +257,19 @@ def _liveness_failure(address: str) -> str:
 
 class DecodeDriver:
     """A ``soak_decode.py`` child: a decode worker doing push / pull hand-offs through the
-    router; each ended request is a JSON line on its stdout, handed to ``on_line``."""
+    router; each request is announced and each ended one reported as JSON lines on its
+    stdout, into ``tally`` (soak_workload.Tally). ``kill`` ends the ones it had in flight
+    DECODER_KILLED."""
 
-    def __init__(
-        self, name: str, router: str, model: Path, args, logs: Path, on_line: Callable[[dict], None]
-    ) -> None:
+    def __init__(self, name: str, router: str, model: Path, args, logs: Path, tally) -> None:
         self.name, self._router, self._model, self._args = name, router, model, args
-        self._logs, self._on_line = logs, on_line
+        self._logs, self._tally = logs, tally
         self.proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self.starts = 0
         self.final: dict | None = None
+        self.open_ids: set[str] = set()
+        self.ok_rows = 0  # requests answered OK, over all its starts
 
     def start(self) -> DecodeDriver:
         script = Path(__file__).with_name("soak_decode.py")
@@ -286,27 +293,43 @@ class DecodeDriver:
             argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
         )
         log.close()
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+        self._reader.start()
         return self
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
-            with contextlib.suppress(ValueError):
+            try:
                 row = json.loads(line)
-                if row.get("final"):
-                    self.final = row
-                else:
-                    self._on_line(row)
+            except ValueError:
+                continue
+            if row.get("final"):
+                self.final = row
+            elif "begin" in row:
+                self.open_ids.add(row["begin"])
+                self._tally.external_begin(row)
+            else:
+                self.open_ids.discard(row["id"])
+                self.ok_rows += row["code"] == "OK"
+                self._tally.external(row)
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+    def kill(self) -> int:
+        """SIGKILL; how many of its requests were in flight (each ends DECODER_KILLED)."""
+        if self.proc is None:
+            return 0
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(10)  # every line it wrote before dying is read
+        killed, self.open_ids = self.open_ids, set()
+        for rid in killed:
+            self._tally.end(rid, "DECODER_KILLED", "its decode worker was killed")
+        return len(killed)
 
     def stop(self, timeout_s: float = START_TIMEOUT_S) -> dict | None:
         """SIGTERM: finish in-flight hand-offs, check the decode side, report; its report."""

@@ -1,9 +1,10 @@
 """A soak decode worker (child of bench/soak.py): a reference DecodeWorker (own NIXL agent and
 KV pool) that keeps ``--concurrency`` hand-offs in flight through the router, alternating push
 (the stages WRITE into blocks allocated here) and pull (this worker READs the leased blocks),
-decodes two tokens from each, and releases. Every ended request is one JSON line on stdout;
-SIGTERM stops new requests, lets the in-flight ones end, checks the decode side's invariants
-(receiver integrity, no block or reception left) and prints a final line."""
+decodes two tokens from each, and releases. Every request is one JSON line on stdout before it
+is sent and another once it ended; SIGTERM stops new requests, lets the in-flight ones end,
+checks the decode side's invariants (receiver integrity, no block or reception left) and prints
+a final line."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 
 import grpc
+from soak_cluster import CLIENT_BACKOFF_S  # bench/ is on sys.path: this file runs as a script
 
 VOCAB = 512
 TENANT_PREFIX = 96  # tokens of each decode tenant's shared prefix
@@ -56,6 +58,7 @@ async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dic
     kind = f"{mode}-{twist}" if twist else mode
     t0 = time.monotonic()
     row = {"kind": kind, "id": rid, "deadline_s": deadline, "t": time.time()}
+    emit({"begin": rid, "kind": kind, "deadline_s": deadline})  # the parent tallies it open
     started = False
     try:
         dest = worker.expect_push(rid, prompt) if mode == "push" else KVPullDestination()
@@ -114,7 +117,7 @@ async def main_async(args) -> None:
             if row["code"] == "UNAVAILABLE":  # a client backs off
                 await asyncio.sleep(rng.uniform(0.1, 0.5))
 
-    async with AsyncPrefillClient(args.router) as client:
+    async with AsyncPrefillClient(args.router, max_reconnect_backoff_s=CLIENT_BACKOFF_S) as client:
         await asyncio.gather(*(lane(client) for _ in range(args.concurrency)))
     final = {
         "final": True,

@@ -1,6 +1,7 @@
 """The soak's measurements and verdicts: a sampler over time (throughput, latency, blocks
 used per stage, RSS and fds per process), the checks once load stops (leaks, integrity,
-router index = residency, Prometheus = the client's tally), the flat JSON rows and the plot."""
+router index = residency, Prometheus = the client's tally, every outcome expected or
+explained, availability, aborts), the flat JSON rows and the plot."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import urllib.request
 
 from soak_cluster import fd_count, rss_bytes  # bench/ is on sys.path
+from soak_outcomes import availability, breaches, reconcile
 from soak_workload import WRITE_LOST
 
 INVARIANTS = (
@@ -30,8 +32,11 @@ INVARIANTS = (
     "unexplained_pipeline_losses",
     "growing_processes",
     "faults_not_survived",
+    "unexpected_outcomes",
+    "availability_breaches",
+    "aborts_without_effect",
 )
-TAKE_A_PIPELINE = ("stage_kill", "stage_stop", "kv_cut")
+TAKE_A_PIPELINE = ("stage_kill", "leader_kill", "stage_stop", "kv_cut")
 WRITE_LOST_WINDOW_S = 5.0  # a stream write lost this soon after a router kill is the kill's
 RSS_NOISE_BYTES = 16 * 2**20  # growth over the last half below this is noise
 FD_NOISE = 4
@@ -72,7 +77,7 @@ class Sampler:
         window = tally.rows[self._seen :]
         self._seen = len(tally.rows)
         dt = now - (self.t0 + self.rows[-1]["t"]) if self.rows else 1.0
-        ok = [lat for _, _, code, lat in window if code == "OK"]
+        ok = [lat for _, _, code, lat, _ in window if code == "OK"]
         q = statistics.quantiles(ok, n=20, method="inclusive") if len(ok) >= 2 else [None] * 19
         row = {
             "row": "series",
@@ -135,8 +140,8 @@ def _settled(report) -> bool:
     )
 
 
-def _residency(address: str) -> int:
-    """Blocks resident on every stage, from a fresh subscription's snapshot."""
+def residency(address: str) -> set[int]:
+    """Hashes of the blocks resident on every stage, from a fresh subscription's snapshot."""
     from prefill_node.client.prefill_client import PrefillClient
 
     with PrefillClient(address) as c:
@@ -152,7 +157,7 @@ def _residency(address: str) -> int:
             held.difference_update(ev.removed.block_hashes)
         elif kind == "cleared":
             held.clear()
-    return len(held)
+    return held
 
 
 def final_checks(pipes, router, decode_finals, tally, faults, args) -> dict:
@@ -218,7 +223,8 @@ def index_check(pipes, router, faults, timeout_s: float = 20.0) -> dict:
         with contextlib.suppress(Exception), PrefillClient(router.address) as c:
             indexed = {p.address: p.indexed_blocks for p in c.load(timeout_s=5).pipelines}
             for p, route in zip(pipes, routes, strict=True):
-                result[p.name] = {"router": indexed.get(route), "pipeline": _residency(p.address)}
+                result[p.name] = {"router": indexed.get(route),
+                                  "pipeline": len(residency(p.address))}  # fmt: skip
         agree = len(result) == len(pipes) and all(
             r["router"] == r["pipeline"] for r in result.values()
         )
@@ -239,28 +245,21 @@ def index_check(pipes, router, faults, timeout_s: float = 20.0) -> dict:
 
 
 def counter_check(router, tally, faults) -> dict:
-    """The current router process's wavepp_requests{outcome="ok"} against the OK answers the
-    clients counted for requests sent after it started; a client cancel racing a finished
-    request is the only allowed difference."""
+    """The current router process's wavepp_requests_total{outcome} against the outcomes the
+    clients counted for the requests sent after it started (soak_outcomes.reconcile: every
+    outcome equal, cancellations counted on both sides)."""
     text = ""
     with contextlib.suppress(Exception):
         url = f"http://127.0.0.1:{router.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
     server = {
-        m.group(1): float(m.group(2))
+        m.group(1): int(float(m.group(2)))
         for m in re.finditer(r'^wavepp_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)
     }
     epoch = faults.router_epoch
-    mine = [r for r in tally.rows if r[0] - r[3] >= epoch]
-    client_ok = sum(1 for r in mine if r[2] == "OK" and not r[1].startswith(("push", "pull")))
-    decode_ok = sum(
-        1
-        for r in mine
-        if r[1].startswith(("push", "pull")) and (r[2] == "OK" or r[2].startswith("KV_"))
-    )
-    cancelled = sum(1 for r in mine if r[2] == "CANCELLED")
-    server_ok = int(server.get("ok", -1))
-    diff = server_ok - client_ok - decode_ok
+    with tally._lock:
+        mine = [(code, detail) for end, _, code, lat, detail in tally.rows if end - lat >= epoch]
+    rec = reconcile({k: v for k, v in server.items() if v}, mine)
     lost = sum(
         float(m.group(1))
         for m in re.finditer(r"^wavepp_router_pipeline_lost_total\{[^}]*\} (\S+)$", text, re.M)
@@ -272,10 +271,11 @@ def counter_check(router, tally, faults) -> dict:
     restarts = [r for r in faults.restarts if r["t"] >= since]
     allowed = 2 * (len(takers) + len(restarts))
     return {
-        "router_ok": server_ok,
-        "client_ok": client_ok + decode_ok,
-        "client_cancelled": cancelled,
-        "mismatches": int(not 0 <= diff <= cancelled),
+        "router": rec.router,
+        "client": rec.client,
+        "client_undetermined": rec.undetermined,
+        "differences": {k: list(v) for k, v in rec.mismatches.items()},
+        "mismatches": len(rec.mismatches) if server else 1,
         "router_pipeline_losses": int(lost),
         "losses_explained_by_faults": allowed,
         "unexplained_losses": max(0, int(lost) - allowed),
@@ -287,7 +287,7 @@ def unexplained_writes_lost(tally, faults) -> int:
     fails under it) other than within WRITE_LOST_WINDOW_S after a router kill."""
     return sum(
         1
-        for end, _kind, code, _lat in tally.rows
+        for end, _kind, code, _lat, _detail in tally.rows
         if code == WRITE_LOST
         and not any(0 <= end - k <= WRITE_LOST_WINDOW_S for k in faults.router_kills)
     )
@@ -309,6 +309,9 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
     first = min((r.at_s for r in recs), default=args.duration)
     last = max((r.at_s + (r.recovered_s or 0) for r in recs), default=args.duration)
     grow = slopes(sampler, args.duration)
+    ended, windows = tally.ended_rows(), faults.windows()
+    unexpected = breaches(ended, windows)
+    avail = availability(ended, windows)
     summary = {
         "row": "summary",
         "duration_s": args.duration,
@@ -338,7 +341,26 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "faults_injected": len(recs),
         "faults_skipped": faults.skipped,
         "faults_not_survived": sum(not r.survived for r in recs),
+        "unexpected_outcomes": sum(unexpected.values()),
+        "availability_breaches": avail.unexplained + (not avail.holds),
+        "aborts_without_effect": len(tally.aborts_without_effect),
         "invariants": list(INVARIANTS),
+        "unexpected": dict(unexpected.most_common(15)),
+        "availability": {
+            "judged": avail.judged,
+            "ok": avail.ok,
+            "ok_share": round(avail.ok_share, 4),
+            "unexplained": avail.unexplained,
+            "excluded_router_or_overlapping": avail.excluded,
+            "unexplained_by": dict(avail.unexplained_codes),
+            "explained_by": dict(avail.explained_codes),
+        },
+        "aborts": {
+            "landed": tally.aborts_landed,
+            "too_late": tally.aborts_too_late,
+            "without_effect": tally.aborts_without_effect[:10],
+        },
+        "network_faults": faults.network,
         "settle_s": checks["settle_s"],
         "integrity": checks["integrity"],
         "index": checks["index"],

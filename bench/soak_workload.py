@@ -1,12 +1,15 @@
 """The soak's client side: the mixed request kinds sent to the router, hostile requests from
 hypothesis, and the tally every ended request lands in exactly once (outcome by gRPC status,
-latency, hung = answered later than its deadline + 5 s, lost = never answered)."""
+latency, hung = answered later than its deadline + 5 s, lost = never answered). Requests of
+the decode workers (child processes) are tallied too: each announces its request before
+sending it, so one in flight when its worker is killed ends DECODER_KILLED."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import random
+import threading
 import time
 import warnings
 from collections import Counter
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from soak_cluster import MAX_MODEL_LEN, VOCAB  # bench/ is on sys.path
+from soak_outcomes import Ended
 
 TENANTS = 8
 SYSTEM_TOKENS = 192
@@ -39,19 +43,26 @@ def system_prompt(tenant: int) -> list[int]:
 
 @dataclass
 class Tally:
-    """Every request, once: ``begin`` when sent, ``end`` when its outcome is known."""
+    """Every request, once: ``begin`` when sent, ``end`` when its outcome is known. Thread-
+    safe (the decode drivers' reader threads report into it)."""
 
     outcomes: Counter = field(default_factory=Counter)
     by_kind: Counter = field(default_factory=Counter)
-    open: dict = field(default_factory=dict)  # id -> (kind, start, deadline)
+    open: dict = field(default_factory=dict)  # id -> (kind, start, deadline, stalled)
     ended: set = field(default_factory=set)
     double_ends: int = 0
     hung: int = 0
     hung_by: Counter = field(default_factory=Counter)  # "kind:CODE" of hung requests
     worst_overrun_s: float = 0.0  # the longest answer past its deadline
-    rows: list = field(default_factory=list)  # (end time, kind, code, latency)
+    rows: list = field(default_factory=list)  # (end time, kind, code, latency, detail)
     details: Counter = field(default_factory=Counter)  # "CODE: message head" of failures
+    # aborts: Abort(id) answered aborted=True for a request in flight; the ones of those that
+    # did not end CANCELLED (the abort had no effect) and the ones that finished first
+    aborts_landed: int = 0
+    aborts_without_effect: list = field(default_factory=list)
+    aborts_too_late: int = 0
     _ids: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     stall_s: float = 0.0  # how long this process's event loop has been stalled, in total
     last_tick: float = field(default_factory=time.monotonic)
@@ -67,41 +78,47 @@ class Tally:
     def _stalled(self) -> float:
         return self.stall_s + max(0.0, time.monotonic() - self.last_tick - TICK_S)
 
-    def begin(self, kind: str, deadline_s: float) -> str:
-        self._ids += 1
-        rid = f"{kind}-{self._ids}"
-        self.open[rid] = (kind, time.monotonic(), deadline_s, self._stalled())
-        return rid
+    def begin(self, kind: str, deadline_s: float, rid: str | None = None) -> str:
+        with self._lock:
+            if rid is None:
+                self._ids += 1
+                rid = f"{kind}-{self._ids}"
+            self.open[rid] = (kind, time.monotonic(), deadline_s, self._stalled())
+            return rid
 
-    def end(self, rid: str, code: str, detail: str = "") -> None:
-        if rid in self.ended or rid not in self.open:
-            self.double_ends += 1
-            return
-        kind, start, deadline, stalled = self.open.pop(rid)
-        self.ended.add(rid)
-        latency = time.monotonic() - start
-        if latency - (self._stalled() - stalled) > deadline + HUNG_AFTER_S:
-            self.hung += 1
-            self.hung_by[f"{kind}:{code}"] += 1
-            self.worst_overrun_s = max(self.worst_overrun_s, latency - deadline)
-        self.outcomes[code] += 1
-        self.by_kind[f"{kind}:{code}"] += 1
-        self.rows.append((time.monotonic(), kind, code, latency))
-        if code != "OK":
-            self.details[f"{code}: {_head(detail)}"] += 1
+    def end(self, rid: str, code: str, detail: str = "", answer_s: float | None = None) -> None:
+        """``answer_s``: the seconds its answer took, when not the time since ``begin`` (a
+        decode worker's hand-off goes on after the answer); hung is judged on it."""
+        with self._lock:
+            if rid in self.ended or rid not in self.open:
+                self.double_ends += 1
+                return
+            kind, start, deadline, stalled = self.open.pop(rid)
+            self.ended.add(rid)
+            now = time.monotonic()
+            latency = now - start
+            answer = latency - (self._stalled() - stalled) if answer_s is None else answer_s
+            if answer > deadline + HUNG_AFTER_S:
+                self.hung += 1
+                self.hung_by[f"{kind}:{code}"] += 1
+                self.worst_overrun_s = max(self.worst_overrun_s, answer - deadline)
+            self.outcomes[code] += 1
+            self.by_kind[f"{kind}:{code}"] += 1
+            self.rows.append((now, kind, code, latency, detail))
+            if code != "OK":
+                self.details[f"{code}: {_head(detail)}"] += 1
+
+    def external_begin(self, row: dict) -> None:
+        """A decode driver is about to send its request ``row["begin"]``."""
+        self.begin(row["kind"], row["deadline_s"], row["begin"])
 
     def external(self, row: dict) -> None:
         """An outcome a decode driver reported (its own request, ended there)."""
-        latency = row["latency_s"]
-        if row["prefill_s"] > row["deadline_s"] + HUNG_AFTER_S:
-            self.hung += 1
-            self.hung_by[f"{row['kind']}:{row['code']}"] += 1
-            self.worst_overrun_s = max(self.worst_overrun_s, row["prefill_s"] - row["deadline_s"])
-        self.outcomes[row["code"]] += 1
-        self.by_kind[f"{row['kind']}:{row['code']}"] += 1
-        self.rows.append((time.monotonic(), row["kind"], row["code"], latency))
-        if row["code"] != "OK":
-            self.details[f"{row['code']}: {_head(row.get('detail', ''))}"] += 1
+        self.end(row["id"], row["code"], row.get("detail", ""), answer_s=row["prefill_s"])
+
+    def ended_rows(self) -> list[Ended]:
+        with self._lock:
+            return [Ended(end - lat, end, kind, code) for end, kind, code, lat, _ in self.rows]
 
     def overdue(self, now: float) -> int:
         stalled = self._stalled()
@@ -174,8 +191,10 @@ class Workload:
         salt: str = "",
         deadline_s: float = DEFAULT_DEADLINE_S,
         cancel_after: float | None = None,
-    ):
-        rid = self.tally.begin(kind, deadline_s)
+        rid: str | None = None,
+    ) -> str:
+        """Send one request and tally its outcome (``rid``: already begun); the code."""
+        rid = rid or self.tally.begin(kind, deadline_s)
         call = self.client.prefill_call(
             prompt,
             request_id=rid,
@@ -187,12 +206,14 @@ class Workload:
         timer = None if cancel_after is None else loop.call_later(cancel_after, call.cancel)
         try:
             await call
-            self.tally.end(rid, "OK")
+            code, detail = "OK", ""
         except (Exception, asyncio.CancelledError) as exc:  # every outcome is tallied
-            self.tally.end(rid, _code(exc), _detail(exc))
+            code, detail = _code(exc), _detail(exc)
         finally:
             if timer is not None:
                 timer.cancel()
+        self.tally.end(rid, code, detail)
+        return code
 
     async def _tenant(self) -> None:
         t = min(int(self.rng.paretovariate(1.2)) - 1, TENANTS - 1)
@@ -214,19 +235,34 @@ class Workload:
         await self._unary("cancel", self._suffix(100, 600), cancel_after=self.rng.uniform(0.0, 0.4))
 
     async def _abort(self) -> None:
-        """A request, and an Abort RPC for its id a moment later (through the router)."""
-        task = asyncio.ensure_future(self._unary("abort", self._suffix(100, 600)))
+        """A request, and Abort RPCs for its id (through the router) from a moment later
+        until one lands (the router has it in flight) or the request ends first. One that
+        landed must end the request CANCELLED (its blocks are freed: checked once load
+        stops, as every request's)."""
+        rid = self.tally.begin("abort", DEFAULT_DEADLINE_S)
+        task = asyncio.ensure_future(self._unary("abort", self._suffix(100, 600), rid=rid))
         await asyncio.sleep(self.rng.uniform(0.0, 0.3))
-        rid = f"abort-{self.tally._ids}"  # not necessarily this one's: any recent id will do
-        with contextlib.suppress(grpc.RpcError):
-            await self.client.abort(rid)
-        await task
+        landed = False
+        while not task.done() and not landed:
+            with contextlib.suppress(grpc.RpcError):
+                landed = await self.client.abort(rid)
+            if not landed:
+                await asyncio.wait([task], timeout=0.02)
+        code = await task
+        if landed:
+            self.tally.aborts_landed += 1
+            if code != "CANCELLED":
+                self.tally.aborts_without_effect.append(f"{rid}: {code}")
+        else:
+            self.tally.aborts_too_late += 1
 
     async def _stream(self) -> None:
         from prefill_node.client.prefill_client import build_request
 
         n = self.rng.randint(2, 5)
-        ids = [self.tally.begin("stream", DEFAULT_DEADLINE_S) for _ in range(n)]
+        cancel_after = self.rng.uniform(0.0, 0.5) if self.rng.random() < 0.2 else None
+        kind = "stream" if cancel_after is None else "stream-cancel"  # its client cancels
+        ids = [self.tally.begin(kind, DEFAULT_DEADLINE_S) for _ in range(n)]
         reqs = []
         for rid in ids:
             t = self.rng.randrange(TENANTS)
@@ -239,7 +275,6 @@ class Workload:
         call = self.client._stub.PrefillStream(
             iter(reqs), timeout=DEFAULT_DEADLINE_S + HUNG_AFTER_S + 10
         )
-        cancel_after = self.rng.uniform(0.0, 0.5) if self.rng.random() < 0.2 else None
         timer = (
             None
             if cancel_after is None
@@ -272,9 +307,9 @@ class Workload:
         except (Exception, asyncio.CancelledError) as exc:
             self.tally.end(rid, _code(exc), _detail(exc))
 
-    async def pressure(self, n: int) -> None:
-        """A burst of long unique prompts: every stage must evict to fit them."""
-        await asyncio.gather(
+    async def pressure(self, n: int) -> list[str]:
+        """A burst of long unique prompts (every stage must evict to fit them); their codes."""
+        return await asyncio.gather(
             *(
                 self._unary("pressure", self._suffix(MAX_MODEL_LEN - 200, MAX_MODEL_LEN - 1))
                 for _ in range(n)

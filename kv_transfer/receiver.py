@@ -111,6 +111,8 @@ class KVReceiver:
         self._used: set[int] = set()
         self._pending: dict[str, _Pending] = {}  # by transfer id
         self._by_request: dict[str, str] = {}  # request id -> transfer id
+        # by metadata endpoint: the agent answering there now (a restarted stage comes back
+        # at the same address under a new agent name; see ``_peer``)
         self._peers: dict[str, PeerInfo] = {}
         self._unclaimed: list[TransferOutcome] = []
         self._ids = itertools.count()
@@ -314,9 +316,7 @@ class KVReceiver:
         local_pages = PageMap(pending.block_ids, self.layout.block_size, skip_tokens)
         try:
             for m in manifests:
-                peer = self._peer(m.endpoint)
-                if peer.agent_name != m.agent_name:
-                    raise TransferFailed(f"{m.endpoint} is {peer.agent_name}, not {m.agent_name}")
+                peer = self._peer(m.endpoint, m.agent_name)
                 read = start_transfer(
                     self.agent,
                     "READ",
@@ -338,17 +338,29 @@ class KVReceiver:
         except KVTransferError as exc:
             self._end(pending, exc, self._unclaimed, manifests)
 
-    def _peer(self, endpoint: str) -> PeerInfo:
+    def _peer(self, endpoint: str, agent_name: str) -> PeerInfo:
+        """The peer agent ``agent_name`` at ``endpoint``, handshaking when the agent known
+        there is another one: a stage restarted at the same address is a new agent (names
+        are unique per start), and the old one's metadata is forgotten, so the first pull
+        after a restart succeeds. TransferFailed when the endpoint serves another agent."""
         peer = self._peers.get(endpoint)
-        if peer is None:
-            peer = fetch_peer(endpoint, self.config.handshake_timeout_s)
-            self.agent.load_remote(peer.agent_name, peer.metadata)
-            self._peers[endpoint] = peer
-        return peer
+        if peer is not None and peer.agent_name == agent_name:
+            return peer
+        fresh = fetch_peer(endpoint, self.config.handshake_timeout_s)
+        if peer is not None:
+            del self._peers[endpoint]
+            if peer.agent_name != fresh.agent_name:
+                self.agent.forget_remote(peer.agent_name)
+        if fresh.agent_name != agent_name:
+            raise TransferFailed(f"{endpoint} is {fresh.agent_name}, not {agent_name}")
+        self.agent.load_remote(fresh.agent_name, fresh.metadata)
+        self._peers[endpoint] = fresh
+        return fresh
 
     def _send_to_leases(self, manifests: Sequence[StageManifest], kind: str) -> None:
         for m in manifests:
-            if m.endpoint in self._peers:
+            peer = self._peers.get(m.endpoint)
+            if peer is not None and peer.agent_name == m.agent_name:
                 try:
                     self.agent.nixl.send_notif(
                         m.agent_name, Notification(kind, lease_id=m.lease_id).encode()

@@ -20,8 +20,26 @@ class NeverFitsError(WaveppError):
     """The request can never fit, e.g. larger than a stage's whole cache (RESOURCE_EXHAUSTED)."""
 
 
+class OverloadedError(WaveppError):
+    """The tier is too busy to answer this request in time, said at once instead of late
+    (RESOURCE_EXHAUSTED, with the trailer ``retry-after-ms``): a router's queue is full, or
+    the request is predicted to finish after its deadline. ``retry_after_s``: when a retry is
+    predicted to fare better."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UnavailableError(WaveppError):
-    """The pipeline is down or not ready (UNAVAILABLE)."""
+    """The pipeline is down or not ready (UNAVAILABLE).
+
+    ``failover`` says why a router may send the request to another pipeline: the failure came
+    before anything of it reached the caller or its decode side (a prefill has no other side
+    effect), so running it elsewhere duplicates nothing. None: it may not be retried there.
+    """
+
+    failover: str | None = "pipeline_unavailable"
 
 
 class RequestAbortedError(WaveppError):
@@ -86,8 +104,13 @@ class KVHandoffError(UnavailableError):
     """Shipping a request's KV to its decode worker failed: decode unreachable, died
     mid-transfer or slower than the transfer timeout (UNAVAILABLE). The request fails, every
     stage has released its blocks, and the pipeline keeps serving. ``cause`` is the
-    kv_transfer error of the first stage that failed."""
+    kv_transfer error of the first stage that failed. ``decode_saw_bytes``: some of the KV
+    may have reached decode (a push WRITE); False only when decode has seen nothing (pull:
+    decode reads after the answer), the one case a router may retry elsewhere."""
 
-    def __init__(self, message: str, cause: Exception | None = None) -> None:
+    def __init__(
+        self, message: str, cause: Exception | None = None, *, decode_saw_bytes: bool = True
+    ) -> None:
         super().__init__(message)
         self.cause = cause
+        self.failover = None if decode_saw_bytes else "kv_handoff"

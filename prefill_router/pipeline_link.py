@@ -2,7 +2,7 @@
 
 A link lives on ONE asyncio event loop (``start(loop)``: the router's serving loop, so the
 router runs no thread per pipeline and its monitoring never contends with the serving loop
-for the GIL), as three tasks that ``aclose`` / ``stop`` end:
+for the GIL), as four tasks that ``aclose`` / ``stop`` end:
 
 - READINESS: on (re)connect, GetServerInfo; then the pipeline PUSHES its readiness over a
   grpc.health.v1 ``Watch`` stream (the PrefillService's status now, then each change). A
@@ -11,6 +11,12 @@ for the GIL), as three tasks that ``aclose`` / ``stop`` end:
   pipeline whose health service lacks Watch (UNIMPLEMENTED), or ``LinkConfig.watch=False``,
   is polled with ``Check`` every ``poll_s`` instead; a Check past its deadline counts only
   after ``slow_polls_before_unready`` in a row (a busy host answers late now and then).
+- CONNECTION: follows the monitoring channel's connectivity state. The channel leaving
+  READY (the pipeline's process died, its host went away) makes the link not ready at once,
+  whether readiness is watched or polled; the channel reaching READY again wakes the
+  readiness task, so a new instance at the address is identified and back as soon as it is
+  SERVING. ``connection_lost`` does the same for the router when a forwarded call found
+  the connection gone.
 - LOAD: GetLoad every ``poll_s`` while ready. A failed or late GetLoad keeps the last load
   (busy, not gone). Under Watch a late GetLoad is followed by a health Check, so a pipeline
   that hangs with its stream open still leaves: ``slow_polls_before_unready`` late probes in
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -58,6 +65,7 @@ log = logging.getLogger(__name__)
 _RawCall = grpc.aio.UnaryUnaryMultiCallable  # bytes in, bytes out
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+_READY = grpc.ChannelConnectivity.READY
 
 
 class LinkListener(Protocol):
@@ -143,6 +151,7 @@ class PipelineLink:
         # set while the link is ready AND its owner knows (may subscribe); loop-side only
         self._subscribable = asyncio.Event()
         self._recheck_identity = False  # GetServerInfo before the next readiness step
+        self._wake = asyncio.Event()  # ends the readiness task's pause (the connection is back)
         self._stream: grpc.aio.UnaryStreamCall | None = None  # the live SubscribeKvEvents
         self._watch: grpc.aio.UnaryStreamCall | None = None  # the live health Watch
         self._clients: dict[asyncio.AbstractEventLoop, tuple[AsyncPrefillClient, _RawCall]] = {}
@@ -186,6 +195,7 @@ class PipelineLink:
         loop = self._loop
         self._tasks = [loop.create_task(self._run_readiness(), name=f"link-{self.pid}"),
                        loop.create_task(self._run_load(), name=f"load-{self.pid}"),
+                       loop.create_task(self._run_connection(), name=f"conn-{self.pid}"),
                        loop.create_task(self._run_events(), name=f"events-{self.pid}")]  # fmt: skip
 
     async def aclose(self) -> None:
@@ -253,7 +263,31 @@ class PipelineLink:
                         continue  # no Watch there: poll at once
                 else:
                     await self._check()
-            await asyncio.sleep(self.config.poll_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+            self._wake.clear()
+
+    async def _run_connection(self) -> None:
+        client = self._client()
+        state = client.connectivity(try_to_connect=True)
+        while True:
+            await client.connectivity_changed(state)
+            new = client.connectivity(try_to_connect=True)  # down: keep reconnecting
+            if state is _READY and new is not _READY:
+                self._lost(f"connection {new.name}")
+            elif new is _READY and not self.ready:
+                self._wake.set()  # connected again: identify and follow readiness now
+            state = new
+
+    def connection_lost(self, detail: str) -> None:
+        """The connection to the pipeline is gone (from any thread): leave the candidate set
+        at once; a new instance comes back through identity and readiness."""
+        self._call_soon(lambda: self._lost(detail))
+
+    def _lost(self, detail: str) -> None:
+        self._set_ready(False, f"unreachable: {detail}")
+        self._rewatch()
+        self._wake.set()
 
     async def _identified(self) -> bool:
         """GetServerInfo when the pipeline may have changed (first contact, after a failed

@@ -10,9 +10,21 @@ request there as a Prefill call: the bytes the router received, as they are (tok
 destinations pass through untouched, so the stages still ship straight to decode). The
 answer comes back as the pipeline's bytes; the router reads its cached tokens only.
 
-Failover: a call the pipeline refused BEFORE admitting anything (UNAVAILABLE "not ready", or
-no connection at all) is retried once on the next best pipeline; any other failure is the
-request's answer (no silent duplicate compute). ``abort`` (a client cancel, a deadline, or
+Flow control (``_admit``, FlowControl): at most so many requests per ready pipeline are
+forwarded at once; the rest wait in a bounded queue by priority and tenant turns, and a
+request is rejected at once (OverloadedError: RESOURCE_EXHAUSTED + retry-after-ms) when the
+queue is full or the Scorer's prediction exceeds its deadline. The Scorer's predictions, for
+routing and admission alike, are the cost model's seconds scaled by each pipeline's measured /
+predicted ratio of time to answer (``PredictionCalibration``, learned from every answer).
+
+Failover: a prefill has no side effect a retry could duplicate (the cache is a cache) as long
+as nothing of it reached the caller or its decode side. So a call that failed that way is
+retried on the next best pipeline, at most once per pipeline, while the request's deadline
+lasts (``failover_reason``: the connection was lost or never made; the pipeline was not
+ready, a stage died, or a pull-mode KV hand-off failed, as the pipeline's ``wavepp-failover``
+trailer says); the reason goes to ``wavepp_router_failovers_total``. A lost connection also
+takes the pipeline out of routing at once. The caller gets UNAVAILABLE only when no pipeline
+could serve. Any other failure is the request's answer. ``abort`` (a client cancel, a deadline, or
 the Abort RPC) cancels the forwarded call, which makes the pipeline abort the request and
 free its blocks. Pipelines come and go through the discovery; a link that is not ready, or
 whose KV-event stream broke, has no entries in the index until its next snapshot.
@@ -34,6 +46,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import grpc
 
@@ -50,15 +63,24 @@ from prefill_node.engine.types import (
     PrefillResult,
     ScoreReport,
 )
-from prefill_node.errors import NeverFitsError, RequestAbortedError, UnavailableError
+from prefill_node.errors import (
+    DeadlineExceededError,
+    NeverFitsError,
+    OverloadedError,
+    RequestAbortedError,
+    UnavailableError,
+)
 from prefill_node.server.convert import ParsedRequest, result_from_proto
-from prefill_node.server.servicer import NOT_READY, Relayed
+from prefill_node.server.servicer import FAILOVER_KEY, FAILOVER_NO, Relayed
+from prefill_router.calibration import CalibrationConfig, PredictionCalibration
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
+from prefill_router.flow_control import FlowConfig, FlowControl, Verdict, Waiter
 from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
 from prefill_router.pipeline_link import LinkConfig, PipelineLink, start_loop_thread
 from prefill_router.router_metrics import RouterMetrics
 from prefill_router.scoring import (
     DEFAULT_AFFINITY_SLACK,
+    CandidateScore,
     PipelineView,
     RouteReason,
     RoutingDecision,
@@ -89,6 +111,8 @@ class RouterConfig:
     affinity_slack: float = DEFAULT_AFFINITY_SLACK  # prefer the cache hit within this share
     link: LinkConfig = field(default_factory=LinkConfig)
     model_name: str | None = None
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
 @dataclass(slots=True)
@@ -96,21 +120,34 @@ class _Routed:
     """One forwarded request (guarded by the engine lock)."""
 
     pid: str
-    cost_s: float
+    cost_s: float  # its prefill's cost-model seconds (what it adds to the pipeline's queue)
     computed_tokens: int
     predicted_cached: int
+    predicted_cost_s: float  # queued + prefill cost-model seconds there, at routing
     call: grpc.aio.UnaryUnaryCall | None = None
     loop: asyncio.AbstractEventLoop | None = None
     tried: tuple[str, ...] = ()
     aborted: bool = False
 
 
-def refused_before_admission(exc: grpc.RpcError) -> bool:
-    """True when a failed call never reached a pipeline's admission (safe to retry)."""
+CONNECTION_LOST = "connection_lost"
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():  # a cancelled waiter gives its slot back itself
+        future.set_result(None)
+
+
+def failover_reason(exc: grpc.aio.AioRpcError) -> str | None:
+    """Why the failed forwarded call may be run on another pipeline, or None. A pipeline's
+    servicer marks each UNAVAILABLE it sends (``FAILOVER_KEY``); one without the mark came
+    from the transport: no connection, or it broke (the pipeline died mid-request)."""
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    details = (exc.details() or "").lower()
-    return details.startswith(NOT_READY) or "failed to connect" in details
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == FAILOVER_KEY:
+            return None if value == FAILOVER_NO else str(value)
+    return CONNECTION_LOST
 
 
 class RouterEngine:
@@ -118,10 +155,12 @@ class RouterEngine:
 
     def __init__(self, discovery: PipelineDiscovery, config: RouterConfig) -> None:
         self.config = config
-        self.metrics = RouterMetrics(config.policy.value)
+        self.metrics = RouterMetrics(config.policy.value, self.prediction_ratios)
         self._discovery = discovery
         self._lock = threading.Lock()
         self._index = GlobalPrefixIndex(config.pending_ttl_s)
+        self._flow = FlowControl(config.flow)
+        self._calibration = PredictionCalibration(config.calibration)
         self._scorer: Scorer | None = None  # once the cluster's identity is known
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
@@ -191,6 +230,7 @@ class RouterEngine:
             for link in gone:
                 del self._links[link.pid]
                 self._derived.pop(link.pid, None)
+                self._calibration.forget(link.pid)
                 self._drop_index(link.pid)
             new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
                    if pid not in self._links]  # fmt: skip
@@ -241,6 +281,8 @@ class RouterEngine:
                     self._index.add_pipeline(link.pid)  # entries come with its snapshot
             else:
                 self._drop_index(link.pid)
+            woken = self._flow.drain(self._ready_count())  # more room, or none ready
+        self._wake(woken)
         if not ready:
             self.metrics.pipeline_lost(link.pid)
 
@@ -304,7 +346,9 @@ class RouterEngine:
         request = build_request(tokens, request_id=options.request_id or "",
                                 cache_salt=options.cache_salt or "",
                                 top_logprobs=options.top_logprobs,
-                                kv_destination=options.kv_destination)  # fmt: skip
+                                kv_destination=options.kv_destination,
+                                priority=options.priority,
+                                tenant_id=options.tenant or "")  # fmt: skip
         relayed = await self._forward(request.SerializeToString(), tokens, options)
         relayed.response.served_by = relayed.served_by
         return result_from_proto(relayed.response)
@@ -329,22 +373,112 @@ class RouterEngine:
     async def _forward(
         self, request: bytes, tokens: Sequence[int], options: PrefillOptions
     ) -> Relayed:
-        """Route the encoded ``request`` (``tokens``: its prompt) and forward it, retrying
-        once elsewhere when a pipeline refused it before admission."""
+        """Admit the encoded ``request`` (``tokens``: its prompt) through flow control, then
+        route and forward it."""
         identity = self._identity  # set once, never reset: no lock needed to read it
         if identity is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
         hashes = hash_block_tokens(tokens, identity.block_size,
                                    self._extra_keys(identity, options.cache_salt))  # fmt: skip
+        slot = await self._admit(tokens, hashes, options)
+        try:
+            return await self._forward_admitted(request, tokens, hashes, options)
+        finally:
+            if slot:
+                self._release_slot()
+
+    async def _admit(
+        self, tokens: Sequence[int], hashes: Sequence[int], options: PrefillOptions
+    ) -> bool:
+        """Wait for a slot (FlowControl), or raise OverloadedError at once: the queue is
+        full, or the Scorer's prediction on the best pipeline now, plus the cost of what
+        waits ahead, exceeds the request's deadline. False: no pipeline can take it
+        (``_route`` raises why), so no slot is held."""
+        now = time.monotonic()
+        request_id = options.request_id or ""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            scores = [s for s in self._assess(len(tokens), hashes, now) if s.eligible]
+            if not scores:
+                return False
+            chosen = min(scores, key=attrgetter("score"))  # the earliest it could be done
+            tenant = options.tenant or options.cache_salt or ""
+            waiter = Waiter(request_id, options.priority, tenant, chosen.prefill_s,
+                            (loop, loop.create_future()))  # fmt: skip
+            left = None if options.deadline_s is None else options.deadline_s - now
+            offer = self._flow.offer(waiter, chosen.score, left, self._ready_count())
+            waiting = self._flow.num_waiting
+        self.metrics.offered(offer.verdict.value, waiting)
+        if offer.verdict is Verdict.ADMIT:
+            return True
+        if offer.verdict is Verdict.QUEUE_FULL:
+            raise OverloadedError(
+                f"the router's queue is full ({self._flow.config.max_queue} requests wait); "
+                f"retry in {offer.retry_after_s:.3f}s", offer.retry_after_s)  # fmt: skip
+        if offer.verdict is Verdict.DEADLINE:
+            raise OverloadedError(
+                f"request {request_id!r} is predicted to take {offer.predicted_s:.3f}s, past "
+                f"its deadline in {left:.3f}s; retry in {offer.retry_after_s:.3f}s or with a "
+                "longer deadline", offer.retry_after_s)  # fmt: skip
+        try:
+            await waiter.handle[1]
+        except asyncio.CancelledError:
+            with self._lock:
+                withdrawn = self._flow.withdraw(waiter)
+                waiting = self._flow.num_waiting
+            if withdrawn:
+                self.metrics.offered("withdrawn", waiting)
+            else:  # admitted meanwhile: pass its slot on
+                self._release_slot()
+            raise
+        self.metrics.queue_wait(time.monotonic() - now)
+        return True
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            woken = self._flow.release(self._ready_count())
+        self._wake(woken)
+
+    def _wake(self, woken: list[Waiter]) -> None:
+        """Hand each admitted waiter its slot on its own loop."""
+        if woken:
+            self.metrics.offered("dequeued", self._flow.num_waiting, len(woken))
+        for waiter in woken:
+            loop, future = waiter.handle
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def _ready_count(self) -> int:
+        """Caller holds the lock."""
+        return sum(link.ready and link.refused is None for link in self._links.values())
+
+    async def _forward_admitted(
+        self,
+        request: bytes,
+        tokens: Sequence[int],
+        hashes: Sequence[int],
+        options: PrefillOptions,
+    ) -> Relayed:
+        """Route and forward; fail over to the next best pipeline while a failure allows
+        it (module contract)."""
         request_id = options.request_id or ""
         tried: tuple[str, ...] = ()
+        failed: list[str] = []  # "pipeline: reason" of each failover, for the final error
         while True:
-            link, routed = self._route(tokens, hashes, request_id, tried)
+            try:
+                link, routed = self._route(tokens, hashes, request_id, tried)
+            except UnavailableError:
+                if not failed:
+                    raise
+                raise UnavailableError(
+                    f"no pipeline could serve request {request_id!r} (failed on "
+                    f"{'; '.join(failed)}; no other is ready); retry later"
+                ) from None
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
             call = link.aio_prefill()(request, timeout=timeout)
             routed.call, routed.loop = call, asyncio.get_running_loop()
+            started = time.monotonic()
             try:
                 data = await call
             except asyncio.CancelledError:
@@ -353,18 +487,40 @@ class RouterEngine:
                     raise RequestAbortedError(f"request {request_id} was aborted") from None
                 raise
             except grpc.aio.AioRpcError as exc:
-                if refused_before_admission(exc) and not tried:
-                    self.metrics.failover(routed.pid)
-                    log.info("pipeline %s refused %s before admission (%s); retrying elsewhere",
-                             routed.pid, request_id, exc.details())  # fmt: skip
-                    tried = routed.tried
-                    continue
-                raise error_from_rpc(exc) from None
+                reason = failover_reason(exc)
+                if reason is None:
+                    raise error_from_rpc(exc) from None
+                self.metrics.failover(routed.pid, reason)
+                if reason == CONNECTION_LOST:
+                    link.connection_lost(exc.details() or exc.code().name)
+                log.info("pipeline %s failed %s before answering (%s: %s); failing over",
+                         routed.pid, request_id, reason, exc.details())  # fmt: skip
+                failed.append(f"{routed.pid}: {reason}")
+                tried = routed.tried
+                if options.deadline_s is not None and time.monotonic() >= options.deadline_s:
+                    raise DeadlineExceededError(
+                        f"request {request_id!r} missed its deadline while failing over "
+                        f"({'; '.join(failed)})"
+                    ) from None
+                continue
             finally:
                 self._forget(request_id, routed)
+            self._calibrate(routed, started)
             response = prefill_pb2.PrefillResponse.FromString(data)
             self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
             return Relayed(data, response, routed.pid)
+
+    def _calibrate(self, routed: _Routed, started: float) -> None:
+        """An answer from ``routed.pid``, forwarded at ``started``: a calibration sample."""
+        now = time.monotonic()
+        with self._lock:
+            self._calibration.observe(routed.pid, routed.predicted_cost_s, now - started, now)
+
+    def prediction_ratios(self) -> dict[str, float]:
+        """Each pipeline's measured / predicted time ratio now (``PredictionCalibration``;
+        pipelines without an answer yet are absent: 1)."""
+        with self._lock:
+            return self._calibration.ratios(time.monotonic())
 
     def score(self, token_ids: Sequence[int], cache_salt: str | None) -> ScoreReport:
         """Where ``prefill`` would send this prompt now (the Score RPC): the same hashing,
@@ -380,8 +536,8 @@ class RouterEngine:
         chosen = next((c for c in decision.candidates if c.pid == decision.pipeline), None)
         return ScoreReport(
             decision.pipeline or "", decision.reason.value, len(token_ids),
-            decision.cached_tokens, chosen.queued_cost_s if chosen else 0.0,
-            chosen.prefill_cost_s if chosen else 0.0,
+            decision.cached_tokens, chosen.queued_s if chosen else 0.0,
+            chosen.prefill_s if chosen else 0.0,
             sum(c.eligible for c in decision.candidates),
         )  # fmt: skip
 
@@ -409,6 +565,7 @@ class RouterEngine:
                 self._index.record_pending(decision.pipeline, hashes, now)
                 routed = _Routed(decision.pipeline, chosen.prefill_cost_s,
                                  len(tokens) - decision.cached_tokens, decision.cached_tokens,
+                                 chosen.queued_cost_s + chosen.prefill_cost_s,
                                  tried=(*tried, decision.pipeline))  # fmt: skip
                 self._routed[request_id] = routed
                 self._account(routed, 1)
@@ -435,17 +592,29 @@ class RouterEngine:
 
     def _decide(self, prompt_tokens: int, hashes, now: float, tried) -> RoutingDecision:
         """Caller holds the lock."""
+        return self._scorer_for().choose(prompt_tokens, *self._inputs(hashes, now, tried))
+
+    def _assess(self, prompt_tokens: int, hashes, now: float) -> tuple[CandidateScore, ...]:
+        """Every pipeline's score for the prompt, choosing nothing. Caller holds the lock."""
+        return self._scorer_for().assess(prompt_tokens, *self._inputs(hashes, now, ()))
+
+    def _scorer_for(self) -> Scorer:
         if self._scorer is None:
             raise UnavailableError("no pipeline has connected to the router yet; retry later")
+        return self._scorer
+
+    def _inputs(self, hashes, now: float, tried) -> tuple[dict, list[PipelineView]]:
+        """The index's matches and the candidates' views (not ``tried``). Caller holds
+        the lock."""
         matches = self._index.match(hashes, now)
         views = [
-            self._view(link)
+            self._view(link, now)
             for link in self._links.values()
             if link.refused is None and link.info is not None and link.pid not in tried
         ]
-        return self._scorer.choose(prompt_tokens, matches, views)  # fmt: skip
+        return matches, views
 
-    def _view(self, link: PipelineLink) -> PipelineView:
+    def _view(self, link: PipelineLink, now: float) -> PipelineView:
         """Caller holds the lock. What changes per request (own accounting, the index) is
         read each time; what comes with a load or an identity is derived once per object."""
         pid, load, info = link.pid, link.load, link.info
@@ -462,7 +631,8 @@ class RouterEngine:
         indexed = pid in index
         return PipelineView(pid, link.ready and indexed, own_cost + others * self._per_token_s,
                             cached[3], cached[2], own_requests, cached[4],
-                            index.num_blocks(pid) if indexed else 0)  # fmt: skip
+                            index.num_blocks(pid) if indexed else 0,
+                            self._calibration.ratio(pid, now))  # fmt: skip
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:
         if decision.reason is RouteReason.NEVER_FITS:

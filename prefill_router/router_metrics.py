@@ -10,26 +10,36 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 
 class RouterMetrics:
     """Counters; every method is thread-safe and O(1)."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(
+        self, policy: str, prediction_ratios: Callable[[], Mapping[str, float]] = dict
+    ) -> None:
+        """``prediction_ratios``: each pipeline's measured / predicted time ratio, read at
+        scrape time (it drifts between answers)."""
         self.policy = policy
+        self.prediction_ratios = prediction_ratios
         self._lock = threading.Lock()
         self.decisions: Counter[str] = Counter()  # by reason
         self.predicted_cached: Counter[str] = Counter()  # by pipeline, answered requests
         self.actual_cached: Counter[str] = Counter()
         self.answered_requests: Counter[str] = Counter()
         self.resyncs: Counter[str] = Counter()
-        self.failovers: Counter[str] = Counter()  # by the pipeline that refused
+        self.failovers: Counter[tuple[str, str]] = Counter()  # by (failed pipeline, reason)
         self.lost: Counter[str] = Counter()  # by pipeline: left the candidate set
         self.refused: Counter[str] = Counter()  # by pipeline: wrong model / block size
+        # flow control, by outcome: admit, wait, queue_full, deadline (rejected at once),
+        # dequeued (a waiter got its slot), withdrawn (a waiter gave up)
+        self.admission: Counter[str] = Counter()
+        self.waiting = 0  # requests waiting in the router's queue now
+        self.queue_wait_s = 0.0  # summed over the waiters that got a slot
 
     def decision(self, reason: str) -> None:
         with self._lock:
@@ -45,9 +55,18 @@ class RouterMetrics:
         with self._lock:
             self.resyncs[pid] += 1
 
-    def failover(self, pid: str) -> None:
+    def failover(self, pid: str, reason: str) -> None:
         with self._lock:
-            self.failovers[pid] += 1
+            self.failovers[pid, reason] += 1
+
+    def offered(self, outcome: str, waiting: int, n: int = 1) -> None:
+        with self._lock:
+            self.admission[outcome] += n
+            self.waiting = waiting
+
+    def queue_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.queue_wait_s += seconds
 
     def pipeline_lost(self, pid: str) -> None:
         with self._lock:
@@ -65,14 +84,41 @@ class _RouterCollector(Collector):
     def __init__(self, metrics: RouterMetrics) -> None:
         self._m = metrics
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         m = self._m
         with m._lock:
             snapshot = {
                 name: dict(getattr(m, name))
                 for name in ("decisions", "predicted_cached", "actual_cached",
-                             "answered_requests", "resyncs", "failovers", "lost", "refused")
+                             "answered_requests", "resyncs", "failovers", "lost", "refused",
+                             "admission")
             }  # fmt: skip
+            waiting, queue_wait_s = m.waiting, m.queue_wait_s
+        ratios = GaugeMetricFamily(
+            "wavepp_router_prediction_ratio",
+            "Per pipeline: measured / predicted seconds to answer (EWMA over answered "
+            "requests); the router scales its cost model's predictions by it",
+            labels=["pipeline"],
+        )
+        for pid, ratio in sorted(m.prediction_ratios().items()):
+            ratios.add_metric([pid], ratio)
+        yield ratios
+        admission = CounterMetricFamily(
+            "wavepp_router_admission",
+            "Flow control outcomes: admit, wait, queue_full and deadline (rejected at once "
+            "with RESOURCE_EXHAUSTED), dequeued, withdrawn",
+            labels=["outcome"],
+        )
+        for outcome, n in snapshot["admission"].items():
+            admission.add_metric([outcome], n)
+        yield admission
+        yield GaugeMetricFamily(
+            "wavepp_router_queued_requests", "Requests waiting in the router's queue",
+            value=waiting)  # fmt: skip
+        yield CounterMetricFamily(
+            "wavepp_router_queue_wait_seconds",
+            "Seconds waited in the router's queue, summed over the requests that got a slot",
+            value=queue_wait_s)  # fmt: skip
         decisions = CounterMetricFamily(
             "wavepp_router_decisions",
             "Routing decisions by policy and reason",
@@ -90,11 +136,18 @@ class _RouterCollector(Collector):
             cached.add_metric([pid, "predicted"], n)
             cached.add_metric([pid, "actual"], snapshot["actual_cached"].get(pid, 0))
         yield cached
+        failovers = CounterMetricFamily(
+            "wavepp_router_failovers",
+            "Requests run on another pipeline after this one failed them before answering, "
+            "by reason",
+            labels=["pipeline", "reason"],
+        )
+        for (pid, reason), n in snapshot["failovers"].items():
+            failovers.add_metric([pid, reason], n)
+        yield failovers
         per_pipeline = (
             ("answered_requests", "wavepp_router_answered", "Requests answered per pipeline"),
             ("resyncs", "wavepp_router_resyncs", "KV-event snapshots (re)applied per pipeline"),
-            ("failovers", "wavepp_router_failovers",
-             "Requests retried elsewhere after this pipeline refused them before admission"),
             ("lost", "wavepp_router_pipeline_lost", "Times a pipeline left the candidate set"),
             ("refused", "wavepp_router_pipeline_refused",
              "Times a pipeline was refused (another model or block size)"),

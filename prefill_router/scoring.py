@@ -55,10 +55,12 @@ class Exclusion(Enum):
 class PipelineView:
     """A candidate pipeline as the router last saw it (validated on construction).
 
-    ``queued_cost_s``: estimated seconds of work queued or in flight there;
-    ``capacity_blocks``: total blocks of its smallest stage (a prompt needing more never
-    fits); ``snapshot_interval_blocks``: set for models with recurrent-state layers, whose
-    cached prefix is reusable only up to a multiple of it (``StageConfig``'s field).
+    ``queued_cost_s``: cost-model seconds of work queued or in flight there;
+    ``time_ratio``: how much longer than the cost model its answers take
+    (``PredictionCalibration``; 1: as predicted); ``capacity_blocks``: total blocks of its
+    smallest stage (a prompt needing more never fits); ``snapshot_interval_blocks``: set for
+    models with recurrent-state layers, whose cached prefix is reusable only up to a
+    multiple of it (``StageConfig``'s field).
     """
 
     pid: PipelineId
@@ -69,6 +71,7 @@ class PipelineView:
     inflight_requests: int = 0
     snapshot_interval_blocks: int | None = None
     resident_blocks: int = 0  # prefix blocks it holds (the index's count): a tie-breaker
+    time_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         snap = self.snapshot_interval_blocks
@@ -76,6 +79,8 @@ class PipelineView:
             self.pid
             and math.isfinite(self.queued_cost_s)
             and self.queued_cost_s >= 0
+            and math.isfinite(self.time_ratio)
+            and self.time_ratio > 0
             and self.max_model_len >= 1
             and self.capacity_blocks >= 1
             and self.inflight_requests >= 0
@@ -87,8 +92,11 @@ class PipelineView:
 
 @dataclass(frozen=True, slots=True)
 class CandidateScore:
-    """One candidate's numbers. ``score`` (seconds until this prompt's prefill would finish
-    there: queued work plus the uncached suffix) is what PREFIX minimises; every policy
+    """One candidate's numbers. ``queued_cost_s`` and ``prefill_cost_s`` are cost-model
+    seconds; ``queued_s``, ``prefill_s`` and ``score`` are the same scaled by the pipeline's
+    ``time_ratio``: predicted seconds on that pipeline. ``score`` (seconds until this
+    prompt's prefill would finish there: queued work plus the uncached suffix) is what PREFIX
+    minimises, and what the router's flow control checks deadlines against; every policy
     reports it. ``excluded`` says why the candidate could not be chosen (None: eligible)."""
 
     pid: PipelineId
@@ -98,10 +106,19 @@ class CandidateScore:
     inflight_requests: int
     excluded: Exclusion | None
     resident_blocks: int = 0
+    time_ratio: float = 1.0
 
     @property
     def score(self) -> float:
-        return self.queued_cost_s + self.prefill_cost_s
+        return self.time_ratio * (self.queued_cost_s + self.prefill_cost_s)
+
+    @property
+    def queued_s(self) -> float:
+        return self.time_ratio * self.queued_cost_s
+
+    @property
+    def prefill_s(self) -> float:
+        return self.time_ratio * self.prefill_cost_s
 
     @property
     def eligible(self) -> bool:
@@ -151,8 +168,10 @@ class Scorer:
     go to lower load (queued seconds, then in-flight requests, then resident prefix blocks),
     then to the smaller pid.
     ROUND_ROBIN's rotation (by pid order, resuming after the last pipeline it chose) is
-    the only state. One cost model and block size serve every pipeline (homogeneous
-    pipelines; the block size must be the one the prompt was hashed with).
+    the only state. Every prediction is scaled by its pipeline's ``time_ratio`` (the
+    view's), so routing and the flow control's deadline check predict with one calibration.
+    One cost model and block size serve every pipeline (homogeneous pipelines; the block
+    size must be the one the prompt was hashed with).
 
     PREFIX prefers cache affinity within ``affinity_slack`` of the best score: the queue
     estimate is coarse (queued work is charged as if serial, while a pipeline overlaps its
@@ -187,6 +206,26 @@ class Scorer:
     ) -> RoutingDecision:
         """Pick a pipeline for a prompt of ``prompt_tokens`` tokens, given each pipeline's
         leading blocks held (``GlobalPrefixIndex.match``; a missing pid counts 0)."""
+        scores = self.assess(prompt_tokens, matched_blocks, candidates)
+        eligible = [s for s in scores if s.excluded is None]
+        if not eligible:
+            fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
+            reason = RouteReason.NO_CANDIDATE if fits or not scores else RouteReason.NEVER_FITS
+            return RoutingDecision(None, reason, self.policy, prompt_tokens, 0, scores)
+        chosen, reason = self._pick(eligible)
+        return RoutingDecision(
+            chosen.pid, reason, self.policy, prompt_tokens, chosen.cached_tokens, scores
+        )
+
+    def assess(
+        self,
+        prompt_tokens: int,
+        matched_blocks: Mapping[PipelineId, int],
+        candidates: Sequence[PipelineView],
+    ) -> tuple[CandidateScore, ...]:
+        """Every candidate's score for the prompt, in pid order, choosing nothing (no
+        policy state moves): what ``choose`` picks from, and what a router's flow control
+        predicts the prompt's time to its result from."""
         if prompt_tokens < 1:
             raise InvalidRoutingInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         full_blocks = prompt_tokens // self.block_size
@@ -204,16 +243,7 @@ class Scorer:
             raise InvalidRoutingInputError("candidate pipelines must have distinct pids")
         needed = blocks_needed(prompt_tokens, self.block_size)  # the same for every view
         get = matched_blocks.get
-        scores = tuple([self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views])
-        eligible = [s for s in scores if s.excluded is None]
-        if not eligible:
-            fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
-            reason = RouteReason.NO_CANDIDATE if fits or not scores else RouteReason.NEVER_FITS
-            return RoutingDecision(None, reason, self.policy, prompt_tokens, 0, scores)
-        chosen, reason = self._pick(eligible)
-        return RoutingDecision(
-            chosen.pid, reason, self.policy, prompt_tokens, chosen.cached_tokens, scores
-        )
+        return tuple([self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views])
 
     def _score(
         self, prompt_tokens: int, needed: int, matched: int, view: PipelineView
@@ -237,6 +267,7 @@ class Scorer:
             view.inflight_requests,
             excluded,
             view.resident_blocks,
+            view.time_ratio,
         )
 
     def _pick(self, eligible: list[CandidateScore]) -> tuple[CandidateScore, RouteReason]:
@@ -272,6 +303,7 @@ _PID = attrgetter("pid")
 
 
 def _load(s: CandidateScore) -> tuple[float, int, int, str]:
-    """Tie order: less queued work, fewer requests in flight, fewer resident prefix blocks
-    (more room: idle pipelines share new prefixes out instead of one filling up), pid."""
-    return (s.queued_cost_s, s.inflight_requests, s.resident_blocks, s.pid)
+    """Tie order: less queued work (predicted seconds), fewer requests in flight, fewer
+    resident prefix blocks (more room: idle pipelines share new prefixes out instead of one
+    filling up), pid."""
+    return (s.queued_s, s.inflight_requests, s.resident_blocks, s.pid)

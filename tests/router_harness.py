@@ -31,12 +31,14 @@ def spawn(args: list[str], banner: str) -> tuple[subprocess.Popen, int, int | No
     return proc, int(port), found.metrics_port
 
 
-def serve(model_dir, port: int = 0) -> tuple[subprocess.Popen, int]:
+def serve(model_dir, port: int = 0, wave_delay_s: float = 0.01) -> tuple[subprocess.Popen, int]:
+    """A 2-stage pipeline; every stage sleeps ``wave_delay_s`` per wave (keeps calls in
+    flight long enough for a test to act on them)."""
     proc, port, _ = spawn(
         ["serve", "--model", str(model_dir), "--stages", "2", "--num-blocks", "128",
          "--block-size", str(BS), "--max-chunk-tokens", "16", "--host", "127.0.0.1", "--port",
          str(port), "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING",
-         "--no-kv-shipping", "--debug-wave-delay", "0.01"],
+         "--no-kv-shipping", "--debug-wave-delay", str(wave_delay_s)],
         "wavepp serve:",
     )  # fmt: skip
     return proc, port

@@ -167,7 +167,11 @@ class Stages:
     """Two prefill stages (layers [0,2) and [2,4)), each with its own agent and pool."""
 
     def __init__(
-        self, allow: AllowList | None = None, tag: str = "", timeout_s: float = 3.0
+        self,
+        allow: AllowList | None = None,
+        tag: str = "",
+        timeout_s: float = 3.0,
+        metadata_ports: tuple[int, int] = (0, 0),
     ) -> None:
         allow = allow or AllowList.loopback()
         gen = torch.Generator().manual_seed(0)
@@ -188,6 +192,7 @@ class Stages:
                     transfer_timeout_s=timeout_s,
                     handshake_timeout_s=0.5,
                     lease_ttl_s=5.0,
+                    metadata_port=metadata_ports[s],
                 ),
                 on_complete=self.outcomes.append,
                 on_lease_end=lambda lease, why: self.lease_ends.append((lease.request_id, why)),
@@ -292,6 +297,37 @@ def test_pull_reads_exact_kv_then_releases_every_lease(decode, stages, pool):
         (request_id, ReleaseReason.RELEASED)
     ] * 2
     assert_shipped(decode, stages, pool, blocks, bs, num_tokens, src)
+
+
+def test_a_stage_restarted_at_the_same_address_is_pulled_from_first_time(decode):
+    """The receiver knows each stage by its metadata address; a stage restarted there is a
+    new agent, and the first pull from it must handshake anew instead of failing once."""
+    num_tokens, bs = 21, POOLS["direct"][0]
+    src = prefill_blocks(num_tokens, seed=11)
+
+    def pull(stages: Stages, request_id: str) -> tuple[str | None, tuple[int, ...]]:
+        manifests = [s.publish(request_id, src, num_tokens).to_dict() for s in stages.senders]
+        error, _, blocks = decode.call(
+            "pull", "direct", manifests, -(-num_tokens // bs), 0, pump=stages.poll
+        )
+        assert stages.poll_until(lambda: all(len(s.leases) == 0 for s in stages.senders))
+        return error, blocks
+
+    old = Stages(tag="-before")
+    ports = tuple(int(s.endpoint.rsplit(":", 1)[1]) for s in old.senders)
+    try:
+        assert pull(old, "restart-0")[0] is None  # the receiver now knows both stages
+    finally:
+        old.close()
+    new = Stages(tag="-after", metadata_ports=ports)
+    try:
+        assert [s.endpoint for s in new.senders] == [f"127.0.0.1:{p}" for p in ports]
+        error, blocks = pull(new, "restart-1")
+        assert error is None
+        assert_shipped(decode, new, "direct", blocks, 0, num_tokens, src)
+        assert decode.call("stats", "direct") == 0  # check_integrity on the receiver
+    finally:
+        new.close()
 
 
 @pytest.mark.parametrize("pool", VLLM_POOLS)

@@ -29,10 +29,13 @@ def cluster(tmp_path_factory):
     save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=3))
     pipelines = [serve(model_dir) for _ in range(2)]
     addresses = [f"127.0.0.1:{port}" for _, port in pipelines]
+    # the bare cost model's predictions (no calibration by answers): a request with a short
+    # deadline is admitted and must be stopped on the pipeline (test_router_overload.py has
+    # calibration's own rejections)
     router, port, metrics = spawn(
         ["router", "--model", str(model_dir), *sum((["--pipeline", a] for a in addresses), []),
          "--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port",
-         "0", "--poll-interval", "0.2", "--log-level", "WARNING"],
+         "0", "--poll-interval", "0.2", "--log-level", "WARNING", "--calibration-alpha", "0"],
         "wavepp router:",
     )  # fmt: skip
     client = PrefillClient(f"127.0.0.1:{port}")

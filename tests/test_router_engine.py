@@ -77,7 +77,7 @@ async def test_started_on_a_loop_the_links_run_there_and_aclose_ends_them():
     loop = asyncio.get_running_loop()
     await asyncio.sleep(0.2)  # the links try their (closed) ports
     for link in links.values():
-        assert link._loop is loop and len(link._tasks) == 3
+        assert link._loop is loop and len(link._tasks) == 4
         assert not link.ready  # nothing listens there
     assert [t.name for t in threading.enumerate() if t.ident not in before] == []
     await engine.aclose()

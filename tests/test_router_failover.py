@@ -1,12 +1,19 @@
-"""The router's Prefill fast path (request and answer passed on as bytes) keeps its failure
-handling: a request a dead pipeline refused before admission is retried once on the other
-one, a malformed request is INVALID_ARGUMENT, and a request without an id gets one that the
-pipeline answers under. In-process RouterEngine behind the node's PrefillServer, real
-`wavepp serve` pipelines."""
+"""The router fails a request over instead of failing it: a pipeline that dies under a request
+(its process killed, or one of its stages) costs the caller nothing but time, the request
+answers OK from the other pipeline, and the reason is counted. A dead pipeline leaves routing
+as soon as its connection breaks, even where readiness is only polled, and its new instance
+at the same address comes back. The Prefill fast path (request and answer passed on as bytes)
+keeps its error handling: a malformed request is INVALID_ARGUMENT, and a request without an
+id gets one that the pipeline answers under. In-process RouterEngine behind the node's
+PrefillServer, real `wavepp serve` pipelines; a pipeline is killed only once the pipeline
+itself reports the request part-way through (no sleeps)."""
 
 from __future__ import annotations
 
+import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,21 +21,29 @@ import pytest
 from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
+from prefill_node.process_tree import ProcessTree
 from prefill_node.server.server import ServerConfig
 from prefill_router.discovery import StaticDiscovery
 from prefill_router.pipeline_link import PREFILL_METHOD, LinkConfig
 from prefill_router.router_engine import RouterConfig, RouterEngine
-from prefill_router.scoring import RoutingPolicy
 from tests.grpc_harness import ServerThread, wait_until
 from tests.router_harness import MODEL, serve, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
+PROMPT = [(7 * i + 3) % 64 for i in range(240)]  # 15 chunks of 16 tokens
+WAVE_DELAY_S = 0.1  # per wave and stage: the prompt is in flight for seconds
+
 
 @pytest.fixture
-def pipelines(tmp_path):
+def model_dir(tmp_path):
     save_hf_checkpoint(tmp_path, MODEL, random_weights(MODEL, seed=7))
-    procs = [serve(tmp_path) for _ in range(2)]
+    return tmp_path
+
+
+@pytest.fixture
+def pipelines(model_dir):
+    procs = [serve(model_dir, wave_delay_s=WAVE_DELAY_S) for _ in range(2)]
     try:
         for _, port in procs:
             with PrefillClient(f"127.0.0.1:{port}") as client:
@@ -39,33 +54,99 @@ def pipelines(tmp_path):
             stop(proc)
 
 
-def test_a_request_a_dead_pipeline_refused_is_retried_once_elsewhere(pipelines):
-    (_, alive), (victim, dead) = pipelines
-    # readiness polled (no Watch, whose broken stream would drop it at once), one poll only
-    # (at start): the router still counts the killed pipeline as ready, so requests do reach
-    # it and are refused there ("failed to connect") before admission
-    link = LinkConfig(poll_s=120, watch=False)
-    config = RouterConfig(policy=RoutingPolicy.ROUND_ROBIN, link=link)
-    engine = RouterEngine(StaticDiscovery([alive, dead]), config)
+def front(engine: RouterEngine) -> ServerThread:
+    return ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, blocking_submit=False))
+
+
+def wait_routed_mid_flight(engine: RouterEngine, timeout_s: float = 30.0) -> str:
+    """The pipeline the router sent its one request to, once that pipeline reports it
+    admitted and part-way through (holding blocks on every stage)."""
+    found: list[str] = []
+
+    def mid_flight() -> bool:
+        busy = [p.address for p in engine.load().pipelines if p.inflight_requests]
+        if not busy:
+            return False
+        with PrefillClient(busy[0]) as client:
+            load = client.load(timeout_s=5)
+        started = 0 < load.inflight_tokens < len(PROMPT)
+        if started and all(s.used_blocks > 0 for s in load.stages):
+            found.append(busy[0])
+        return bool(found)
+
+    wait_until(mid_flight, timeout_s, "the request part-way through a pipeline")
+    return found[0]
+
+
+def stage_pid(proc) -> int:
+    """The process of stage 1 of a `wavepp serve` (the leader's child running stage_main)."""
+    for pid in ProcessTree(proc.pid).pids():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"prefill_node.runtime.stage_main" in cmdline:
+            return pid
+    raise AssertionError("no stage process under the pipeline")
+
+
+@pytest.mark.parametrize("fault", ["pipeline", "stage"])
+def test_a_pipeline_that_dies_mid_request_fails_over_and_the_request_answers_ok(pipelines, fault):
+    by_address = {address: proc for proc, address in pipelines}
+    engine = RouterEngine(StaticDiscovery(list(by_address)), RouterConfig())
     engine.start()
-    server_config = ServerConfig(host="127.0.0.1", port=0, blocking_submit=False)
     try:
-        with ServerThread(engine, server_config) as front, PrefillClient(front.target) as client:
-            loads = lambda: [p.ready for p in engine.load().pipelines]
-            wait_until(lambda: loads() == [True, True], 30, "both pipelines ready")
+        with (
+            front(engine) as srv,
+            PrefillClient(srv.target) as client,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
             wait_until(client.is_ready, 10, "the router SERVING")
-            victim.send_signal(signal.SIGKILL)
-            victim.wait()
-            results = [client.prefill([(3 * i + k) % 64 for i in range(20)],
-                                      request_id=f"r{k}").result for k in range(3)]  # fmt: skip
-            assert [r.served_by for r in results] == [alive] * 3
-            assert [r.request_id for r in results] == ["r0", "r1", "r2"]
-            assert [r.prompt_tokens for r in results] == [20] * 3
-            # round-robin offered the dead pipeline at least once; each refusal moved once
-            assert dict(engine.metrics.failovers).keys() == {dead}
-            assert 1 <= engine.metrics.failovers[dead] <= 3
-            assert engine.metrics.answered_requests[alive] == 3
-            assert engine.health().ready
+            pending = pool.submit(client.prefill, PROMPT, request_id="r0", timeout_s=60)
+            victim = wait_routed_mid_flight(engine)
+            proc = by_address[victim]
+            os.kill(proc.pid if fault == "pipeline" else stage_pid(proc), signal.SIGKILL)
+            result = pending.result(timeout=60).result
+            (survivor,) = set(by_address) - {victim}
+            assert result.served_by == survivor
+            assert (result.request_id, result.prompt_tokens) == ("r0", len(PROMPT))
+            reason = "connection_lost" if fault == "pipeline" else "pipeline_unavailable"
+            assert dict(engine.metrics.failovers) == {(victim, reason): 1}
+            assert dict(engine.metrics.answered_requests) == {survivor: 1}
+            # the dead pipeline is out of routing (its connection or its readiness said so)
+            wait_until(lambda: not engine.links()[victim].ready, 10, "the victim dropped")
+            again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
+            assert again.served_by == survivor
+            # with the other pipeline gone too, nothing can serve: UNAVAILABLE
+            stop(by_address[survivor])
+            wait_until(lambda: not engine.health().ready, 10, "no pipeline ready")
+            with pytest.raises(grpc.RpcError) as err:
+                client.prefill(PROMPT[:40], request_id="r2", timeout_s=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_pipeline_leaves_polled_routing_at_once_and_its_new_instance_returns(
+    model_dir, pipelines
+):
+    (_, alive), (victim, dead) = pipelines
+    # readiness polled once a minute: only the channel's connectivity can drop it in time
+    link = LinkConfig(poll_s=60, watch=False, retry_s=0.5)
+    engine = RouterEngine(StaticDiscovery([alive, dead]), RouterConfig(link=link))
+    engine.start()
+    try:
+        wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
+        before = engine.links()[dead].info.instance_id
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        wait_until(lambda: not engine.links()[dead].ready, 10, "the dead pipeline dropped")
+        assert engine.links()[alive].ready
+        assert engine.metrics.lost[dead] == 1
+        restarted, _ = serve(model_dir, port=int(dead.rsplit(":", 1)[1]))
+        try:
+            wait_until(lambda: engine.links()[dead].ready, 60, "the new instance back")
+            assert engine.links()[dead].info.instance_id != before
+        finally:
+            stop(restarted)
     finally:
         engine.shutdown()
 
@@ -74,11 +155,10 @@ def test_the_fast_path_parses_once_and_assigns_missing_request_ids(pipelines):
     (_, first), (_, second) = pipelines
     engine = RouterEngine(StaticDiscovery([first, second]), RouterConfig())
     engine.start()
-    server_config = ServerConfig(host="127.0.0.1", port=0, blocking_submit=False)
     try:
-        with ServerThread(engine, server_config) as front, PrefillClient(front.target) as client:
+        with front(engine) as srv, PrefillClient(srv.target) as client:
             wait_until(client.is_ready, 30, "the router SERVING")
-            with grpc.insecure_channel(front.target) as channel:
+            with grpc.insecure_channel(srv.target) as channel:
                 raw = channel.unary_unary(PREFILL_METHOD)  # bytes both ways
                 with pytest.raises(grpc.RpcError) as err:
                     raw(b"\xff\xff\xff", timeout=10)

@@ -17,6 +17,7 @@ from prefill_node.cli.options import (
     start_server,
 )
 from prefill_node.client.remote_args import add_client_tls_arguments
+from prefill_router.calibration import CalibrationConfig
 from prefill_router.scoring import DEFAULT_AFFINITY_SLACK
 
 DESCRIPTION = """\
@@ -92,6 +93,32 @@ def register(subparsers: Any) -> None:
         help="seconds between load checks of each pipeline, and between health checks of one "
         "whose health service cannot push its readiness (no Watch) (default 0.5)",
     )
+    f = p.add_argument_group("overload control")
+    f.add_argument(
+        "--max-inflight-per-pipeline",
+        type=int,
+        default=32,
+        help="requests forwarded at once per ready pipeline; more wait in the router's queue, "
+        "served by priority and tenant by tenant in turn (0 = no bound: nothing waits; "
+        "default 32)",
+    )
+    f.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests waiting in the router's queue at most; a request that would wait "
+        "beyond it is rejected at once with RESOURCE_EXHAUSTED and a retry-after-ms hint. "
+        "A request whose predicted time to its result exceeds its deadline is rejected the "
+        "same way (default 1024)",
+    )
+    f.add_argument(
+        "--calibration-alpha",
+        type=float,
+        default=CalibrationConfig.alpha,
+        help="weight of the newest answer in each pipeline's measured / predicted time ratio "
+        "(an EWMA starting at 1), which scales the cost model's predictions for routing and "
+        f"the deadline check; 0 = off (default {CalibrationConfig.alpha})",
+    )
     add_client_tls_arguments(p, "pipeline", "the pipelines")
     add_network_arguments(p, port=50050, metrics_port=9401)
     add_tls_arguments(p)
@@ -111,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
     from prefill_router.cost import cost_model_for
+    from prefill_router.flow_control import FlowConfig
     from prefill_router.pipeline_link import LinkConfig
     from prefill_router.router_engine import RouterConfig, RouterEngine
     from prefill_router.scoring import RoutingPolicy
@@ -136,6 +164,8 @@ def _run(args: argparse.Namespace) -> int:
             tls=client_tls(args.pipeline_ca, args.pipeline_cert, args.pipeline_key, "pipeline"),
         ),
         model_name=model.name,
+        flow=FlowConfig(args.max_inflight_per_pipeline, args.max_queue),
+        calibration=CalibrationConfig(alpha=args.calibration_alpha),
     )
     engine = RouterEngine(discovery_from_args(args, args.pipeline), config)
     # submit only hashes, scores and starts a call: the server calls it inline

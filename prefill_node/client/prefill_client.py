@@ -111,11 +111,18 @@ def build_request(
     top_logprobs: int | None = None,
     kv_destination: KVPushDestination | KVPullDestination | None = None,
     timeout_s: float | None = None,
+    priority: int = 0,
+    tenant_id: str = "",
 ) -> prefill_pb2.PrefillRequest:
     """A PrefillRequest for token ids or text. Text is tokenised on the server; ``chat``
     wraps it as a user message in the model's chat template, after a ``system`` message if
-    given (``system`` needs ``chat``)."""
-    req = prefill_pb2.PrefillRequest(request_id=request_id, cache_salt=cache_salt)
+    given (``system`` needs ``chat``). ``priority`` and ``tenant_id`` order what waits at a
+    router."""
+    req = prefill_pb2.PrefillRequest(
+        request_id=request_id, cache_salt=cache_salt, tenant_id=tenant_id
+    )
+    if priority:
+        req.priority = priority
     if isinstance(prompt, str):
         req.text.text = prompt
         req.text.apply_chat_template = chat
@@ -333,6 +340,14 @@ class AsyncPrefillClient:
         """Prefill with bytes both ways (an encoded PrefillRequest in, the encoded
         PrefillResponse out): for a proxy that passes both on as they are."""
         return self._channel.unary_unary(PREFILL_METHOD, _registered_method=True)
+
+    def connectivity(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        """The channel's connectivity state now (``try_to_connect``: leave IDLE)."""
+        return self._channel.get_state(try_to_connect)
+
+    async def connectivity_changed(self, last: grpc.ChannelConnectivity) -> None:
+        """Return once the channel's state is no longer ``last``."""
+        await self._channel.wait_for_state_change(last)
 
     async def close(self) -> None:
         await self._channel.close()

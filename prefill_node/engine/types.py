@@ -88,6 +88,8 @@ class PrefillOptions:
     top_logprobs: int = 5
     deadline_s: float | None = None  # absolute time.monotonic() deadline, None = none
     kv_destination: KVPushDestination | KVPullDestination | None = None  # None: KV stays here
+    priority: int = 0  # a router serves waiting requests of higher priority first
+    tenant: str | None = None  # whose turn it waits for at a router; None: its cache_salt
 
 
 @dataclass(frozen=True)

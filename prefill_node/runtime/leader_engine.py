@@ -414,9 +414,10 @@ class LeaderEngine:
     ) -> None:
         """The hand-off thread took ``req`` out of the table: answer it."""
         if error is not None or manifests is None or req.output is None:
-            settle_future(
-                req.future, error=error or KVHandoffError(f"{req.request_id}: no KV hand-off")
+            error = error or KVHandoffError(
+                f"{req.request_id}: no KV hand-off", decode_saw_bytes=req.pushes
             )
+            settle_future(req.future, error=error)
             leader = self._leader
             if leader is not None:  # stop scheduling its remaining chunks
                 leader.abort(req.request_id)

@@ -151,7 +151,7 @@ class LeaderHandoffs:
                 rid = r.request_id
                 failed = [h for h in r.outcomes.values() if not h.ok]
                 if failed:
-                    done.append((r, None, handoff_error(rid, failed[0])))
+                    done.append((r, None, handoff_error(rid, failed[0], r.pushes)))
                 elif r.logits_at is not None and len(r.outcomes) == self._num_stages:
                     ordered = tuple(r.outcomes[s].manifest for s in range(self._num_stages))
                     done.append((r, ordered, None))  # type: ignore[arg-type]
@@ -159,7 +159,8 @@ class LeaderHandoffs:
                     missing = sorted(set(range(self._num_stages)) - set(r.outcomes))
                     err = KVHandoffError(
                         f"KV hand-off of {rid} timed out: stages {missing} did not report "
-                        f"within {self._wait_limit_s:.1f}s"
+                        f"within {self._wait_limit_s:.1f}s",
+                        decode_saw_bytes=r.pushes,
                     )
                     done.append((r, None, err))
                 else:
@@ -200,12 +201,14 @@ class LeaderHandoffs:
                     log.warning("deadline expiry failed", exc_info=True)
 
 
-def handoff_error(request_id: str, outcome: StageHandoff) -> WaveppError:
-    """The typed error of a failed stage: a rejected destination is the caller's fault."""
+def handoff_error(request_id: str, outcome: StageHandoff, pushed: bool) -> WaveppError:
+    """The typed error of a failed stage: a rejected destination is the caller's fault.
+    ``pushed``: the request's KV went by WRITEs, which may have reached decode."""
     if outcome.invalid_destination:
         return InvalidKVDestinationError(
             f"KV destination of {request_id} rejected by stage {outcome.stage}: {outcome.error}"
         )
     return KVHandoffError(
-        f"KV hand-off of {request_id} failed on stage {outcome.stage}: {outcome.error}"
+        f"KV hand-off of {request_id} failed on stage {outcome.stage}: {outcome.error}",
+        decode_saw_bytes=pushed,
     )

@@ -78,6 +78,12 @@ class LeaderRequest:
         return self.options.kv_destination
 
     @property
+    def pushes(self) -> bool:
+        """Its KV is WRITTEN into decode's blocks as it is computed (push), so decode may
+        see bytes before the answer; pull: decode reads only after it."""
+        return isinstance(self.options.kv_destination, KVPushDestination)
+
+    @property
     def ships(self) -> bool:
         """Its answer waits for every stage's KV hand-off."""
         return self.options.kv_destination is not None

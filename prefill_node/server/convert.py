@@ -84,6 +84,8 @@ def parse_request(
         top_logprobs=top,
         kv_destination=destination,
         deadline_s=None if timeout_s is None else time.monotonic() + timeout_s,
+        priority=req.priority,
+        tenant=req.tenant_id or None,
     )
     return ParsedRequest(token_ids, options, from_text, timeout_s)
 

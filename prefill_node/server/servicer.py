@@ -4,7 +4,10 @@ Thin by design: validation lives in ``convert.parse_request``, scheduling in the
 policy (every message says what to fix):
 
 - InvalidRequestError -> INVALID_ARGUMENT; NeverFitsError -> RESOURCE_EXHAUSTED;
-  UnavailableError or a not-ready pipeline -> UNAVAILABLE;
+  OverloadedError (a router shedding load) -> RESOURCE_EXHAUSTED with trailing metadata
+  ``retry-after-ms``;
+  UnavailableError or a not-ready pipeline -> UNAVAILABLE, with trailing metadata
+  ``wavepp-failover``: why a router may retry it on another pipeline, or ``no``;
 - the earlier of the request's ``timeout`` and the call's deadline passing -> the request is
   aborted in the engine (its blocks freed on every stage) -> DEADLINE_EXCEEDED;
 - the client cancelling the call -> engine abort -> CANCELLED; an ``Abort`` RPC -> CANCELLED;
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -31,6 +35,7 @@ from prefill_node.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     NeverFitsError,
+    OverloadedError,
     RequestAbortedError,
     UnavailableError,
 )
@@ -52,6 +57,13 @@ log = logging.getLogger(__name__)
 
 # UNAVAILABLE before anything was admitted starts with this: a router may retry elsewhere.
 NOT_READY = "the pipeline is not ready"
+# Trailing metadata of every UNAVAILABLE a request gets from this servicer: why a router may
+# send it to another pipeline (``UnavailableError.failover``), or FAILOVER_NO. An UNAVAILABLE
+# without it never came from a servicer: the connection failed (``router_engine``).
+FAILOVER_KEY = "wavepp-failover"
+FAILOVER_NO = "no"
+# Trailing metadata of a RESOURCE_EXHAUSTED for overload: milliseconds to wait before a retry.
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 T = TypeVar("T")
@@ -94,20 +106,32 @@ class PrefillScorer(Protocol):
 class RequestFailure(Exception):
     """A request's final status; raised inside the servicer, sent as a status or stream entry."""
 
-    def __init__(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        code: grpc.StatusCode,
+        message: str,
+        trailers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(request_id, code, message)
         self.request_id = request_id
         self.code = code
         self.message = message
+        self.trailers = trailers  # trailing metadata sent with the status
 
 
 def _failure(request_id: str, exc: BaseException) -> RequestFailure:
     if isinstance(exc, InvalidRequestError):
         return RequestFailure(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, OverloadedError):
+        retry_ms = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+        return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                              ((RETRY_AFTER_KEY, retry_ms),))  # fmt: skip
     if isinstance(exc, NeverFitsError):
         return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, UnavailableError):
-        return RequestFailure(request_id, grpc.StatusCode.UNAVAILABLE, str(exc))
+        failover = ((FAILOVER_KEY, exc.failover or FAILOVER_NO),)
+        return RequestFailure(request_id, grpc.StatusCode.UNAVAILABLE, str(exc), failover)
     if isinstance(exc, RequestAbortedError):
         return RequestFailure(request_id, grpc.StatusCode.CANCELLED, str(exc))
     log.error("request %s failed with an internal error", request_id, exc_info=exc)
@@ -196,7 +220,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             return await self._prefill(request, context.time_remaining())
         except RequestFailure as f:
-            await context.abort(f.code, f.message)
+            await context.abort(f.code, f.message, f.trailers)
 
     async def PrefillBytes(self, data: bytes, context) -> bytes:
         """Prefill of a forwarder (a router), served without (de)serialisers
@@ -212,7 +236,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             return await self._prefill(request, context.time_remaining(), data)
         except RequestFailure as f:
-            await context.abort(f.code, f.message)
+            await context.abort(f.code, f.message, f.trailers)
 
     async def PrefillStream(
         self, request_iterator, context
@@ -270,7 +294,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             load = await asyncio.to_thread(self._engine.load)
         except Exception as exc:
             f = _failure("GetLoad", exc)
-            await context.abort(f.code, f.message)
+            await context.abort(f.code, f.message, f.trailers)
         return load_to_proto(load)
 
     async def GetServerInfo(self, request, context):
@@ -279,7 +303,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 load = await asyncio.to_thread(self._engine.load)
             except Exception as exc:
                 f = _failure("GetServerInfo", exc)
-                await context.abort(f.code, f.message)
+                await context.abort(f.code, f.message, f.trailers)
             self._num_stages = len(load.stages)
         identity = self._engine.cache_identity
         return prefill_pb2.ServerInfo(
@@ -313,7 +337,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             report = self._engine.score(parsed.token_ids, parsed.options.cache_salt)
         except Exception as exc:
             f = _failure(request_id, exc)
-            await context.abort(f.code, f.message)
+            await context.abort(f.code, f.message, f.trailers)
         return prefill_pb2.ScoreResponse(
             pipeline_id=report.pipeline_id,
             reason=report.reason,
@@ -386,6 +410,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     request_id,
                     grpc.StatusCode.UNAVAILABLE,
                     f"{NOT_READY} ({self.not_ready_detail}); retry later",
+                    ((FAILOVER_KEY, "not_ready"),),
                 )
             try:
                 parsed = parse_request(

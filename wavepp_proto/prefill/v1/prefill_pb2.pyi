@@ -28,7 +28,7 @@ class TextPrompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., system_prompt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "cache_salt", "top_logprobs", "kv_destination", "timeout")
+    __slots__ = ("request_id", "token_ids", "text", "cache_salt", "top_logprobs", "kv_destination", "timeout", "priority", "tenant_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class PrefillRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: TextPrompt
@@ -43,7 +45,9 @@ class PrefillRequest(_message.Message):
     top_logprobs: int
     kv_destination: _kv_layout_pb2.KvDestination
     timeout: _duration_pb2.Duration
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[_Union[TextPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., kv_destination: _Optional[_Union[_kv_layout_pb2.KvDestination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    priority: int
+    tenant_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[_Union[TextPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., kv_destination: _Optional[_Union[_kv_layout_pb2.KvDestination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[int] = ..., tenant_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
