@@ -146,6 +146,7 @@ class PipelineLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._own_loop = False  # started without a loop: a loop thread of its own
         self._tasks: list[asyncio.Task] = []
+        self._aborts: set[asyncio.Task] = set()  # Abort calls under way (``abort``)
         self._closing: asyncio.Task | None = None
         self._stopping = False
         # set while the link is ready AND its owner knows (may subscribe); loop-side only
@@ -240,6 +241,24 @@ class PipelineLink:
         passes requests and answers on as encoded."""
         entry = self._clients.get(asyncio.get_running_loop())
         return (entry or self._connect())[1]
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the pipeline (from any thread; fire and forget: a failure
+        leaves its leases to their TTL)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._stopping:
+            return
+
+        async def send() -> None:
+            with contextlib.suppress(grpc.RpcError, TimeoutError):
+                await self._client().abort(request_id, timeout_s=self.config.rpc_timeout_s)
+
+        def start() -> None:
+            task = loop.create_task(send())
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
+        loop.call_soon_threadsafe(start)
 
     def _client(self) -> AsyncPrefillClient:
         """The monitoring client (on the link's loop)."""

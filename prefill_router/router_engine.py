@@ -43,6 +43,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ DEFAULT_COST = ChunkCostModel(per_token_s=2e-6, per_token_context_s=2e-10)
 _NO_OWN = (0.0, 0, 0)  # a pipeline without requests routed here: (cost_s, tokens, requests)
 _UNBOUNDED = 1 << 40  # a pipeline's capacity before its first load
 _MAX_SALTS = 4096  # ExtraKeys kept per cache_salt (tenants); beyond it the table starts over
+_LEASED_KEPT = 4096  # answered pull-mode requests whose leases an Abort can still revoke
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ class RouterEngine:
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
         self._routed: dict[str, _Routed] = {}
+        # answered pull-mode requests -> their pipeline, newest last (``abort``)
+        self._leased: OrderedDict[str, str] = OrderedDict()
         # per pipeline: (cost_s, computed_tokens, requests) summed over its _Routed entries
         self._own: dict[str, tuple[float, int, int]] = {}
         # per pipeline: (load, info, capacity_blocks, max_model_len, snapshot interval), the
@@ -508,6 +512,11 @@ class RouterEngine:
             self._calibrate(routed, started)
             response = prefill_pb2.PrefillResponse.FromString(data)
             self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
+            if request_id and any(m.lease_id for m in response.stage_manifests):
+                with self._lock:  # pull leases: an Abort may still revoke them there
+                    self._leased[request_id] = routed.pid
+                    while len(self._leased) > _LEASED_KEPT:
+                        self._leased.popitem(last=False)
             return Relayed(data, response, routed.pid)
 
     def _calibrate(self, routed: _Routed, started: float) -> None:
@@ -643,11 +652,17 @@ class RouterEngine:
         return UnavailableError("no pipeline is ready to take this prompt; retry later")
 
     def abort(self, request_id: str) -> bool:
-        """Cancel the forwarded call (from any thread); the caller gets RequestAbortedError."""
+        """Cancel the forwarded call (from any thread); the caller gets RequestAbortedError.
+        A pull-mode request already answered: the Abort goes on to the pipeline that served
+        it, whose stages revoke the leases decode did not use (in the background)."""
         with self._lock:
             routed = self._routed.get(request_id)
             if routed is None or routed.call is None or routed.loop is None:
-                return False
+                link = self._links.get(self._leased.pop(request_id, ""))
+                if link is None:
+                    return False
+                link.abort(request_id)
+                return True
             routed.aborted = True
         routed.loop.call_soon_threadsafe(routed.call.cancel)
         return True

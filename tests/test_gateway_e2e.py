@@ -27,7 +27,7 @@ from tests.test_grpc_tls import _make_pki
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 LONG = "what is the capital of france ? " * 6  # 42 tokens: remote under --local-max-tokens 8
-LEASE_TTL_S = 3
+LEASE_TTL_S = 60  # far longer than any test waits: a lease that ends was given back
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": LONG}]
 
 
@@ -36,7 +36,6 @@ def tier(tmp_path_factory):
     model = h.model_dir(tmp_path_factory.mktemp("tiny-gateway"))
     procs = []
     try:
-        # leases a decode instance never pulls (a test double's) expire in seconds
         proc, pipeline = h.pipeline(model, "--kv-lease-ttl", str(LEASE_TTL_S))
         procs.append(proc)
         proc, router = h.router(model, [pipeline])
@@ -419,7 +418,7 @@ def test_a_chat_template_that_differs_on_decode_is_refused_there_never_served_wr
     """The gateway renders chat with another template than decode's: the prompt digest in
     kv_transfer_params does not match decode's ids, so decode refuses the KV and computes
     the prompt itself (its recompute policy): the answer is decode's own, the metric says
-    the load failed. (Last in the module: a refused load's leases wait for their TTL.)"""
+    the load failed, and the leases it did not use are given back."""
     import shutil
 
     other = tmp_path / "other-template"
@@ -439,13 +438,16 @@ def test_a_chat_template_that_differs_on_decode_is_refused_there_never_served_wr
         assert answer["choices"][0]["message"] == reference["choices"][0]["message"]
         assert h.metric(base, "wavepp_gateway_kv_loads_total") == {
             'wavepp_gateway_kv_loads_total{outcome="failed"}': 1.0}  # fmt: skip
+        wait_until(lambda: integrity(tier["pipeline"]) == (True, True), 5,
+                   "the refused KV's leases given back")  # fmt: skip
     finally:
         terminate(proc)
 
 
 class _HeldDecode(http.server.BaseHTTPRequestHandler):
     """A test double of a decode instance that holds its first request (no byte of the
-    answer) until ``release`` is set; every later one is answered at once."""
+    answer) until ``release`` is set, then answers it; every later one is refused at once
+    (a 400, as vLLM refuses a request it cannot take), without touching its KV."""
 
     bodies: list[dict] = []
     arrived = threading.Event()
@@ -456,14 +458,20 @@ class _HeldDecode(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         type(self).bodies.append(body)
+        status = 200
         if len(type(self).bodies) == 1:
             type(self).arrived.set()
             type(self).release.wait(60)
-        answer = json.dumps({"id": "cmpl-held", "object": "text_completion", "created": 0,
-                             "model": h.SERVED, "kv_transfer_params": None,
-                             "choices": [{"index": 0, "text": "x", "logprobs": None,
-                                          "finish_reason": "length"}]}).encode()  # fmt: skip
-        self.send_response(200)
+            answer = {"id": "cmpl-held", "object": "text_completion", "created": 0,
+                      "model": h.SERVED, "kv_transfer_params": None,
+                      "choices": [{"index": 0, "text": "x", "logprobs": None,
+                                   "finish_reason": "length"}]}  # fmt: skip
+        else:
+            status = 400
+            answer = {"error": {"message": "refused", "type": "BadRequestError",
+                                "param": None, "code": 400}}  # fmt: skip
+        answer = json.dumps(answer).encode()
+        self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(answer)))
         self.end_headers()
@@ -490,10 +498,16 @@ def test_a_prompt_decode_is_still_computing_spends_its_budget_and_the_next_goes_
         assert _HeldDecode.arrived.wait(30)  # 42 prompt tokens: within the 64-token budget
         assert h.metric(base, "wavepp_gateway_decode_prefilling_tokens")[pending] == 42
         code, headers, _ = h.post(f"{base}/v1/completions", body)  # 42 + 42 > 64
-        assert code == 200
+        assert code == 400  # decode refused it, relayed as it is
         assert (headers["x-wavepp-prefill"], headers["x-wavepp-prefill-reason"]) == (
             "remote", "decode_busy")  # fmt: skip
         assert "wavepp_pull" in _HeldDecode.bodies[1]["kv_transfer_params"]
+        # decode never pulled that KV: the gateway gave its leases back through the router
+        released = 'wavepp_gateway_prefill_releases_total{outcome="released"}'
+        wait_until(lambda: h.metric(base, "wavepp_gateway_prefill_releases_total").get(released)
+                   == 1, 10, "the leases released")  # fmt: skip
+        wait_until(lambda: integrity(tier["pipeline"]) == (True, True), 5,
+                   "every stage revoking them, long before their TTL")  # fmt: skip
         _HeldDecode.release.set()
         asking.join(30)
         code, headers, _ = first[0]
@@ -506,6 +520,3 @@ def test_a_prompt_decode_is_still_computing_spends_its_budget_and_the_next_goes_
         _HeldDecode.release.set()
         terminate(proc)
         double.shutdown()
-    # the double never pulled the remote request's KV: its leases expire, nothing leaks
-    wait_until(lambda: integrity(tier["pipeline"]) == (True, True), 5 * LEASE_TTL_S,
-               "the unpulled leases expired")  # fmt: skip

@@ -11,7 +11,11 @@ Failure semantics (docs/gateway.md):
   (the first may have consumed the leases); a 4xx from decode is relayed as it is;
 - the client gone before the answer starts -> the prefill call and the decode request are
   cancelled (the pipeline aborts and frees its blocks); gone mid-stream -> the decode
-  stream is closed, so the instance aborts the request.
+  stream is closed, so the instance aborts the request;
+- a remote prefill whose KV decode did not use (no decode answered, the retry computed the
+  prompt, decode refused the request or the KV, the client gone meanwhile) -> its leases
+  are given back at once (an Abort of the answered request through the router), not left
+  to their TTL.
 """
 
 from __future__ import annotations
@@ -106,7 +110,6 @@ class RequestPath:
         prefill = decision.label
         if answer.stream is None:
             self._finish(label, prefill, answer, started)
-            self._count_kv_load(answer.body)
             return Response(answer.body, answer.status, headers, media_type="application/json")
         self._metrics.ttft.labels(label, prefill).observe(time.monotonic() - started)
         return StreamingResponse(self._relay(answer, label, prefill, started), answer.status,
@@ -167,8 +170,9 @@ class RequestPath:
             if prefill is not None:
                 self._release(prefill)
             raise
-        if prefill is not None and (not answer.with_kv or answer.status >= 400):
-            self._release(prefill)  # the retry computed the prompt, or decode refused it
+        loaded = self._count_kv_load(answer.body) if answer.stream is None else None
+        if prefill is not None and (not answer.with_kv or answer.status >= 400 or loaded is False):
+            self._release(prefill)  # the retry computed the prompt, or decode refused the KV
         headers["x-wavepp-decode"] = answer.instance
         if params is not None and not answer.with_kv:  # the retry computed the prompt
             headers["x-wavepp-prefill"] = "local"
@@ -311,16 +315,20 @@ class RequestPath:
             if reply is not None:
                 reply.release()  # back to the pool when read to its end, else closed
 
-    def _count_kv_load(self, body: bytes) -> None:
-        """``wavepp_loaded`` of an answer: did the KV load succeed on decode."""
+    def _count_kv_load(self, body: bytes) -> bool | None:
+        """``wavepp_loaded`` of an answer: did the KV load succeed on decode (None: the
+        answer does not say)."""
         if _LOADED not in body:  # no kv_transfer_params came back: nothing to parse
-            return
+            return None
         try:
             loaded = (json.loads(body).get("kv_transfer_params") or {}).get(LOADED_KEY)
         except (ValueError, AttributeError):
-            return
-        if isinstance(loaded, dict):
-            self._metrics.kv_loads.labels("ok" if loaded.get("ok") else "failed").inc()
+            return None
+        if not isinstance(loaded, dict):
+            return None
+        ok = bool(loaded.get("ok"))
+        self._metrics.kv_loads.labels("ok" if ok else "failed").inc()
+        return ok
 
     def _count_kv_load_events(self, chunk: bytes) -> None:
         """The same from a stream's SSE events (``data: {...}`` lines) in ``chunk``; an
