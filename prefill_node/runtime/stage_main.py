@@ -26,6 +26,7 @@ SPEC_KEY = "wavepp/spec"
 KV_SHIPPING_KEY = "wavepp/kv_shipping"  # pickled KVShippingConfig or None (set before SPEC_KEY)
 EXIT_LEADER_LOST = 3
 EXIT_STAGE_FAILED = 4
+EXIT_PIPELINE_LOST = 5  # the leader (`wavepp serve`): a stage died, the pipeline is lost
 
 
 def ready_key(rank: int) -> str:

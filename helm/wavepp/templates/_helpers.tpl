@@ -198,7 +198,8 @@ spec:
         - name: rendezvous
           containerPort: {{ $v.pipelines.rendezvousPort }}
         {{- end }}
-      {{- include "wavepp.probes" (dict "port" $port "tls" (ne $serverTls "") "startup" $cfg.startupProbe) | trim | nindent 6 }}
+      {{- $probes := include "wavepp.probeValues" (dict "cfg" $cfg "role" .role) | fromJson }}
+      {{- include "wavepp.probes" (dict "port" $port "tls" (ne $serverTls "") "probes" $probes) | trim | nindent 6 }}
       {{- else if $gateway }}
       ports:
         - name: http
