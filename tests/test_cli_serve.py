@@ -19,8 +19,9 @@ from prefill_node.engine.types import PrefillOptions
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.model.weights import random_weights
-from prefill_node.runtime.dist_env import free_local_port
+from prefill_node.runtime.dist_env import REVISION_ENV, free_local_port
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.stage_main import EXIT_REVISION_MISMATCH
 from tests.grpc_harness import TINY_CONFIG, wait_until
 from tests.tiny_models import save_word_tokenizer
 
@@ -126,10 +127,11 @@ def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
     assert chat[0]["first_token_text"] is None  # no --model: the client has no tokenizer
 
 
-def _pod_env(rank: int, master_port: int) -> dict[str, str]:
-    """The rendezvous variables a pipeline pod gets (torchrun style), on loopback."""
+def _pod_env(rank: int, master_port: int, revision: str = "r1") -> dict[str, str]:
+    """The rendezvous variables a pipeline pod gets (torchrun style, and the chart's
+    revision), on loopback."""
     rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
-    return {**os.environ, **rendezvous, "RANK": str(rank)}
+    return {**os.environ, **rendezvous, "RANK": str(rank), REVISION_ENV: revision}
 
 
 @pytest.mark.slow
@@ -177,6 +179,39 @@ def test_a_leader_whose_stages_never_join_exits_after_the_stage_wait(tmp_path):
     )  # fmt: skip
     assert leader.returncode == 1, leader.stderr
     assert "stages not ready after 2s" in leader.stderr and "wavepp/ready/1" in leader.stderr
+
+
+def test_a_stage_never_joins_a_leader_of_another_revision(tmp_path):
+    """A StatefulSet roll replaces stage pods before their leader: a stage of the new
+    revision must not join the old leader (a pipeline of mixed versions); it exits without
+    joining, and the leader, its stage missing, gives up after --stage-wait."""
+    save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=7))
+    master_port = free_local_port()
+    leader = subprocess.Popen(
+        [*CLI, "serve", "--model", str(tmp_path), "--stages", "2", "--num-blocks", "64",
+         "--block-size", "4", "--port", "0", "--metrics-port", "-1", "--no-kv-shipping",
+         "--stage-wait", "20"],
+        env=_pod_env(0, master_port, "r1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        stage = subprocess.run(
+            [*CLI, "stage", "--connect-timeout", "60"],
+            env=_pod_env(1, master_port, "r2"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert stage.returncode == EXIT_REVISION_MISMATCH, stage.stderr
+        assert "revision 'r2', the leader at 127.0.0.1 runs 'r1'" in stage.stderr
+        assert leader.wait(timeout=60) == 1
+        assert "stages not ready after 20s" in leader.stderr.read()
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
 
 
 @pytest.mark.slow

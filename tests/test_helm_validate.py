@@ -111,6 +111,12 @@ CRD_SCHEMAS = {  # the fields of sigs.k8s.io/lws api/leaderworkerset/v1 the char
     "LeaderWorkerSet": _resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", _closed({
         "replicas": COUNT,
         "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "rolloutStrategy": _closed({
+            "type": {"enum": ["RollingUpdate"]},
+            "rollingUpdateConfiguration": _closed({
+                "maxUnavailable": {"type": ["integer", "string"]},
+                "maxSurge": {"type": ["integer", "string"]}}),
+        }, ("type",)),
         "leaderWorkerTemplate": _closed({
             "size": {"type": "integer", "minimum": 1},
             "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart",

@@ -262,6 +262,8 @@ stage's RANK comes from its ordinal, in its command.
 {{- end }}
 - name: MASTER_PORT
   value: {{ $root.Values.pipelines.rendezvousPort | quote }}
+- name: WAVEPP_PIPELINE_REVISION
+  value: {{ include "wavepp.pipelineRevision" $root | quote }}
 {{- end }}
 
 {{/* UCX / NIXL environment of every pipeline container, from pipelines.ucx: only what is set

@@ -54,15 +54,47 @@ pod `<pipelineName>-<i>`, reachable as `<pipelineName>-<i>.<pipelineName>.<names
 {{- end }}
 {{- end }}
 
-{{/* LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` what the cluster serves. */}}
+{{/*
+LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` the kind this release's pipelines
+already have in the cluster (sticky across upgrades: installing LWS later must not flip a
+running release), else what the cluster serves. `lookup` finds nothing under `helm template`.
+*/}}
 {{- define "wavepp.pipelineKind" -}}
 {{- if ne .Values.pipelines.kind "auto" }}
 {{- .Values.pipelines.kind }}
+{{- else }}
+{{- $installed := include "wavepp.installedPipelineKind" . }}
+{{- if $installed }}
+{{- $installed }}
 {{- else if .Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet" }}
 {{- "LeaderWorkerSet" }}
 {{- else }}
 {{- "StatefulSet" }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The kind of this release's pipeline object in the cluster, empty if none (or no cluster). */}}
+{{- define "wavepp.installedPipelineKind" -}}
+{{- $name := include "wavepp.pipelineName" . }}
+{{- $ns := .Release.Namespace }}
+{{- if and (.Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet") (lookup "leaderworkerset.x-k8s.io/v1" "LeaderWorkerSet" $ns $name) }}
+{{- "LeaderWorkerSet" }}
+{{- else if lookup "apps/v1" "StatefulSet" $ns $name }}
+{{- "StatefulSet" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pipelines' revision: a hash of every value that shapes a pipeline pod (not the replica
+count), in every pipeline container as WAVEPP_PIPELINE_REVISION. A stage joins only a leader
+of its own revision, so a roll never runs a pipeline of mixed versions.
+*/}}
+{{- define "wavepp.pipelineRevision" -}}
+{{- $v := .Values }}
+{{- $pipelines := omit $v.pipelines "replicas" "kind" }}
+{{- $shape := dict "chart" .Chart.Version "image" $v.image "pipelines" $pipelines "model" $v.model "cache" $v.cache "grpc" $v.grpc "tls" $v.tls.pipelines "pod" $v.podSecurityContext "container" $v.securityContext }}
+{{- toJson $shape | sha256sum | trunc 12 }}
 {{- end }}
 
 {{- define "wavepp.selectorLabels" -}}
