@@ -1,4 +1,5 @@
-"""Render -> run: the chart's StatefulSet variant (1 pipeline x 2 stages + router) started here
+"""Render -> run: the chart's StatefulSet variant (1 pipeline x 2 stages + router), and its
+podPerPipeline layout (one pod running both stages), started here
 as local processes with exactly the rendered commands, args, env and ports, this test playing
 kubelet (fieldRefs, $(VAR) expansion, volumes as local directories, cluster DNS names as
 127.0.0.1, gRPC probes) and the EndpointSlice controller: the router discovers the leader from
@@ -195,11 +196,12 @@ def kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-def rendered_chart() -> Manifest:
+def rendered_chart(layout: str = "podPerStage") -> Manifest:
     return render(
         {
             "model": {"source": "hostPath", "hostPath": HOST_MODEL},
             "pipelines": {
+                "layout": layout,
                 "kind": "StatefulSet",
                 "replicas": 1,
                 "stages": 2,
@@ -229,24 +231,29 @@ def scrape(pod: Pod) -> str:
 
 
 @pytest.mark.asyncio
-async def test_rendered_statefulset_pipeline_serves_a_prefill_through_the_router(
-    kmock, tmp_path
+@pytest.mark.parametrize("layout", ["podPerStage", "podPerPipeline"])
+async def test_rendered_pipeline_serves_a_prefill_through_the_router(
+    kmock, tmp_path, layout
 ) -> None:
+    """podPerStage: the StatefulSet leader and stage pods; podPerPipeline: the Deployment's
+    one pod, whose `wavepp serve --stages 2` launches its stage itself."""
     model_dir = tmp_path / "tiny-helm"
     save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=14))
     prompt = [(7 * i + 3) % 64 for i in range(41)]
     direct = LocalEngine.from_model_dir(model_dir, LocalEngineConfig(2, 128, 4, 16))
     want = direct.submit(prompt, PrefillOptions(top_logprobs=5)).result()
 
-    manifest = rendered_chart()
-    (leader,), (stage,), (router,) = (manifest.pods_of(c) for c in ("leader", "stage", "router"))
+    manifest = rendered_chart(layout)
+    (leader,), stages, (router,) = (manifest.pods_of(c) for c in ("leader", "stage", "router"))
+    assert len(stages) == (1 if layout == "podPerStage" else 0)
     kmock.resources["discovery.k8s.io/v1/endpointslices"] = {}
     api_server = str(kmock.url).rstrip("/")
     api = client.DiscoveryV1Api(client.ApiClient(client.Configuration(host=api_server)))
     kubelet = Kubelet(tmp_path, {HOST_MODEL: model_dir})
     try:
         kubelet.start(leader)
-        kubelet.start(stage)
+        for stage in stages:
+            kubelet.start(stage)
         await asyncio.to_thread(
             eventually,
             kubelet,
@@ -278,7 +285,8 @@ async def test_rendered_statefulset_pipeline_serves_a_prefill_through_the_router
             assert "# HELP wavepp_" in await asyncio.to_thread(scrape, pod)
         assert kubelet.stop(router.name) == 0
         assert kubelet.stop(leader.name) == 0  # SIGTERM: drain, stop the stage, exit cleanly
-        assert kubelet.procs[stage.name].wait(timeout=30) == 0, kubelet.logs()
+        for stage in stages:
+            assert kubelet.procs[stage.name].wait(timeout=30) == 0, kubelet.logs()
     finally:
         for name in kubelet.procs:
             kubelet.stop(name, timeout_s=5)

@@ -75,10 +75,12 @@ def test_lws_rolls_one_pipeline_group_at_a_time_leader_and_stages_together() -> 
     # one object holds both templates: LWS replaces a group's leader and stages together
     for role in ("leaderTemplate", "workerTemplate"):
         assert template[role] != lws_old["spec"]["leaderWorkerTemplate"][role]
-    surge = {"rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}}
-    custom = render(merge(LWS, {"pipelines": {"leaderWorkerSet": {"rolloutStrategy": surge}}}))
-    (lws,) = custom.all("LeaderWorkerSet")
-    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxSurge"] == 1
+    surge = {"pipelines": {"rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}}
+    (lws,) = render(merge(LWS, surge)).all("LeaderWorkerSet")
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {
+        "maxUnavailable": 0,
+        "maxSurge": 1,
+    }
 
 
 def _kubeconfig(path, server: str):

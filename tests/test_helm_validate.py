@@ -71,6 +71,19 @@ VARIANTS = {
         },
         (),
     ),  # fmt: skip
+    "pod-per-pipeline-gpus": (
+        {
+            "pipelines": {
+                "layout": "podPerPipeline",
+                "replicas": 2,
+                "stages": 4,
+                "gpus": {"enabled": True},
+                "rollingUpdate": {"maxUnavailable": "50%", "maxSurge": 0},
+            },
+            "networkPolicy": {"enabled": True},
+        },
+        (LWS_API,),
+    ),
     "lws-hostpath-gpus": (
         {
             "model": {"source": "hostPath", "hostPath": "/srv/models/qwen3"},

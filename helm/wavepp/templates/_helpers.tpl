@@ -55,12 +55,15 @@ pod `<pipelineName>-<i>`, reachable as `<pipelineName>-<i>.<pipelineName>.<names
 {{- end }}
 
 {{/*
+The pipelines' workload kind: a Deployment with `layout: podPerPipeline`; otherwise
 LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` the kind this release's pipelines
 already have in the cluster (sticky across upgrades: installing LWS later must not flip a
 running release), else what the cluster serves. `lookup` finds nothing under `helm template`.
 */}}
 {{- define "wavepp.pipelineKind" -}}
-{{- if ne .Values.pipelines.kind "auto" }}
+{{- if eq .Values.pipelines.layout "podPerPipeline" }}
+{{- "Deployment" }}
+{{- else if ne .Values.pipelines.kind "auto" }}
 {{- .Values.pipelines.kind }}
 {{- else }}
 {{- $installed := include "wavepp.installedPipelineKind" . }}
@@ -138,6 +141,11 @@ The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on 
 {{- $router := eq .role "router" }}
 {{- $gateway := eq .role "gateway" }}
 {{- $pipeline := has .role (list "leader" "stage") }}
+{{- $podPerPipeline := and $pipeline (eq $v.pipelines.layout "podPerPipeline") }}
+{{- $gpus := 0 }}
+{{- if and $pipeline $v.pipelines.gpus.enabled }}
+{{- $gpus = ternary (int $v.pipelines.stages) 1 $podPerPipeline }}
+{{- end }}
 {{- $serves := has .role (list "leader" "router") }}
 {{- $cfg := get (dict "router" $v.router "gateway" $v.gateway "leader" $v.pipelines "stage" $v.pipelines) .role }}
 {{- $port := ternary $v.router.port $v.pipelines.port $router }}
@@ -211,8 +219,10 @@ spec:
             fieldRef:
               fieldPath: status.podIP
         {{- include "wavepp.commonEnv" $root | nindent 8 }}
-        {{- if $pipeline }}
+        {{- if and $pipeline (not $podPerPipeline) }}
         {{- include "wavepp.rendezvousEnv" . | trim | nindent 8 }}
+        {{- end }}
+        {{- if $pipeline }}
         {{- with include "wavepp.ucxEnv" $v.pipelines.ucx }}
         {{- . | trim | nindent 8 }}
         {{- end }}
@@ -226,7 +236,7 @@ spec:
           containerPort: {{ $port }}
         - name: metrics
           containerPort: {{ $metricsPort }}
-        {{- if not $router }}
+        {{- if not (or $router $podPerPipeline) }}
         - name: rendezvous
           containerPort: {{ $v.pipelines.rendezvousPort }}
         {{- end }}
@@ -238,7 +248,7 @@ spec:
           containerPort: {{ $v.gateway.port }}
       {{- include "wavepp.httpProbes" $cfg | trim | nindent 6 }}
       {{- end }}
-      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" (and $pipeline $v.pipelines.gpus.enabled) "gpu" $v.pipelines.gpus.resourceName) }}
+      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" $gpus "gpu" $v.pipelines.gpus.resourceName) }}
       resources:
         {{- . | trim | nindent 8 }}
       {{- end }}
@@ -298,16 +308,16 @@ spec:
 {{- end }}
 
 {{/*
-A container's resources: (dict "resources" {...} "gpus" bool "gpu" "nvidia.com/gpu"). With gpus,
-one GPU in the limits (the request follows the limit for an extended resource); a limit the
+A container's resources: (dict "resources" {...} "gpus" N "gpu" "nvidia.com/gpu"). With N > 0,
+N GPUs in the limits (the request follows the limit for an extended resource); a limit the
 values set for that resource explicitly wins.
 */}}
 {{- define "wavepp.resources" -}}
 {{- $resources := deepCopy (.resources | default dict) }}
-{{- if .gpus }}
+{{- if gt .gpus 0 }}
 {{- $limits := deepCopy (get $resources "limits" | default dict) }}
 {{- if not (hasKey $limits .gpu) }}
-{{- $_ := set $limits .gpu 1 }}
+{{- $_ := set $limits .gpu .gpus }}
 {{- end }}
 {{- $_ := set $resources "limits" $limits }}
 {{- end }}
