@@ -81,6 +81,10 @@ VARIANTS = {
                 "rollingUpdate": {"maxUnavailable": "50%", "maxSurge": 0},
             },
             "networkPolicy": {"enabled": True},
+            "autoscaling": {
+                "enabled": True,
+                "pipelines": {"keda": {"serverAddress": "http://prometheus.monitoring:9090"}},
+            },
         },
         (LWS_API,),
     ),
@@ -92,7 +96,9 @@ VARIANTS = {
                 "stages": 4,
                 "resources": {"limits": {"memory": "64Gi"}},
                 "ucx": {"transports": "rc,cuda_copy", "devices": "mlx5_0:1"},
+                "podDisruptionBudget": {"enabled": True},
             },
+            "autoscaling": {"enabled": True, "pipelines": {"provider": "hpa"}},
             "networkPolicy": {"enabled": True, "decodeCidrs": ["10.8.0.0/16"]},
             "gateway": {"enabled": True, "decode": {"urls": ["10.8.0.5:8000"]}},
         },
@@ -138,6 +144,17 @@ CRD_SCHEMAS = {  # the fields of sigs.k8s.io/lws api/leaderworkerset/v1 the char
             "workerTemplate": POD_TEMPLATE,
         }, ("workerTemplate",)),
     }, ("leaderWorkerTemplate",))),
+    "ScaledObject": _resource("keda.sh/v1alpha1", "ScaledObject", _closed({
+        "scaleTargetRef": _closed({"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                   "name": {"type": "string"}}, ("name",)),
+        "minReplicaCount": COUNT, "maxReplicaCount": COUNT, "pollingInterval": COUNT,
+        "cooldownPeriod": COUNT,
+        "triggers": {"type": "array", "minItems": 1, "items": _closed({
+            "type": {"const": "prometheus"}, "metricType": {"enum": ["AverageValue", "Value"]},
+            "metadata": _closed({"serverAddress": {"type": "string"}, "query": {"type": "string"},
+                                 "threshold": {"type": "string"}},
+                                ("serverAddress", "query", "threshold"))}, ("type", "metadata"))},
+    }, ("scaleTargetRef", "triggers"))),
     "ServiceMonitor": _resource("monitoring.coreos.com/v1", "ServiceMonitor", _closed({
         "selector": _ref("io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"),
         "endpoints": {"type": "array", "minItems": 1, "items": _closed({
