@@ -29,6 +29,22 @@ VARIANTS = {
                 "resources": {"limits": {"cpu": "4", "memory": "8Gi"}},
                 "tolerations": [{"key": "gpu", "operator": "Exists"}],
                 "extraEnv": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "labels": {"team": "llm"},
+                "annotations": {"owner": "platform"},
+                "extraVolumes": [{"name": "hf", "secret": {"secretName": "hf-token"}}],
+                "extraVolumeMounts": [{"name": "hf", "mountPath": "/etc/hf", "readOnly": True}],
+                "extraInitContainers": [{"name": "warm", "image": "busybox", "args": ["true"]}],
+                "sidecars": [{"name": "exporter", "image": "dcgm-exporter:4"}],
+                "envFrom": [{"configMapRef": {"name": "nccl"}}],
+                "runtimeClassName": "nvidia",
+                "priorityClassName": "inference",
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                    }
+                ],
                 "ucx": {
                     "transports": "tcp",
                     "devices": "eth0",
@@ -61,6 +77,13 @@ VARIANTS = {
             },
             "metrics": {"serviceMonitor": {"enabled": True}},
             "imagePullSecrets": [{"name": "regcred"}],
+            "commonLabels": {"cost-center": "llm"},
+            "commonAnnotations": {"contact": "platform"},
+            "helmTest": {
+                "resources": {"limits": {"cpu": "1"}},
+                "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                "nodeSelector": {"pool": "cpu"},
+            },
             "gateway": {
                 "enabled": True,
                 "replicas": 2,
@@ -97,6 +120,8 @@ VARIANTS = {
                 "resources": {"limits": {"memory": "64Gi"}},
                 "ucx": {"transports": "rc,cuda_copy", "devices": "mlx5_0:1"},
                 "podDisruptionBudget": {"enabled": True},
+                "kueueQueueName": "gpu-queue",
+                "leaderWorkerSet": {"exclusiveTopology": "cloud.provider.com/topology-block"},
             },
             "autoscaling": {"enabled": True, "pipelines": {"provider": "hpa"}},
             "networkPolicy": {"enabled": True, "decodeCidrs": ["10.8.0.0/16"]},

@@ -110,6 +110,26 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{ include "wavepp.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Metadata of a workload object (Deployment, StatefulSet, LeaderWorkerSet): (dict "root" $
+"component" "router|gateway|leader|stage" "cfg" <its values> ["labels" {...}] ["annotations"
+{...}]): the component's labels plus `cfg.labels`, and `cfg.annotations` plus the chart's own.
+*/}}
+{{- define "wavepp.workloadMetadata" -}}
+labels:
+  {{- include "wavepp.componentLabels" (dict "root" .root "component" .component) | nindent 2 }}
+  {{- with merge (dict) (.labels | default dict) (.cfg.labels | default dict) }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with merge (dict) (.annotations | default dict) (.root.Values.commonAnnotations | default dict) (.cfg.annotations | default dict) }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* Selector of one component's pods: (dict "root" $ "component" "router|leader|stage"). */}}
@@ -189,8 +209,15 @@ spec:
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
   terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds }}
-  {{- if eq $v.model.source "bundled" }}
+  {{- with $cfg.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $cfg.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- if or (eq $v.model.source "bundled") $cfg.extraInitContainers }}
   initContainers:
+    {{- if eq $v.model.source "bundled" }}
     - name: prepare-model
       image: {{ include "wavepp.image" $root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -203,6 +230,10 @@ spec:
         {{- toYaml $v.securityContext | nindent 8 }}
       volumeMounts:
         {{- include "wavepp.commonMounts" $root | nindent 8 }}
+    {{- end }}
+    {{- with $cfg.extraInitContainers }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   {{- end }}
   containers:
     - name: {{ .role }}
@@ -230,6 +261,10 @@ spec:
         {{- with $cfg.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+      {{- with $cfg.envFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- if $serves }}
       ports:
         - name: grpc
@@ -265,6 +300,12 @@ spec:
           mountPath: /etc/wavepp/tls/{{ .name }}
           readOnly: true
         {{- end }}
+        {{- with $cfg.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    {{- with $cfg.sidecars }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   volumes:
     - name: cache
       emptyDir:
@@ -293,6 +334,9 @@ spec:
       secret:
         secretName: {{ .secret }}
     {{- end }}
+    {{- with $cfg.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   {{- with $cfg.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -303,6 +347,10 @@ spec:
   {{- end }}
   {{- with $cfg.affinity }}
   affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $cfg.topologySpreadConstraints }}
+  topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end }}
@@ -334,4 +382,11 @@ matchExpressions:
   - key: app.kubernetes.io/component
     operator: In
     values: [leader, stage]
+{{- end }}
+
+{{/* Kueue admission of the pipelines (LWS or the podPerPipeline Deployment): its queue label. */}}
+{{- define "wavepp.kueueLabels" -}}
+{{- with .Values.pipelines.kueueQueueName }}
+kueue.x-k8s.io/queue-name: {{ . }}
+{{- end }}
 {{- end }}
