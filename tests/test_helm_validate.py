@@ -104,6 +104,10 @@ VARIANTS = {
                 "rollingUpdate": {"maxUnavailable": "50%", "maxSurge": 0},
             },
             "networkPolicy": {"enabled": True},
+            "model": {
+                "source": "huggingface",
+                "huggingface": {"id": "Qwen/Qwen3-8B", "tokenSecret": {"name": "hf"}},
+            },
             "autoscaling": {
                 "enabled": True,
                 "pipelines": {"keda": {"serverAddress": "http://prometheus.monitoring:9090"}},

@@ -306,3 +306,44 @@ stage's RANK comes from its ordinal, in its command.
   {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+`model.source: huggingface`: an init container that downloads the checkpoint into the pod's
+model emptyDir with huggingface_hub (a dependency of the image's tokenizers), the token from
+`model.huggingface.tokenSecret`: (dict "root" $ "filesOnly" bool). filesOnly (router, gateway):
+only the config and tokenizer files, which is all they read.
+*/}}
+{{- define "wavepp.downloadModel" -}}
+{{- $v := .root.Values }}
+{{- $hf := $v.model.huggingface -}}
+- name: download-model
+  image: {{ include "wavepp.image" .root }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: [python, -c]
+  args:
+    - import sys; from huggingface_hub import snapshot_download; repo, revision, path, files = sys.argv[1:5]; print(snapshot_download(repo_id=repo, revision=revision, local_dir=path, allow_patterns=files.split(",") if files else None))
+    - {{ required "model.huggingface.id is required with model.source=huggingface" $hf.id }}
+    - {{ $hf.revision }}
+    - {{ $v.model.mountPath }}
+    - {{ ternary "config.json,generation_config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,*.jinja" "" .filesOnly | quote }}
+  env:
+    {{- include "wavepp.commonEnv" .root | nindent 4 }}
+    - name: HF_HOME
+      value: /tmp/huggingface
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $hf.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $hf.tokenSecret.key }}
+    {{- end }}
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ $v.model.mountPath }}
+{{- end }}

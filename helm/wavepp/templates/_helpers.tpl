@@ -215,8 +215,11 @@ spec:
   {{- with $cfg.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
-  {{- if or (eq $v.model.source "bundled") $cfg.extraInitContainers }}
+  {{- if or (has $v.model.source (list "bundled" "huggingface")) $cfg.extraInitContainers }}
   initContainers:
+    {{- if eq $v.model.source "huggingface" }}
+    {{- include "wavepp.downloadModel" (dict "root" $root "filesOnly" (not $pipeline)) | nindent 4 }}
+    {{- end }}
     {{- if eq $v.model.source "bundled" }}
     - name: prepare-model
       image: {{ include "wavepp.image" $root }}
@@ -323,6 +326,10 @@ spec:
       persistentVolumeClaim:
         claimName: {{ required "model.claimName is required with model.source=pvc" $v.model.claimName }}
         readOnly: true
+    {{- else if eq $v.model.source "huggingface" }}
+    - name: model
+      emptyDir:
+        sizeLimit: {{ ternary $v.model.huggingface.sizeLimit "64Mi" $pipeline }}
     {{- else if eq $v.model.source "hostPath" }}
     - name: model
       hostPath:
