@@ -310,7 +310,7 @@ stage's RANK comes from its ordinal, in its command.
 {{/*
 `model.source: huggingface`: an init container that downloads the checkpoint into the pod's
 model emptyDir with huggingface_hub (a dependency of the image's tokenizers), the token from
-`model.huggingface.tokenSecret`: (dict "root" $ "filesOnly" bool). filesOnly (router, gateway):
+`model.huggingface.tokenSecret`: (dict "root" $ "filesOnly" bool "securityContext" {...}). filesOnly (router, gateway):
 only the config and tokenizer files, which is all they read.
 */}}
 {{- define "wavepp.downloadModel" -}}
@@ -340,10 +340,33 @@ only the config and tokenizer files, which is all they read.
           key: {{ $hf.tokenSecret.key }}
     {{- end }}
   securityContext:
-    {{- toYaml $v.securityContext | nindent 4 }}
+    {{- toYaml .securityContext | nindent 4 }}
   volumeMounts:
     - name: tmp
       mountPath: /tmp
     - name: model
       mountPath: {{ $v.model.mountPath }}
+{{- end }}
+
+{{/* NCCL over InfiniBand / RoCE for the stages' activations (pipelines.rdma.nccl): only what is
+set, then extraEnv in name order. */}}
+{{- define "wavepp.ncclEnv" -}}
+- name: NCCL_IB_DISABLE
+  value: "0"
+{{- with .ibHca }}
+- name: NCCL_IB_HCA
+  value: {{ . | quote }}
+{{- end }}
+{{- with .ibGidIndex }}
+- name: NCCL_IB_GID_INDEX
+  value: {{ . | quote }}
+{{- end }}
+{{- with .socketIfname }}
+- name: NCCL_SOCKET_IFNAME
+  value: {{ . | quote }}
+{{- end }}
+{{- range $name, $value := .extraEnv }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
 {{- end }}

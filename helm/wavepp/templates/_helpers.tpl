@@ -168,6 +168,15 @@ The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on 
 {{- end }}
 {{- $serves := has .role (list "leader" "router") }}
 {{- $cfg := get (dict "router" $v.router "gateway" $v.gateway "leader" $v.pipelines "stage" $v.pipelines) .role }}
+{{- $rdma := and $pipeline $v.pipelines.rdma.enabled }}
+{{- $podSecurity := $cfg.podSecurityContext | default $v.podSecurityContext }}
+{{- $initSecurity := $cfg.securityContext | default $v.securityContext }}
+{{- $security := deepCopy $initSecurity }}
+{{- if and $rdma $v.pipelines.rdma.ipcLock }}
+{{- $caps := deepCopy (get $security "capabilities" | default dict) }}
+{{- $_ := set $caps "add" (append (get $caps "add" | default list) "IPC_LOCK" | uniq) }}
+{{- $_ := set $security "capabilities" $caps }}
+{{- end }}
 {{- $port := ternary $v.router.port $v.pipelines.port $router }}
 {{- $metricsPort := ternary $v.gateway.port (ternary $v.router.metricsPort $v.pipelines.metricsPort $router) $gateway }}
 {{- $tls := list }}
@@ -207,7 +216,11 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   securityContext:
-    {{- toYaml $v.podSecurityContext | nindent 4 }}
+    {{- toYaml $podSecurity | nindent 4 }}
+  {{- if and $rdma $v.pipelines.rdma.hostNetwork }}
+  hostNetwork: true
+  dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
   terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds }}
   {{- with $cfg.runtimeClassName }}
   runtimeClassName: {{ . }}
@@ -218,7 +231,7 @@ spec:
   {{- if or (has $v.model.source (list "bundled" "huggingface")) $cfg.extraInitContainers }}
   initContainers:
     {{- if eq $v.model.source "huggingface" }}
-    {{- include "wavepp.downloadModel" (dict "root" $root "filesOnly" (not $pipeline)) | nindent 4 }}
+    {{- include "wavepp.downloadModel" (dict "root" $root "filesOnly" (not $pipeline) "securityContext" $initSecurity) | nindent 4 }}
     {{- end }}
     {{- if eq $v.model.source "bundled" }}
     - name: prepare-model
@@ -230,7 +243,7 @@ spec:
       env:
         {{- include "wavepp.commonEnv" $root | nindent 8 }}
       securityContext:
-        {{- toYaml $v.securityContext | nindent 8 }}
+        {{- toYaml $initSecurity | nindent 8 }}
       volumeMounts:
         {{- include "wavepp.commonMounts" $root | nindent 8 }}
     {{- end }}
@@ -260,6 +273,9 @@ spec:
         {{- with include "wavepp.ucxEnv" $v.pipelines.ucx }}
         {{- . | trim | nindent 8 }}
         {{- end }}
+        {{- if $rdma }}
+        {{- include "wavepp.ncclEnv" $v.pipelines.rdma.nccl | trim | nindent 8 }}
+        {{- end }}
         {{- end }}
         {{- with $cfg.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -286,12 +302,12 @@ spec:
           containerPort: {{ $v.gateway.port }}
       {{- include "wavepp.httpProbes" $cfg | trim | nindent 6 }}
       {{- end }}
-      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" $gpus "gpu" $v.pipelines.gpus.resourceName) }}
+      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" $gpus "gpu" $v.pipelines.gpus.resourceName "extra" (ternary $v.pipelines.rdma.resources dict $rdma)) }}
       resources:
         {{- . | trim | nindent 8 }}
       {{- end }}
       securityContext:
-        {{- toYaml $v.securityContext | nindent 8 }}
+        {{- toYaml $security | nindent 8 }}
       volumeMounts:
         {{- include "wavepp.commonMounts" $root | nindent 8 }}
         {{- if $pipeline }}
@@ -302,6 +318,12 @@ spec:
         - name: tls-{{ .name }}
           mountPath: /etc/wavepp/tls/{{ .name }}
           readOnly: true
+        {{- end }}
+        {{- if $rdma }}
+        {{- range $i, $path := $v.pipelines.rdma.devicePaths }}
+        - name: rdma-device-{{ $i }}
+          mountPath: {{ $path }}
+        {{- end }}
         {{- end }}
         {{- with $cfg.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
@@ -341,6 +363,13 @@ spec:
       secret:
         secretName: {{ .secret }}
     {{- end }}
+    {{- if $rdma }}
+    {{- range $i, $path := $v.pipelines.rdma.devicePaths }}
+    - name: rdma-device-{{ $i }}
+      hostPath:
+        path: {{ $path }}
+    {{- end }}
+    {{- end }}
     {{- with $cfg.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -352,7 +381,13 @@ spec:
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $cfg.affinity }}
+  {{- $affinity := $cfg.affinity }}
+  {{- if and (not $affinity) $rdma $v.pipelines.rdma.hostNetwork (eq .role "leader") }}
+  {{- $leaders := include "wavepp.componentSelector" (dict "root" $root "component" "leader") | fromYaml }}
+  {{- $term := dict "labelSelector" (dict "matchLabels" $leaders) "topologyKey" "kubernetes.io/hostname" }}
+  {{- $affinity = dict "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+  {{- end }}
+  {{- with $affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -363,16 +398,23 @@ spec:
 {{- end }}
 
 {{/*
-A container's resources: (dict "resources" {...} "gpus" N "gpu" "nvidia.com/gpu"). With N > 0,
-N GPUs in the limits (the request follows the limit for an extended resource); a limit the
-values set for that resource explicitly wins.
+A container's resources: (dict "resources" {...} "gpus" N "gpu" "nvidia.com/gpu" ["extra"
+{resource: count}]). With N > 0, N GPUs in the limits, and every `extra` resource (RDMA
+devices); the request follows the limit for an extended resource; a limit the values set for
+that resource explicitly wins.
 */}}
 {{- define "wavepp.resources" -}}
 {{- $resources := deepCopy (.resources | default dict) }}
+{{- $add := deepCopy (.extra | default dict) }}
 {{- if gt .gpus 0 }}
+{{- $_ := set $add .gpu .gpus }}
+{{- end }}
+{{- if $add }}
 {{- $limits := deepCopy (get $resources "limits" | default dict) }}
-{{- if not (hasKey $limits .gpu) }}
-{{- $_ := set $limits .gpu .gpus }}
+{{- range $name, $count := $add }}
+{{- if not (hasKey $limits $name) }}
+{{- $_ := set $limits $name $count }}
+{{- end }}
 {{- end }}
 {{- $_ := set $resources "limits" $limits }}
 {{- end }}
