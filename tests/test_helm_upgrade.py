@@ -96,7 +96,9 @@ def _kubeconfig(path, server: str):
     return path
 
 
-async def cluster_render(kmock, tmp_path, values: dict, installed: list[dict], lws: bool):
+async def cluster_render(
+    kmock, tmp_path, values: dict, installed: list[dict], lws: bool, major: int = 4
+):
     """`helm template --dry-run=server --is-upgrade` of ``values`` against kmock holding the
     ``installed`` objects (and serving LeaderWorkerSet with ``lws``): the API versions are what
     kmock serves, `lookup` finds those objects. -> (returncode, stdout, stderr)."""
@@ -120,7 +122,9 @@ async def cluster_render(kmock, tmp_path, values: dict, installed: list[dict], l
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--is-upgrade",
             "--dry-run=server", "--disable-openapi-validation", "--kubeconfig", str(config),
             "-f", str(tmp_path / "values.json")]  # fmt: skip
-    done = await asyncio.to_thread(helm, *args)
+    if lws:  # Helm 3's template takes capabilities from flags, not from the server
+        args += ["--api-versions", "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet"]
+    done = await asyncio.to_thread(lambda: helm(*args, major=major))
     return done.returncode, done.stdout, done.stderr
 
 
@@ -142,12 +146,13 @@ def _installed(manifest: Manifest, kind: str) -> dict:
     ],
     ids=["image", "stages", "scale", "router-only", "opted-in"],
 )
+@pytest.mark.parametrize("major", [4, 3], ids=["helm4", "helm3"])
 async def test_a_statefulset_upgrade_that_restarts_every_pipeline_needs_the_opt_in(
-    kmock, tmp_path, change, opt_in, refused
+    kmock, tmp_path, change, opt_in, refused, major
 ) -> None:
     installed = [_installed(render(STS), "StatefulSet")]
     values = merge(STS, change, {"pipelines": {"statefulSet": {"allowDisruptiveUpgrade": opt_in}}})
-    code, out, err = await cluster_render(kmock, tmp_path, values, installed, lws=False)
+    code, out, err = await cluster_render(kmock, tmp_path, values, installed, False, major)
     if refused:
         assert code != 0 and "StatefulSet pipelines are for development" in err, err
         assert "allowDisruptiveUpgrade=true" in err
@@ -175,8 +180,9 @@ def _pipeline_kind(out: str) -> str:
     ],
     ids=["sts-stays-sts", "lws-stays-lws", "fresh-install-takes-lws"],
 )
+@pytest.mark.parametrize("major", [4, 3], ids=["helm4", "helm3"])
 async def test_kind_auto_keeps_the_kind_the_release_was_installed_with(
-    kmock, tmp_path, installed_kind, expected
+    kmock, tmp_path, installed_kind, expected, major
 ) -> None:
     """The cluster serves LWS in every case (in the first, installed after the release):
     `auto` must not flip a running release to LWS, whose objects would collide by name."""
@@ -185,6 +191,6 @@ async def test_kind_auto_keeps_the_kind_the_release_was_installed_with(
         installed = [_installed(render(STS), "StatefulSet")]
     elif installed_kind == "LeaderWorkerSet":
         installed = [_installed(render(LWS), "LeaderWorkerSet")]
-    code, out, err = await cluster_render(kmock, tmp_path, {}, installed, lws=True)
+    code, out, err = await cluster_render(kmock, tmp_path, {}, installed, True, major)
     assert code == 0, err
     assert _pipeline_kind(out) == expected

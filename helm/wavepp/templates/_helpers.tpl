@@ -97,7 +97,10 @@ of its own revision, so a roll never runs a pipeline of mixed versions.
 {{- $v := .Values }}
 {{- $pipelines := omit $v.pipelines "replicas" "kind" }}
 {{- $shape := dict "chart" .Chart.Version "image" $v.image "pipelines" $pipelines "model" $v.model "cache" $v.cache "grpc" $v.grpc "tls" $v.tls.pipelines "pod" $v.podSecurityContext "container" $v.securityContext }}
-{{- toJson $shape | sha256sum | trunc 12 }}
+{{- /* Helm 4 drops null values from .Values, Helm 3 keeps them: hash without them */}}
+{{- $json := regexReplaceAll `"[^"]*":null,` (toJson $shape) "" }}
+{{- $json = regexReplaceAll `,?"[^"]*":null` $json "" }}
+{{- $json | sha256sum | trunc 12 }}
 {{- end }}
 
 {{- define "wavepp.selectorLabels" -}}
