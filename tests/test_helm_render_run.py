@@ -330,7 +330,7 @@ async def test_a_pod_per_pipeline_roll_keeps_the_router_serving(kmock, tmp_path)
     want = direct.submit(prompt, PrefillOptions()).result().first_token_id
 
     def revision(tag: str, num_blocks: str, i: int) -> tuple[Manifest, Pod]:
-        manifest = rendered_chart("podPerPipeline", num_blocks, min_ready_s=2)
+        manifest = rendered_chart("podPerPipeline", num_blocks, min_ready_s=5)
         (leader,) = manifest.pods_of("leader")
         return manifest, dataclasses.replace(leader, name=f"pipeline-{tag}-{i}")
 
