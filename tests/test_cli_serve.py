@@ -19,14 +19,16 @@ from prefill_node.engine.types import PrefillOptions
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.dist_env import REVISION_ENV, free_local_port
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.stage_main import EXIT_REVISION_MISMATCH
 from tests.grpc_harness import TINY_CONFIG, wait_until
 from tests.tiny_models import save_word_tokenizer
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 
 
-def _start_serve(model_dir, *extra):
+def _start_serve(model_dir, *extra, env=None):
     """A real `wavepp serve` (2-stage multi-process pipeline) on a free port -> (proc, port)."""
     server = subprocess.Popen(
         [*CLI, "serve", "--model", str(model_dir), "--stages", "2", "--num-blocks", "64",
@@ -35,6 +37,7 @@ def _start_serve(model_dir, *extra):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )  # fmt: skip
     line = server.stdout.readline()
     match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
@@ -66,8 +69,8 @@ def _stage_children(pid: int) -> list[int]:
 
 def _kill_a_stage_and_check_the_server_answers(server, port: int) -> None:
     """SIGKILL the stage process: readiness and liveness NOT_SERVING (only a restart brings
-    the pipeline back), the process stays until restarted and refuses prefills with
-    UNAVAILABLE saying why."""
+    the pipeline back); with --no-exit-on-pipeline-lost the process stays until restarted and
+    refuses prefills with UNAVAILABLE saying why."""
     (stage,) = _stage_children(server.pid)
     os.kill(stage, signal.SIGKILL)
     with PrefillClient(f"127.0.0.1:{port}") as client:
@@ -91,11 +94,12 @@ def _prefill_json(*args) -> list[dict]:
 @pytest.mark.slow
 def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
     """Text goes to the server as text (chat template + system there, no model on the
-    client); afterwards a killed stage leaves the `wavepp serve` process up, not ready."""
+    client); afterwards a killed stage leaves a `wavepp serve --no-exit-on-pipeline-lost`
+    process up, not ready."""
     save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=4))
     save_word_tokenizer(tmp_path)
     text, system = "what is the capital of france ?", "be brief"
-    server, port = _start_serve(tmp_path)
+    server, port = _start_serve(tmp_path, "--no-exit-on-pipeline-lost")
     try:
         target = ["--server", f"127.0.0.1:{port}", "--top-logprobs", "2"]  # no --model here
         chat = _prefill_json(*target, "--system", system, "--repeat", "2", text)
@@ -121,6 +125,93 @@ def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
     # the repeat reuses the server's KV: all 3 full blocks, the last token recomputed
     assert [r["cached_tokens"] for r in chat] == [0, 11]
     assert chat[0]["first_token_text"] is None  # no --model: the client has no tokenizer
+
+
+def _pod_env(rank: int, master_port: int, revision: str = "r1") -> dict[str, str]:
+    """The rendezvous variables a pipeline pod gets (torchrun style, and the chart's
+    revision), on loopback."""
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    return {**os.environ, **rendezvous, "RANK": str(rank), REVISION_ENV: revision}
+
+
+@pytest.mark.slow
+def test_a_leader_whose_stage_pod_dies_drains_and_exits(tmp_path):
+    """Leader and stage started as separate processes from the rendezvous environment, as
+    in two pods: SIGKILL of the stage makes the leader exit by itself (code 5), so a
+    pipeline restarts whatever its probes are (TCP probes under TLS never see the loss)."""
+    save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=5))
+    master_port = free_local_port()
+    stage = subprocess.Popen(
+        [*CLI, "stage", "--connect-timeout", "60"],
+        env=_pod_env(1, master_port),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    server = None
+    try:
+        server, port = _start_serve(tmp_path, "--stage-wait", "60", env=_pod_env(0, master_port))
+        with PrefillClient(f"127.0.0.1:{port}") as client:
+            assert client.prefill([1, 2, 3, 4, 5]).result.prompt_tokens == 5
+        stage.kill()
+        assert server.wait(timeout=30) == 5
+        assert "the pipeline is lost" in server.stdout.read()
+        assert "stage 1" in server.stderr.read()
+    finally:
+        for proc in (stage, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_leader_whose_stages_never_join_exits_after_the_stage_wait(tmp_path):
+    """--stage-wait bounds the leader's wait for its stage pods: it exits with an error
+    naming the missing stage instead of waiting for a probe to kill it."""
+    save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=6))
+    leader = subprocess.run(
+        [*CLI, "serve", "--model", str(tmp_path), "--stages", "2", "--num-blocks", "64",
+         "--block-size", "4", "--port", "0", "--metrics-port", "-1", "--no-kv-shipping",
+         "--stage-wait", "2"],
+        env=_pod_env(0, free_local_port()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert leader.returncode == 1, leader.stderr
+    assert "stages not ready after 2s" in leader.stderr and "wavepp/ready/1" in leader.stderr
+
+
+def test_a_stage_never_joins_a_leader_of_another_revision(tmp_path):
+    """A StatefulSet roll replaces stage pods before their leader: a stage of the new
+    revision must not join the old leader (a pipeline of mixed versions); it exits without
+    joining, and the leader, its stage missing, gives up after --stage-wait."""
+    save_hf_checkpoint(tmp_path, TINY_CONFIG, random_weights(TINY_CONFIG, seed=7))
+    master_port = free_local_port()
+    leader = subprocess.Popen(
+        [*CLI, "serve", "--model", str(tmp_path), "--stages", "2", "--num-blocks", "64",
+         "--block-size", "4", "--port", "0", "--metrics-port", "-1", "--no-kv-shipping",
+         "--stage-wait", "20"],
+        env=_pod_env(0, master_port, "r1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        stage = subprocess.run(
+            [*CLI, "stage", "--connect-timeout", "60"],
+            env=_pod_env(1, master_port, "r2"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert stage.returncode == EXIT_REVISION_MISMATCH, stage.stderr
+        assert "revision 'r2', the leader at 127.0.0.1 runs 'r1'" in stage.stderr
+        assert leader.wait(timeout=60) == 1
+        assert "stages not ready after 20s" in leader.stderr.read()
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
 
 
 @pytest.mark.slow

@@ -235,11 +235,38 @@ def test_probes_are_native_grpc_health_on_the_serving_ports(values) -> None:
             "livenessProbe": {"port": grpc_port, "service": ""},
             "readinessProbe": {"port": grpc_port, "service": SERVICE_NAME},
         }
-    startup = manifest.pods_of("leader")[0].container()["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # load + join
+    for pod in manifest.pods_of("leader") + manifest.pods_of("router"):
+        container = pod.container()
+        assert {container[k]["timeoutSeconds"] for k in container if k.endswith("Probe")} == {5}
     for pod in manifest.pods_of("stage"):
         container = pod.container()
         assert not {"ports", "livenessProbe", "readinessProbe"} & container.keys()
+
+
+@pytest.mark.parametrize("wait, load, period", [(600, 120, 10), (45, 20, 7), (1800, 0, 30)])
+def test_the_leaders_startup_allowance_covers_its_load_and_its_stage_wait(wait, load, period):
+    """The leader gives up on a missing stage (`--stage-wait`) before kubelet's startup
+    probe kills it: the probe allows the leader's own load plus the stage wait."""
+    values = {
+        "pipelines": {
+            "stageWaitSeconds": wait,
+            "startupProbe": {"periodSeconds": period, "timeoutSeconds": 3, "loadSeconds": load},
+            "livenessProbe": {"periodSeconds": 20, "timeoutSeconds": 9, "failureThreshold": 4},
+        }
+    }
+    (leader,) = render(values).pods_of("leader")
+    container = leader.container()
+    assert parse(container).stage_wait == wait
+    startup = container["startupProbe"]
+    allowance = startup["periodSeconds"] * startup["failureThreshold"]
+    assert wait + load <= allowance < wait + load + period
+    assert (startup["periodSeconds"], startup["timeoutSeconds"]) == (period, 3)
+    liveness = container["livenessProbe"]
+    assert [liveness[k] for k in ("periodSeconds", "timeoutSeconds", "failureThreshold")] == [
+        20,
+        9,
+        4,
+    ]
 
 
 def test_tls_secrets_are_mounted_where_the_flags_point_and_probes_fall_back_to_tcp() -> None:

@@ -1,4 +1,5 @@
-"""Render -> run: the chart's StatefulSet variant (1 pipeline x 2 stages + router) started here
+"""Render -> run: the chart's StatefulSet variant (1 pipeline x 2 stages + router), and its
+podPerPipeline layout (one pod running both stages), started here
 as local processes with exactly the rendered commands, args, env and ports, this test playing
 kubelet (fieldRefs, $(VAR) expansion, volumes as local directories, cluster DNS names as
 127.0.0.1, gRPC probes) and the EndpointSlice controller: the router discovers the leader from
@@ -13,10 +14,12 @@ RBAC (kmock authorises everything) and the image itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -146,7 +149,7 @@ def eventually(kubelet: Kubelet, predicate, timeout_s: float, what: str) -> None
         time.sleep(0.2)
 
 
-def endpoint_slice(service: dict, pods: list[Pod]) -> dict:
+def endpoint_slice(service: dict, pods: list[Pod], suffix: str = "local") -> dict:
     """What the EndpointSlice controller publishes for ``service`` with ``pods`` ready."""
     name = service["metadata"]["name"]
     ports = [
@@ -161,7 +164,7 @@ def endpoint_slice(service: dict, pods: list[Pod]) -> dict:
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": {
-            "name": f"{name}-local",
+            "name": f"{name}-{suffix}",
             "namespace": NAMESPACE,
             "labels": {"kubernetes.io/service-name": name},
         },
@@ -195,15 +198,19 @@ def kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-def rendered_chart() -> Manifest:
+def rendered_chart(
+    layout: str = "podPerStage", num_blocks: str = "128", min_ready_s: int = 10
+) -> Manifest:
     return render(
         {
             "model": {"source": "hostPath", "hostPath": HOST_MODEL},
             "pipelines": {
+                "layout": layout,
                 "kind": "StatefulSet",
                 "replicas": 1,
                 "stages": 2,
-                "numBlocks": "128",
+                "numBlocks": num_blocks,
+                "minReadySeconds": min_ready_s,
                 "blockSize": 4,
                 "maxChunkTokens": 16,
                 "threads": 1,
@@ -229,24 +236,29 @@ def scrape(pod: Pod) -> str:
 
 
 @pytest.mark.asyncio
-async def test_rendered_statefulset_pipeline_serves_a_prefill_through_the_router(
-    kmock, tmp_path
+@pytest.mark.parametrize("layout", ["podPerStage", "podPerPipeline"])
+async def test_rendered_pipeline_serves_a_prefill_through_the_router(
+    kmock, tmp_path, layout
 ) -> None:
+    """podPerStage: the StatefulSet leader and stage pods; podPerPipeline: the Deployment's
+    one pod, whose `wavepp serve --stages 2` launches its stage itself."""
     model_dir = tmp_path / "tiny-helm"
     save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=14))
     prompt = [(7 * i + 3) % 64 for i in range(41)]
     direct = LocalEngine.from_model_dir(model_dir, LocalEngineConfig(2, 128, 4, 16))
     want = direct.submit(prompt, PrefillOptions(top_logprobs=5)).result()
 
-    manifest = rendered_chart()
-    (leader,), (stage,), (router,) = (manifest.pods_of(c) for c in ("leader", "stage", "router"))
+    manifest = rendered_chart(layout)
+    (leader,), stages, (router,) = (manifest.pods_of(c) for c in ("leader", "stage", "router"))
+    assert len(stages) == (1 if layout == "podPerStage" else 0)
     kmock.resources["discovery.k8s.io/v1/endpointslices"] = {}
     api_server = str(kmock.url).rstrip("/")
     api = client.DiscoveryV1Api(client.ApiClient(client.Configuration(host=api_server)))
     kubelet = Kubelet(tmp_path, {HOST_MODEL: model_dir})
     try:
         kubelet.start(leader)
-        kubelet.start(stage)
+        for stage in stages:
+            kubelet.start(stage)
         await asyncio.to_thread(
             eventually,
             kubelet,
@@ -278,7 +290,8 @@ async def test_rendered_statefulset_pipeline_serves_a_prefill_through_the_router
             assert "# HELP wavepp_" in await asyncio.to_thread(scrape, pod)
         assert kubelet.stop(router.name) == 0
         assert kubelet.stop(leader.name) == 0  # SIGTERM: drain, stop the stage, exit cleanly
-        assert kubelet.procs[stage.name].wait(timeout=30) == 0, kubelet.logs()
+        for stage in stages:
+            assert kubelet.procs[stage.name].wait(timeout=30) == 0, kubelet.logs()
     finally:
         for name in kubelet.procs:
             kubelet.stop(name, timeout_s=5)
@@ -299,3 +312,98 @@ def test_bundled_model_init_container_prepares_the_model_in_the_pods_cache(
     assert done.returncode == 0, done.stderr
     assert is_complete(cache_dir / "models" / DEFAULT_MODEL_DIRNAME)
     assert f"{cache_dir}/models/{DEFAULT_MODEL_DIRNAME}" in done.stdout
+
+
+@pytest.mark.asyncio
+async def test_a_pod_per_pipeline_roll_keeps_the_router_serving(kmock, tmp_path) -> None:
+    """Revision 1 (two podPerPipeline pipelines) runs behind the router; revision 2 (another
+    KV size: a new pipeline revision) replaces them one at a time in the order the Deployment
+    controller uses with maxUnavailable 1, maxSurge 0: the old pod leaves the EndpointSlice and
+    drains (SIGTERM), the new one starts and joins once its readiness probe passes, and the
+    next old pod goes after `minReadySeconds`, in which the router takes the new one in. A client
+    prefilling through the router all along sees no error, and ends on revision 2 only.
+    Each pod's ports come from its own render: on 127.0.0.1 they stand for pod IPs."""
+    model_dir = tmp_path / "tiny-helm"
+    save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=15))
+    prompt = [(5 * i + 1) % 64 for i in range(23)]
+    direct = LocalEngine.from_model_dir(model_dir, LocalEngineConfig(2, 128, 4, 16))
+    want = direct.submit(prompt, PrefillOptions()).result().first_token_id
+
+    def revision(tag: str, num_blocks: str, i: int) -> tuple[Manifest, Pod]:
+        manifest = rendered_chart("podPerPipeline", num_blocks, min_ready_s=5)
+        (leader,) = manifest.pods_of("leader")
+        return manifest, dataclasses.replace(leader, name=f"pipeline-{tag}-{i}")
+
+    old = [revision("r1", "128", i) for i in range(2)]
+    new = [revision("r2", "96", i) for i in range(2)]
+    argv = lambda pod: command_line(pod.container(), container_env(pod.container(), pod.name))
+    assert "--num-blocks=128" in argv(old[0][1]) and "--num-blocks=96" in argv(new[0][1])
+    manifest = old[0][0]
+    (deployment,) = [
+        d for d in manifest.all("Deployment") if d["metadata"]["name"].endswith("-pipeline")
+    ]
+    min_ready_s = deployment["spec"]["minReadySeconds"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    (service,) = [
+        s for s in manifest.all("Service") if s["metadata"]["name"].endswith("-pipelines")
+    ]
+    (router,) = manifest.pods_of("router")
+    kmock.resources["discovery.k8s.io/v1/endpointslices"] = {}
+    api_server = str(kmock.url).rstrip("/")
+    api = client.DiscoveryV1Api(client.ApiClient(client.Configuration(host=api_server)))
+    kubelet = Kubelet(tmp_path, {HOST_MODEL: model_dir})
+
+    async def start_ready(pod: Pod) -> None:
+        kubelet.start(pod)
+        await asyncio.to_thread(
+            eventually, kubelet, lambda: probe(pod, "readinessProbe"), 180, f"{pod.name} ready"
+        )
+        body = endpoint_slice(service, [pod], suffix=pod.name)
+        await asyncio.to_thread(api.create_namespaced_endpoint_slice, NAMESPACE, body)
+
+    answers: list[tuple[str, int]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client_loop(port: int) -> None:
+        with PrefillClient(f"127.0.0.1:{port}") as via_router:
+            while not stop.is_set():
+                try:
+                    salt = str(len(answers))  # a new prefix each time: every call computes
+                    result = via_router.prefill(prompt, cache_salt=salt, deadline_s=30).result
+                    answers.append((result.served_by, result.first_token_id))
+                except Exception as exc:  # noqa: BLE001 - any failure is the test's finding
+                    errors.append(repr(exc))
+                time.sleep(0.1)
+
+    try:
+        for _, pod in old:
+            await start_ready(pod)
+        kubelet.start(router, {"KUBECONFIG": str(kubeconfig(tmp_path / "kc", api_server))})
+        await asyncio.to_thread(
+            eventually, kubelet, lambda: probe(router, "readinessProbe"), 120, "router ready"
+        )
+        loop = threading.Thread(target=client_loop, args=(port_number(router.container(), "grpc"),))
+        loop.start()
+        await asyncio.to_thread(eventually, kubelet, lambda: len(answers) >= 3, 60, "serving")
+        for (_, before), (_, after) in zip(old, new, strict=True):
+            name = f"{service['metadata']['name']}-{before.name}"
+            await asyncio.to_thread(api.delete_namespaced_endpoint_slice, name, NAMESPACE)
+            assert kubelet.stop(before.name) == 0, kubelet.logs()  # drains, stops its stage
+            del kubelet.procs[before.name]  # gone, as the old pod is
+            await start_ready(after)
+            await asyncio.sleep(min_ready_s)  # the controller's minReadySeconds
+        served_before_last = len(answers)
+        await asyncio.to_thread(
+            eventually, kubelet, lambda: len(answers) >= served_before_last + 5, 60, "answers"
+        )
+        stop.set()
+        loop.join(timeout=30)
+        assert not errors, errors
+        assert {token for _, token in answers} == {want}
+        assert {by for by, _ in answers[-3:]} <= {pod.name for _, pod in new}
+        assert {by for by, _ in answers} >= {old[0][1].name, new[1][1].name}
+    finally:
+        stop.set()
+        for name in kubelet.procs:
+            kubelet.stop(name, timeout_s=5)

@@ -29,6 +29,22 @@ VARIANTS = {
                 "resources": {"limits": {"cpu": "4", "memory": "8Gi"}},
                 "tolerations": [{"key": "gpu", "operator": "Exists"}],
                 "extraEnv": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "labels": {"team": "llm"},
+                "annotations": {"owner": "platform"},
+                "extraVolumes": [{"name": "hf", "secret": {"secretName": "hf-token"}}],
+                "extraVolumeMounts": [{"name": "hf", "mountPath": "/etc/hf", "readOnly": True}],
+                "extraInitContainers": [{"name": "warm", "image": "busybox", "args": ["true"]}],
+                "sidecars": [{"name": "exporter", "image": "dcgm-exporter:4"}],
+                "envFrom": [{"configMapRef": {"name": "nccl"}}],
+                "runtimeClassName": "nvidia",
+                "priorityClassName": "inference",
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                    }
+                ],
                 "ucx": {
                     "transports": "tcp",
                     "devices": "eth0",
@@ -61,6 +77,13 @@ VARIANTS = {
             },
             "metrics": {"serviceMonitor": {"enabled": True}},
             "imagePullSecrets": [{"name": "regcred"}],
+            "commonLabels": {"cost-center": "llm"},
+            "commonAnnotations": {"contact": "platform"},
+            "helmTest": {
+                "resources": {"limits": {"cpu": "1"}},
+                "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                "nodeSelector": {"pool": "cpu"},
+            },
             "gateway": {
                 "enabled": True,
                 "replicas": 2,
@@ -71,6 +94,27 @@ VARIANTS = {
         },
         (),
     ),  # fmt: skip
+    "pod-per-pipeline-gpus": (
+        {
+            "pipelines": {
+                "layout": "podPerPipeline",
+                "replicas": 2,
+                "stages": 4,
+                "gpus": {"enabled": True},
+                "rollingUpdate": {"maxUnavailable": "50%", "maxSurge": 0},
+            },
+            "networkPolicy": {"enabled": True},
+            "model": {
+                "source": "huggingface",
+                "huggingface": {"id": "Qwen/Qwen3-8B", "tokenSecret": {"name": "hf"}},
+            },
+            "autoscaling": {
+                "enabled": True,
+                "pipelines": {"keda": {"serverAddress": "http://prometheus.monitoring:9090"}},
+            },
+        },
+        (LWS_API,),
+    ),
     "lws-hostpath-gpus": (
         {
             "model": {"source": "hostPath", "hostPath": "/srv/models/qwen3"},
@@ -79,7 +123,19 @@ VARIANTS = {
                 "stages": 4,
                 "resources": {"limits": {"memory": "64Gi"}},
                 "ucx": {"transports": "rc,cuda_copy", "devices": "mlx5_0:1"},
+                "podDisruptionBudget": {"enabled": True},
+                "kueueQueueName": "gpu-queue",
+                "rdma": {
+                    "enabled": True,
+                    "resources": {"rdma/rdma_shared_device_a": 1},
+                    "devicePaths": ["/dev/infiniband"],
+                    "hostNetwork": True,
+                    "nccl": {"ibHca": "mlx5", "ibGidIndex": 3},
+                },
+                "podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False},
+                "leaderWorkerSet": {"exclusiveTopology": "cloud.provider.com/topology-block"},
             },
+            "autoscaling": {"enabled": True, "pipelines": {"provider": "hpa"}},
             "networkPolicy": {"enabled": True, "decodeCidrs": ["10.8.0.0/16"]},
             "gateway": {"enabled": True, "decode": {"urls": ["10.8.0.5:8000"]}},
         },
@@ -111,6 +167,12 @@ CRD_SCHEMAS = {  # the fields of sigs.k8s.io/lws api/leaderworkerset/v1 the char
     "LeaderWorkerSet": _resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", _closed({
         "replicas": COUNT,
         "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "rolloutStrategy": _closed({
+            "type": {"enum": ["RollingUpdate"]},
+            "rollingUpdateConfiguration": _closed({
+                "maxUnavailable": {"type": ["integer", "string"]},
+                "maxSurge": {"type": ["integer", "string"]}}),
+        }, ("type",)),
         "leaderWorkerTemplate": _closed({
             "size": {"type": "integer", "minimum": 1},
             "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart",
@@ -119,6 +181,17 @@ CRD_SCHEMAS = {  # the fields of sigs.k8s.io/lws api/leaderworkerset/v1 the char
             "workerTemplate": POD_TEMPLATE,
         }, ("workerTemplate",)),
     }, ("leaderWorkerTemplate",))),
+    "ScaledObject": _resource("keda.sh/v1alpha1", "ScaledObject", _closed({
+        "scaleTargetRef": _closed({"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                   "name": {"type": "string"}}, ("name",)),
+        "minReplicaCount": COUNT, "maxReplicaCount": COUNT, "pollingInterval": COUNT,
+        "cooldownPeriod": COUNT,
+        "triggers": {"type": "array", "minItems": 1, "items": _closed({
+            "type": {"const": "prometheus"}, "metricType": {"enum": ["AverageValue", "Value"]},
+            "metadata": _closed({"serverAddress": {"type": "string"}, "query": {"type": "string"},
+                                 "threshold": {"type": "string"}},
+                                ("serverAddress", "query", "threshold"))}, ("type", "metadata"))},
+    }, ("scaleTargetRef", "triggers"))),
     "ServiceMonitor": _resource("monitoring.coreos.com/v1", "ServiceMonitor", _closed({
         "selector": _ref("io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"),
         "endpoints": {"type": "array", "minItems": 1, "items": _closed({

@@ -337,3 +337,31 @@ def test_staging_pool_reuses_registered_buffers_and_caps_idle_bytes():
     assert dropped == [3] and pool.cached_bytes == 2020 and pool.in_use == 0
     pool.close()
     assert sorted(dropped) == [1, 2, 3]
+
+
+def test_a_wildcard_metadata_endpoint_advertises_the_pod_ip_of_either_family(monkeypatch):
+    """Bound to every address, the endpoint names $POD_IP (what Kubernetes routes to the pod,
+    IPv6 included), not the hostname's IPv4 address; `::` binds IPv6 and is reachable there."""
+    from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer
+
+    info = PeerInfo("stage-1", b"meta", KVLayout(0, 2, 4, 16, 2, 8, "bfloat16", ()))
+    monkeypatch.setenv("POD_IP", "10.8.3.7")
+    server = MetadataServer(info, host="0.0.0.0")
+    try:
+        assert server.endpoint.rpartition(":")[0] == "10.8.3.7"
+    finally:
+        server.close()
+    monkeypatch.setenv("POD_IP", "::1")
+    server = MetadataServer(info, host="::")
+    try:
+        host, _, port = server.endpoint.rpartition(":")
+        assert host == "[::1]"
+        assert fetch_peer(server.endpoint, 2.0) == info
+    finally:
+        server.close()
+    monkeypatch.delenv("POD_IP")
+    server = MetadataServer(info, host="0.0.0.0")
+    try:  # no POD_IP (local runs): the hostname's address, reachable here
+        assert fetch_peer(server.endpoint, 2.0) == info
+    finally:
+        server.close()

@@ -192,8 +192,10 @@ async def start_server(server: Any, name: str, host: str) -> None:
     print(f"wavepp {name}: listening on {host}:{server.port}{metrics}", flush=True)
 
 
-async def serve_until_signal(server: Any, name: str) -> None:
-    """Serve until SIGINT / SIGTERM, then drain in-flight calls and stop."""
+async def serve_until_signal(server: Any, name: str, lost: Any = None) -> bool:
+    """Serve until SIGINT / SIGTERM, or until the asyncio.Event ``lost`` is set (the engine
+    behind the server died), then drain in-flight calls and stop. True: stopped because
+    ``lost`` was set."""
     import asyncio
     import signal
 
@@ -201,6 +203,14 @@ async def serve_until_signal(server: Any, name: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print(f"wavepp {name}: draining in-flight calls, then stopping", flush=True)
+    waits = [asyncio.create_task(stop.wait())]
+    if lost is not None:
+        waits.append(asyncio.create_task(lost.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    was_lost = lost is not None and lost.is_set() and not stop.is_set()
+    reason = "the pipeline is lost" if was_lost else "stopping"
+    print(f"wavepp {name}: draining in-flight calls, then {reason}", flush=True)
     await server.stop()
+    return was_lost

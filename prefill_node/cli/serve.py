@@ -25,7 +25,8 @@ computed tokens, per-stage KV manifests and timings. gRPC health (liveness on ""
 wavepp.prefill.v1.PrefillService) and server reflection are on; Prometheus metrics are served
 on --metrics-port. Each stage has a NIXL agent and ships a request's KV to the decode worker
 named in its kv_destination (push) or leases it for decode to read (pull); see --kv-*.
-SIGINT / SIGTERM drain in-flight calls for --grace seconds, then exit.
+SIGINT / SIGTERM drain in-flight calls for --grace seconds, then exit. A pipeline whose stage
+died drains and exits with code 5 (see --exit-on-pipeline-lost).
 
 examples:
   wavepp serve --stages 2 --port 50051
@@ -100,6 +101,24 @@ def register(subparsers: Any) -> None:
         type=float,
         default=0.0,
         help=argparse.SUPPRESS,  # tests: every stage sleeps this long per wave
+    )
+    m.add_argument(
+        "--stage-wait",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long the leader waits for every stage to load its layers and join; then "
+        "it exits with an error (default 600). On Kubernetes keep it inside the leader's "
+        "startup-probe allowance (the chart derives one from the other)",
+    )
+    m.add_argument(
+        "--exit-on-pipeline-lost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when a stage dies or stops answering its heartbeat (a pipeline cannot recover "
+        "in place), drain and exit with code 5, as a stage exits when its leader is lost, so "
+        "that any supervisor restarts the pipeline whatever its probes; --no-exit-on-pipeline"
+        "-lost keeps answering, not ready and not live, until stopped (default on)",
     )
     m.add_argument(
         "--pipeline-id",
@@ -183,6 +202,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.runtime.stage_main import EXIT_PIPELINE_LOST
     from prefill_node.server.engine_factory import EngineSpec, build_engine
     from prefill_node.server.kv_event_hub import KVEventHub
 
@@ -211,16 +231,20 @@ def _run(args: argparse.Namespace) -> int:
         engine=args.engine,
         debug_wave_delay_s=args.debug_wave_delay,
         core_share=args.core_share,
+        stage_wait_s=args.stage_wait,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())
     engine, blocking_submit = build_engine(spec, kv_events=kv_events.publish)
     config = replace(config, blocking_submit=blocking_submit, debug_service=args.debug_service)
+    exit_on_lost = args.exit_on_pipeline_lost
     try:
-        asyncio.run(_serve(engine, config, tokenizer, args.smoke_test or [], kv_events))
+        lost = asyncio.run(
+            _serve(engine, config, tokenizer, args.smoke_test or [], kv_events, exit_on_lost)
+        )
     finally:
         engine.shutdown()
-    return 0
+    return EXIT_PIPELINE_LOST if lost else 0
 
 
 def _kv_shipping(args: argparse.Namespace) -> Any:
@@ -257,8 +281,14 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
 
 
 async def _serve(
-    engine: Any, config: Any, tokenizer: Any, smoke_prompts: list[str], kv_events: Any = None
-) -> None:
+    engine: Any,
+    config: Any,
+    tokenizer: Any,
+    smoke_prompts: list[str],
+    kv_events: Any,
+    exit_on_lost: bool,
+) -> bool:
+    """Serve until a signal, or (``exit_on_lost``) until the pipeline is lost: True then."""
     import asyncio
 
     from prefill_node.server.server import PrefillServer
@@ -266,12 +296,12 @@ async def _serve(
     server = PrefillServer(engine, config, tokenizer=tokenizer, kv_events=kv_events)
     await start_server(server, "serve", config.host)
     if not smoke_prompts:
-        await serve_until_signal(server, "serve")
-        return
+        return await serve_until_signal(server, "serve", server.lost if exit_on_lost else None)
     try:
         await asyncio.to_thread(_smoke_test, server.port, smoke_prompts, tokenizer)
     finally:
         await server.stop()
+    return False
 
 
 def _smoke_test(port: int, prompts: list[str], tokenizer: Any) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefill_node.errors import InvalidRequestError
+
+REVISION_ENV = "WAVEPP_PIPELINE_REVISION"
 
 
 class DistEnvError(InvalidRequestError):
@@ -21,12 +23,16 @@ class DistEnv:
     ``rank`` is the stage index (0 = leader, which also hosts the rendezvous store at
     ``master_addr:master_port``); ``world_size`` is the number of stages P. The same four
     variables torchrun and Kubernetes (LeaderWorkerSet / StatefulSet ordinal) provide.
+    ``revision`` (``WAVEPP_PIPELINE_REVISION``, optional): the deployment revision of this
+    process; a stage joins only a leader of the same revision, so an upgrade that rolls leader
+    and stage pods separately never runs a pipeline of mixed versions.
     """
 
     rank: int
     world_size: int
     master_addr: str
     master_port: int
+    revision: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -57,6 +63,7 @@ class DistEnv:
             world_size=_parse_int(env, "WORLD_SIZE"),
             master_addr=env["MASTER_ADDR"],
             master_port=_parse_int(env, "MASTER_PORT"),
+            revision=env.get(REVISION_ENV, ""),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -66,10 +73,11 @@ class DistEnv:
             "WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            REVISION_ENV: self.revision,
         }
 
     def with_rank(self, rank: int) -> DistEnv:
-        return DistEnv(rank, self.world_size, self.master_addr, self.master_port)
+        return replace(self, rank=rank)
 
 
 def _parse_int(env: Mapping[str, str], key: str) -> int:

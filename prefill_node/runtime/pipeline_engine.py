@@ -25,7 +25,7 @@ from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_compute import build_stage_compute
-from prefill_node.runtime.stage_main import KV_SHIPPING_KEY, SPEC_KEY, ready_key
+from prefill_node.runtime.stage_main import KV_SHIPPING_KEY, REVISION_KEY, SPEC_KEY, ready_key
 
 if TYPE_CHECKING:
     from prefill_node.kv_shipping.shipper import KVShippingConfig
@@ -98,6 +98,7 @@ class PipelineEngine(LeaderEngine):
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=startup_timeout_s),
         )
+        self._store.set(REVISION_KEY, env.revision)
         self._store.set(KV_SHIPPING_KEY, pickle.dumps(self._kv_shipping))
         self._store.set(SPEC_KEY, self.spec.to_json())
         if self._launcher is not None:

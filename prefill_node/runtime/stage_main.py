@@ -24,8 +24,11 @@ log = logging.getLogger("wavepp.stage")
 
 SPEC_KEY = "wavepp/spec"
 KV_SHIPPING_KEY = "wavepp/kv_shipping"  # pickled KVShippingConfig or None (set before SPEC_KEY)
+REVISION_KEY = "wavepp/revision"  # the leader's DistEnv.revision (set before SPEC_KEY)
 EXIT_LEADER_LOST = 3
 EXIT_STAGE_FAILED = 4
+EXIT_PIPELINE_LOST = 5  # the leader (`wavepp serve`): a stage died, the pipeline is lost
+EXIT_REVISION_MISMATCH = 6  # the leader runs another deployment revision than this stage
 
 
 def ready_key(rank: int) -> str:
@@ -47,8 +50,10 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
 
     Contract: gets the PipelineSpec from the leader's store, loads only its layer slice and
     allocates only its KV, announces readiness, joins the planes, then runs LOOP + WAVE.
-    Returns 0 after a clean STOP. Exits the process (code 3) as soon as the leader is lost -
-    a stage without its leader has nothing left to do, and must not hold its memory.
+    Returns 0 after a clean STOP, EXIT_REVISION_MISMATCH (without joining) when the leader
+    runs another revision (``DistEnv.revision``). Exits the process (code 3) as soon as the
+    leader is lost - a stage without its leader has nothing left to do, and must not hold
+    its memory.
     """
     if env.is_leader:
         raise ValueError("rank 0 is the leader: start it with `wavepp serve/prefill --stages`")
@@ -57,6 +62,17 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     pin_to_cpu(int(cpu) if cpu else None)
     store = connect_store(env, connect_timeout_s)
     store.wait([SPEC_KEY], datetime.timedelta(seconds=connect_timeout_s))
+    leader_revision = store.get(REVISION_KEY).decode()
+    if leader_revision != env.revision:
+        log.error(
+            "stage %d: revision %r, the leader at %s runs %r; not joining (exit %d)",
+            env.rank,
+            env.revision,
+            env.master_addr,
+            leader_revision,
+            EXIT_REVISION_MISMATCH,
+        )
+        return EXIT_REVISION_MISMATCH
     spec = PipelineSpec.from_json(store.get(SPEC_KEY).decode())
     if spec.num_stages != env.world_size:
         raise ValueError(

@@ -48,6 +48,7 @@ class EngineSpec:
     engine: str = "pipeline"  # pipeline: one process per stage; local: stages in-process
     debug_wave_delay_s: float = 0.0  # testing: every stage sleeps this long per wave
     core_share: bool = True  # local CPU stages lend idle cores (runtime/core_share.py)
+    stage_wait_s: float = 600.0  # the leader waits this long for every stage to join
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -64,6 +65,8 @@ class EngineSpec:
             )
         wave_budget = -(-self.max_chunk_tokens // self.block_size) * self.block_size
         check_min_wave_tokens(self.min_wave_tokens, wave_budget, self.block_size)
+        if self.stage_wait_s <= 0:
+            raise InvalidRequestError(f"--stage-wait must be > 0, got {self.stage_wait_s}")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
 
@@ -96,6 +99,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
             kv_events=kv_events,
             debug_wave_delay_s=spec.debug_wave_delay_s,
             core_share=spec.core_share,
+            startup_timeout_s=spec.stage_wait_s,
         )
         return ServedEngine(engine, blocking_submit=False)
     import torch

@@ -3,7 +3,8 @@
 Health (grpc.health.v1): "" is liveness (SERVING while the engine is live), the service name
 ``wavepp.prefill.v1.PrefillService`` is readiness (SERVING once every stage is up). A monitor
 task polls ``engine.health()`` every ``health_poll_s`` and flips both, and the servicer
-refuses requests with UNAVAILABLE while not ready.
+refuses requests with UNAVAILABLE while not ready. Once the engine is no longer live (a
+pipeline with a dead stage has no way back) ``lost`` is set, for an owner that exits then.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class PrefillServer:
             self._debug = DebugServicer(engine)
         self._server: grpc.aio.Server | None = None
         self._monitor: asyncio.Task | None = None
+        self.lost = asyncio.Event()  # set once the engine is not live: only a restart helps
         self.port = 0
         self.metrics_port: int | None = None
 
@@ -189,4 +191,6 @@ class PrefillServer:
         self.servicer.ready = state.ready
         self.servicer.not_ready_detail = state.detail or "not all stages are up"
         await self.health.set("", _SERVING if state.live else _NOT_SERVING)
+        if not state.live:
+            self.lost.set()
         await self.health.set(SERVICE_NAME, _SERVING if state.ready else _NOT_SERVING)

@@ -32,6 +32,7 @@ args:
   {{- end }}
   - --port={{ int $p.port }}
   - --metrics-port={{ int $p.metricsPort }}
+  - --stage-wait={{ int $p.stageWaitSeconds }}
   {{- if $p.kvShipping.enabled }}
   {{- range $p.kvShipping.allow }}
   - --kv-allow={{ . }}
@@ -171,14 +172,16 @@ args:
 {{- end }}
 
 {{/*
-Startup, liveness and readiness probes of a gRPC server: (dict "port" N "tls" bool "startup"
-{periodSeconds, failureThreshold}). Native gRPC probes (liveness: service "", readiness: the
-PrefillService); kubelet's gRPC probe speaks no TLS, so a TLS server gets TCP probes.
+Startup, liveness and readiness probes of a gRPC server: (dict "port" N "tls" bool "probes"
+{startup, liveness, readiness: {periodSeconds, timeoutSeconds, failureThreshold}}). Native gRPC
+probes (liveness: service "", readiness: the PrefillService); kubelet's gRPC probe speaks no
+TLS, so a TLS server gets TCP probes (a leader whose pipeline died exits by itself, so TCP
+probes lose nothing).
 */}}
 {{- define "wavepp.probes" -}}
 {{- $ctx := . -}}
-{{- range $probe, $service := dict "startupProbe" "" "livenessProbe" "" "readinessProbe" "wavepp.prefill.v1.PrefillService" }}
-{{ $probe }}:
+{{- range $probe, $service := dict "startup" "" "liveness" "" "readiness" "wavepp.prefill.v1.PrefillService" }}
+{{ $probe }}Probe:
   {{- if $ctx.tls }}
   tcpSocket:
     port: grpc
@@ -187,17 +190,31 @@ PrefillService); kubelet's gRPC probe speaks no TLS, so a TLS server gets TCP pr
     port: {{ $ctx.port }}
     service: {{ $service | quote }}
   {{- end }}
-  {{- if eq $probe "startupProbe" }}
-  periodSeconds: {{ $ctx.startup.periodSeconds }}
-  failureThreshold: {{ $ctx.startup.failureThreshold }}
-  {{- else if eq $probe "livenessProbe" }}
-  periodSeconds: 10
-  failureThreshold: 3
-  {{- else }}
-  periodSeconds: 5
-  failureThreshold: 2
-  {{- end }}
+  {{- include "wavepp.probeTiming" (get $ctx.probes $probe) | nindent 2 }}
 {{- end }}
+{{- end }}
+
+{{/* periodSeconds, timeoutSeconds and failureThreshold of one probe (its values). */}}
+{{- define "wavepp.probeTiming" -}}
+periodSeconds: {{ int .periodSeconds }}
+timeoutSeconds: {{ int .timeoutSeconds }}
+failureThreshold: {{ int .failureThreshold }}
+{{- end }}
+
+{{/*
+The probes of a role's values (router, gateway or pipelines): liveness and readiness as set;
+a leader's startup allowance covers its own load (`startupProbe.loadSeconds`) plus the time it
+waits for its stages (`stageWaitSeconds`, `wavepp serve --stage-wait`), so the leader gives up
+on a missing stage by itself before kubelet would kill it.
+*/}}
+{{- define "wavepp.probeValues" -}}
+{{- $startup := deepCopy .cfg.startupProbe }}
+{{- if eq .role "leader" }}
+{{- $allowance := add .cfg.stageWaitSeconds .cfg.startupProbe.loadSeconds }}
+{{- $period := int .cfg.startupProbe.periodSeconds }}
+{{- $_ := set $startup "failureThreshold" (div (add $allowance $period -1) $period) }}
+{{- end }}
+{{- toJson (dict "startup" $startup "liveness" .cfg.livenessProbe "readiness" .cfg.readinessProbe) }}
 {{- end }}
 
 {{/*
@@ -206,24 +223,13 @@ Probes of the gateway's HTTP server: (the gateway values). Startup and liveness 
 is ready, so the Service sends no client to a gateway that cannot answer).
 */}}
 {{- define "wavepp.httpProbes" -}}
-startupProbe:
+{{- range $probe, $path := dict "startup" "/v1/models" "liveness" "/v1/models" "readiness" "/health" }}
+{{ $probe }}Probe:
   httpGet:
-    path: /v1/models
+    path: {{ $path }}
     port: http
-  periodSeconds: {{ .startupProbe.periodSeconds }}
-  failureThreshold: {{ .startupProbe.failureThreshold }}
-livenessProbe:
-  httpGet:
-    path: /v1/models
-    port: http
-  periodSeconds: 10
-  failureThreshold: 3
-readinessProbe:
-  httpGet:
-    path: /health
-    port: http
-  periodSeconds: 5
-  failureThreshold: 2
+  {{- include "wavepp.probeTiming" (get $ (printf "%sProbe" $probe)) | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -256,6 +262,8 @@ stage's RANK comes from its ordinal, in its command.
 {{- end }}
 - name: MASTER_PORT
   value: {{ $root.Values.pipelines.rendezvousPort | quote }}
+- name: WAVEPP_PIPELINE_REVISION
+  value: {{ include "wavepp.pipelineRevision" $root | quote }}
 {{- end }}
 
 {{/* UCX / NIXL environment of every pipeline container, from pipelines.ucx: only what is set
@@ -296,5 +304,69 @@ stage's RANK comes from its ordinal, in its command.
   {{- with (and (eq .Values.model.source "pvc") .Values.model.subPath) }}
   subPath: {{ . }}
   {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+`model.source: huggingface`: an init container that downloads the checkpoint into the pod's
+model emptyDir with huggingface_hub (a dependency of the image's tokenizers), the token from
+`model.huggingface.tokenSecret`: (dict "root" $ "filesOnly" bool "securityContext" {...}). filesOnly (router, gateway):
+only the config and tokenizer files, which is all they read.
+*/}}
+{{- define "wavepp.downloadModel" -}}
+{{- $v := .root.Values }}
+{{- $hf := $v.model.huggingface -}}
+- name: download-model
+  image: {{ include "wavepp.image" .root }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: [python, -c]
+  args:
+    - import sys; from huggingface_hub import snapshot_download; repo, revision, path, files = sys.argv[1:5]; print(snapshot_download(repo_id=repo, revision=revision, local_dir=path, allow_patterns=files.split(",") if files else None))
+    - {{ required "model.huggingface.id is required with model.source=huggingface" $hf.id }}
+    - {{ $hf.revision }}
+    - {{ $v.model.mountPath }}
+    - {{ ternary "config.json,generation_config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,*.jinja" "" .filesOnly | quote }}
+  env:
+    {{- include "wavepp.commonEnv" .root | nindent 4 }}
+    - name: HF_HOME
+      value: /tmp/huggingface
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $hf.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $hf.tokenSecret.key }}
+    {{- end }}
+  securityContext:
+    {{- toYaml .securityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ $v.model.mountPath }}
+{{- end }}
+
+{{/* NCCL over InfiniBand / RoCE for the stages' activations (pipelines.rdma.nccl): only what is
+set, then extraEnv in name order. */}}
+{{- define "wavepp.ncclEnv" -}}
+- name: NCCL_IB_DISABLE
+  value: "0"
+{{- with .ibHca }}
+- name: NCCL_IB_HCA
+  value: {{ . | quote }}
+{{- end }}
+{{- with .ibGidIndex }}
+- name: NCCL_IB_GID_INDEX
+  value: {{ . | quote }}
+{{- end }}
+{{- with .socketIfname }}
+- name: NCCL_SOCKET_IFNAME
+  value: {{ . | quote }}
+{{- end }}
+{{- range $name, $value := .extraEnv }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
 {{- end }}
 {{- end }}

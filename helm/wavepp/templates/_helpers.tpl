@@ -54,15 +54,53 @@ pod `<pipelineName>-<i>`, reachable as `<pipelineName>-<i>.<pipelineName>.<names
 {{- end }}
 {{- end }}
 
-{{/* LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` what the cluster serves. */}}
+{{/*
+The pipelines' workload kind: a Deployment with `layout: podPerPipeline`; otherwise
+LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` the kind this release's pipelines
+already have in the cluster (sticky across upgrades: installing LWS later must not flip a
+running release), else what the cluster serves. `lookup` finds nothing under `helm template`.
+*/}}
 {{- define "wavepp.pipelineKind" -}}
-{{- if ne .Values.pipelines.kind "auto" }}
+{{- if eq .Values.pipelines.layout "podPerPipeline" }}
+{{- "Deployment" }}
+{{- else if ne .Values.pipelines.kind "auto" }}
 {{- .Values.pipelines.kind }}
+{{- else }}
+{{- $installed := include "wavepp.installedPipelineKind" . }}
+{{- if $installed }}
+{{- $installed }}
 {{- else if .Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet" }}
 {{- "LeaderWorkerSet" }}
 {{- else }}
 {{- "StatefulSet" }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The kind of this release's pipeline object in the cluster, empty if none (or no cluster). */}}
+{{- define "wavepp.installedPipelineKind" -}}
+{{- $name := include "wavepp.pipelineName" . }}
+{{- $ns := .Release.Namespace }}
+{{- if and (.Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet") (lookup "leaderworkerset.x-k8s.io/v1" "LeaderWorkerSet" $ns $name) }}
+{{- "LeaderWorkerSet" }}
+{{- else if lookup "apps/v1" "StatefulSet" $ns $name }}
+{{- "StatefulSet" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pipelines' revision: a hash of every value that shapes a pipeline pod (not the replica
+count), in every pipeline container as WAVEPP_PIPELINE_REVISION. A stage joins only a leader
+of its own revision, so a roll never runs a pipeline of mixed versions.
+*/}}
+{{- define "wavepp.pipelineRevision" -}}
+{{- $v := .Values }}
+{{- $pipelines := omit $v.pipelines "replicas" "kind" }}
+{{- $shape := dict "chart" .Chart.Version "image" $v.image "pipelines" $pipelines "model" $v.model "cache" $v.cache "grpc" $v.grpc "tls" $v.tls.pipelines "pod" $v.podSecurityContext "container" $v.securityContext }}
+{{- /* Helm 4 drops null values from .Values, Helm 3 keeps them: hash without them */}}
+{{- $json := regexReplaceAll `"[^"]*":null,` (toJson $shape) "" }}
+{{- $json = regexReplaceAll `,?"[^"]*":null` $json "" }}
+{{- $json | sha256sum | trunc 12 }}
 {{- end }}
 
 {{- define "wavepp.selectorLabels" -}}
@@ -75,6 +113,26 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{ include "wavepp.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Metadata of a workload object (Deployment, StatefulSet, LeaderWorkerSet): (dict "root" $
+"component" "router|gateway|leader|stage" "cfg" <its values> ["labels" {...}] ["annotations"
+{...}]): the component's labels plus `cfg.labels`, and `cfg.annotations` plus the chart's own.
+*/}}
+{{- define "wavepp.workloadMetadata" -}}
+labels:
+  {{- include "wavepp.componentLabels" (dict "root" .root "component" .component) | nindent 2 }}
+  {{- with merge (dict) (.labels | default dict) (.cfg.labels | default dict) }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with merge (dict) (.annotations | default dict) (.root.Values.commonAnnotations | default dict) (.cfg.annotations | default dict) }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* Selector of one component's pods: (dict "root" $ "component" "router|leader|stage"). */}}
@@ -93,196 +151,6 @@ app.kubernetes.io/component: {{ .component }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
-{{/*
-The pod template of one role: (dict "root" $ "role" "router|gateway|leader|stage"), plus
-"index" i for the stages of StatefulSet pipeline i.
-One helper for all four, so volumes, security, the model and the cache are set up the same
-way everywhere; what differs is the command (_container.tpl), ports, probes and rendezvous.
-The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on the same port).
-*/}}
-{{- define "wavepp.pod" -}}
-{{- $root := .root }}
-{{- $v := $root.Values }}
-{{- $router := eq .role "router" }}
-{{- $gateway := eq .role "gateway" }}
-{{- $pipeline := has .role (list "leader" "stage") }}
-{{- $serves := has .role (list "leader" "router") }}
-{{- $cfg := get (dict "router" $v.router "gateway" $v.gateway "leader" $v.pipelines "stage" $v.pipelines) .role }}
-{{- $port := ternary $v.router.port $v.pipelines.port $router }}
-{{- $metricsPort := ternary $v.gateway.port (ternary $v.router.metricsPort $v.pipelines.metricsPort $router) $gateway }}
-{{- $tls := list }}
-{{- if and (or $router $gateway) $v.tls.router.secretName }}{{ $tls = append $tls (dict "name" "router" "secret" $v.tls.router.secretName) }}{{ end }}
-{{- if and $serves $v.tls.pipelines.secretName }}{{ $tls = append $tls (dict "name" "pipelines" "secret" $v.tls.pipelines.secretName) }}{{ end }}
-{{- $serverTls := ternary $v.tls.router.secretName $v.tls.pipelines.secretName $router -}}
-metadata:
-  labels:
-    {{- include "wavepp.componentSelector" (dict "root" $root "component" .role) | nindent 4 }}
-    {{- if hasKey . "index" }}
-    wavepp.io/pipeline: {{ .index | quote }}
-    {{- end }}
-    {{- with $cfg.podLabels }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-  {{- if or $cfg.podAnnotations (and (or $serves $gateway) $v.metrics.podAnnotations) }}
-  annotations:
-    {{- if and (or $serves $gateway) $v.metrics.podAnnotations }}
-    prometheus.io/scrape: "true"
-    prometheus.io/port: {{ $metricsPort | quote }}
-    prometheus.io/path: /metrics
-    {{- end }}
-    {{- with $cfg.podAnnotations }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-  {{- end }}
-spec:
-  {{- if $router }}
-  serviceAccountName: {{ include "wavepp.routerServiceAccountName" $root }}
-  {{- else if and $gateway (include "wavepp.gatewayDiscovers" $root) }}
-  serviceAccountName: {{ include "wavepp.gatewayName" $root }}
-  {{- else }}
-  automountServiceAccountToken: false
-  {{- end }}
-  {{- with $v.imagePullSecrets }}
-  imagePullSecrets:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  securityContext:
-    {{- toYaml $v.podSecurityContext | nindent 4 }}
-  terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds }}
-  {{- if eq $v.model.source "bundled" }}
-  initContainers:
-    - name: prepare-model
-      image: {{ include "wavepp.image" $root }}
-      imagePullPolicy: {{ $v.image.pullPolicy }}
-      command: [python, -c]
-      args:
-        - from prefill_node.model.default_model import ensure_default_model; print(ensure_default_model())
-      env:
-        {{- include "wavepp.commonEnv" $root | nindent 8 }}
-      securityContext:
-        {{- toYaml $v.securityContext | nindent 8 }}
-      volumeMounts:
-        {{- include "wavepp.commonMounts" $root | nindent 8 }}
-  {{- end }}
-  containers:
-    - name: {{ .role }}
-      image: {{ include "wavepp.image" $root }}
-      imagePullPolicy: {{ $v.image.pullPolicy }}
-      {{- include (printf "wavepp.command.%s" .role) . | trim | nindent 6 }}
-      env:
-        - name: POD_NAME
-          valueFrom:
-            fieldRef:
-              fieldPath: metadata.name
-        - name: POD_IP
-          valueFrom:
-            fieldRef:
-              fieldPath: status.podIP
-        {{- include "wavepp.commonEnv" $root | nindent 8 }}
-        {{- if $pipeline }}
-        {{- include "wavepp.rendezvousEnv" . | trim | nindent 8 }}
-        {{- with include "wavepp.ucxEnv" $v.pipelines.ucx }}
-        {{- . | trim | nindent 8 }}
-        {{- end }}
-        {{- end }}
-        {{- with $cfg.extraEnv }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-      {{- if $serves }}
-      ports:
-        - name: grpc
-          containerPort: {{ $port }}
-        - name: metrics
-          containerPort: {{ $metricsPort }}
-        {{- if not $router }}
-        - name: rendezvous
-          containerPort: {{ $v.pipelines.rendezvousPort }}
-        {{- end }}
-      {{- include "wavepp.probes" (dict "port" $port "tls" (ne $serverTls "") "startup" $cfg.startupProbe) | trim | nindent 6 }}
-      {{- else if $gateway }}
-      ports:
-        - name: http
-          containerPort: {{ $v.gateway.port }}
-      {{- include "wavepp.httpProbes" $cfg | trim | nindent 6 }}
-      {{- end }}
-      {{- with include "wavepp.resources" (dict "resources" $cfg.resources "gpus" (and $pipeline $v.pipelines.gpus.enabled) "gpu" $v.pipelines.gpus.resourceName) }}
-      resources:
-        {{- . | trim | nindent 8 }}
-      {{- end }}
-      securityContext:
-        {{- toYaml $v.securityContext | nindent 8 }}
-      volumeMounts:
-        {{- include "wavepp.commonMounts" $root | nindent 8 }}
-        {{- if $pipeline }}
-        - name: shm
-          mountPath: /dev/shm
-        {{- end }}
-        {{- range $tls }}
-        - name: tls-{{ .name }}
-          mountPath: /etc/wavepp/tls/{{ .name }}
-          readOnly: true
-        {{- end }}
-  volumes:
-    - name: cache
-      emptyDir:
-        sizeLimit: {{ $v.cache.sizeLimit }}
-    - name: tmp
-      emptyDir: {}
-    {{- if $pipeline }}
-    - name: shm
-      emptyDir:
-        medium: Memory
-        sizeLimit: {{ $v.pipelines.shmSizeLimit }}
-    {{- end }}
-    {{- if eq $v.model.source "pvc" }}
-    - name: model
-      persistentVolumeClaim:
-        claimName: {{ required "model.claimName is required with model.source=pvc" $v.model.claimName }}
-        readOnly: true
-    {{- else if eq $v.model.source "hostPath" }}
-    - name: model
-      hostPath:
-        path: {{ required "model.hostPath is required with model.source=hostPath" $v.model.hostPath }}
-        type: Directory
-    {{- end }}
-    {{- range $tls }}
-    - name: tls-{{ .name }}
-      secret:
-        secretName: {{ .secret }}
-    {{- end }}
-  {{- with $cfg.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $cfg.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $cfg.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-{{- end }}
-
-{{/*
-A container's resources: (dict "resources" {...} "gpus" bool "gpu" "nvidia.com/gpu"). With gpus,
-one GPU in the limits (the request follows the limit for an extended resource); a limit the
-values set for that resource explicitly wins.
-*/}}
-{{- define "wavepp.resources" -}}
-{{- $resources := deepCopy (.resources | default dict) }}
-{{- if .gpus }}
-{{- $limits := deepCopy (get $resources "limits" | default dict) }}
-{{- if not (hasKey $limits .gpu) }}
-{{- $_ := set $limits .gpu 1 }}
-{{- end }}
-{{- $_ := set $resources "limits" $limits }}
-{{- end }}
-{{- with $resources }}
-{{- toYaml . }}
-{{- end }}
-{{- end }}
-
 {{/* A label selector of every pipeline pod of the release: leaders and stages. */}}
 {{- define "wavepp.pipelinePodSelector" -}}
 matchLabels:
@@ -291,4 +159,11 @@ matchExpressions:
   - key: app.kubernetes.io/component
     operator: In
     values: [leader, stage]
+{{- end }}
+
+{{/* Kueue admission of the pipelines (LWS or the podPerPipeline Deployment): its queue label. */}}
+{{- define "wavepp.kueueLabels" -}}
+{{- with .Values.pipelines.kueueQueueName }}
+kueue.x-k8s.io/queue-name: {{ . }}
+{{- end }}
 {{- end }}
