@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import re
 import signal
 import subprocess
@@ -314,6 +315,14 @@ def test_bundled_model_init_container_prepares_the_model_in_the_pods_cache(
     assert f"{cache_dir}/models/{DEFAULT_MODEL_DIRNAME}" in done.stdout
 
 
+def router_ready_on(router_port: int, pod: Pod) -> bool:
+    """The router behind ``router_port`` holds ``pod``'s pipeline as ready."""
+    address = f"127.0.0.1:{port_number(pod.container(), 'grpc')}"
+    with PrefillClient(f"127.0.0.1:{router_port}") as router:
+        load = router.load(timeout_s=5)
+    return any(p.ready and p.address == address for p in load.pipelines)
+
+
 @pytest.mark.asyncio
 async def test_a_pod_per_pipeline_roll_keeps_the_router_serving(kmock, tmp_path) -> None:
     """Revision 1 (two podPerPipeline pipelines) runs behind the router; revision 2 (another
@@ -383,7 +392,8 @@ async def test_a_pod_per_pipeline_roll_keeps_the_router_serving(kmock, tmp_path)
         await asyncio.to_thread(
             eventually, kubelet, lambda: probe(router, "readinessProbe"), 120, "router ready"
         )
-        loop = threading.Thread(target=client_loop, args=(port_number(router.container(), "grpc"),))
+        router_port = port_number(router.container(), "grpc")
+        loop = threading.Thread(target=client_loop, args=(router_port,))
         loop.start()
         await asyncio.to_thread(eventually, kubelet, lambda: len(answers) >= 3, 60, "serving")
         for (_, before), (_, after) in zip(old, new, strict=True):
@@ -392,7 +402,14 @@ async def test_a_pod_per_pipeline_roll_keeps_the_router_serving(kmock, tmp_path)
             assert kubelet.stop(before.name) == 0, kubelet.logs()  # drains, stops its stage
             del kubelet.procs[before.name]  # gone, as the old pod is
             await start_ready(after)
-            await asyncio.sleep(min_ready_s)  # the controller's minReadySeconds
+            # the controller waits minReadySeconds before the next old pod goes; the router
+            # must have taken the new pipeline in by then, which is what the wait is for:
+            # wait for exactly that (a loaded machine may need longer than the seconds)
+            await asyncio.to_thread(
+                eventually, kubelet, functools.partial(router_ready_on, router_port, after), 60,
+                f"the router routing to {after.name}",
+            )  # fmt: skip
+            await asyncio.sleep(min_ready_s)
         served_before_last = len(answers)
         await asyncio.to_thread(
             eventually, kubelet, lambda: len(answers) >= served_before_last + 5, 60, "answers"
