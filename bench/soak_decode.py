@@ -33,11 +33,13 @@ async def wait_kv(worker, request_id: str, timeout_s: float) -> None:
     from prefill_node.errors import KVHandoffError
 
     deadline = time.monotonic() + timeout_s
-    while request_id not in worker._outcomes:
+    while True:
+        worker.pump()  # first: this loop may have been held past the deadline meanwhile
+        if request_id in worker._outcomes:
+            break
         if time.monotonic() > deadline:
             worker.receiver.cancel(request_id)
             raise KVHandoffError(f"KV of {request_id} did not arrive within {timeout_s}s")
-        worker.pump()
         await asyncio.sleep(0.002)
     worker.wait_kv(request_id, 0)
 

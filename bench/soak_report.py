@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 from soak_cluster import fd_count, rss_bytes  # bench/ is on sys.path
-from soak_outcomes import availability, breaches, reconcile
+from soak_outcomes import Verdict, availability, breaches, reconcile, verdict
 from soak_workload import WRITE_LOST
 
 INVARIANTS = (
@@ -346,6 +346,17 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "aborts_without_effect": len(tally.aborts_without_effect),
         "invariants": list(INVARIANTS),
         "unexpected": dict(unexpected.most_common(15)),
+        # when the first ones happened (seconds from the start), to set beside the faults
+        "unexpected_at": [
+            {
+                "kind": r.kind,
+                "code": r.code,
+                "start_s": round(r.start - faults.t0, 2),
+                "end_s": round(r.end - faults.t0, 2),
+            }
+            for r in ended
+            if verdict(r, windows) is Verdict.BREACH
+        ][:10],  # fmt: skip
         "availability": {
             "judged": avail.judged,
             "ok": avail.ok,
