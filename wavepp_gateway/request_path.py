@@ -260,7 +260,9 @@ class RequestPath:
         inst = self._fleet.instance(iid)
         if inst is None:
             raise _DecodeAttemptFailed(iid, "gone", delivered=False)
-        local = 0 if params is not None else len(req.prompt_ids) - view.cached_tokens
+        if params is not None:  # decode loads the prompt's KV: nothing to compute there
+            return await self._send(req, inst, params)
+        local = len(req.prompt_ids) - view.cached_tokens
         gauge = self._metrics.decode_prefilling.labels(iid)
         inst.prefilling_tokens += local
         gauge.set(inst.prefilling_tokens)
