@@ -133,6 +133,7 @@ class _Routed:
 
 
 CONNECTION_LOST = "connection_lost"
+LINK_CLOSED = "link_closed"  # the router closed the link under a call (it was shutting down)
 
 
 def _resolve(future: asyncio.Future) -> None:
@@ -166,6 +167,8 @@ class RouterEngine:
         self._scorer: Scorer | None = None  # once the cluster's identity is known
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
+        # left the discovery with calls still forwarded there: closed when the last one ends
+        self._leaving: dict[str, PipelineLink] = {}
         self._routed: dict[str, _Routed] = {}
         # answered pull-mode requests -> their pipeline, newest last (``abort``)
         self._leased: OrderedDict[str, str] = OrderedDict()
@@ -209,7 +212,8 @@ class RouterEngine:
 
     def _close(self) -> list[PipelineLink]:
         with self._lock:
-            self._closed, links, self._links = True, list(self._links.values()), {}
+            links = [*self._links.values(), *self._leaving.values()]
+            self._closed, self._links, self._leaving = True, {}, {}
         return links
 
     def _stop_own_loop(self) -> None:
@@ -231,17 +235,26 @@ class RouterEngine:
             if self._closed:
                 return
             gone = [link for pid, link in self._links.items() if pid not in wanted]
+            stopping = []
             for link in gone:
                 del self._links[link.pid]
                 self._derived.pop(link.pid, None)
                 self._calibration.forget(link.pid)
                 self._drop_index(link.pid)
+                if link.pid in self._own:  # calls in flight there: the pod drains them
+                    stopping.extend(filter(None, [self._leaving.pop(link.pid, None)]))
+                    self._leaving[link.pid] = link
+                else:
+                    stopping.append(link)
             new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
                    if pid not in self._links]  # fmt: skip
             for link in new:
                 self._links[link.pid] = link
         for link in gone:
-            log.info("pipeline %s left the discovery", link.pid)
+            draining = self._leaving.get(link.pid) is link
+            log.info("pipeline %s left the discovery%s", link.pid,
+                     "; its link closes when the calls on it end" if draining else "")  # fmt: skip
+        for link in stopping:
             link.stop()
         for link in new:
             log.info("pipeline %s (%s) found", link.pid, link.endpoint.address)
@@ -489,16 +502,25 @@ class RouterEngine:
                 call.cancel()
                 if routed.aborted:  # Abort(request_id), not the caller going away
                     raise RequestAbortedError(f"request {request_id} was aborted") from None
-                raise
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the caller went away
+                # nobody cancelled this request: the link's channel closed under the call
+                reason, detail = LINK_CLOSED, "the router closed its link"
             except grpc.aio.AioRpcError as exc:
-                reason = failover_reason(exc)
+                reason, detail = failover_reason(exc), exc.details()
                 if reason is None:
                     raise error_from_rpc(exc) from None
-                self.metrics.failover(routed.pid, reason)
                 if reason == CONNECTION_LOST:
                     link.connection_lost(exc.details() or exc.code().name)
+            else:
+                reason = None
+            finally:
+                self._forget(request_id, routed)
+            if reason is not None:
+                self.metrics.failover(routed.pid, reason)
                 log.info("pipeline %s failed %s before answering (%s: %s); failing over",
-                         routed.pid, request_id, reason, exc.details())  # fmt: skip
+                         routed.pid, request_id, reason, detail)  # fmt: skip
                 failed.append(f"{routed.pid}: {reason}")
                 tried = routed.tried
                 if options.deadline_s is not None and time.monotonic() >= options.deadline_s:
@@ -507,8 +529,6 @@ class RouterEngine:
                         f"({'; '.join(failed)})"
                     ) from None
                 continue
-            finally:
-                self._forget(request_id, routed)
             self._calibrate(routed, started)
             response = prefill_pb2.PrefillResponse.FromString(data)
             self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
@@ -584,10 +604,18 @@ class RouterEngine:
         return link, routed
 
     def _forget(self, request_id: str, routed: _Routed) -> None:
+        drained = None
         with self._lock:
             if self._routed.get(request_id) is routed:
                 del self._routed[request_id]
                 self._account(routed, -1)
+                if routed.pid in self._leaving and routed.pid not in self._own:
+                    drained = self._leaving.pop(routed.pid)
+        if drained is not None:  # its last call ended: close it on its loop, not blocking ours
+            log.info("pipeline %s: the calls on it ended; closing its link", drained.pid)
+            loop = self._link_loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(drained.stop)
 
     def _account(self, routed: _Routed, sign: int) -> None:
         """Add (1) or take back (-1) ``routed`` in its pipeline's sums. Caller holds the lock."""
@@ -696,6 +724,11 @@ class RouterEngine:
         """The current links by pipeline id (a copy; for tests and the CLI)."""
         with self._lock:
             return dict(self._links)
+
+    def leaving(self) -> dict[str, PipelineLink]:
+        """Links that left the discovery and still carry forwarded calls (a copy)."""
+        with self._lock:
+            return dict(self._leaving)
 
     def index_snapshot(self, pid: str) -> int:
         """Confirmed blocks the index holds for ``pid`` (0 when it has none)."""

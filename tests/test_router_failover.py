@@ -23,7 +23,7 @@ from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.process_tree import ProcessTree
 from prefill_node.server.server import ServerConfig
-from prefill_router.discovery import StaticDiscovery
+from prefill_router.discovery import PipelineEndpoint, StaticDiscovery
 from prefill_router.pipeline_link import PREFILL_METHOD, LinkConfig
 from prefill_router.router_engine import RouterConfig, RouterEngine
 from tests.grpc_harness import ServerThread, wait_until
@@ -170,5 +170,60 @@ def test_the_fast_path_parses_once_and_assigns_missing_request_ids(pipelines):
             assert result.served_by in (first, second)
             assert remote.server_s > 0  # the router's own time, merged into the answer
             assert engine.metrics.answered_requests[result.served_by] == 1
+    finally:
+        engine.shutdown()
+
+
+class ChangingDiscovery:
+    """A ``PipelineDiscovery`` whose set the test changes (``set``), as an EndpointSlice watch
+    does when a pod starts terminating."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self._endpoints = frozenset(PipelineEndpoint(a, a) for a in addresses)
+        self._on_change = None
+
+    def start(self, on_change) -> None:
+        self._on_change = on_change
+        on_change(self._endpoints)
+
+    def set(self, addresses: list[str]) -> None:
+        self._endpoints = frozenset(PipelineEndpoint(a, a) for a in addresses)
+        self._on_change(self._endpoints)
+
+    def current(self) -> frozenset[PipelineEndpoint]:
+        return self._endpoints
+
+    def stop(self) -> None:
+        """Nothing runs."""
+
+
+def test_a_pipeline_leaving_discovery_mid_request_finishes_it_then_its_link_closes(pipelines):
+    """A pod that starts terminating leaves its EndpointSlice first and drains: the router
+    routes nothing new there, lets the call it has there answer, and closes the link only
+    then (closing it at once cancelled the call and left the caller without a status until
+    its deadline)."""
+    addresses = [address for _, address in pipelines]
+    discovery = ChangingDiscovery(addresses)
+    engine = RouterEngine(discovery, RouterConfig())
+    engine.start()
+    try:
+        with (
+            front(engine) as srv,
+            PrefillClient(srv.target) as client,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
+            wait_until(client.is_ready, 10, "the router SERVING")
+            pending = pool.submit(client.prefill, PROMPT, request_id="r0", timeout_s=60)
+            leaving = wait_routed_mid_flight(engine)
+            (staying,) = set(addresses) - {leaving}
+            discovery.set([staying])
+            assert set(engine.links()) == {staying}  # out of routing at once
+            again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
+            assert again.served_by == staying
+            result = pending.result(timeout=60).result
+            assert (result.request_id, result.served_by) == ("r0", leaving)
+            assert not engine.metrics.failovers
+            wait_until(lambda: not engine.leaving(), 10, "the drained link closed")
     finally:
         engine.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -87,8 +88,37 @@ def _parse_int(env: Mapping[str, str], key: str) -> int:
         raise DistEnvError(f"{key} must be an integer, got {env[key]!r}") from None
 
 
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_handed_out: set[int] = set()  # this process's picks: never handed out twice
+
+
 def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for local launches)."""
+    """A TCP port free right now on every address (for local launches), chosen BELOW the
+    kernel's ephemeral range: the kernel gives ports in that range to outgoing connections,
+    so one picked there may be taken by a connection before its server binds it. Never the
+    same port twice in one process; the kernel's own pick where the range is unknown."""
+    try:
+        with open(_EPHEMERAL) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    for _ in range(64 if low > 2048 else 0):
+        port = rng.randrange(max(1024, low // 2), low)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
