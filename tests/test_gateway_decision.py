@@ -40,9 +40,9 @@ def test_decode_prefill_budget_counts_prompts_it_is_still_computing():
     assert (d.remote, d.reason) == (False, Reason.SHORT_SUFFIX)  # 24 + 40 = 64: in budget
     d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier())
     assert (d.remote, d.reason) == (True, Reason.DECODE_BUSY)
-    # ... unless the tier's queue is long too: a short suffix stays local
+    # ... even when the tier's queue is long: the budget caps decode's prefill in flight
     d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier(queued_s=1.5))
-    assert (d.remote, d.reason) == (False, Reason.SHORT_SUFFIX)
+    assert (d.remote, d.reason) == (True, Reason.DECODE_BUSY)
     # a long suffix on a busy tier goes local only while decode has nothing pending
     busy = tier(queued_s=1.5)
     assert decide(Mode.AUTO, RULE, 500, DecodeView("d0", prefilling_tokens=1), busy).remote

@@ -109,9 +109,9 @@ def decide(
     no usable tier -> local; ``pending + suffix`` at most ``local_max_tokens`` (decode's
     prefill budget) -> local; the tier's queue over ``max_tier_queue_s`` while decode has
     nothing waiting or pending -> local; a suffix within the budget on its own but not on
-    top of ``pending``, with the tier's queue short -> remote (decode busy); any other
-    suffix within the budget -> local; else remote. ``remote`` and ``local`` force the
-    choice (the caller answers 503 for remote without a tier)."""
+    top of ``pending`` -> remote (decode busy: the budget caps the prefill work decode has
+    in flight, which is what stalls its running streams); else remote. ``remote`` and
+    ``local`` force the choice (the caller answers 503 for remote without a tier)."""
     if mode is not PrefillMode.AUTO:
         return Decision(mode is PrefillMode.REMOTE, Reason.POLICY, prompt_tokens, decode, tier)
     suffix = prompt_tokens - min(decode.cached_tokens, prompt_tokens)
@@ -125,7 +125,7 @@ def decide(
     elif tier_busy and decode.waiting == 0 and pending == 0:
         reason, remote = Reason.TIER_BUSY, False
     elif suffix <= budget:
-        reason, remote = (Reason.SHORT_SUFFIX, False) if tier_busy else (Reason.DECODE_BUSY, True)
+        reason, remote = Reason.DECODE_BUSY, True
     else:
         reason, remote = Reason.LONG_SUFFIX, True
     return Decision(remote, reason, prompt_tokens, decode, tier)
