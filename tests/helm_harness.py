@@ -241,6 +241,7 @@ CLUSTER_DNS = re.compile(r"\b[a-z0-9.-]+\.svc(\.cluster\.local)?\b")
 # -- value sets and helpers shared by the chart tests ---------------------------------------
 
 STS = {"pipelines": {"kind": "StatefulSet"}}
+PER_STAGE = {"pipelines": {"layout": "podPerStage"}}
 LWS = {"pipelines": {"kind": "LeaderWorkerSet"}}
 PVC = {"model": {"source": "pvc", "claimName": "weights", "subPath": "qwen3"}}
 TLS = {
