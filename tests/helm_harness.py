@@ -94,6 +94,15 @@ def render(
     return Manifest([doc for doc in yaml.safe_load_all(out) if doc])
 
 
+def render_notes(values: Mapping[str, Any] | None = None, major: int = 4) -> str:
+    """The chart's NOTES.txt as `helm install --dry-run=client` prints it (no cluster)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+        done = helm(*args, *_values_args(values, tmp), major=major)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("NOTES:", 1)[1]
+
+
 @dataclass(frozen=True)
 class Pod:
     """One pod a workload will create: its name (= hostname) and its template."""
@@ -241,6 +250,7 @@ CLUSTER_DNS = re.compile(r"\b[a-z0-9.-]+\.svc(\.cluster\.local)?\b")
 # -- value sets and helpers shared by the chart tests ---------------------------------------
 
 STS = {"pipelines": {"kind": "StatefulSet"}}
+PER_STAGE = {"pipelines": {"layout": "podPerStage"}}
 LWS = {"pipelines": {"kind": "LeaderWorkerSet"}}
 PVC = {"model": {"source": "pvc", "claimName": "weights", "subPath": "qwen3"}}
 TLS = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.helm_harness import CHART, LWS, LWS_API, TLS, helm, merge, render_result
+from tests.helm_harness import CHART, LWS, LWS_API, PVC, STS, TLS, helm, merge, render_result
 
 VARIANTS = {
     "default": ({}, ()),
@@ -40,6 +40,20 @@ VARIANTS = {
             "gateway": {"enabled": True, "decode": {"serviceName": "vllm"}},
         },
         (),
+    ),
+    "sts-pvc-kueue": (merge(STS, PVC, {"pipelines": {"kueueQueueName": "q", "replicas": 2}}), ()),
+    "port-slots": (
+        {
+            "pipelines": {
+                "replicas": 3,
+                "rdma": {"enabled": True, "hostNetwork": True, "portSlots": 2},
+            }
+        },
+        (),
+    ),
+    "auto-layout-too-large-for-a-pod": (
+        {"pipelines": {"gpus": {"enabled": True}, "stages": 12}},
+        (LWS_API,),
     ),
 }
 

@@ -92,7 +92,10 @@ def test_autoscaling_refuses_what_cannot_scale(values, message) -> None:
     assert code != 0 and message in err, err
 
 
-@pytest.mark.parametrize("values", [LWS, {}, PER_PIPELINE], ids=["lws", "sts", "per-pipeline"])
+@pytest.mark.parametrize(
+    "values", [LWS, {"pipelines": {"kind": "StatefulSet"}}, PER_PIPELINE],
+    ids=["lws", "sts", "per-pipeline"],
+)  # fmt: skip
 def test_the_pipeline_pdb_covers_every_pipeline_pod_and_nothing_else(values) -> None:
     manifest = render(merge(values, {"pipelines": {"podDisruptionBudget": {"enabled": True}}}))
     (pdb,) = [p for p in manifest.all("PodDisruptionBudget")]

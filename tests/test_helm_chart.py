@@ -20,6 +20,7 @@ from tests.helm_harness import (
     LWS_API,
     NAMESPACE,
     NETPOL,
+    PER_STAGE,
     PVC,
     RELEASE,
     STS,
@@ -70,7 +71,7 @@ def test_chart_lints_strict(tmp_path, values) -> None:
     ],
 )
 def test_pipeline_kind_follows_the_clusters_api_unless_chosen(kind, apis, expected) -> None:
-    manifest = render({"pipelines": {"kind": kind}}, api_versions=apis)
+    manifest = render({"pipelines": {"kind": kind, "layout": "podPerStage"}}, api_versions=apis)
     other = "LeaderWorkerSet" if expected == "StatefulSet" else "StatefulSet"
     assert manifest.all(expected) and not manifest.all(other)
 
@@ -112,7 +113,7 @@ def test_a_one_stage_pipeline_is_a_leader_alone(values) -> None:
 
 
 def test_router_discovers_exactly_the_leaders_with_the_rbac_it_needs() -> None:
-    manifest = render({"pipelines": {"replicas": 2, "stages": 3, "port": 7001}})
+    manifest = render(merge(PER_STAGE, {"pipelines": {"replicas": 2, "stages": 3, "port": 7001}}))
     (router,) = manifest.pods_of("router")
     args = parse(router.container())
     assert (args.command, args.namespace, args.pipeline) == ("router", NAMESPACE, None)
@@ -198,7 +199,8 @@ def test_statefulset_pods_get_torchrun_ranks_and_find_their_leader(tmp_path) -> 
 
 
 def test_leaderworkerset_pods_get_ranks_from_the_lws_variables() -> None:
-    manifest = render({"pipelines": {"replicas": 2, "stages": 3}}, api_versions=(LWS_API,))
+    values = merge(PER_STAGE, {"pipelines": {"replicas": 2, "stages": 3}})
+    manifest = render(values, api_versions=(LWS_API,))
     lws = manifest.one("LeaderWorkerSet")
     name = lws["metadata"]["name"]
     assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 3
@@ -220,7 +222,7 @@ def test_leaderworkerset_pods_get_ranks_from_the_lws_variables() -> None:
         assert argv[:2] == (["wavepp", "serve"] if dist.is_leader else ["wavepp", "stage"])
 
 
-@pytest.mark.parametrize("values", [{}, LWS], ids=["statefulset", "lws"])
+@pytest.mark.parametrize("values", [{}, STS, LWS], ids=["pod-per-pipeline", "statefulset", "lws"])
 def test_probes_are_native_grpc_health_on_the_serving_ports(values) -> None:
     manifest = render(values)
     for pod in manifest.pods_of("leader") + manifest.pods_of("router"):
@@ -270,7 +272,7 @@ def test_the_leaders_startup_allowance_covers_its_load_and_its_stage_wait(wait, 
 
 
 def test_tls_secrets_are_mounted_where_the_flags_point_and_probes_fall_back_to_tcp() -> None:
-    manifest = render(TLS)
+    manifest = render(merge(PER_STAGE, TLS))
     (leader,) = manifest.pods_of("leader")
     (router,) = manifest.pods_of("router")
     leader_args, router_args = parse(leader.container()), parse(router.container())
@@ -327,24 +329,49 @@ def test_kv_shipping_flags_build_the_stages_shipping_config() -> None:
     assert _kv_shipping(parse(off.pods_of("leader")[0].container())) is None
 
 
-def test_a_pvc_model_is_mounted_read_only_at_one_path_in_every_pod() -> None:
-    manifest = render(PVC)
+@pytest.mark.parametrize("layout", [PER_STAGE, {}], ids=["pod-per-stage", "pod-per-pipeline"])
+def test_a_pvc_model_is_mounted_read_only_at_one_path_in_every_pod(layout) -> None:
+    """Pipeline pods mount the claim; the router and gateway mount, at the same path, a copy of
+    the config and tokenizer files an init container made (it alone mounts the claim)."""
+    gateway = {"gateway": {"enabled": True, "decode": {"urls": ["d:8000"]}}}
+    manifest = render(merge(layout, PVC, gateway))
     pods = manifest.pods()
-    assert {p.labels["app.kubernetes.io/component"] for p in pods} == {"router", "leader", "stage"}
+    components = {"router", "gateway", "leader", "stage"} - ({"stage"} if not layout else set())
+    assert {p.labels["app.kubernetes.io/component"] for p in pods} == components
+    claim = {"claimName": "weights", "readOnly": True}
     for pod in pods:
-        assert pod_volume(pod, "model")["persistentVolumeClaim"] == {
-            "claimName": "weights",
-            "readOnly": True,
-        }
         (mount,) = [m for m in pod.container()["volumeMounts"] if m["name"] == "model"]
-        assert mount == {
-            "name": "model",
-            "mountPath": "/models/checkpoint",
+        if pod in manifest.pods_of("leader") + manifest.pods_of("stage"):
+            assert pod_volume(pod, "model")["persistentVolumeClaim"] == claim
+            assert mount == {
+                "name": "model",
+                "mountPath": "/models/checkpoint",
+                "readOnly": True,
+                "subPath": "qwen3",
+            }
+            assert "initContainers" not in pod.spec
+            continue
+        assert mount == {"name": "model", "mountPath": "/models/checkpoint", "readOnly": True}
+        assert pod_volume(pod, "model") == {"name": "model", "emptyDir": {"sizeLimit": "64Mi"}}
+        assert pod_volume(pod, "model-source")["persistentVolumeClaim"] == claim
+        assert not [m for m in pod.container()["volumeMounts"] if m["name"] == "model-source"]
+        (init,) = pod.spec["initContainers"]
+        assert init["name"] == "copy-model-files"
+        source, target, patterns = init["args"][1:]
+        assert {
+            "name": "model-source",
+            "mountPath": source,
             "readOnly": True,
             "subPath": "qwen3",
-        }
-        assert "initContainers" not in pod.spec
-    for pod in manifest.pods_of("leader") + manifest.pods_of("router"):
+        } in init["volumeMounts"]
+        assert {"name": "model", "mountPath": target} in init["volumeMounts"]
+        assert target == "/models/checkpoint"
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(
+            patterns.split(",")
+        )
+    for pod in (
+        manifest.pods_of("leader") + manifest.pods_of("router") + manifest.pods_of("gateway")
+    ):
         assert str(parse(pod.container()).model) == "/models/checkpoint"
 
 
@@ -432,7 +459,7 @@ def test_optional_objects_appear_when_enabled() -> None:
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
     no_router = render({"router": {"enabled": False}})
     kinds = {o["kind"] for o in no_router.objects}
-    assert kinds == {"Service", "StatefulSet"}, kinds  # the pipelines alone
+    assert kinds == {"Service", "Deployment"}, kinds  # the pipelines alone
 
 
 def test_every_value_has_a_helm_docs_comment() -> None:

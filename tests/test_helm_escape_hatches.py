@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helm_harness import LWS, merge, render
+from tests.helm_harness import LWS, STS, merge, render
 
 WORKLOADS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 
@@ -40,12 +40,16 @@ VALUES = {
 }
 
 
-@pytest.mark.parametrize("kind", [{}, LWS], ids=["statefulset", "lws"])
+PER_PIPELINE = {"pipelines": {"layout": "podPerPipeline"}}
+KINDS = {"statefulset": STS, "lws": LWS, "pod-per-pipeline": PER_PIPELINE}
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
 def test_each_component_gets_its_own_hatches_and_no_other(kind) -> None:
     manifest = render(merge(kind, VALUES))
     for component, key in COMPONENTS.items():
         pods = manifest.pods_of(component)
-        assert pods, component
+        assert pods or (component == "stage" and kind is PER_PIPELINE), component
         for pod in pods:
             spec = pod.spec
             names = [c["name"] for c in spec["containers"]]
@@ -96,6 +100,23 @@ def test_lws_gets_the_exclusive_topology_annotation_and_the_kueue_label() -> Non
     (plain,) = render(LWS).all("LeaderWorkerSet")
     assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
     assert list(plain["metadata"]["annotations"]) == ["wavepp.io/pipeline-revision"]
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_every_pipeline_workload_of_every_kind_carries_the_kueue_label(kind) -> None:
+    queue = {"pipelines": {"kueueQueueName": "gpu-queue", "replicas": 2, "stages": 3}}
+    workloads = [o for o in render(merge(kind, queue)).objects if o["kind"] in WORKLOADS]
+    pipeline = [
+        w for w in workloads if w["metadata"]["labels"]["app.kubernetes.io/component"] in (
+            "leader", "stage")
+    ]  # fmt: skip
+    expected = {"statefulset": 3, "lws": 1, "pod-per-pipeline": 1}  # STS: leaders + 2 stage sets
+    assert len(pipeline) == expected[next(k for k, v in KINDS.items() if v is kind)]
+    for workload in workloads:
+        labels = workload["metadata"]["labels"]
+        assert (labels.get("kueue.x-k8s.io/queue-name") == "gpu-queue") == (workload in pipeline)
+    for workload in (o for o in render(kind).objects if o["kind"] in WORKLOADS):
+        assert "kueue.x-k8s.io/queue-name" not in workload["metadata"]["labels"]
 
 
 def test_the_helm_test_pod_can_pull_the_image_and_be_scheduled() -> None:

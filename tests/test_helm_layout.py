@@ -1,12 +1,13 @@
-"""`pipelines.layout`: podPerStage (a leader pod and stage pods, LWS groups or StatefulSets) and
+"""`pipelines.layout`: podPerStage (a leader pod and stage pods, LWS groups or StatefulSets),
 podPerPipeline (one pod running `wavepp serve --stages P`, its stages as child processes on P
-GPUs of one node, a Deployment), rendered and checked against the CLI's own parser."""
+GPUs of one node, a Deployment) and `auto`, the default (podPerPipeline where the pipeline's
+GPUs fit `maxAcceleratorsPerPod`), rendered and checked against the CLI's own parser."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helm_harness import LWS, LWS_API, container_env, merge, parse, render
+from tests.helm_harness import LWS, LWS_API, container_env, merge, parse, render, render_notes
 
 PER_PIPELINE = {"pipelines": {"layout": "podPerPipeline", "replicas": 3, "stages": 4}}
 RENDEZVOUS = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "WAVEPP_PIPELINE_REVISION"}
@@ -50,6 +51,80 @@ def test_pod_per_pipeline_gets_one_gpu_per_stage_and_pod_per_stage_one_per_pod()
     assert "nvidia.com/gpu" not in router.container().get("resources", {}).get("limits", {})
 
 
-def test_the_pod_per_stage_layout_is_the_default_and_keeps_its_kinds() -> None:
-    assert render().pods_of("stage") and render().all("StatefulSet")
+def _layout(manifest) -> str:
+    return "podPerStage" if manifest.pods_of("stage") else "podPerPipeline"
+
+
+GPUS = {"pipelines": {"gpus": {"enabled": True}}}
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, "podPerPipeline"),  # a CPU pipeline requests no GPU: it fits any node
+        ({"pipelines": {"stages": 16}}, "podPerPipeline"),
+        (merge(GPUS, {"pipelines": {"stages": 8}}), "podPerPipeline"),  # 8 GPUs: one node
+        (merge(GPUS, {"pipelines": {"stages": 9}}), "podPerStage"),  # larger than a node
+        (merge(GPUS, {"pipelines": {"stages": 4, "maxAcceleratorsPerPod": 2}}), "podPerStage"),
+        (merge(GPUS, {"pipelines": {"stages": 16, "maxAcceleratorsPerPod": 16}}), "podPerPipeline"),
+        (LWS, "podPerStage"),  # a pod-per-stage kind asked for by name
+        ({"pipelines": {"kind": "StatefulSet"}}, "podPerStage"),
+        (merge(GPUS, {"pipelines": {"layout": "podPerPipeline", "stages": 12}}), "podPerPipeline"),
+        ({"pipelines": {"layout": "podPerStage"}}, "podPerStage"),
+    ],
+    ids=[
+        "cpu",
+        "cpu-16-stages",
+        "8-gpus",
+        "9-gpus",
+        "4-gpus-on-2-gpu-nodes",
+        "16-gpu-nodes",
+        "kind-lws",
+        "kind-sts",
+        "forced-per-pipeline",
+        "forced-per-stage",
+    ],
+)
+def test_layout_auto_runs_a_pipeline_in_one_pod_where_its_gpus_fit_a_node(values, expected):
+    manifest = render(values, api_versions=(LWS_API,))
+    assert _layout(manifest) == expected
+    if expected == "podPerPipeline":
+        (leader,) = manifest.pods_of("leader")
+        assert leader.workload["kind"] == "Deployment"
+        assert parse(leader.container()).stages == values.get("pipelines", {}).get("stages", 2)
+    else:
+        assert manifest.all("LeaderWorkerSet") or manifest.all("StatefulSet")
+        assert not [
+            d for d in manifest.all("Deployment") if d["metadata"]["name"].endswith("-pipeline")
+        ]
+
+
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ({}, "layout podPerPipeline (auto: a CPU pipeline (gpus.enabled=false) fits one pod)"),
+        (
+            merge(GPUS, {"pipelines": {"stages": 4}}),
+            "layout podPerPipeline (auto: 4 GPUs per pipeline fit "
+            "pipelines.maxAcceleratorsPerPod=8)",
+        ),
+        (
+            merge(GPUS, {"pipelines": {"stages": 12}}),
+            "layout podPerStage (auto: 12 GPUs per pipeline exceed "
+            "pipelines.maxAcceleratorsPerPod=8)",
+        ),
+        (LWS, "layout podPerStage (auto: pipelines.kind=LeaderWorkerSet is a pod-per-stage kind)"),
+        ({"pipelines": {"layout": "podPerStage"}}, "layout podPerStage"),
+    ],
+    ids=["cpu", "fits", "exceeds", "kind", "explicit"],
+)
+def test_notes_say_which_layout_auto_chose_and_why(values, line) -> None:
+    notes = render_notes(values)
+    assert line in [x.strip() for x in notes.splitlines()], notes
+
+
+def test_the_pod_per_stage_layout_keeps_its_kinds() -> None:
+    per_stage = {"pipelines": {"layout": "podPerStage"}}
+    assert render(per_stage).pods_of("stage") and render(per_stage).all("StatefulSet")
+    assert render(per_stage, api_versions=(LWS_API,)).all("LeaderWorkerSet")
     assert render(LWS).all("LeaderWorkerSet")

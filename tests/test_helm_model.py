@@ -8,7 +8,9 @@ import json
 import subprocess
 import sys
 
-from tests.helm_harness import command_line, container_env, parse, render, render_result
+import pytest
+
+from tests.helm_harness import command_line, container_env, merge, parse, render, render_result
 
 HF = {
     "model": {
@@ -32,9 +34,13 @@ def snapshot_download(repo_id, revision, local_dir, allow_patterns):
 """
 
 
-def test_every_pod_downloads_what_it_reads_into_a_read_only_model_volume() -> None:
-    manifest = render(HF)
+@pytest.mark.parametrize("layout", ["podPerStage", "podPerPipeline"])
+def test_every_pod_downloads_what_it_reads_into_a_read_only_model_volume(layout) -> None:
+    manifest = render(merge(HF, {"pipelines": {"layout": layout}}))
     for component in ("leader", "stage", "router", "gateway"):
+        if component == "stage" and layout == "podPerPipeline":
+            assert not manifest.pods_of("stage")
+            continue
         (pod, *_) = manifest.pods_of(component)
         (init,) = pod.spec["initContainers"]
         assert init["name"] == "download-model"

@@ -119,7 +119,7 @@ def test_ucx_environment_reaches_every_pipeline_container_only_when_set() -> Non
             },
         }
     }
-    for manifest in (render(values), render(merge(values, LWS))):
+    for manifest in (render(values), render(merge(values, STS)), render(merge(values, LWS))):
         for pod in manifest.pods_of("leader") + manifest.pods_of("stage"):
             env = container_env(pod.container(), pod.name)
             assert env["UCX_TLS"] == "rc,cuda_copy"
@@ -127,7 +127,7 @@ def test_ucx_environment_reaches_every_pipeline_container_only_when_set() -> Non
             assert (env["UCX_IB_GID_INDEX"], env["NIXL_LOG_LEVEL"]) == ("3", "WARN")
         (router,) = manifest.pods_of("router")
         assert not [n for n in _env_names(router) if n.startswith("UCX_")]
-    only_tls = render({"pipelines": {"ucx": {"transports": "tcp"}}})
+    only_tls = render(merge(STS, {"pipelines": {"ucx": {"transports": "tcp"}}}))
     names = _env_names(only_tls.pods_of("stage")[0])
     assert "UCX_TLS" in names and "UCX_NET_DEVICES" not in names
 
@@ -171,6 +171,6 @@ def test_gpus_give_every_stage_pod_one_gpu_cuda_and_shared_memory(values) -> Non
     explicit = {
         "pipelines": {"gpus": {"enabled": True}, "resources": {"limits": {"nvidia.com/gpu": 0}}}
     }
-    assert render(explicit).pods_of("stage")[0].container()["resources"] == {
+    assert render(merge(STS, explicit)).pods_of("stage")[0].container()["resources"] == {
         "limits": {"nvidia.com/gpu": 0}  # what the values say wins over the switch's 1
     }

@@ -1,11 +1,13 @@
 """`pipelines.rdma` and per-component security contexts: RDMA device resources next to the GPU,
 IPC_LOCK on the pipeline containers only (never init, router, gateway or test pods), device
-paths, NCCL IB variables, the host network with one leader per node, and a root variant for
-pipeline pods alone."""
+paths, NCCL IB variables, the host network with one leader per node (or, pod per pipeline, one
+per port slot), and a root variant for pipeline pods alone."""
 
 from __future__ import annotations
 
-from tests.helm_harness import LWS, merge, render
+import pytest
+
+from tests.helm_harness import LWS, RELEASE, merge, parse, port_number, render, render_result
 
 RDMA = merge(
     LWS,
@@ -109,3 +111,88 @@ def test_security_contexts_are_per_component() -> None:
     assert router.container()["securityContext"] == strict
     (leader,) = render({"router": {"securityContext": strict}}).pods_of("leader")
     assert leader.container()["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+SLOTTED = {
+    "pipelines": {
+        "layout": "podPerPipeline",
+        "replicas": 5,
+        "stages": 2,
+        "gpus": {"enabled": True},
+        "rdma": {"enabled": True, "hostNetwork": True, "portSlots": 3},
+    }
+}
+
+
+def test_port_slots_let_pipelines_share_a_node_on_the_host_network() -> None:
+    """Slot k's pods listen on the ports + k everywhere the port is named (flags, container
+    ports, probes, scrape annotation), one pod of each slot per node, and the Services' named
+    target ports reach each pod on its own slot's ports."""
+    manifest = render(SLOTTED)
+    deployments = {
+        d["metadata"]["name"]: d
+        for d in manifest.all("Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "leader"
+    }
+    names = [f"{RELEASE}-wavepp-pipeline", *(f"{RELEASE}-wavepp-pipeline-slot-{k}" for k in (1, 2))]
+    assert list(deployments) == names
+    assert [d["spec"]["replicas"] for d in deployments.values()] == [2, 2, 1]  # 5 pipelines
+    leaders = manifest.pods_of("leader")
+    assert len(leaders) == 5 and not manifest.pods_of("stage")
+    for k, name in enumerate(names):
+        deployment = deployments[name]
+        selector = deployment["spec"]["selector"]
+        pods = manifest.matching(selector)
+        assert {p.workload["metadata"]["name"] for p in pods} == {name}  # no overlap
+        for pod in pods:
+            container = pod.container()
+            assert pod.spec["hostNetwork"] and pod.spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+            args = parse(container)
+            grpc, metrics = port_number(container, "grpc"), port_number(container, "metrics")
+            assert (args.port, args.metrics_port) == (grpc, metrics) == (50051 + k, 9400 + k)
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert container[probe]["grpc"]["port"] == grpc
+            assert pod.template["metadata"]["annotations"]["prometheus.io/port"] == str(metrics)
+            (term,) = pod.spec["affinity"]["podAntiAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]
+            assert term["topologyKey"] == "kubernetes.io/hostname"
+            assert manifest.matching(term["labelSelector"]) == pods  # one of ITS slot per node
+    service = manifest.one("Service", f"{RELEASE}-wavepp-pipelines")
+    assert manifest.selected_by(service) == leaders
+    targets = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+    assert targets == {"grpc": "grpc", "metrics": "metrics"}  # resolved per pod
+    ports = {
+        (port_number(p.container(), "grpc"), port_number(p.container(), "metrics")) for p in leaders
+    }
+    assert ports == {(50051 + k, 9400 + k) for k in range(3)}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (merge(SLOTTED, {"pipelines": {"layout": "podPerStage"}}), "needs the podPerPipeline"),
+        (
+            merge(SLOTTED, {"autoscaling": {"enabled": True, "pipelines": {"provider": "hpa"}}}),
+            "one autoscaler cannot scale",
+        ),
+        (merge(SLOTTED, {"pipelines": {"rdma": {"portSlots": 0}}}), "portSlots"),
+    ],
+    ids=["pod-per-stage", "autoscaling", "zero"],
+)
+def test_port_slots_are_refused_where_they_cannot_work(values, message) -> None:
+    code, _, err = render_result(values)
+    assert code != 0 and message in err, err
+
+
+def test_one_port_slot_renders_what_the_chart_always_rendered() -> None:
+    one = merge(SLOTTED, {"pipelines": {"rdma": {"portSlots": 1}}})
+    manifest = render(one)
+    (deployment,) = [
+        d for d in manifest.all("Deployment") if d["metadata"]["name"].endswith("-pipeline")
+    ]
+    assert "wavepp.io/port-slot" not in deployment["spec"]["selector"]["matchLabels"]
+    assert all(parse(p.container()).port == 50051 for p in manifest.pods_of("leader"))
+    # without the host network, slots mean nothing: nothing shares the node's ports
+    off = render(merge(SLOTTED, {"pipelines": {"rdma": {"hostNetwork": False}}}))
+    assert len([d for d in off.all("Deployment") if "-pipeline" in d["metadata"]["name"]]) == 1

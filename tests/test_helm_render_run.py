@@ -6,6 +6,10 @@ kubelet (fieldRefs, $(VAR) expansion, volumes as local directories, cluster DNS 
 kmock's API with the real kubernetes client, as in a cluster. A Prefill through the router must
 give the first token of an in-process engine on the same checkpoint.
 
+The router's init container runs too: it copies the checkpoint's config (and tokenizer files,
+test_router_init_container_copies_only_what_the_router_reads) into the router's own small
+volume, which is all the router mounts, and the router serves from that.
+
 What this cannot run: the init container of the bundled model (the checkpoint here is a tiny
 random one on a hostPath; test_bundled_model_init_container runs that command on its own),
 RBAC (kmock authorises everything) and the image itself.
@@ -74,7 +78,8 @@ class Kubelet:
             if "hostPath" in volume:
                 found[mount["mountPath"]] = self.host_paths[volume["hostPath"]["path"]]
             elif "emptyDir" in volume and mount["mountPath"] != "/dev/shm":
-                local = self.root / pod.name / mount["name"]
+                # named as the mount point is: a model's identity may be its directory's name
+                local = self.root / pod.name / mount["name"] / Path(mount["mountPath"]).name
                 local.mkdir(parents=True, exist_ok=True)
                 found[mount["mountPath"]] = local
             else:
@@ -204,7 +209,9 @@ def rendered_chart(
 ) -> Manifest:
     return render(
         {
-            "model": {"source": "hostPath", "hostPath": HOST_MODEL},
+            # the model's directory name is its identity (no _name_or_path): the router's
+            # copy of its config must stand at a path of the same name, as in a cluster
+            "model": {"source": "hostPath", "hostPath": HOST_MODEL, "mountPath": "/m/tiny-helm"},
             "pipelines": {
                 "layout": layout,
                 "kind": "StatefulSet",
@@ -313,6 +320,53 @@ def test_bundled_model_init_container_prepares_the_model_in_the_pods_cache(
     assert done.returncode == 0, done.stderr
     assert is_complete(cache_dir / "models" / DEFAULT_MODEL_DIRNAME)
     assert f"{cache_dir}/models/{DEFAULT_MODEL_DIRNAME}" in done.stdout
+
+
+def test_router_init_container_copies_only_what_the_router_reads(
+    default_model_dir, tmp_path
+) -> None:
+    """The router's `copy-model-files`, run on the real default checkpoint (weights, config,
+    tokenizer with a chat template) on a hostPath: the router's volume gets the config and
+    tokenizer files and no weights, and what the router loads from it (prefill_node/cli/
+    router.py: load_hf_config, Tokenizer.from_dir) is what it would load from the checkpoint."""
+    from prefill_node.model.loader_hf import load_hf_config
+    from prefill_node.model.tokenizer import Tokenizer
+
+    values = {"model": {"source": "hostPath", "hostPath": "/srv/models/smollm2"}}
+    (router,) = render(values).pods_of("router")
+    (init,) = router.spec["initContainers"]
+    assert init["name"] == "copy-model-files"
+    # the router container mounts the copy, never the checkpoint
+    volumes = {v["name"]: v for v in router.spec["volumes"]}
+    (mount,) = [m for m in router.container()["volumeMounts"] if m["name"] == "model"]
+    assert "emptyDir" in volumes["model"] and mount["readOnly"]
+    assert [m["name"] for m in init["volumeMounts"]] == ["model-source", "model"]
+    kubelet = Kubelet(tmp_path, {"/srv/models/smollm2": default_model_dir})
+    argv, env = kubelet.command(router, init)
+    argv[0] = sys.executable
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (copy,) = [
+        p for m, p in kubelet.mounts(router, router.container()).items() if m == mount["mountPath"]
+    ]
+    copied = {f.name for f in copy.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= copied
+    assert not {f for f in copied if f.endswith((".safetensors", ".gguf", ".bin"))}, copied
+    assert copied <= {f.name for f in default_model_dir.iterdir()} - {"wavepp_conversion.json"}
+    whole, trimmed = load_hf_config(default_model_dir), load_hf_config(copy)
+    assert trimmed == whole
+    tokenizer = Tokenizer.from_dir(copy)
+    assert tokenizer.has_chat_template
+    text = "What is the capital of France?"
+    assert tokenizer.encode(text) == Tokenizer.from_dir(default_model_dir).encode(text)
+    # a directory that is no checkpoint fails the init container, naming it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    kubelet = Kubelet(tmp_path / "again", {"/srv/models/smollm2": empty})
+    argv, env = kubelet.command(router, init)
+    argv[0] = sys.executable
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "no config.json in the checkpoint" in done.stderr
 
 
 def router_ready_on(router_port: int, pod: Pod) -> bool:

@@ -18,6 +18,7 @@ from tests.helm_harness import (
     CHART,
     LWS,
     NAMESPACE,
+    PER_STAGE,
     RELEASE,
     STS,
     Manifest,
@@ -172,25 +173,29 @@ def _pipeline_kind(out: str) -> str:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "installed_kind, expected",
+    "installed_kind, values, expected",
     [
-        ("StatefulSet", "StatefulSet"),
-        ("LeaderWorkerSet", "LeaderWorkerSet"),
-        (None, "LeaderWorkerSet"),
+        ("StatefulSet", {}, "StatefulSet"),
+        ("LeaderWorkerSet", {}, "LeaderWorkerSet"),
+        (None, PER_STAGE, "LeaderWorkerSet"),
+        (None, {}, "Deployment"),
     ],
-    ids=["sts-stays-sts", "lws-stays-lws", "fresh-install-takes-lws"],
+    ids=["sts-stays-sts", "lws-stays-lws", "fresh-install-takes-lws", "fresh-install-one-pod"],
 )
 @pytest.mark.parametrize("major", [4, 3], ids=["helm4", "helm3"])
-async def test_kind_auto_keeps_the_kind_the_release_was_installed_with(
-    kmock, tmp_path, installed_kind, expected, major
+async def test_kind_and_layout_auto_keep_what_the_release_was_installed_with(
+    kmock, tmp_path, installed_kind, values, expected, major
 ) -> None:
     """The cluster serves LWS in every case (in the first, installed after the release):
-    `auto` must not flip a running release to LWS, whose objects would collide by name."""
+    `auto` must not flip a running release to LWS, whose objects would collide by name, nor
+    its pod-per-stage pipelines to the pod-per-pipeline layout that is now the default (a
+    release installed before `layout: auto` existed upgrades with its layout); a fresh
+    install of the defaults gets one pod per pipeline."""
     installed = []
     if installed_kind == "StatefulSet":
         installed = [_installed(render(STS), "StatefulSet")]
     elif installed_kind == "LeaderWorkerSet":
         installed = [_installed(render(LWS), "LeaderWorkerSet")]
-    code, out, err = await cluster_render(kmock, tmp_path, {}, installed, True, major)
+    code, out, err = await cluster_render(kmock, tmp_path, values, installed, True, major)
     assert code == 0, err
     assert _pipeline_kind(out) == expected

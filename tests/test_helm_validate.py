@@ -18,11 +18,12 @@ from tests.helm_harness import LWS_API, render, render_result
 
 VERSIONS = [f"1.{minor}.0" for minor in range(25, 38)]
 VARIANTS = {
-    "statefulset-bundled": ({}, ()),
+    "default-bundled": ({}, ()),  # a pod per pipeline
     "statefulset-pvc-tls-monitor": (
         {
             "model": {"source": "pvc", "claimName": "weights"},
             "pipelines": {
+                "kind": "StatefulSet",
                 "replicas": 3,
                 "stages": 4,
                 "kvShipping": {"enabled": False},
@@ -115,10 +116,25 @@ VARIANTS = {
         },
         (LWS_API,),
     ),
+    "pod-per-pipeline-port-slots": (
+        {
+            "model": {"source": "pvc", "claimName": "weights", "subPath": "qwen3"},
+            "pipelines": {
+                "replicas": 4,
+                "stages": 2,
+                "gpus": {"enabled": True},
+                "kueueQueueName": "gpu-queue",
+                "rdma": {"enabled": True, "hostNetwork": True, "portSlots": 4},
+            },
+            "networkPolicy": {"enabled": True},
+        },
+        (),
+    ),
     "lws-hostpath-gpus": (
         {
             "model": {"source": "hostPath", "hostPath": "/srv/models/qwen3"},
             "pipelines": {
+                "layout": "podPerStage",  # 4 GPUs fit a node: auto would take one pod
                 "gpus": {"enabled": True},
                 "stages": 4,
                 "resources": {"limits": {"memory": "64Gi"}},
@@ -228,7 +244,7 @@ def test_rendered_objects_are_valid_for_the_kubernetes_version(variant: str, ver
             kubernetes_validate.validate(obj, version, strict=True)
     assert {"Deployment", "Service", "Role", "RoleBinding", "ServiceAccount"} <= kinds
     assert ("LeaderWorkerSet" in kinds) == variant.startswith("lws")
-    assert ("NetworkPolicy" in kinds) == (variant != "statefulset-bundled")
+    assert ("NetworkPolicy" in kinds) == (variant != "default-bundled")
 
 
 def test_the_crd_schemas_catch_what_they_check() -> None:

@@ -30,8 +30,8 @@ args:
   {{- with $p.threads }}
   - --threads={{ int . }}
   {{- end }}
-  - --port={{ int $p.port }}
-  - --metrics-port={{ int $p.metricsPort }}
+  - --port={{ add $p.port (.slot | default 0) }}
+  - --metrics-port={{ add $p.metricsPort (.slot | default 0) }}
   - --stage-wait={{ int $p.stageWaitSeconds }}
   {{- if $p.kvShipping.enabled }}
   {{- range $p.kvShipping.allow }}
@@ -291,20 +291,65 @@ stage's RANK comes from its ordinal, in its command.
   value: /tmp
 {{- end }}
 
-{{/* Mounts of every wavepp container: the cache, a writable /tmp, the model. */}}
+{{/* Mounts of every wavepp container: the cache, a writable /tmp, the model: (dict "root" $
+"filesOnly" bool); filesOnly: the model volume is the pod's copy of the config and tokenizer
+files (wavepp.copyModelFiles), not the claim (so no subPath). */}}
 {{- define "wavepp.commonMounts" -}}
+{{- $v := .root.Values -}}
 - name: cache
-  mountPath: {{ .Values.cache.path }}
+  mountPath: {{ $v.cache.path }}
 - name: tmp
   mountPath: /tmp
-{{- if ne .Values.model.source "bundled" }}
+{{- if ne $v.model.source "bundled" }}
 - name: model
-  mountPath: {{ .Values.model.mountPath }}
+  mountPath: {{ $v.model.mountPath }}
   readOnly: true
-  {{- with (and (eq .Values.model.source "pvc") .Values.model.subPath) }}
+  {{- with (and (eq $v.model.source "pvc") (not .filesOnly) $v.model.subPath) }}
   subPath: {{ . }}
   {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* What a router or gateway reads of a checkpoint (prefill_node/cli/router.py, gateway.py:
+load_hf_config and Tokenizer.from_dir read config.json, tokenizer.json and
+tokenizer_config.json, which holds the chat template), plus the files a checkpoint may keep
+its generation settings and chat template in: glob patterns, comma-separated. */}}
+{{- define "wavepp.modelFilePatterns" -}}
+config.json,generation_config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,chat_template.json,*.jinja
+{{- end }}
+
+{{/*
+`model.source: pvc | hostPath` in a router or gateway pod: an init container copies the
+config and tokenizer files (wavepp.modelFilePatterns) from the checkpoint, mounted read-only
+at /wavepp/model-source in this container alone, into the pod's small model emptyDir at
+`model.mountPath`: the main container never mounts the weights, and sees the same path (the
+model's identity in block hashes may be the directory's name): (dict "root" $
+"securityContext" {...}).
+*/}}
+{{- define "wavepp.copyModelFiles" -}}
+{{- $v := .root.Values -}}
+- name: copy-model-files
+  image: {{ include "wavepp.image" .root }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: [python, -c]
+  args:
+    - import glob, os, shutil, sys; source, target, patterns = sys.argv[1:4]; copied = [shutil.copy(f, target) for p in patterns.split(",") for f in sorted(glob.glob(os.path.join(source, p))) if os.path.isfile(f)]; print("\n".join(copied)); os.path.isfile(os.path.join(target, "config.json")) or sys.exit(f"no config.json in the checkpoint {source}")
+    - /wavepp/model-source
+    - {{ $v.model.mountPath }}
+    - {{ include "wavepp.modelFilePatterns" .root | quote }}
+  env:
+    {{- include "wavepp.commonEnv" .root | nindent 4 }}
+  securityContext:
+    {{- toYaml .securityContext | nindent 4 }}
+  volumeMounts:
+    - name: model-source
+      mountPath: /wavepp/model-source
+      readOnly: true
+      {{- with (and (eq $v.model.source "pvc") $v.model.subPath) }}
+      subPath: {{ . }}
+      {{- end }}
+    - name: model
+      mountPath: {{ $v.model.mountPath }}
 {{- end }}
 
 {{/*
@@ -325,7 +370,7 @@ only the config and tokenizer files, which is all they read.
     - {{ required "model.huggingface.id is required with model.source=huggingface" $hf.id }}
     - {{ $hf.revision }}
     - {{ $v.model.mountPath }}
-    - {{ ternary "config.json,generation_config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,*.jinja" "" .filesOnly | quote }}
+    - {{ ternary (include "wavepp.modelFilePatterns" .root) "" .filesOnly | quote }}
   env:
     {{- include "wavepp.commonEnv" .root | nindent 4 }}
     - name: HF_HOME

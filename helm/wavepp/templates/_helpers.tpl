@@ -55,13 +55,72 @@ pod `<pipelineName>-<i>`, reachable as `<pipelineName>-<i>.<pipelineName>.<names
 {{- end }}
 
 {{/*
-The pipelines' workload kind: a Deployment with `layout: podPerPipeline`; otherwise
+The pipelines' layout, `podPerPipeline` or `podPerStage`: pipelines.layout, or for `auto`
+podPerPipeline where a pipeline fits one pod, i.e. its GPUs (`stages`, one per stage; none
+without gpus.enabled) are at most pipelines.maxAcceleratorsPerPod, unless pipelines.kind names
+a pod-per-stage kind or this release's pipelines already run pod per stage in the cluster
+(sticky across upgrades, as the kind is: changing layout replaces every pipeline at once).
+*/}}
+{{- define "wavepp.layout" -}}
+{{- $p := .Values.pipelines }}
+{{- if ne $p.layout "auto" }}
+{{- $p.layout }}
+{{- else if ne $p.kind "auto" }}
+{{- "podPerStage" }}
+{{- else if include "wavepp.installedPipelineKind" . }}
+{{- "podPerStage" }}
+{{- else if and $p.gpus.enabled (gt (int $p.stages) (int $p.maxAcceleratorsPerPod)) }}
+{{- "podPerStage" }}
+{{- else }}
+{{- "podPerPipeline" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Port slots of host-network pipelines (pipelines.rdma.portSlots): 1 unless RDMA's hostNetwork
+is on. More than one needs the podPerPipeline layout and fixed replicas: each slot is its own
+Deployment.
+*/}}
+{{- define "wavepp.portSlots" -}}
+{{- $r := .Values.pipelines.rdma }}
+{{- if and $r.enabled $r.hostNetwork (gt (int $r.portSlots) 1) }}
+{{- if ne (include "wavepp.layout" .) "podPerPipeline" }}
+{{- fail "pipelines.rdma.portSlots > 1 needs the podPerPipeline layout (pod-per-stage leaders keep one per node: their stages find them by name, on one port)" }}
+{{- end }}
+{{- if .Values.autoscaling.enabled }}
+{{- fail "pipelines.rdma.portSlots > 1 splits the pipelines over several Deployments, which one autoscaler cannot scale: disable autoscaling or use one slot" }}
+{{- end }}
+{{- int $r.portSlots }}
+{{- else }}
+{{- 1 }}
+{{- end }}
+{{- end }}
+
+{{/* Why `layout: auto` chose what it chose, for NOTES. */}}
+{{- define "wavepp.layoutReason" -}}
+{{- $p := .Values.pipelines }}
+{{- $gpus := ternary (int $p.stages) 0 $p.gpus.enabled }}
+{{- if ne $p.kind "auto" }}
+{{- printf "pipelines.kind=%s is a pod-per-stage kind" $p.kind }}
+{{- else if include "wavepp.installedPipelineKind" . }}
+{{- "the release's pipelines already run pod per stage; an upgrade keeps their layout" }}
+{{- else if not $p.gpus.enabled }}
+{{- "a CPU pipeline (gpus.enabled=false) fits one pod" }}
+{{- else if gt $gpus (int $p.maxAcceleratorsPerPod) }}
+{{- printf "%d GPUs per pipeline exceed pipelines.maxAcceleratorsPerPod=%d" $gpus (int $p.maxAcceleratorsPerPod) }}
+{{- else }}
+{{- printf "%d GPUs per pipeline fit pipelines.maxAcceleratorsPerPod=%d" $gpus (int $p.maxAcceleratorsPerPod) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pipelines' workload kind: a Deployment with the podPerPipeline layout; otherwise
 LeaderWorkerSet or StatefulSet: pipelines.kind, or for `auto` the kind this release's pipelines
 already have in the cluster (sticky across upgrades: installing LWS later must not flip a
 running release), else what the cluster serves. `lookup` finds nothing under `helm template`.
 */}}
 {{- define "wavepp.pipelineKind" -}}
-{{- if eq .Values.pipelines.layout "podPerPipeline" }}
+{{- if eq (include "wavepp.layout" .) "podPerPipeline" }}
 {{- "Deployment" }}
 {{- else if ne .Values.pipelines.kind "auto" }}
 {{- .Values.pipelines.kind }}
@@ -161,7 +220,8 @@ matchExpressions:
     values: [leader, stage]
 {{- end }}
 
-{{/* Kueue admission of the pipelines (LWS or the podPerPipeline Deployment): its queue label. */}}
+{{/* Kueue admission of the pipelines: the queue label of every pipeline workload object (the
+LeaderWorkerSet, the podPerPipeline Deployment, or each StatefulSet). */}}
 {{- define "wavepp.kueueLabels" -}}
 {{- with .Values.pipelines.kueueQueueName }}
 kueue.x-k8s.io/queue-name: {{ . }}

@@ -11,12 +11,14 @@ The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on 
 {{- $router := eq .role "router" }}
 {{- $gateway := eq .role "gateway" }}
 {{- $pipeline := has .role (list "leader" "stage") }}
-{{- $podPerPipeline := and $pipeline (eq $v.pipelines.layout "podPerPipeline") }}
+{{- $podPerPipeline := and $pipeline (eq (include "wavepp.layout" $root) "podPerPipeline") }}
 {{- $gpus := 0 }}
 {{- if and $pipeline $v.pipelines.gpus.enabled }}
 {{- $gpus = ternary (int $v.pipelines.stages) 1 $podPerPipeline }}
 {{- end }}
 {{- $serves := has .role (list "leader" "router") }}
+{{- /* routers and gateways read only the model's config and tokenizer: a copy of those */}}
+{{- $copiesModelFiles := and (not $pipeline) (has $v.model.source (list "pvc" "hostPath")) }}
 {{- $cfg := get (dict "router" $v.router "gateway" $v.gateway "leader" $v.pipelines "stage" $v.pipelines) .role }}
 {{- $rdma := and $pipeline $v.pipelines.rdma.enabled }}
 {{- $podSecurity := $cfg.podSecurityContext | default $v.podSecurityContext }}
@@ -27,8 +29,9 @@ The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on 
 {{- $_ := set $caps "add" (append (get $caps "add" | default list) "IPC_LOCK" | uniq) }}
 {{- $_ := set $security "capabilities" $caps }}
 {{- end }}
-{{- $port := ternary $v.router.port $v.pipelines.port $router }}
-{{- $metricsPort := ternary $v.gateway.port (ternary $v.router.metricsPort $v.pipelines.metricsPort $router) $gateway }}
+{{- $slot := int (.slot | default 0) }}
+{{- $port := ternary $v.router.port (add $v.pipelines.port $slot) $router }}
+{{- $metricsPort := ternary $v.gateway.port (ternary $v.router.metricsPort (add $v.pipelines.metricsPort $slot) $router) $gateway }}
 {{- $tls := list }}
 {{- if and (or $router $gateway) $v.tls.router.secretName }}{{ $tls = append $tls (dict "name" "router" "secret" $v.tls.router.secretName) }}{{ end }}
 {{- if and $serves $v.tls.pipelines.secretName }}{{ $tls = append $tls (dict "name" "pipelines" "secret" $v.tls.pipelines.secretName) }}{{ end }}
@@ -38,6 +41,9 @@ metadata:
     {{- include "wavepp.componentSelector" (dict "root" $root "component" .role) | nindent 4 }}
     {{- if hasKey . "index" }}
     wavepp.io/pipeline: {{ .index | quote }}
+    {{- end }}
+    {{- if hasKey . "slot" }}
+    wavepp.io/port-slot: {{ .slot | quote }}
     {{- end }}
     {{- with $cfg.podLabels }}
     {{- toYaml . | nindent 4 }}
@@ -78,10 +84,13 @@ spec:
   {{- with $cfg.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
-  {{- if or (has $v.model.source (list "bundled" "huggingface")) $cfg.extraInitContainers }}
+  {{- if or (has $v.model.source (list "bundled" "huggingface")) $copiesModelFiles $cfg.extraInitContainers }}
   initContainers:
     {{- if eq $v.model.source "huggingface" }}
     {{- include "wavepp.downloadModel" (dict "root" $root "filesOnly" (not $pipeline) "securityContext" $initSecurity) | nindent 4 }}
+    {{- end }}
+    {{- if $copiesModelFiles }}
+    {{- include "wavepp.copyModelFiles" (dict "root" $root "securityContext" $initSecurity) | nindent 4 }}
     {{- end }}
     {{- if eq $v.model.source "bundled" }}
     - name: prepare-model
@@ -95,7 +104,7 @@ spec:
       securityContext:
         {{- toYaml $initSecurity | nindent 8 }}
       volumeMounts:
-        {{- include "wavepp.commonMounts" $root | nindent 8 }}
+        {{- include "wavepp.commonMounts" (dict "root" $root) | nindent 8 }}
     {{- end }}
     {{- with $cfg.extraInitContainers }}
     {{- toYaml . | nindent 4 }}
@@ -159,7 +168,7 @@ spec:
       securityContext:
         {{- toYaml $security | nindent 8 }}
       volumeMounts:
-        {{- include "wavepp.commonMounts" $root | nindent 8 }}
+        {{- include "wavepp.commonMounts" (dict "root" $root "filesOnly" $copiesModelFiles) | nindent 8 }}
         {{- if $pipeline }}
         - name: shm
           mountPath: /dev/shm
@@ -193,8 +202,13 @@ spec:
         medium: Memory
         sizeLimit: {{ $v.pipelines.shmSizeLimit }}
     {{- end }}
-    {{- if eq $v.model.source "pvc" }}
+    {{- if $copiesModelFiles }}
     - name: model
+      emptyDir:
+        sizeLimit: 64Mi
+    {{- end }}
+    {{- if eq $v.model.source "pvc" }}
+    - name: {{ ternary "model-source" "model" $copiesModelFiles }}
       persistentVolumeClaim:
         claimName: {{ required "model.claimName is required with model.source=pvc" $v.model.claimName }}
         readOnly: true
@@ -203,7 +217,7 @@ spec:
       emptyDir:
         sizeLimit: {{ ternary $v.model.huggingface.sizeLimit "64Mi" $pipeline }}
     {{- else if eq $v.model.source "hostPath" }}
-    - name: model
+    - name: {{ ternary "model-source" "model" $copiesModelFiles }}
       hostPath:
         path: {{ required "model.hostPath is required with model.source=hostPath" $v.model.hostPath }}
         type: Directory
@@ -234,6 +248,9 @@ spec:
   {{- $affinity := $cfg.affinity }}
   {{- if and (not $affinity) $rdma $v.pipelines.rdma.hostNetwork (eq .role "leader") }}
   {{- $leaders := include "wavepp.componentSelector" (dict "root" $root "component" "leader") | fromYaml }}
+  {{- if hasKey . "slot" }}
+  {{- $_ := set $leaders "wavepp.io/port-slot" (toString .slot) }}
+  {{- end }}
   {{- $term := dict "labelSelector" (dict "matchLabels" $leaders) "topologyKey" "kubernetes.io/hostname" }}
   {{- $affinity = dict "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
   {{- end }}
