@@ -244,6 +244,12 @@ FIGURES = (
         needs="vllm",
     ),
     Figure(
+        "overload",
+        "docs/router.md: offered 0.5x-4x of measured capacity, goodput and admitted latency",
+        _bench("overload"),
+        _bench("overload", "--levels", "0.5,2", "--capacity-s", "2", "--duration-s", "2"),
+    ),
+    Figure(
         "pd_serve_colocated",
         "docs/gateway.md: vllm serve alone and its decode instance alone, same load",
         _bench("pd_serve", *_PD_LOAD, "--systems", "vllm,decode"),
