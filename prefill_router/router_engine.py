@@ -51,6 +51,7 @@ from operator import attrgetter
 
 import grpc
 
+from prefill_node import tracing
 from prefill_node.client.prefill_client import RemoteServerInfo, build_request
 from prefill_node.client.remote_engine import error_from_rpc
 from prefill_node.core.cost_model import ChunkCostModel
@@ -130,6 +131,7 @@ class _Routed:
     loop: asyncio.AbstractEventLoop | None = None
     tried: tuple[str, ...] = ()
     aborted: bool = False
+    reason: str = ""  # the routing decision's reason (traced)
 
 
 CONNECTION_LOST = "connection_lost"
@@ -481,6 +483,7 @@ class RouterEngine:
         tried: tuple[str, ...] = ()
         failed: list[str] = []  # "pipeline: reason" of each failover, for the final error
         while True:
+            t_route = time.time_ns() if tracing.enabled() else 0
             try:
                 link, routed = self._route(tokens, hashes, request_id, tried)
             except UnavailableError:
@@ -493,7 +496,13 @@ class RouterEngine:
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
-            call = link.aio_prefill()(request, timeout=timeout)
+            span = None
+            if tracing.enabled():
+                span = self._trace_route(options.traceparent, request_id, routed, len(tokens),
+                                         t_route)  # fmt: skip
+                call = link.aio_prefill()(request, timeout=timeout, metadata=tracing.headers(span))
+            else:
+                call = link.aio_prefill()(request, timeout=timeout)
             routed.call, routed.loop = call, asyncio.get_running_loop()
             started = time.monotonic()
             try:
@@ -513,10 +522,17 @@ class RouterEngine:
                     raise error_from_rpc(exc) from None
                 if reason == CONNECTION_LOST:
                     link.connection_lost(exc.details() or exc.code().name)
+            except BaseException as exc:
+                tracing.end(span, error=exc)
+                raise
             else:
                 reason = None
             finally:
                 self._forget(request_id, routed)
+            if span is not None:
+                if reason is not None:
+                    span.add_event("wavepp.failover", {"wavepp.failover_reason": reason})
+                tracing.end(span, error=reason)
             if reason is not None:
                 self.metrics.failover(routed.pid, reason)
                 log.info("pipeline %s failed %s before answering (%s: %s); failing over",
@@ -538,6 +554,23 @@ class RouterEngine:
                     while len(self._leased) > _LEASED_KEPT:
                         self._leased.popitem(last=False)
             return Relayed(data, response, routed.pid)
+
+    @staticmethod
+    def _trace_route(
+        parent: str, request_id: str, routed: _Routed, prompt_tokens: int, t_route: int
+    ):
+        """Trace one routing decision and start the span of the call forwarded on it (its
+        context goes to the pipeline as metadata); the caller ends the latter."""
+        attributes = {
+            tracing.REQUEST_ID: request_id,
+            tracing.PIPELINE: routed.pid,
+            tracing.CACHED_TOKENS: routed.predicted_cached,
+            tracing.PROMPT_TOKENS: prompt_tokens,
+            "wavepp.route_reason": routed.reason,
+            "wavepp.attempt": len(routed.tried),
+        }
+        tracing.record("wavepp.router.route", parent, t_route, time.time_ns(), attributes)
+        return tracing.start_span("wavepp.router.forward", parent, attributes, kind="client")
 
     def _calibrate(self, routed: _Routed, started: float) -> None:
         """An answer from ``routed.pid``, forwarded at ``started``: a calibration sample."""
@@ -595,7 +628,8 @@ class RouterEngine:
                 routed = _Routed(decision.pipeline, chosen.prefill_cost_s,
                                  len(tokens) - decision.cached_tokens, decision.cached_tokens,
                                  chosen.queued_cost_s + chosen.prefill_cost_s,
-                                 tried=(*tried, decision.pipeline))  # fmt: skip
+                                 tried=(*tried, decision.pipeline),
+                                 reason=decision.reason.value)  # fmt: skip
                 self._routed[request_id] = routed
                 self._account(routed, 1)
         self.metrics.decision(decision.reason.value)
