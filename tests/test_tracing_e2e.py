@@ -35,6 +35,7 @@ EXPECTED = {
     ("wavepp-gateway", "wavepp.gateway.tier_score"),
     ("wavepp-gateway", "wavepp.gateway.tier_prefill"),
     ("wavepp-gateway", "wavepp.gateway.decode"),
+    ("wavepp-router", "wavepp.router.score"),
     ("wavepp-router", "wavepp.router.request"),
     ("wavepp-router", "wavepp.router.route"),
     ("wavepp-router", "wavepp.router.forward"),
@@ -116,6 +117,8 @@ def test_one_request_is_one_trace_from_the_caller_through_every_hop(traced_path)
     request_id = tier_prefill.attributes["wavepp.request_id"]
     assert request_id.startswith("gw-")
 
+    score = one("wavepp-router", "wavepp.router.score")
+    assert score.parent_id == one("wavepp-gateway", "wavepp.gateway.tier_score").span_id
     router = one("wavepp-router", "wavepp.router.request")
     assert router.parent_id == tier_prefill.span_id  # the gRPC metadata carried the context
     assert router.attributes["wavepp.request_id"] == request_id

@@ -332,13 +332,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 grpc.StatusCode.UNIMPLEMENTED, "Score is a router's call; this is a pipeline"
             )
         request_id = request.request_id or "score"
+        span = None
+        if tracing.enabled():
+            span = tracing.start_span("wavepp.router.score", context.invocation_metadata(),
+                                      kind="server")  # fmt: skip
         try:
             parsed = parse_request(request, request_id=request_id, limits=self._limits,
                                    tokenizer=self._tokenizer)  # fmt: skip
             report = self._engine.score(parsed.token_ids, parsed.options.cache_salt)
         except Exception as exc:
+            tracing.end(span, error=exc)
             f = _failure(request_id, exc)
             await context.abort(f.code, f.message, f.trailers)
+        if span is not None:
+            span.set_attributes({tracing.PIPELINE: report.pipeline_id,
+                                 tracing.CACHED_TOKENS: report.cached_tokens,
+                                 "wavepp.route_reason": report.reason})  # fmt: skip
+            tracing.end(span)
         return prefill_pb2.ScoreResponse(
             pipeline_id=report.pipeline_id,
             reason=report.reason,

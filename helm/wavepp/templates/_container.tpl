@@ -291,6 +291,15 @@ stage's RANK comes from its ordinal, in its command.
   value: /tmp
 {{- end }}
 
+{{/* Tracing of every wavepp process (docs/tracing.md): the standard OTLP variable, which
+`wavepp serve / stage / router / gateway` read when no --otlp-endpoint is given. */}}
+{{- define "wavepp.tracingEnv" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
 {{/* Mounts of every wavepp container: the cache, a writable /tmp, the model. */}}
 {{- define "wavepp.commonMounts" -}}
 - name: cache
