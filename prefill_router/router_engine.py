@@ -506,29 +506,10 @@ class RouterEngine:
             routed.call, routed.loop = call, asyncio.get_running_loop()
             started = time.monotonic()
             try:
-                data = await call
-            except asyncio.CancelledError:
-                call.cancel()
-                if routed.aborted:  # Abort(request_id), not the caller going away
-                    raise RequestAbortedError(f"request {request_id} was aborted") from None
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise  # the caller went away
-                # nobody cancelled this request: the link's channel closed under the call
-                reason, detail = LINK_CLOSED, "the router closed its link"
-            except grpc.aio.AioRpcError as exc:
-                reason, detail = failover_reason(exc), exc.details()
-                if reason is None:
-                    raise error_from_rpc(exc) from None
-                if reason == CONNECTION_LOST:
-                    link.connection_lost(exc.details() or exc.code().name)
+                data, reason, detail = await self._answer(call, routed, request_id, link)
             except BaseException as exc:
                 tracing.end(span, error=exc)
                 raise
-            else:
-                reason = None
-            finally:
-                self._forget(request_id, routed)
             if span is not None:
                 if reason is not None:
                     span.add_event("wavepp.failover", {"wavepp.failover_reason": reason})
@@ -554,6 +535,32 @@ class RouterEngine:
                     while len(self._leased) > _LEASED_KEPT:
                         self._leased.popitem(last=False)
             return Relayed(data, response, routed.pid)
+
+    async def _answer(
+        self, call: grpc.aio.UnaryUnaryCall, routed: _Routed, request_id: str, link: PipelineLink
+    ) -> tuple[bytes | None, str | None, str]:
+        """The forwarded ``call``'s answer: (its bytes, None, "") or, when the request may
+        fail over, (None, why, detail); other failures raise the typed error."""
+        try:
+            return await call, None, ""
+        except asyncio.CancelledError:
+            call.cancel()
+            if routed.aborted:  # Abort(request_id), not the caller going away
+                raise RequestAbortedError(f"request {request_id} was aborted") from None
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the caller went away
+            # nobody cancelled this request: the link's channel closed under the call
+            return None, LINK_CLOSED, "the router closed its link"
+        except grpc.aio.AioRpcError as exc:
+            reason = failover_reason(exc)
+            if reason is None:
+                raise error_from_rpc(exc) from None
+            if reason == CONNECTION_LOST:
+                link.connection_lost(exc.details() or exc.code().name)
+            return None, reason, exc.details()
+        finally:
+            self._forget(request_id, routed)
 
     @staticmethod
     def _trace_route(
