@@ -1,11 +1,12 @@
 """A decode-side KV load as an OpenTelemetry span under the trace the request carried.
 
 The prefill side puts the W3C ``traceparent`` of its decode request in ``kv_transfer_params``
-(``params.TRACE_KEY``). A decode process that traces (vLLM started with
-``--otlp-traces-endpoint``, ``wavepp decode --serve --otlp-endpoint``) has installed its
-global tracer provider; the load is recorded through the OpenTelemetry API only, so this
-module configures nothing. Without a ``traceparent``, or where the OpenTelemetry API is not
-installed (a vLLM environment without it), every call returns None at once.
+(``params.TRACE_KEY``). The load is recorded through the OpenTelemetry API only, with the
+provider ``use_provider`` was given (``wavepp decode --serve --otlp-endpoint``:
+``prefill_node.tracing``), else the global one (vLLM started with ``--otlp-traces-endpoint``
+installs its own); this module configures nothing. Without a ``traceparent``, or where the
+OpenTelemetry API is not installed (a vLLM environment without it), every call returns None
+at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 _API: Any = None  # (trace module, propagator) once imported; False: not installed
+_provider: Any = None  # this process's tracer provider when its owner set one
+
+
+def use_provider(provider: Any) -> None:
+    """Record KV loads with ``provider`` instead of the global tracer provider."""
+    global _provider
+    _provider = provider
 
 
 def _api() -> Any:
@@ -39,7 +47,8 @@ def start_load(traceparent: str | None, request_id: str, num_tokens: int) -> Any
         return None
     trace, propagator = api
     context = propagator.extract({"traceparent": traceparent})
-    return trace.get_tracer("wavepp.kv_transfer").start_span(
+    provider = _provider or trace.get_tracer_provider()
+    return provider.get_tracer("wavepp.kv_transfer").start_span(
         "wavepp.decode.kv_load", context=context,
         attributes={"wavepp.request_id": request_id, "wavepp.kv_tokens": num_tokens},
     )  # fmt: skip

@@ -69,15 +69,19 @@ def configure(service_name: str, endpoint: str | None = None) -> bool:
     url = resolve_endpoint(endpoint)
     if not url:
         return False
-    from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from kv_transfer import load_trace
+
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
-    trace.set_tracer_provider(provider)  # the API's users in this process (kv_transfer)
+    # Not installed as the global provider: FastAPI's own telemetry would pick it up and
+    # export a span per HTTP request (every /metrics scrape); kv_transfer's KV-load spans
+    # are told about it instead.
+    load_trace.use_provider(provider)
     _provider, _endpoint = provider, url
     _tracer = provider.get_tracer("wavepp")
     atexit.register(shutdown)

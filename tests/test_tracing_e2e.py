@@ -106,7 +106,11 @@ def test_one_request_is_one_trace_from_the_caller_through_every_hop(traced_path)
     def complete(spans: list[ReceivedSpan]) -> bool:
         return {(s.service, s.name) for s in spans if s.trace_id == TRACE_ID} >= EXPECTED
 
-    spans = [s for s in rx.wait_for(complete, 30, "every hop's spans") if s.trace_id == TRACE_ID]
+    received = rx.wait_for(complete, 30, "every hop's spans")
+    # only ours: FastAPI's own telemetry (a span per HTTP call, /metrics polls included)
+    # does not see our providers
+    assert {s.name for s in received if not s.name.startswith("wavepp.")} == set()
+    spans = [s for s in received if s.trace_id == TRACE_ID]
     one = lambda service, name: _one(spans, service, name)  # noqa: E731
 
     gw = one("wavepp-gateway", "wavepp.gateway.request")
