@@ -51,6 +51,7 @@ from operator import attrgetter
 
 import grpc
 
+from prefill_node import tracing
 from prefill_node.client.prefill_client import RemoteServerInfo, build_request
 from prefill_node.client.remote_engine import error_from_rpc
 from prefill_node.core.cost_model import ChunkCostModel
@@ -130,6 +131,7 @@ class _Routed:
     loop: asyncio.AbstractEventLoop | None = None
     tried: tuple[str, ...] = ()
     aborted: bool = False
+    reason: str = ""  # the routing decision's reason (traced)
 
 
 CONNECTION_LOST = "connection_lost"
@@ -481,6 +483,7 @@ class RouterEngine:
         tried: tuple[str, ...] = ()
         failed: list[str] = []  # "pipeline: reason" of each failover, for the final error
         while True:
+            t_route = time.time_ns() if tracing.enabled() else 0
             try:
                 link, routed = self._route(tokens, hashes, request_id, tried)
             except UnavailableError:
@@ -493,30 +496,24 @@ class RouterEngine:
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
-            call = link.aio_prefill()(request, timeout=timeout)
+            span = None
+            if tracing.enabled():
+                span = self._trace_route(options.traceparent, request_id, routed, len(tokens),
+                                         t_route)  # fmt: skip
+                call = link.aio_prefill()(request, timeout=timeout, metadata=tracing.headers(span))
+            else:
+                call = link.aio_prefill()(request, timeout=timeout)
             routed.call, routed.loop = call, asyncio.get_running_loop()
             started = time.monotonic()
             try:
-                data = await call
-            except asyncio.CancelledError:
-                call.cancel()
-                if routed.aborted:  # Abort(request_id), not the caller going away
-                    raise RequestAbortedError(f"request {request_id} was aborted") from None
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise  # the caller went away
-                # nobody cancelled this request: the link's channel closed under the call
-                reason, detail = LINK_CLOSED, "the router closed its link"
-            except grpc.aio.AioRpcError as exc:
-                reason, detail = failover_reason(exc), exc.details()
-                if reason is None:
-                    raise error_from_rpc(exc) from None
-                if reason == CONNECTION_LOST:
-                    link.connection_lost(exc.details() or exc.code().name)
-            else:
-                reason = None
-            finally:
-                self._forget(request_id, routed)
+                data, reason, detail = await self._answer(call, routed, request_id, link)
+            except BaseException as exc:
+                tracing.end(span, error=exc)
+                raise
+            if span is not None:
+                if reason is not None:
+                    span.add_event("wavepp.failover", {"wavepp.failover_reason": reason})
+                tracing.end(span, error=reason)
             if reason is not None:
                 self.metrics.failover(routed.pid, reason)
                 log.info("pipeline %s failed %s before answering (%s: %s); failing over",
@@ -538,6 +535,49 @@ class RouterEngine:
                     while len(self._leased) > _LEASED_KEPT:
                         self._leased.popitem(last=False)
             return Relayed(data, response, routed.pid)
+
+    async def _answer(
+        self, call: grpc.aio.UnaryUnaryCall, routed: _Routed, request_id: str, link: PipelineLink
+    ) -> tuple[bytes | None, str | None, str]:
+        """The forwarded ``call``'s answer: (its bytes, None, "") or, when the request may
+        fail over, (None, why, detail); other failures raise the typed error."""
+        try:
+            return await call, None, ""
+        except asyncio.CancelledError:
+            call.cancel()
+            if routed.aborted:  # Abort(request_id), not the caller going away
+                raise RequestAbortedError(f"request {request_id} was aborted") from None
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the caller went away
+            # nobody cancelled this request: the link's channel closed under the call
+            return None, LINK_CLOSED, "the router closed its link"
+        except grpc.aio.AioRpcError as exc:
+            reason = failover_reason(exc)
+            if reason is None:
+                raise error_from_rpc(exc) from None
+            if reason == CONNECTION_LOST:
+                link.connection_lost(exc.details() or exc.code().name)
+            return None, reason, exc.details()
+        finally:
+            self._forget(request_id, routed)
+
+    @staticmethod
+    def _trace_route(
+        parent: str, request_id: str, routed: _Routed, prompt_tokens: int, t_route: int
+    ):
+        """Trace one routing decision and start the span of the call forwarded on it (its
+        context goes to the pipeline as metadata); the caller ends the latter."""
+        attributes = {
+            tracing.REQUEST_ID: request_id,
+            tracing.PIPELINE: routed.pid,
+            tracing.CACHED_TOKENS: routed.predicted_cached,
+            tracing.PROMPT_TOKENS: prompt_tokens,
+            "wavepp.route_reason": routed.reason,
+            "wavepp.attempt": len(routed.tried),
+        }
+        tracing.record("wavepp.router.route", parent, t_route, time.time_ns(), attributes)
+        return tracing.start_span("wavepp.router.forward", parent, attributes, kind="client")
 
     def _calibrate(self, routed: _Routed, started: float) -> None:
         """An answer from ``routed.pid``, forwarded at ``started``: a calibration sample."""
@@ -595,7 +635,8 @@ class RouterEngine:
                 routed = _Routed(decision.pipeline, chosen.prefill_cost_s,
                                  len(tokens) - decision.cached_tokens, decision.cached_tokens,
                                  chosen.queued_cost_s + chosen.prefill_cost_s,
-                                 tried=(*tried, decision.pipeline))  # fmt: skip
+                                 tried=(*tried, decision.pipeline),
+                                 reason=decision.reason.value)  # fmt: skip
                 self._routed[request_id] = routed
                 self._account(routed, 1)
         self.metrics.decision(decision.reason.value)

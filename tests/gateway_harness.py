@@ -38,25 +38,25 @@ def pipeline(model: Path, *extra: str):
     return proc, f"127.0.0.1:{port}"
 
 
-def router(model: Path, pipelines: list[str]):
+def router(model: Path, pipelines: list[str], *extra: str):
     proc, port, _ = spawn(
         ["router", "--model", str(model), *sum((["--pipeline", a] for a in pipelines), []),
          "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--poll-interval", "0.2",
-         "--log-level", "WARNING"],
+         "--log-level", "WARNING", *extra],
         "wavepp router:",
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"
 
 
-def decode_server(model: Path):
-    return decode_server_on(model, 0)
+def decode_server(model: Path, *extra: str):
+    return decode_server_on(model, 0, *extra)
 
 
-def decode_server_on(model: Path, port: int):
-    """`wavepp decode --serve` on ``port`` (0: any free one)."""
+def decode_server_on(model: Path, port: int, *extra: str):
+    """`wavepp decode --serve` on ``port`` (0: any free one); ``extra``: more flags."""
     proc, port, _ = spawn(
         ["decode", "--serve", "--model", str(model), "--served-model-name", SERVED,
-         "--host", "127.0.0.1", "--port", str(port), "--decode-blocks", "64"],
+         "--host", "127.0.0.1", "--port", str(port), "--decode-blocks", "64", *extra],
         "wavepp decode:",
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"

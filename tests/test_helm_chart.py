@@ -12,6 +12,7 @@ import subprocess
 import pytest
 import yaml
 
+from prefill_node import tracing
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.server.server import SERVICE_NAME
 from tests.helm_harness import (
@@ -412,11 +413,29 @@ def test_the_bundled_model_is_prepared_in_every_pod_under_its_cache() -> None:
         ({"networkPolicy": {"decodeCidrs": ["10.8.0.0"]}}, "decodeCidrs"),
         ({"networkPolicy": {"metrics": {"podSelector": {"matchLabel": {}}}}}, "matchLabel"),
         ({"networkPolicy": {"decodePorts": [{"port": 0}]}}, "decodePorts"),
+        ({"tracing": {"otlpEndpoint": "jaeger:4318"}}, "otlpEndpoint"),
     ],
 )
 def test_the_values_schema_refuses_bad_values(values, message) -> None:
     code, _, err = render_result(values)
     assert code != 0 and message in err, err
+
+
+def test_tracing_reaches_every_container_only_when_an_endpoint_is_set(monkeypatch) -> None:
+    endpoint = "http://jaeger-collector.observability:4318"
+    fleet = {"gateway": {"enabled": True, "decode": {"urls": ["10.0.0.7:8000"]}}}
+    traced = render(merge(fleet, {"tracing": {"otlpEndpoint": endpoint}}))
+    pods = traced.pods()
+    roles = {p.labels["app.kubernetes.io/component"] for p in pods}
+    assert roles == {"router", "leader", "stage", "gateway"}
+    for pod in pods:
+        env = container_env(pod.container(), pod.name)
+        assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint, pod.name
+        # what every wavepp process makes of it when no --otlp-endpoint is given
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", env[tracing.ENDPOINT_ENV])
+        assert tracing.resolve_endpoint(None) == endpoint + "/v1/traces"
+    for pod in render(fleet).pods():  # the default: off
+        assert tracing.ENDPOINT_ENV not in container_env(pod.container(), pod.name), pod.name
 
 
 def test_long_release_names_keep_every_name_within_kubernetes_limits() -> None:

@@ -45,7 +45,7 @@ def _stages(spec: PipelineSpec) -> list[StageAdmission]:
 def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -> None:
     spec = _spec()
     top_k = {"a": 2, "b": 1}  # what the engine's records hold
-    core = LeaderCore(spec, _Model(), lambda rid: (top_k.get(rid, 1), None))
+    core = LeaderCore(spec, _Model(), lambda rid: (top_k.get(rid, 1), None, ""))
     stages = _stages(spec)
     core.submit("a", tuple(range(30)), None)
     core.submit("b", tuple(range(100, 110)), None)

@@ -41,6 +41,7 @@ class GatewayRequest:
     max_tokens: int
     cache_salt: str | None
     min_context: int  # prompt + the completion tokens asked for (1 when left to decode)
+    traceparent: str = ""  # the gateway's request span (W3C) while tracing is on
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Failure semantics (docs/gateway.md):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -32,7 +33,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kv_transfer.vllm_decode.params import LOADED_KEY
+from kv_transfer.vllm_decode.params import LOADED_KEY, TRACE_KEY
+from prefill_node import tracing
 from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.openai_api.errors import ApiError, BadRequest, DecodeFailed, Unavailable
 from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
@@ -92,14 +94,36 @@ class RequestPath:
         self._releasing: set[asyncio.Task] = set()  # lease releases under way
 
     async def handle(self, route: Route, request: Request) -> Response:
+        if not tracing.enabled():
+            return await self._handle(route, request, None)
+        span = tracing.start_span("wavepp.gateway.request", request.headers,
+                                  {"http.route": route.value}, kind="server")  # fmt: skip
+        try:
+            response = await self._handle(route, request, span)
+        except BaseException as exc:
+            tracing.end(span, error=exc)
+            raise
+        span.set_attribute("http.response.status_code", response.status_code)
+        if not isinstance(response, StreamingResponse):  # a stream's relay ends it
+            tracing.end(span, error="error" if response.status_code >= 400 else None)
+        return response
+
+    async def _handle(self, route: Route, request: Request, span: Any) -> Response:
         started = time.monotonic()
         label = route.label
         try:
             raw = await request.body()
+            tokenize = None
+            if span is not None:
+                tokenize = tracing.start_span("wavepp.gateway.tokenize", tracing.headers(span))
             req = parse_request(route, parse_body(raw), served_model=self.config.served_model,
                                 max_model_len=self.config.max_model_len,
                                 default_max_tokens=self.config.default_max_tokens,
                                 tokenizer=self._tokenizer)  # fmt: skip
+            if span is not None:
+                tokenize.set_attribute(tracing.PROMPT_TOKENS, len(req.prompt_ids))
+                tracing.end(tokenize)
+                req = dataclasses.replace(req, traceparent=tracing.traceparent(span))
             answer, headers, decision = await until_disconnected(request, self._serve(req))
         except ApiError as exc:
             self._metrics.requests.labels(label, _outcome(exc)).inc()
@@ -108,12 +132,16 @@ class RequestPath:
             self._metrics.requests.labels(label, "cancelled").inc()
             return Response(status_code=499)
         prefill = decision.label
+        if span is not None:
+            span.set_attribute("wavepp.prefill", prefill)
+            span.set_attribute("wavepp.prefill_reason", decision.reason.value)
         if answer.stream is None:
             self._finish(label, prefill, answer, started)
             return Response(answer.body, answer.status, headers, media_type="application/json")
         self._metrics.ttft.labels(label, prefill).observe(time.monotonic() - started)
-        return StreamingResponse(self._relay(answer, label, prefill, started), answer.status,
-                                 headers, media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(self._relay(answer, label, prefill, started, span),
+                                 answer.status, headers,
+                                 media_type="text/event-stream")  # fmt: skip
 
     def _finish(self, label: str, prefill: str, answer: _Answer, started: float) -> None:
         outcome = "ok" if answer.status < 400 else f"decode_{answer.status}"
@@ -121,7 +149,7 @@ class RequestPath:
         self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
 
     async def _relay(
-        self, answer: _Answer, label: str, prefill: str, started: float
+        self, answer: _Answer, label: str, prefill: str, started: float, span: Any = None
     ) -> AsyncIterator[bytes]:
         outcome = "cancelled"  # the client went away unless the stream ends
         try:
@@ -142,6 +170,7 @@ class RequestPath:
                 answer.stream.close()  # closing it makes decode abort the unfinished request
             self._metrics.requests.labels(label, outcome).inc()
             self._metrics.e2e.labels(label, prefill).observe(time.monotonic() - started)
+            tracing.end(span, error=None if outcome == "ok" else outcome)
 
     async def _serve(self, req: GatewayRequest) -> tuple[_Answer, dict[str, str], Decision]:
         ready = self._fleet.views(req.prompt_ids, req.cache_salt)
@@ -188,7 +217,16 @@ class RequestPath:
         mode, tier = self.config.mode, self._tier
         report = None
         if mode is PrefillMode.AUTO and tier is not None:
-            report = await tier.score(req.prompt_ids, req.cache_salt)
+            if not req.traceparent:
+                report = await tier.score(req.prompt_ids, req.cache_salt)
+            else:
+                span = tracing.start_span("wavepp.gateway.tier_score", req.traceparent,
+                                          kind="client")  # fmt: skip
+                report = await tier.score(req.prompt_ids, req.cache_salt, tracing.headers(span))
+                if report is not None:
+                    span.set_attribute(tracing.PIPELINE, report.pipeline_id)
+                    span.set_attribute(tracing.CACHED_TOKENS, report.cached_tokens)
+                tracing.end(span, error=None if report is not None else "no answer")
         decision = decide(mode, self.config.rule, len(req.prompt_ids), decode, report)
         prefill = None
         if decision.remote:
@@ -222,9 +260,22 @@ class RequestPath:
         if self._tier is None:
             raise Unavailable("--prefill remote, but no prefill tier (--router) is configured")
         request_id = f"gw-{uuid.uuid4().hex}"
+        span = None
+        if req.traceparent:
+            span = tracing.start_span("wavepp.gateway.tier_prefill", req.traceparent,
+                                      {tracing.REQUEST_ID: request_id}, kind="client")  # fmt: skip
         try:
-            return await self._tier.prefill(req.prompt_ids, request_id, req.cache_salt), decision
-        except TierError as exc:
+            prefilled = await self._tier.prefill(req.prompt_ids, request_id, req.cache_salt,
+                                                 tracing.headers(span))  # fmt: skip
+            if span is not None:
+                span.set_attribute(tracing.PIPELINE, prefilled.pipeline)
+                span.set_attribute(tracing.CACHED_TOKENS, prefilled.cached_tokens)
+                tracing.end(span)
+            return prefilled, decision
+        except BaseException as exc:
+            tracing.end(span, error=exc)
+            if not isinstance(exc, TierError):
+                raise
             self._metrics.tier_errors.labels(exc.status).inc()
             if self.config.mode is PrefillMode.AUTO:
                 log.info("prefill tier failed (%s); prefilling on decode instead", exc)
@@ -275,20 +326,46 @@ class RequestPath:
     async def _send(
         self, req: GatewayRequest, inst: DecodeInstance, params: dict | None
     ) -> _Answer:
-        import aiohttp
-
         iid = inst.id
         body = dict(req.body)
         if req.route is Route.COMPLETIONS:
             body["prompt"] = list(req.prompt_ids)  # tokenised once, here
+        headers = _JSON
+        span = None
+        if req.traceparent:  # decode continues the trace from the header, its KV load too
+            span = tracing.start_span("wavepp.gateway.decode", req.traceparent,
+                                      {"wavepp.decode_instance": iid,
+                                       "wavepp.kv_from_tier": params is not None},
+                                      kind="client")  # fmt: skip
+            context = tracing.headers(span)
+            headers = {**_JSON, **dict(context)}
+            if params is not None:
+                params = {**params, TRACE_KEY: tracing.traceparent(span)}
         if params is not None:
             body["kv_transfer_params"] = params
+        try:
+            answer = await self._post(req, inst, body, headers)
+        except BaseException as exc:
+            tracing.end(span, error=exc)
+            raise
+        tracing.end(span, error="error" if answer.status >= 400 else None)
+        return answer
+
+    async def _post(
+        self, req: GatewayRequest, inst: DecodeInstance, body: dict, headers: dict[str, str]
+    ) -> _Answer:
+        """Send ``body`` to ``inst``: its whole answer, or its open stream with the first
+        chunk read; a failure before that raises _DecodeAttemptFailed."""
+        import aiohttp
+
+        iid = inst.id
+        params = body.get("kv_transfer_params")
         connect_s = self.config.decode_connect_timeout_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
         try:
             reply = await self._fleet.http.post(inst.url + req.route.value,
                                                 data=json.dumps(body).encode(), timeout=timeout,
-                                                headers=_JSON)  # fmt: skip
+                                                headers=headers)  # fmt: skip
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._fleet.mark_down(iid)
             raise _DecodeAttemptFailed(iid, "connect", delivered=False) from exc

@@ -58,19 +58,28 @@ class PrefillTier:
         self._score_timeout_s = score_timeout_s
         self._prefill_timeout_s = prefill_timeout_s
 
-    async def score(self, prompt_ids: Sequence[int], cache_salt: str | None) -> ScoreReport | None:
-        """The router's dry run; None when it does not answer in time (tier unavailable)."""
+    async def score(
+        self, prompt_ids: Sequence[int], cache_salt: str | None, trace: Sequence = ()
+    ) -> ScoreReport | None:
+        """The router's dry run; None when it does not answer in time (tier unavailable).
+        ``trace``: W3C trace context headers for the call's metadata."""
         try:
             return await self._client.score(
-                list(prompt_ids), cache_salt=cache_salt or "", timeout_s=self._score_timeout_s
-            )
+                list(prompt_ids), cache_salt=cache_salt or "", timeout_s=self._score_timeout_s,
+                metadata=trace or None,
+            )  # fmt: skip
         except (TimeoutError, grpc.RpcError):
             return None
 
     async def prefill(
-        self, prompt_ids: Sequence[int], request_id: str, cache_salt: str | None
+        self,
+        prompt_ids: Sequence[int],
+        request_id: str,
+        cache_salt: str | None,
+        trace: Sequence = (),
     ) -> TierPrefill:
-        """Prefill in pull mode; raises TierError."""
+        """Prefill in pull mode; raises TierError. ``trace``: W3C trace context headers for
+        the call's metadata."""
         from kv_transfer.vllm_decode.params import pull_params
         from prefill_node.engine.types import KVPullDestination
         from prefill_node.kv_shipping.kv_wire import wire_manifest
@@ -83,6 +92,7 @@ class PrefillTier:
                 cache_salt=cache_salt or "",
                 kv_destination=KVPullDestination(),
                 deadline_s=self._prefill_timeout_s,
+                metadata=trace or None,
             )
         except grpc.RpcError as exc:
             code = exc.code()

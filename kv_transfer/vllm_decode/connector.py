@@ -39,11 +39,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.errors import InvalidTransferRequest, KVTransferError, LayoutMismatch
+from kv_transfer.load_trace import end_load, start_load
 from kv_transfer.receiver import KVReceiver, ReceiverConfig
 from kv_transfer.vllm_decode.cache import SUPPORTED_ISAS, pool_views
 from kv_transfer.vllm_decode.params import (
     LOADED_KEY,
     PULL_KEY,
+    TRACE_KEY,
     LoadReport,
     prompt_mismatch,
     prompt_tokens,
@@ -110,6 +112,7 @@ class WavePPConnector(KVConnectorBase_V1):
         # worker side
         self._receiver: KVReceiver | None = None
         self._live: dict[str, int] = {}  # request id -> tokens being read
+        self._spans: dict[str, Any] = {}  # request id -> its traced load's span (load_trace)
         self._ended: dict[str, LoadReport] = {}  # finished since the last report
         self._report: dict[str, LoadReport] = {}  # for build_connector_worker_meta
 
@@ -139,7 +142,7 @@ class WavePPConnector(KVConnectorBase_V1):
         self._to_load.append(
             _Load(
                 request.request_id,
-                {PULL_KEY: params[PULL_KEY]},
+                {PULL_KEY: params[PULL_KEY], TRACE_KEY: params.get(TRACE_KEY)},
                 tuple(blocks.get_block_ids()[0]),
                 request.num_prompt_tokens - num_external_tokens,
                 request.num_prompt_tokens,
@@ -233,10 +236,17 @@ class WavePPConnector(KVConnectorBase_V1):
         first = load.skip_tokens // block_size
         self._receiver.pull(manifests, load.block_ids[first:], load.skip_tokens)
         self._live[load.request_id] = load.num_tokens - load.skip_tokens
+        traceparent = load.raw.get(TRACE_KEY)
+        if traceparent:  # the gateway traces this request: so does its load
+            num_tokens = load.num_tokens - load.skip_tokens
+            self._spans[load.request_id] = start_load(traceparent, load.request_id, num_tokens)
 
     def _end(self, request_id: str, tokens: int, num_bytes: int, error: Exception | None) -> None:
         self._live.pop(request_id, None)
         ok = error is None
+        if self._spans:
+            span = self._spans.pop(request_id, None)
+            end_load(span, num_bytes, None if ok else f"{type(error).__name__}: {error}")
         if ok:
             log.info(
                 "WavePPConnector: %s loaded %d tokens, %d bytes", request_id, tokens, num_bytes

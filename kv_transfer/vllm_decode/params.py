@@ -5,7 +5,8 @@ manifest per prefill stage, as the prefill response leased them, and a digest of
 token ids the stages computed (``pull_params`` builds it): the connector loads nothing for a
 request whose prompt differs, so KV is never attached to other tokens. Out (``RequestOutput.
 kv_transfer_params`` of a finished request): ``{"wavepp_loaded": {"tokens", "bytes", "ok",
-"error"}}``: what the connector READ over NIXL for it.
+"error"}}``: what the connector READ over NIXL for it. A traced request also carries
+``{"wavepp_traceparent": W3C traceparent}``: decode's KV load is recorded under that span.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kv_transfer.messages import StageManifest
 PULL_KEY = "wavepp_pull"
 PROMPT_KEY = "wavepp_prompt"
 LOADED_KEY = "wavepp_loaded"
+TRACE_KEY = "wavepp_traceparent"  # optional: the gateway's decode span (docs/tracing.md)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,9 @@ def register(subparsers: Any) -> None:
         default="recompute",
         help="a failed KV load: compute the prompt here (default) or fail the request",
     )
+    from prefill_node.cli.options import add_tracing_argument
+
+    add_tracing_argument(s)
     s.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     p.set_defaults(func=run)
 
@@ -109,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
             if args.prompts:
                 raise ValueError("--serve takes no PROMPT: send requests over HTTP")
             from prefill_node.cli.decode_serve import run_serve
+            from prefill_node.cli.options import configure_tracing
 
+            configure_tracing(args, "wavepp-decode")
             return run_serve(args, _model_dir(args))
         if not args.prompts:
             raise ValueError("give at least one PROMPT (or --serve)")

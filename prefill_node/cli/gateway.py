@@ -130,6 +130,9 @@ def register(subparsers: Any) -> None:
     n = p.add_argument_group("network")
     n.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     n.add_argument("--port", type=int, default=8000, help="HTTP port, 0 = any (default 8000)")
+    from prefill_node.cli.options import add_tracing_argument
+
+    add_tracing_argument(p)
     p.add_argument(
         "--log-level",
         default="INFO",
@@ -145,12 +148,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from prefill_node.cli.options import configure_tracing
     from prefill_node.client.remote_args import client_tls
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.tokenizer import Tokenizer
     from wavepp_gateway.config import DecisionRule, GatewayConfig, PrefillMode
     from wavepp_gateway.serve import Listener, events_by_address, serve
 
+    configure_tracing(args, "wavepp-gateway")
     model_dir = args.model
     if model_dir is None:
         from prefill_node.model.default_model import default_model_dir

@@ -91,6 +91,27 @@ def add_network_arguments(parser: argparse.ArgumentParser, port: int, metrics_po
     )
 
 
+def add_tracing_argument(parser: argparse.ArgumentParser) -> None:
+    """``--otlp-endpoint``: every WavePP process's switch for OpenTelemetry tracing."""
+    parser.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        default=None,
+        help="export OpenTelemetry trace spans over OTLP/HTTP (protobuf) to this collector, "
+        "e.g. http://jaeger:4318 (/v1/traces is added when missing). Trace context is taken "
+        "from and passed on in W3C traceparent headers / gRPC metadata. Default: the "
+        "environment's OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off (no SDK is imported). "
+        "See docs/tracing.md",
+    )
+
+
+def configure_tracing(args: argparse.Namespace, service_name: str) -> None:
+    """Turn tracing on for this process from ``--otlp-endpoint`` or the environment."""
+    from prefill_node import tracing
+
+    tracing.configure(service_name, getattr(args, "otlp_endpoint", None))
+
+
 def add_discovery_arguments(
     parser: argparse.ArgumentParser, static_flag: str, peers: str, static_help: str, port_name: str
 ) -> None:

@@ -10,6 +10,8 @@ from prefill_node.cli.options import (
     add_discovery_arguments,
     add_network_arguments,
     add_tls_arguments,
+    add_tracing_argument,
+    configure_tracing,
     discovery_from_args,
     run_logged,
     serve_until_signal,
@@ -122,6 +124,7 @@ def register(subparsers: Any) -> None:
     add_client_tls_arguments(p, "pipeline", "the pipelines")
     add_network_arguments(p, port=50050, metrics_port=9401)
     add_tls_arguments(p)
+    add_tracing_argument(p)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 
@@ -143,6 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     from prefill_router.router_engine import RouterConfig, RouterEngine
     from prefill_router.scoring import RoutingPolicy
 
+    configure_tracing(args, "wavepp-router")
     if args.pending_ttl <= 0 or args.poll_interval <= 0 or args.affinity_slack < 0:
         raise ValueError(
             "--pending-ttl and --poll-interval must be positive, --affinity-slack >= 0"

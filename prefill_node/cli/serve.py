@@ -10,6 +10,8 @@ from prefill_node.cli.options import (
     add_kv_progress,
     add_network_arguments,
     add_tls_arguments,
+    add_tracing_argument,
+    configure_tracing,
     run_logged,
     serve_until_signal,
     server_config,
@@ -186,6 +188,7 @@ def register(subparsers: Any) -> None:
         help="serve wavepp.prefill.v1.DebugService: CheckIntegrity runs every stage's "
         "check_integrity() and reports what each stage holds (soak tests, operators)",
     )
+    add_tracing_argument(p)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 
@@ -206,6 +209,7 @@ def _run(args: argparse.Namespace) -> int:
     from prefill_node.server.engine_factory import EngineSpec, build_engine
     from prefill_node.server.kv_event_hub import KVEventHub
 
+    configure_tracing(args, "wavepp-leader")  # locally launched stages inherit it
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke_test and args.tls_cert:

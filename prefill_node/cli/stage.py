@@ -32,6 +32,9 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="how long to wait for the leader's store and spec (default 600)",
     )
+    from prefill_node.cli.options import add_tracing_argument
+
+    add_tracing_argument(p)
     p.set_defaults(func=run)
 
 
@@ -42,4 +45,5 @@ def run(args: argparse.Namespace) -> int:
     from prefill_node.runtime.stage_main import run_stage
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return run_stage(DistEnv.from_env(), connect_timeout_s=args.connect_timeout)
+    env = DistEnv.from_env()
+    return run_stage(env, connect_timeout_s=args.connect_timeout, otlp_endpoint=args.otlp_endpoint)

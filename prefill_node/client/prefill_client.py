@@ -195,11 +195,19 @@ class PrefillClient:
         self._debug = debug_pb2_grpc.DebugServiceStub(self._channel)
 
     def prefill(
-        self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
+        self,
+        prompt: Sequence[int] | str,
+        *,
+        deadline_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **kwargs,
     ) -> RemoteResult:
-        """One Prefill call; ``deadline_s`` is the gRPC call deadline, kwargs: build_request."""
+        """One Prefill call; ``deadline_s`` is the gRPC call deadline, ``metadata`` extra call
+        metadata (e.g. a W3C ``traceparent``), kwargs: build_request."""
         return to_remote_result(
-            self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
+            self._stub.Prefill(
+                build_request(prompt, **kwargs), timeout=deadline_s, metadata=metadata
+            )
         )
 
     def score(
@@ -283,9 +291,15 @@ class AsyncPrefillClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def prefill(
-        self, prompt: Sequence[int] | str, *, deadline_s: float | None = None, **kwargs
+        self,
+        prompt: Sequence[int] | str,
+        *,
+        deadline_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **kwargs,
     ) -> RemoteResult:
-        call = self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
+        request = build_request(prompt, **kwargs)
+        call = self._stub.Prefill(request, timeout=deadline_s, metadata=metadata)
         return to_remote_result(await call)
 
     def prefill_call(
@@ -295,11 +309,17 @@ class AsyncPrefillClient:
         return self._stub.Prefill(build_request(prompt, **kwargs), timeout=deadline_s)
 
     async def score(
-        self, prompt: Sequence[int] | str, *, cache_salt: str = "", timeout_s: float | None = None
+        self,
+        prompt: Sequence[int] | str,
+        *,
+        cache_salt: str = "",
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
     ) -> ScoreReport:
         """A router's dry run (Score): where this prompt would be prefilled now."""
         request = build_request(prompt, cache_salt=cache_salt)
-        return to_score_report(await self._stub.Score(request, timeout=timeout_s))
+        call = self._stub.Score(request, timeout=timeout_s, metadata=metadata)
+        return to_score_report(await call)
 
     async def prefill_stream(
         self, requests: Iterable[prefill_pb2.PrefillRequest]

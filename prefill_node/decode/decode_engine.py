@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kv_transfer import load_trace
 from kv_transfer.messages import StageManifest
 from kv_transfer.vllm_decode.params import LoadReport
 from prefill_node.decode.worker_process import IDLE_POLL_S, DecodeWorkerSpec
@@ -69,6 +70,7 @@ class DecodeJob:
     sink: Callable[[DecodeEvent], None]
     manifests: tuple[StageManifest, ...] | None = None
     refused: str | None = None
+    traceparent: str = ""  # the caller's trace context: the KV load becomes a span under it
 
 
 @dataclass
@@ -78,6 +80,7 @@ class _Active:
     tokens: Generator[int, None, None] | None = None  # while running
     generated: int = 0
     load: LoadReport | None = None
+    load_span: Any = None  # the KV load's span while it runs (traced requests)
 
 
 @dataclass
@@ -261,6 +264,10 @@ class DecodeEngine:
                 if job.refused is not None:
                     self._load_failed(active, LoadReport(0, 0, job.refused))
                     continue
+                if job.traceparent:
+                    active.load_span = load_trace.start_load(
+                        job.traceparent, job.request_id, len(job.prompt_ids)
+                    )
                 try:
                     self._worker.pull_wire(job.request_id, job.prompt_ids, job.manifests)
                 except Exception as exc:  # noqa: BLE001 - a refused pull is a failed load
@@ -285,6 +292,7 @@ class DecodeEngine:
                     continue
                 self._worker.take_kv(request_id)
                 active.load = LoadReport(len(active.job.prompt_ids), outcome.num_bytes)
+                load_trace.end_load(active.load_span, outcome.num_bytes, None)
                 self.counters.kv_loads["ok"] += 1
                 self.counters.prompt_tokens["external_kv_transfer"] += len(active.job.prompt_ids)
                 self._start_running(active, self._worker.recompute_last(request_id))
@@ -294,6 +302,7 @@ class DecodeEngine:
 
     def _load_failed(self, active: _Active, report: LoadReport) -> None:
         active.load = report
+        load_trace.end_load(active.load_span, report.num_bytes, report.error)
         log.warning("KV load of %s failed (policy %s): %s", active.job.request_id, self.policy,
                     report.error)  # fmt: skip
         if self.policy is KVLoadFailurePolicy.FAIL:

@@ -85,7 +85,7 @@ class _Request:
             stop_ids.update(eos_ids)
         self.job = DecodeJob(
             request_id, req.prompt_ids, req.max_tokens, frozenset(stop_ids), sink,
-            req.manifests, req.refused,
+            req.manifests, req.refused, req.traceparent,
         )  # fmt: skip
 
     async def next_event(self) -> DecodeEvent:

@@ -17,7 +17,7 @@ from typing import Any
 
 from kv_transfer.errors import InvalidTransferRequest
 from kv_transfer.messages import StageManifest
-from kv_transfer.vllm_decode.params import PULL_KEY, prompt_mismatch, pull_manifests
+from kv_transfer.vllm_decode.params import PULL_KEY, TRACE_KEY, prompt_mismatch, pull_manifests
 from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.openai_api.errors import BadRequest, unknown_model
 from prefill_node.openai_api.prompt import flag, is_int, prompt_ids
@@ -71,6 +71,7 @@ class GenerateRequest:
     return_token_ids: bool
     manifests: tuple[StageManifest, ...] | None
     refused: str | None
+    traceparent: str = ""  # kv_transfer_params' W3C trace context: the KV load is traced
 
 
 class PromptLimits:
@@ -120,7 +121,13 @@ def parse_request(
         return_token_ids=flag(body, "return_token_ids", False),
         manifests=manifests,
         refused=refused,
+        traceparent=_traceparent(body.get("kv_transfer_params")),
     )
+
+
+def _traceparent(params: Any) -> str:
+    value = params.get(TRACE_KEY) if isinstance(params, dict) else None
+    return value if isinstance(value, str) else ""
 
 
 def _check_greedy(body: Mapping[str, Any]) -> None:

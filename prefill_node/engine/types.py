@@ -90,6 +90,9 @@ class PrefillOptions:
     kv_destination: KVPushDestination | KVPullDestination | None = None  # None: KV stays here
     priority: int = 0  # a router serves waiting requests of higher priority first
     tenant: str | None = None  # whose turn it waits for at a router; None: its cache_salt
+    # W3C traceparent of the span this request runs under ("" while tracing is off): the
+    # server's request span; the engine records its own spans under it (docs/tracing.md)
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)

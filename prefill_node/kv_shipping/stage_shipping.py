@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from kv_transfer.errors import InvalidTransferRequest
+from prefill_node import tracing
 from prefill_node.core.block import KVBlock
 from prefill_node.core.stage_admission import StageAdmission
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
@@ -169,6 +170,7 @@ class StageShipping:
         self._pin_lock = threading.Lock()
         self._pinned: dict[tuple[int, ...], list[str]] = {}
         self._absorb: dict[tuple[int, ...], int] = {}
+        self._spans: dict[str, object] = {}  # traced hand-offs in flight (shipping thread)
         self._shipper: StageKVShipper | None = None
         self._thread = threading.Thread(target=self._run, name=f"stage{stage}-kv", daemon=True)
         self._thread.start()
@@ -199,12 +201,21 @@ class StageShipping:
         blocks: Sequence[KVBlock],
         manifest: StageKVManifest,
         destination: Destination,
+        traceparent: str = "",
     ) -> None:
-        """Start the hand-off of a request completed with ``keep_pinned``; returns at once."""
+        """Start the hand-off of a request completed with ``keep_pinned``; returns at once.
+        With ``traceparent`` (tracing on), the hand-off is a span until its outcome."""
         key = tuple(b.block_id for b in blocks)
         with self._pin_lock:  # at once, so that a ``disown`` right after finds it
             self._pinned.setdefault(key, []).append(request_id)
-        self._loop.call(partial(self._start, request_id, list(blocks), manifest, destination))
+        span = None
+        if traceparent and tracing.enabled():
+            mode = "pull" if isinstance(destination, KVPullDestination) else "push"
+            span = tracing.start_span("wavepp.stage.kv_send", traceparent, {
+                tracing.REQUEST_ID: request_id, tracing.STAGE: self.stage,
+                "wavepp.kv_mode": mode, "wavepp.kv_blocks": len(blocks)})  # fmt: skip
+        start = partial(self._start, request_id, list(blocks), manifest, destination, span)
+        self._loop.call(start)
 
     def stream(
         self,
@@ -296,7 +307,10 @@ class StageShipping:
         blocks: list[KVBlock],
         manifest: StageKVManifest,
         destination: Destination,
+        span: object = None,
     ) -> None:
+        if span is not None:
+            self._spans[request_id] = span
         shipper = self._running()
         if isinstance(destination, KVPullDestination):
             shipper.publish(request_id, blocks, manifest, destination.lease_ttl_s)
@@ -339,5 +353,8 @@ class StageShipping:
                 except Exception:  # a bug in one poll must not stop the stage's shipping
                     log.exception("stage %d KV shipper poll failed", self.stage)
                 for result in shipper.take_results():
+                    if self._spans:
+                        span = self._spans.pop(result.request_id, None)
+                        tracing.end(span, error=result.error)
                     self._outcomes.append(handoff_of(result))
             self._loop.pause(busy=shipper is not None and shipper.busy)

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from prefill_node import tracing
 from prefill_node.mkl_vendor import preload_env
 from prefill_node.runtime.core_share import FD_ENV, CoreBoard
 from prefill_node.runtime.dist_env import DistEnv
@@ -82,6 +83,7 @@ class LocalLauncher:
             env = preload_env(dict(os.environ))  # MKL's fast kernels on AMD (mkl_vendor.py)
             env.update(self._env.with_rank(rank).to_env())
             env["OMP_NUM_THREADS"] = "1"
+            env.update(tracing.child_env())  # the leader's --otlp-endpoint
             env.pop(STAGE_CPU_ENV, None)
             if cpus is not None:
                 env[STAGE_CPU_ENV] = str(cpus[rank])

@@ -21,7 +21,8 @@ from prefill_node.errors import NeverFitsError, WaveppError
 from prefill_node.runtime.messages import WaveChunk, WaveHeader, WaveResult
 from prefill_node.runtime.spec import PipelineSpec
 
-ChunkOptions = tuple[int, KVPushDestination | KVPullDestination | None]
+# top-k, KV destination, W3C traceparent ("" untraced): what each chunk of a request carries
+ChunkOptions = tuple[int, KVPushDestination | KVPullDestination | None, str]
 """A request's ``top_k`` and KV destination, as every one of its chunks carries them."""
 
 
@@ -76,7 +77,7 @@ class LeaderCore:
         self,
         spec: PipelineSpec,
         model_config: Any,
-        chunk_options: Callable[[str], ChunkOptions] = lambda _rid: (1, None),
+        chunk_options: Callable[[str], ChunkOptions] = lambda _rid: (1, None, ""),
     ):
         policy = spec.scheduling_policy
         self._rank0_decides = policy.rank0_decides
@@ -182,8 +183,8 @@ class LeaderCore:
         new_requests = []
         for c in wave.chunks:
             last = self._scheduler.is_last(c)
-            top_k, dest = self._chunk_options(c.request_id)  # every chunk: stages may stream
-            chunks.append(WaveChunk(c.request_id, c.start, c.length, last, top_k, dest))
+            top_k, dest, trace = self._chunk_options(c.request_id)  # every chunk: may stream
+            chunks.append(WaveChunk(c.request_id, c.start, c.length, last, top_k, dest, trace))
             spec = self._to_follow.pop(c.request_id, None)
             if spec is not None:
                 new_requests.append(spec)

@@ -53,7 +53,12 @@ from prefill_node.runtime.kv_event_feed import KVEventFeed, KVEventSink
 from prefill_node.runtime.leader import Leader, LeaderConfig
 from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
-from prefill_node.runtime.leader_request import LeaderRequest, RequestTable, settle_future
+from prefill_node.runtime.leader_request import (
+    LeaderRequest,
+    RequestTable,
+    settle_future,
+    trace_request,
+)
 from prefill_node.runtime.messages import RoundKind, RoundMessage, StageStats, WaveResult
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
@@ -397,12 +402,16 @@ class LeaderEngine:
             if req is not None:
                 if req.ships:
                     self._cancel_shipping((req.request_id,))
+                if req.options.traceparent:
+                    trace_request(req, now, msg)
                 settle_future(req.future, error=StageStateError(msg))
         for out, req in finished:
             if req is None and self._handoffs is not None:  # aborted or failed meanwhile
                 self._handoffs.late_output(out.request_id)
             if req is not None:
                 manifests = tuple(req.manifests[s] for s in sorted(req.manifests))
+                if req.options.traceparent:
+                    trace_request(req, now)
                 settle_future(req.future, result=req.result(out, now, manifests))
 
     # -- KV hand-off callbacks (LeaderHandoffs' thread) ----------------------------------------
@@ -417,6 +426,8 @@ class LeaderEngine:
             error = error or KVHandoffError(
                 f"{req.request_id}: no KV hand-off", decode_saw_bytes=req.pushes
             )
+            if req.options.traceparent:
+                trace_request(req, time.monotonic(), error)
             settle_future(req.future, error=error)
             leader = self._leader
             if leader is not None:  # stop scheduling its remaining chunks
@@ -427,7 +438,10 @@ class LeaderEngine:
                 self._leased[req.request_id] = True
                 while len(self._leased) > _LEASED_KEPT:
                     self._leased.popitem(last=False)
-        settle_future(req.future, result=req.result(req.output, time.monotonic(), manifests))
+        now = time.monotonic()
+        if req.options.traceparent:
+            trace_request(req, now)
+        settle_future(req.future, result=req.result(req.output, now, manifests))
 
     def _cancel_shipping(self, request_ids: tuple[str, ...]) -> None:
         """Every stage gives these requests' hand-offs up (fire and forget)."""

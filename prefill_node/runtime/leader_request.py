@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefill_node import tracing
 from prefill_node.engine.types import (
     KVPullDestination,
     KVPushDestination,
@@ -159,11 +160,14 @@ class RequestTable:
             return records
 
     def chunk_options(self, request_id: str) -> ChunkOptions:
-        """What rides on each of the request's chunks: its top-k and KV destination
-        (1 and None once the record is gone: an aborted request's last chunks)."""
+        """What rides on each of the request's chunks: its top-k, KV destination and
+        traceparent (1, None and "" once the record is gone: an aborted request's last
+        chunks)."""
         with self.cond:
             req = self._records.get(request_id)
-        return (1, None) if req is None else (req.top_k, req.destination)
+        if req is None:
+            return (1, None, "")
+        return (req.top_k, req.destination, req.options.traceparent)
 
     # -- under ``cond`` ------------------------------------------------------------------
     def get(self, request_id: str) -> LeaderRequest | None:
@@ -175,6 +179,34 @@ class RequestTable:
 
     def __iter__(self) -> Iterator[LeaderRequest]:
         return iter(list(self._records.values()))
+
+
+def trace_request(req: LeaderRequest, now: float, error: BaseException | str | None = None) -> None:
+    """Record the request's time on the leader as spans under its server span (tracing on,
+    ``req.options.traceparent`` set): queue wait, the admission round that admitted it, its
+    compute (first chunk to last logits; the stages' chunk spans carry each wave) and, for a
+    shipped request, the KV hand-off."""
+    parent = req.options.traceparent
+    attributes = {tracing.REQUEST_ID: req.request_id}
+    admitted = req.t_admitted or now
+    round_start = max(req.t_submit, admitted - req.admission_s)
+    tracing.record("wavepp.leader.queue", parent, tracing.wall_ns(req.t_submit),
+                   tracing.wall_ns(round_start), attributes)  # fmt: skip
+    if req.t_admitted:
+        tracing.record("wavepp.leader.admission", parent, tracing.wall_ns(round_start),
+                       tracing.wall_ns(admitted),
+                       {**attributes, tracing.CACHED_TOKENS: req.cached_tokens,
+                        tracing.PROMPT_TOKENS: len(req.token_ids)})  # fmt: skip
+    computed = req.t_last_chunk or now
+    span = tracing.start_span("wavepp.leader.compute", parent, attributes,
+                              start_ns=tracing.wall_ns(admitted))  # fmt: skip
+    tracing.end(span, tracing.wall_ns(computed), None if req.ships else error)
+    if req.ships:
+        mode = "push" if req.pushes else "pull"
+        span = tracing.start_span("wavepp.leader.kv_handoff", parent,
+                                  {**attributes, "wavepp.kv_mode": mode},
+                                  start_ns=tracing.wall_ns(computed))  # fmt: skip
+        tracing.end(span, tracing.wall_ns(now), error)
 
 
 def settle_future(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:

@@ -38,6 +38,7 @@ class WaveChunk:
     is_last: bool
     top_logprobs: int = 0
     kv_destination: KVPushDestination | KVPullDestination | None = None
+    traceparent: str = ""  # the request's leader span (W3C); "" while tracing is off
 
 
 @dataclass(frozen=True)

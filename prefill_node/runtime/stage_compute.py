@@ -500,7 +500,7 @@ class PipelineStageCompute:
             if dest is not None and self.shipping is not None:
                 self._kv_written()
                 blocks = [self.admission.pool.block(b) for b in done.block_ids]
-                self.shipping.ship(chunk.request_id, blocks, manifest, dest)
+                self.shipping.ship(chunk.request_id, blocks, manifest, dest, chunk.traceparent)
             manifests.append((chunk.request_id, manifest))
         return tuple(manifests)
 

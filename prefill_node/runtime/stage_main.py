@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from prefill_node import tracing
 from prefill_node.runtime.core_share import FD_ENV, CoreBoard, CoreShare
 from prefill_node.runtime.dist_env import DistEnv
 from prefill_node.runtime.heartbeat import Heartbeat
@@ -45,7 +46,9 @@ def connect_store(env: DistEnv, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
+def run_stage(
+    env: DistEnv, connect_timeout_s: float = 600.0, otlp_endpoint: str | None = None
+) -> int:
     """Join the pipeline as stage ``env.rank`` (>= 1) and serve until the leader stops it.
 
     Contract: gets the PipelineSpec from the leader's store, loads only its layer slice and
@@ -53,10 +56,12 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
     Returns 0 after a clean STOP, EXIT_REVISION_MISMATCH (without joining) when the leader
     runs another revision (``DistEnv.revision``). Exits the process (code 3) as soon as the
     leader is lost - a stage without its leader has nothing left to do, and must not hold
-    its memory.
+    its memory. Traces as ``wavepp-stage-RANK`` to ``otlp_endpoint``, else the environment's
+    (a locally launched stage inherits its leader's), else not at all.
     """
     if env.is_leader:
         raise ValueError("rank 0 is the leader: start it with `wavepp serve/prefill --stages`")
+    tracing.configure(f"wavepp-stage-{env.rank}", otlp_endpoint)
     torch.set_num_threads(1)
     cpu = os.environ.get(STAGE_CPU_ENV)
     pin_to_cpu(int(cpu) if cpu else None)
@@ -99,6 +104,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
 
     def leader_lost(reason: str) -> None:
         log.error("stage %d: leader lost (%s); exiting", env.rank, reason)
+        tracing.shutdown()  # os._exit skips atexit: export the spans buffered so far
         os._exit(EXIT_LEADER_LOST)
 
     heartbeat = Heartbeat(env, leader_lost, spec.heartbeat_s, spec.dead_after_s)
@@ -110,6 +116,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
         leader_lost(str(worker.error))
     if worker.error is not None:
         log.error("stage %d failed: %r; exiting", env.rank, worker.error)
+        tracing.shutdown()
         os._exit(EXIT_STAGE_FAILED)
     worker.join(timeout=spec.dead_after_s)
     compute.close()
@@ -123,6 +130,7 @@ def run_stage(env: DistEnv, connect_timeout_s: float = 600.0) -> int:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     code = run_stage(DistEnv.from_env())
+    tracing.shutdown()  # before os._exit, which skips atexit
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from prefill_node import tracing
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
@@ -153,9 +154,12 @@ class StageWorker:
                     return
                 with self._exec_lock:
                     t0, c0 = time.perf_counter(), time.thread_time()
+                    traced = tracing.enabled() and time.time_ns()
                     step = self._compute.run_wave(header, frame.tensor)
                     self._busy_s += time.perf_counter() - t0
                     self._cpu_s += time.thread_time() - c0
+                if traced:
+                    self._trace_wave(header, traced, step)
                 self._waves += 1
                 self._tokens += header.num_tokens
                 self._emit(header, step)
@@ -167,6 +171,20 @@ class StageWorker:
             log.exception("stage %d LOOP crashed", self.rank)
         if self.error is not None and self._on_error is not None:
             self._on_error(f"stage {self.rank} execution loop stopped: {self.error}")
+
+    def _trace_wave(self, header: WaveHeader, start_ns: int, step: StepOutput) -> None:
+        """One span per traced chunk of the wave: this stage's compute of it (the wave's
+        forward runs every chunk together, so they share its start and end)."""
+        end_ns = time.time_ns()
+        failed = dict(step.failed)
+        for chunk in header.chunks:
+            if chunk.traceparent:
+                span = tracing.start_span("wavepp.stage.chunk", chunk.traceparent, {
+                    tracing.REQUEST_ID: chunk.request_id, tracing.STAGE: self.rank,
+                    tracing.WAVE_ID: header.wave_id, "wavepp.chunk_start": chunk.start,
+                    "wavepp.chunk_tokens": chunk.length, "wavepp.chunk_last": chunk.is_last,
+                    "wavepp.wave_tokens": header.num_tokens}, start_ns=start_ns)  # fmt: skip
+                tracing.end(span, end_ns, failed.get(chunk.request_id))
 
     def _emit(self, header: WaveHeader, step: StepOutput) -> None:
         failed = header.failed + step.failed

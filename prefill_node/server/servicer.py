@@ -18,6 +18,7 @@ policy (every message says what to fix):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -29,7 +30,7 @@ from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 import grpc
 from google.protobuf.message import DecodeError
 
-from prefill_node import __version__
+from prefill_node import __version__, tracing
 from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult, ScoreReport
 from prefill_node.errors import (
     DeadlineExceededError,
@@ -218,7 +219,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request, context):
         try:
-            return await self._prefill(request, context.time_remaining())
+            return await self._prefill(request, context.time_remaining(), None, context)
         except RequestFailure as f:
             await context.abort(f.code, f.message, f.trailers)
 
@@ -234,7 +235,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the request is not a valid PrefillRequest: {exc}")  # fmt: skip
         try:
-            return await self._prefill(request, context.time_remaining(), data)
+            return await self._prefill(request, context.time_remaining(), data, context)
         except RequestFailure as f:
             await context.abort(f.code, f.message, f.trailers)
 
@@ -251,7 +252,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
         async def one(req: prefill_pb2.PrefillRequest) -> None:
             try:
-                resp = await self._prefill(req, context.time_remaining())
+                resp = await self._prefill(req, context.time_remaining(), None, context)
                 item = prefill_pb2.PrefillStreamResponse(request_id=resp.request_id, response=resp)
             except RequestFailure as f:
                 error = prefill_pb2.PrefillError(code=f.code.value[0], message=f.message)
@@ -331,13 +332,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 grpc.StatusCode.UNIMPLEMENTED, "Score is a router's call; this is a pipeline"
             )
         request_id = request.request_id or "score"
+        span = None
+        if tracing.enabled():
+            span = tracing.start_span("wavepp.router.score", context.invocation_metadata(),
+                                      kind="server")  # fmt: skip
         try:
             parsed = parse_request(request, request_id=request_id, limits=self._limits,
                                    tokenizer=self._tokenizer)  # fmt: skip
             report = self._engine.score(parsed.token_ids, parsed.options.cache_salt)
         except Exception as exc:
+            tracing.end(span, error=exc)
             f = _failure(request_id, exc)
             await context.abort(f.code, f.message, f.trailers)
+        if span is not None:
+            span.set_attributes({tracing.PIPELINE: report.pipeline_id,
+                                 tracing.CACHED_TOKENS: report.cached_tokens,
+                                 "wavepp.route_reason": report.reason})  # fmt: skip
+            tracing.end(span)
         return prefill_pb2.ScoreResponse(
             pipeline_id=report.pipeline_id,
             reason=report.reason,
@@ -399,11 +410,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         req: prefill_pb2.PrefillRequest,
         call_remaining_s: float | None,
         raw: bytes | None = None,
+        context: grpc.aio.ServicerContext | None = None,
     ) -> prefill_pb2.PrefillResponse | bytes:
         """Run one request to its response, or raise RequestFailure (metrics recorded). A
-        forwarder's answer is bytes when ``raw`` (the request's bytes) is given."""
-        started = time.perf_counter()
+        forwarder's answer is bytes when ``raw`` (the request's bytes) is given. With tracing
+        on, the request runs under a server span continuing the caller's ``traceparent``."""
         request_id = req.request_id or uuid.uuid4().hex
+        if not tracing.enabled():
+            return await self._prefill_untraced(req, call_remaining_s, raw, request_id, "")
+        metadata = context.invocation_metadata() if context is not None else None
+        name = "wavepp.router.request" if self._forward is not None else "wavepp.leader.request"
+        span = tracing.start_span(name, metadata or None, {tracing.REQUEST_ID: request_id},
+                                  kind="server")  # fmt: skip
+        error: BaseException | None = None
+        try:
+            return await self._prefill_untraced(
+                req, call_remaining_s, raw, request_id, tracing.traceparent(span)
+            )
+        except RequestFailure as f:
+            error = f
+            span.set_attribute("rpc.grpc.status_code", f.code.value[0])
+            raise
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            tracing.end(span, error=error)
+
+    async def _prefill_untraced(
+        self,
+        req: prefill_pb2.PrefillRequest,
+        call_remaining_s: float | None,
+        raw: bytes | None,
+        request_id: str,
+        traceparent: str,
+    ) -> prefill_pb2.PrefillResponse | bytes:
+        started = time.perf_counter()
         try:
             if not self.ready:
                 raise RequestFailure(
@@ -422,6 +464,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 )
             except Exception as exc:
                 raise _failure(request_id, exc) from exc
+            if traceparent:
+                options = dataclasses.replace(parsed.options, traceparent=traceparent)
+                parsed = dataclasses.replace(parsed, options=options)
             if self._forward is not None:  # a router: the pipeline's response, passed on
                 relayed = await self._await_engine(parsed, self._forward(req, parsed, raw))
             else:

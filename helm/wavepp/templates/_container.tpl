@@ -291,6 +291,16 @@ stage's RANK comes from its ordinal, in its command.
   value: /tmp
 {{- end }}
 
+{{/* Tracing of every wavepp process (docs/tracing.md): the standard OTLP variable, which
+`wavepp serve / stage / router / gateway` read when no --otlp-endpoint is given. */}}
+{{- define "wavepp.tracingEnv" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+
 {{/* Mounts of every wavepp container: the cache, a writable /tmp, the model: (dict "root" $
 "filesOnly" bool); filesOnly: the model volume is the pod's copy of the config and tokenizer
 files (wavepp.copyModelFiles), not the claim (so no subPath). */}}

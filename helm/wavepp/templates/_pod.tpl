@@ -125,6 +125,7 @@ spec:
             fieldRef:
               fieldPath: status.podIP
         {{- include "wavepp.commonEnv" $root | nindent 8 }}
+        {{- include "wavepp.tracingEnv" $root | nindent 8 }}
         {{- if and $pipeline (not $podPerPipeline) }}
         {{- include "wavepp.rendezvousEnv" . | trim | nindent 8 }}
         {{- end }}
