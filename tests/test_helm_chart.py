@@ -424,10 +424,13 @@ def test_the_values_schema_refuses_bad_values(values, message) -> None:
 def test_tracing_reaches_every_container_only_when_an_endpoint_is_set(monkeypatch) -> None:
     endpoint = "http://jaeger-collector.observability:4318"
     fleet = {"gateway": {"enabled": True, "decode": {"urls": ["10.0.0.7:8000"]}}}
-    traced = render(merge(fleet, {"tracing": {"otlpEndpoint": endpoint}}))
-    pods = traced.pods()
-    roles = {p.labels["app.kubernetes.io/component"] for p in pods}
-    assert roles == {"router", "leader", "stage", "gateway"}
+    pods = []
+    for layout, roles in (("podPerStage", {"router", "leader", "stage", "gateway"}),
+                          ("podPerPipeline", {"router", "leader", "gateway"})):  # fmt: skip
+        values = {"tracing": {"otlpEndpoint": endpoint}, "pipelines": {"layout": layout}}
+        found = render(merge(fleet, values)).pods()
+        assert {p.labels["app.kubernetes.io/component"] for p in found} == roles
+        pods += found
     for pod in pods:
         env = container_env(pod.container(), pod.name)
         assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint, pod.name
