@@ -10,6 +10,7 @@ itself reports the request part-way through (no sleeps)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,25 @@ def front(engine: RouterEngine) -> ServerThread:
     return ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, blocking_submit=False))
 
 
+@contextlib.contextmanager
+def one_request_mid_flight(discovery):
+    """A router over ``discovery`` behind its gRPC front, both pipelines ready, with request
+    r0 (PROMPT) sent through it: yields (engine, client, the pending call's future)."""
+    engine = RouterEngine(discovery, RouterConfig())
+    engine.start()
+    try:
+        with (
+            front(engine) as srv,
+            PrefillClient(srv.target) as client,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
+            wait_until(client.is_ready, 10, "the router SERVING")
+            yield engine, client, pool.submit(client.prefill, PROMPT, request_id="r0", timeout_s=60)
+    finally:
+        engine.shutdown()
+
+
 def wait_routed_mid_flight(engine: RouterEngine, timeout_s: float = 30.0) -> str:
     """The pipeline the router sent its one request to, once that pipeline reports it
     admitted and part-way through (holding blocks on every stage)."""
@@ -90,39 +110,27 @@ def stage_pid(proc) -> int:
 @pytest.mark.parametrize("fault", ["pipeline", "stage"])
 def test_a_pipeline_that_dies_mid_request_fails_over_and_the_request_answers_ok(pipelines, fault):
     by_address = {address: proc for proc, address in pipelines}
-    engine = RouterEngine(StaticDiscovery(list(by_address)), RouterConfig())
-    engine.start()
-    try:
-        with (
-            front(engine) as srv,
-            PrefillClient(srv.target) as client,
-            ThreadPoolExecutor(1) as pool,
-        ):
-            wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
-            wait_until(client.is_ready, 10, "the router SERVING")
-            pending = pool.submit(client.prefill, PROMPT, request_id="r0", timeout_s=60)
-            victim = wait_routed_mid_flight(engine)
-            proc = by_address[victim]
-            os.kill(proc.pid if fault == "pipeline" else stage_pid(proc), signal.SIGKILL)
-            result = pending.result(timeout=60).result
-            (survivor,) = set(by_address) - {victim}
-            assert result.served_by == survivor
-            assert (result.request_id, result.prompt_tokens) == ("r0", len(PROMPT))
-            reason = "connection_lost" if fault == "pipeline" else "pipeline_unavailable"
-            assert dict(engine.metrics.failovers) == {(victim, reason): 1}
-            assert dict(engine.metrics.answered_requests) == {survivor: 1}
-            # the dead pipeline is out of routing (its connection or its readiness said so)
-            wait_until(lambda: not engine.links()[victim].ready, 10, "the victim dropped")
-            again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
-            assert again.served_by == survivor
-            # with the other pipeline gone too, nothing can serve: UNAVAILABLE
-            stop(by_address[survivor])
-            wait_until(lambda: not engine.health().ready, 10, "no pipeline ready")
-            with pytest.raises(grpc.RpcError) as err:
-                client.prefill(PROMPT[:40], request_id="r2", timeout_s=10)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        engine.shutdown()
+    with one_request_mid_flight(StaticDiscovery(list(by_address))) as (engine, client, pending):
+        victim = wait_routed_mid_flight(engine)
+        proc = by_address[victim]
+        os.kill(proc.pid if fault == "pipeline" else stage_pid(proc), signal.SIGKILL)
+        result = pending.result(timeout=60).result
+        (survivor,) = set(by_address) - {victim}
+        assert result.served_by == survivor
+        assert (result.request_id, result.prompt_tokens) == ("r0", len(PROMPT))
+        reason = "connection_lost" if fault == "pipeline" else "pipeline_unavailable"
+        assert dict(engine.metrics.failovers) == {(victim, reason): 1}
+        assert dict(engine.metrics.answered_requests) == {survivor: 1}
+        # the dead pipeline is out of routing (its connection or its readiness said so)
+        wait_until(lambda: not engine.links()[victim].ready, 10, "the victim dropped")
+        again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
+        assert again.served_by == survivor
+        # with the other pipeline gone too, nothing can serve: UNAVAILABLE
+        stop(by_address[survivor])
+        wait_until(lambda: not engine.health().ready, 10, "no pipeline ready")
+        with pytest.raises(grpc.RpcError) as err:
+            client.prefill(PROMPT[:40], request_id="r2", timeout_s=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_dead_pipeline_leaves_polled_routing_at_once_and_its_new_instance_returns(
@@ -205,26 +213,14 @@ def test_a_pipeline_leaving_discovery_mid_request_finishes_it_then_its_link_clos
     its deadline)."""
     addresses = [address for _, address in pipelines]
     discovery = ChangingDiscovery(addresses)
-    engine = RouterEngine(discovery, RouterConfig())
-    engine.start()
-    try:
-        with (
-            front(engine) as srv,
-            PrefillClient(srv.target) as client,
-            ThreadPoolExecutor(1) as pool,
-        ):
-            wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
-            wait_until(client.is_ready, 10, "the router SERVING")
-            pending = pool.submit(client.prefill, PROMPT, request_id="r0", timeout_s=60)
-            leaving = wait_routed_mid_flight(engine)
-            (staying,) = set(addresses) - {leaving}
-            discovery.set([staying])
-            assert set(engine.links()) == {staying}  # out of routing at once
-            again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
-            assert again.served_by == staying
-            result = pending.result(timeout=60).result
-            assert (result.request_id, result.served_by) == ("r0", leaving)
-            assert not engine.metrics.failovers
-            wait_until(lambda: not engine.leaving(), 10, "the drained link closed")
-    finally:
-        engine.shutdown()
+    with one_request_mid_flight(discovery) as (engine, client, pending):
+        leaving = wait_routed_mid_flight(engine)
+        (staying,) = set(addresses) - {leaving}
+        discovery.set([staying])
+        assert set(engine.links()) == {staying}  # out of routing at once
+        again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
+        assert again.served_by == staying
+        result = pending.result(timeout=60).result
+        assert (result.request_id, result.served_by) == ("r0", leaving)
+        assert not engine.metrics.failovers
+        wait_until(lambda: not engine.leaving(), 10, "the drained link closed")

@@ -107,6 +107,9 @@ def test_one_request_is_one_trace_from_the_caller_through_every_hop(traced_path)
         return {(s.service, s.name) for s in spans if s.trace_id == TRACE_ID} >= EXPECTED
 
     received = rx.wait_for(complete, 30, "every hop's spans")
+    if dump := os.environ.get("WAVEPP_TRACE_DUMP"):  # the example trace for notes and docs
+        with open(dump, "w") as f:
+            json.dump([s.__dict__ for s in received if s.trace_id == TRACE_ID], f, indent=1)
     # only ours: FastAPI's own telemetry (a span per HTTP call, /metrics polls included)
     # does not see our providers
     assert {s.name for s in received if not s.name.startswith("wavepp.")} == set()
