@@ -237,25 +237,29 @@ class RouterEngine:
             if self._closed:
                 return
             gone = [link for pid, link in self._links.items() if pid not in wanted]
-            stopping = []
+            stopping, draining = [], set()
             for link in gone:
                 del self._links[link.pid]
                 self._derived.pop(link.pid, None)
                 self._calibration.forget(link.pid)
                 self._drop_index(link.pid)
-                if link.pid in self._own:  # calls in flight there: the pod drains them
-                    stopping.extend(filter(None, [self._leaving.pop(link.pid, None)]))
-                    self._leaving[link.pid] = link
-                else:
+                if link.pid not in self._own:
                     stopping.append(link)
+                    continue
+                # calls in flight there: the pod drains them; an older leaving link goes now
+                older = self._leaving.pop(link.pid, None)
+                if older is not None:
+                    stopping.append(older)
+                self._leaving[link.pid] = link
+                draining.add(link.pid)
             new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
                    if pid not in self._links]  # fmt: skip
             for link in new:
                 self._links[link.pid] = link
         for link in gone:
-            draining = self._leaving.get(link.pid) is link
             log.info("pipeline %s left the discovery%s", link.pid,
-                     "; its link closes when the calls on it end" if draining else "")  # fmt: skip
+                     "; its link closes when the calls on it end" if link.pid in draining
+                     else "")  # fmt: skip
         for link in stopping:
             link.stop()
         for link in new:
@@ -496,13 +500,12 @@ class RouterEngine:
             timeout = None
             if options.deadline_s is not None:
                 timeout = max(0.0, options.deadline_s - time.monotonic())
-            span = None
+            span = metadata = None
             if tracing.enabled():
                 span = self._trace_route(options.traceparent, request_id, routed, len(tokens),
                                          t_route)  # fmt: skip
-                call = link.aio_prefill()(request, timeout=timeout, metadata=tracing.headers(span))
-            else:
-                call = link.aio_prefill()(request, timeout=timeout)
+                metadata = tracing.headers(span)
+            call = link.aio_prefill()(request, timeout=timeout, metadata=metadata)
             routed.call, routed.loop = call, asyncio.get_running_loop()
             started = time.monotonic()
             try:
