@@ -7,8 +7,11 @@ of ``--capacity-concurrency`` clients), then offers ``--levels`` times that capa
 a fresh prompt (no prefix reuse) with a deadline of ``--deadline-s`` (the request's
 ``timeout``; the call's own deadline a little later), tenants drawn from ``--tenants``.
 
-One row per level, each after a quiet machine (bench/quiet.py), with provenance
-(bench/provenance.py): ``offered_x``, ``offered_per_s``, ``requests``, ``goodput_per_s``
+Each level runs once per router ``--max-wait`` setting (``--max-waits``, default ``0,1``: no
+wait bound, only deadlines shed; then a 1 s bound), each setting its own router in front of the
+same pipelines, the capacity measured once through the first. One row per setting and level,
+each after a quiet machine (bench/quiet.py), with provenance (bench/provenance.py):
+``max_wait_s``, ``offered_x``, ``offered_per_s``, ``requests``, ``goodput_per_s``
 (answered OK within the deadline, per second from the level's first arrival to its last
 answer, ``wall_s``), ``rejected_share``
 (RESOURCE_EXHAUSTED: shed by the router), ``deadline_share`` (DEADLINE_EXCEEDED),
@@ -17,7 +20,7 @@ answer, ``wall_s``), ``rejected_share``
     .venv/bin/python bench/overload.py --json /tmp/overload.json
 
 Goals (issue 29): at 2x and 4x, goodput >= 90% of the 1x goodput and admitted p95 within 2x of
-the 1x p95. A smoke run: ``--levels 0.5,2 --capacity-s 2 --duration-s 2``.
+the 1x p95 of the same setting. A smoke run: ``--levels 0.5,2 --capacity-s 2 --duration-s 2``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity-s", type=float, default=20.0, help="capacity run (default 20)")
     p.add_argument("--capacity-concurrency", type=int, default=8, help="default 8")
     p.add_argument("--duration-s", type=float, default=60.0, help="per level (default 60)")
+    p.add_argument(
+        "--max-waits",
+        default="0,1",
+        help="the router's --max-wait settings, seconds, each its own set of rows (0: no "
+        "bound; default 0,1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--router-arg",
@@ -157,12 +166,20 @@ def row(offered_x: float, rate: float, wall_s: float, deadline_s: float, outcome
     }
 
 
-async def measure(target: str, args: argparse.Namespace) -> list[dict]:
-    load = Load(target, args, args.seed)
+async def capacity_of(target: str, args: argparse.Namespace) -> float:
+    load = Load(target, args, args.seed - 1)
     try:
         wait_quiet()
         cap = await capacity(load, args.capacity_concurrency, args.capacity_s)
-        print(f"capacity: {cap:.2f} requests/s", file=sys.stderr)
+    finally:
+        await load.close()
+    print(f"capacity: {cap:.2f} requests/s", file=sys.stderr)
+    return cap
+
+
+async def measure(target: str, args: argparse.Namespace, cap: float, max_wait_s: float):
+    load = Load(target, args, args.seed)
+    try:
         rows = []
         for i, x in enumerate(float(v) for v in args.levels.split(",")):
             settle = wait_quiet()
@@ -170,7 +187,7 @@ async def measure(target: str, args: argparse.Namespace) -> list[dict]:
             outcomes, wall_s = await offer(
                 load, rate, args.duration_s, args.deadline_s, args.seed + i
             )
-            r = {**row(x, rate, wall_s, args.deadline_s, outcomes),
+            r = {"max_wait_s": max_wait_s, **row(x, rate, wall_s, args.deadline_s, outcomes),
                  "capacity_per_s": round(cap, 3), "settle_s": round(settle, 2)}  # fmt: skip
             print(json.dumps(r), file=sys.stderr)
             rows.append({**r, **provenance()})
@@ -200,9 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for p in pipelines:
                 warm_pipeline(p.wait_listening().address, args.prompt_tokens)
-            router = cluster.router("prefix", pipelines)
-            warm_router(router.address, args.pipelines)
-            rows = asyncio.run(measure(router.address, args))
+            rows, cap = [], None
+            for wait in (float(v) for v in args.max_waits.split(",")):
+                router = cluster.router("prefix", pipelines, (f"--max-wait={wait}",), f"-{wait}")
+                warm_router(router.address, args.pipelines)
+                if cap is None:
+                    cap = asyncio.run(capacity_of(router.address, args))
+                rows += asyncio.run(measure(router.address, args, cap, wait))
+                router.stop()
     args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {len(rows)} rows to {args.json}", file=sys.stderr)
     return 0

@@ -236,13 +236,18 @@ class Cluster:
                 "--log-level", "WARNING", *extra]  # fmt: skip
         return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
 
-    def router(self, policy: str, pipelines: list[Server]) -> Server:
+    def router(
+        self, policy: str, pipelines: list[Server], extra: tuple[str, ...] = (), tag: str = ""
+    ) -> Server:
+        """Start a router in front of ``pipelines``; ``extra``: more `wavepp router` flags
+        (after ``--router-arg``'s); ``tag`` tells its log apart from another's of the same
+        policy."""
         argv = ["router", "--model", str(self._model), "--policy", policy, "--host",
                 "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
-                "--log-level", "WARNING", *self._args.router_arg]  # fmt: skip
+                "--log-level", "WARNING", *self._args.router_arg, *extra]  # fmt: skip
         for p in pipelines:
             argv += ["--pipeline", p.address]
-        server = Server(argv, "wavepp router:", self._logs / f"router-{policy}.log")
+        server = Server(argv, "wavepp router:", self._logs / f"router-{policy}{tag}.log")
         return self._add(server).wait_listening()
 
     def proxy(self, upstream: str, front: bool = False) -> Proxy:

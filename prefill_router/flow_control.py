@@ -10,8 +10,11 @@ An offered request carries the router's own prediction of the seconds until its 
 best pipeline now (the Scorer's queued work + its prefill cost there, ``pipeline_s``). Waiting
 adds the predicted cost of the requests that would go before it (same or higher priority),
 spread over the ready pipelines. A request is rejected at once, with a retry-after hint, when
-that prediction exceeds its deadline, or when it would have to wait and the queue is full: an
-overloaded tier says "busy, retry" in microseconds instead of answering late.
+that prediction exceeds its deadline, when its predicted wait (the prediction less its own
+prefill cost: the work queued on the pipeline and ahead of it here) exceeds ``max_wait_s``, or
+when it would have to wait and the queue is full: an overloaded tier says "busy, retry" in
+microseconds instead of answering late. The deadline is each caller's; ``max_wait_s`` is the
+operator's bound on latency added by queueing, for every request, deadline or not.
 
 Whoever gets ADMIT (from ``offer`` or ``release``/``drain``) holds a slot and must ``release``
 it exactly once; a WAIT that gives up (cancelled, deadline) is ``withdraw``n.
@@ -30,15 +33,17 @@ from prefill_node.errors import InvariantError
 @dataclass(frozen=True)
 class FlowConfig:
     """``max_inflight_per_pipeline``: requests forwarded at once per ready pipeline, 0 for no
-    bound (nothing waits; only the deadline check turns requests away); ``max_queue``: requests
-    waiting at the router at most, beyond which a request that would wait is rejected."""
+    bound (nothing waits; only the deadline and wait checks turn requests away); ``max_queue``:
+    requests waiting at the router at most, beyond which a request that would wait is
+    rejected; ``max_wait_s``: the longest predicted wait admitted (0: no bound)."""
 
     max_inflight_per_pipeline: int = 32
     max_queue: int = 1024
+    max_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.max_inflight_per_pipeline < 0 or self.max_queue < 0:
-            raise ValueError("max_inflight_per_pipeline and max_queue must be >= 0")
+        if self.max_inflight_per_pipeline < 0 or self.max_queue < 0 or self.max_wait_s < 0:
+            raise ValueError("max_inflight_per_pipeline, max_queue and max_wait_s must be >= 0")
 
 
 class Verdict(Enum):
@@ -46,6 +51,7 @@ class Verdict(Enum):
     WAIT = "wait"  # queued; ``release`` / ``drain`` hands it a slot later
     QUEUE_FULL = "queue_full"  # rejected: it would wait and the queue is full
     DEADLINE = "deadline"  # rejected: predicted to finish after its deadline
+    WAIT_LIMIT = "wait_limit"  # rejected: predicted to wait longer than max_wait_s
 
 
 class Offer(NamedTuple):
@@ -99,6 +105,9 @@ class FlowControl:
             predicted += ahead / max(1, ready_pipelines)
         if deadline_left_s is not None and predicted > deadline_left_s:
             return Offer(Verdict.DEADLINE, predicted, predicted - max(0.0, deadline_left_s))
+        wait = predicted - waiter.cost_s
+        if self.config.max_wait_s and wait > self.config.max_wait_s:
+            return Offer(Verdict.WAIT_LIMIT, predicted, wait - self.config.max_wait_s)
         if free:
             self.inflight += 1
             return Offer(Verdict.ADMIT, predicted, 0.0)

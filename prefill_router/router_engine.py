@@ -443,6 +443,12 @@ class RouterEngine:
                 f"request {request_id!r} is predicted to take {offer.predicted_s:.3f}s, past "
                 f"its deadline in {left:.3f}s; retry in {offer.retry_after_s:.3f}s or with a "
                 "longer deadline", offer.retry_after_s)  # fmt: skip
+        if offer.verdict is Verdict.WAIT_LIMIT:
+            raise OverloadedError(
+                f"request {request_id!r} is predicted to wait "
+                f"{offer.predicted_s - waiter.cost_s:.3f}s for a pipeline, past the router's "
+                f"--max-wait of {self._flow.config.max_wait_s:g}s; retry in "
+                f"{offer.retry_after_s:.3f}s", offer.retry_after_s)  # fmt: skip
         try:
             await waiter.handle[1]
         except asyncio.CancelledError:

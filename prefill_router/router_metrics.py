@@ -35,7 +35,8 @@ class RouterMetrics:
         self.failovers: Counter[tuple[str, str]] = Counter()  # by (failed pipeline, reason)
         self.lost: Counter[str] = Counter()  # by pipeline: left the candidate set
         self.refused: Counter[str] = Counter()  # by pipeline: wrong model / block size
-        # flow control, by outcome: admit, wait, queue_full, deadline (rejected at once),
+        # flow control, by outcome: admit, wait, queue_full, deadline, wait_limit (rejected
+        # at once),
         # dequeued (a waiter got its slot), withdrawn (a waiter gave up)
         self.admission: Counter[str] = Counter()
         self.waiting = 0  # requests waiting in the router's queue now
@@ -105,8 +106,8 @@ class _RouterCollector(Collector):
         yield ratios
         admission = CounterMetricFamily(
             "wavepp_router_admission",
-            "Flow control outcomes: admit, wait, queue_full and deadline (rejected at once "
-            "with RESOURCE_EXHAUSTED), dequeued, withdrawn",
+            "Flow control outcomes: admit, wait, queue_full, deadline and wait_limit (rejected "
+            "at once with RESOURCE_EXHAUSTED), dequeued, withdrawn",
             labels=["outcome"],
         )
         for outcome, n in snapshot["admission"].items():

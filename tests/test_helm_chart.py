@@ -147,6 +147,15 @@ def test_router_discovers_exactly_the_leaders_with_the_rbac_it_needs() -> None:
     assert args.port == port_number(router.container(), "grpc")
 
 
+def test_the_routers_flow_control_values_become_its_flags() -> None:
+    flow = {"maxInflightPerPipeline": 8, "maxQueue": 64, "maxWaitSeconds": 1.5}
+    (router,) = render({"router": {"flowControl": flow}}).pods_of("router")
+    args = parse(router.container())
+    assert (args.max_inflight_per_pipeline, args.max_queue, args.max_wait) == (8, 64, 1.5)
+    (default,) = render({}).pods_of("router")
+    assert parse(default.container()).max_wait == 0  # no bound unless the operator sets one
+
+
 def _stage_rank(pod, env: dict, tmp_path) -> int:
     """Run the stage's real shell command with a `wavepp` on PATH that prints RANK."""
     fake = tmp_path / "wavepp"

@@ -36,6 +36,24 @@ def test_a_request_predicted_past_its_deadline_is_rejected_with_how_late_it_woul
     flow.check_integrity()
 
 
+def test_a_request_predicted_to_wait_past_the_wait_bound_is_rejected_deadline_or_not():
+    flow = FlowControl(FlowConfig(max_inflight_per_pipeline=1, max_queue=8, max_wait_s=1.0))
+    # free slot, but 1.5 s of work queued on the best pipeline (prediction 2.0, own cost 0.5)
+    assert flow.offer(waiter("a", cost_s=0.5), 2.0, None, 1) == (Verdict.WAIT_LIMIT, 2.0, 0.5)
+    assert flow.offer(waiter("b", cost_s=0.5), 1.4, None, 1).verdict is Verdict.ADMIT  # 0.9 s
+    assert flow.offer(waiter("c", cost_s=0.8), 0.5, None, 1).verdict is Verdict.WAIT
+    # waiting adds the cost queued ahead (0.8 s): 0.3 + 0.8 - 0.25 < 1, 0.5 + 0.8 - 0.25 > 1
+    assert flow.offer(waiter("d", cost_s=0.25), 0.3, 60.0, 1).verdict is Verdict.WAIT
+    late = flow.offer(waiter("e", cost_s=0.25), 0.5, 60.0, 1)
+    assert late.verdict is Verdict.WAIT_LIMIT and late[1:] == pytest.approx((0.5 + 1.05, 0.3))
+    # the deadline still rules first: a request late for it is told how late
+    assert flow.offer(waiter("f", cost_s=0.25), 0.5, 1.0, 1).verdict is Verdict.DEADLINE
+    assert (flow.inflight, flow.num_waiting) == (1, 2)
+    flow.check_integrity()
+    with pytest.raises(ValueError):
+        FlowConfig(max_wait_s=-1.0)
+
+
 def test_waiters_go_by_priority_then_tenant_by_tenant_in_arrival_order():
     flow = FlowControl(FlowConfig(max_inflight_per_pipeline=1, max_queue=16))
     assert flow.offer(waiter("busy"), 0.1, None, 1).verdict is Verdict.ADMIT

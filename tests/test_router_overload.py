@@ -3,9 +3,10 @@ pipeline: with one slot and a queue of one, a second request waits and is served
 rejected at once with RESOURCE_EXHAUSTED and a retry-after-ms hint, and a waiter whose
 deadline passes leaves the queue; a request predicted (the router's own cost model, set
 high here so the trigger is deterministic) to finish after its deadline is rejected at once,
-while one without a deadline is served; and the prediction, calibrated by the answers of a
-pipeline slowed down on purpose (every wave sleeps), rejects a too-short deadline at once
-that the bare cost model (optimistic by orders of magnitude here) admits."""
+while one without a deadline is served; a request predicted to wait past the router's
+`--max-wait` is rejected at once, deadline or not; and the prediction, calibrated by the
+answers of a pipeline slowed down on purpose (every wave sleeps), rejects a too-short
+deadline at once that the bare cost model (optimistic by orders of magnitude here) admits."""
 
 from __future__ import annotations
 
@@ -114,6 +115,31 @@ def test_a_request_predicted_past_its_deadline_is_rejected_at_once(pipeline):
             result = client.prefill(fresh, request_id="patient").result  # no deadline
             assert result.request_id == "patient"
             assert dict(engine.metrics.admission) == {"deadline": 1, "admit": 1}
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_predicted_to_wait_past_max_wait_is_rejected_at_once_deadline_or_not(pipeline):
+    # one second per prompt token: LONG in flight puts 240 s of predicted work on the only
+    # pipeline, so a request with no deadline behind it is predicted to wait far past 5 s
+    slow = ChunkCostModel(per_token_s=1.0, per_token_context_s=0.0)
+    config = RouterConfig(cost_model=slow, flow=FlowConfig(max_wait_s=5.0))
+    engine, server = routed(pipeline, config)
+    try:
+        with server as srv, PrefillClient(srv.target) as client, ThreadPoolExecutor(1) as pool:
+            wait_until(client.is_ready, 30, "the router SERVING")
+            busy = pool.submit(client.prefill, LONG, request_id="busy", cache_salt="wait")
+            wait_until(lambda: engine.metrics.admission["admit"] == 1, 30, "busy admitted")
+            with pytest.raises(grpc.RpcError) as err:
+                client.prefill(SHORT, request_id="behind", cache_salt="wait")
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-wait of 5s" in err.value.details()
+            assert retry_after_ms(err.value) >= 100_000  # most of LONG's 240 s, less 5 s
+            assert busy.result(60).result.request_id == "busy"
+            # nothing queued now: the same request goes on
+            assert client.prefill(SHORT, request_id="after", cache_salt="wait").result
+            assert dict(engine.metrics.admission) == {"admit": 2, "wait_limit": 1}
+            engine._flow.check_integrity()
     finally:
         engine.shutdown()
 

@@ -114,6 +114,17 @@ def register(subparsers: Any) -> None:
         "same way (default 1024)",
     )
     f.add_argument(
+        "--max-wait",
+        type=float,
+        default=0.0,
+        help="seconds a request may be predicted to wait at most (the work queued on the best "
+        "pipeline and ahead of it in the router's queue, its own prefill not counted); one "
+        "predicted to wait longer is rejected at once with RESOURCE_EXHAUSTED and a "
+        "retry-after-ms hint, deadline or not. It bounds the latency overload adds: set it to "
+        "your time-to-first-token objective less a typical prefill (0 = no bound: only "
+        "deadlines and --max-queue turn requests away; default 0)",
+    )
+    f.add_argument(
         "--calibration-alpha",
         type=float,
         default=CalibrationConfig.alpha,
@@ -168,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
             tls=client_tls(args.pipeline_ca, args.pipeline_cert, args.pipeline_key, "pipeline"),
         ),
         model_name=model.name,
-        flow=FlowConfig(args.max_inflight_per_pipeline, args.max_queue),
+        flow=FlowConfig(args.max_inflight_per_pipeline, args.max_queue, args.max_wait),
         calibration=CalibrationConfig(alpha=args.calibration_alpha),
     )
     engine = RouterEngine(discovery_from_args(args, args.pipeline), config)

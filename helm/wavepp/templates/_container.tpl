@@ -82,6 +82,9 @@ args:
   - --metrics-port={{ int $v.router.metricsPort }}
   - --pending-ttl={{ $v.router.pendingTtlSeconds }}
   - --poll-interval={{ $v.router.pollIntervalSeconds }}
+  - --max-inflight-per-pipeline={{ int $v.router.flowControl.maxInflightPerPipeline }}
+  - --max-queue={{ int $v.router.flowControl.maxQueue }}
+  - --max-wait={{ $v.router.flowControl.maxWaitSeconds }}
   {{- include "wavepp.serverArgs" .root | nindent 2 }}
   {{- with include "wavepp.serverTlsArgs" (dict "tls" $v.tls.router "name" "router") }}
   {{- . | trim | nindent 2 }}
