@@ -73,8 +73,8 @@ _PD_SMOKE = ("--rates", "c1", "--num-prompts", "2", "--input-len", "64", "--outp
 FIGURES = (
     Figure(
         "pipeline",
-        "bench/pipeline.py: wave vs trtllm vs sync-admission, efficiency vs the ceiling",
-        _bench("pipeline", "--runs", "12"),
+        "bench/pipeline.py: wave vs trtllm vs sync-admission at c = 1, 8, 32, efficiency",
+        _bench("pipeline", "--quick", "--runs", "3", "--min-requests", "32"),
         _bench(
             "pipeline",
             "--runs",
