@@ -109,3 +109,56 @@ def test_release_without_a_slot_is_a_bug_and_bad_config_is_refused():
         FlowControl(FlowConfig()).release(1)
     with pytest.raises(ValueError):
         FlowConfig(max_queue=-1)
+
+
+def _busy_and_quiet_tenants(cost: float) -> FlowControl:
+    """One slot, held; tenant A has 40 requests waiting, tenants q0..q7 one each."""
+    flow = FlowControl(FlowConfig(max_inflight_per_pipeline=1, max_queue=1024))
+    assert flow.offer(waiter("busy", "x", cost_s=cost), cost, None, 1).verdict is Verdict.ADMIT
+    for i in range(40):
+        assert flow.offer(waiter(f"a{i}", "A", cost_s=cost), cost, None, 1).verdict is Verdict.WAIT
+    for j in range(8):
+        assert flow.offer(waiter(f"q{j}", f"q{j}", cost_s=cost), cost, None, 1).verdict is (
+            Verdict.WAIT
+        )
+    return flow
+
+
+def _admitted_after(flow: FlowControl, mine: Waiter, cost: float) -> float:
+    """Seconds until ``mine`` gets the slot when each admitted request holds it ``cost`` s
+    and every tenant but A sends its next request as one is served (clients in a loop)."""
+    t, n = 0.0, 0
+    while True:
+        t += cost
+        (admitted,) = flow.release(1)
+        flow.check_integrity()
+        if admitted is mine:
+            return t
+        if admitted.tenant != "A":
+            n += 1
+            again = waiter(f"{admitted.tenant}-{n}", admitted.tenant, cost_s=cost)
+            flow.offer(again, cost, None, 1)
+
+
+def test_the_wait_is_predicted_by_tenant_turns_not_by_the_queue_total():
+    # The 30-minute soak (one tenant sending over half of the tenant traffic) turned no
+    # tenant request away while the slowest answers took 20-30 s: each offer predicted the
+    # queue's total, a few seconds. 18 then ended DEADLINE_EXCEEDED at their 30 s deadline
+    # (no answer before), the ten listed with their deadline inside a burst of long prompts.
+    # Tenants take turns: A's 41st request waits 40 rounds of A and the 8 others, however
+    # few of theirs wait now.
+    cost = 0.1
+    flow = _busy_and_quiet_tenants(cost)
+    offer = flow.offer(waiter("a-late", "A", cost_s=cost), cost, 10.0, 1)
+    assert offer.verdict is Verdict.DEADLINE  # at once, not at its deadline
+    assert offer.predicted_s == pytest.approx(cost + 40 * cost + 41 * 8 * cost)
+    mine = waiter("a-new", "A", cost_s=cost)
+    predicted = flow.offer(mine, cost, None, 1).predicted_s
+    waited = _admitted_after(flow, mine, cost)
+    assert waited == pytest.approx(40 * 9 * cost + cost)  # 36.1 s, where 4.9 s was predicted
+    assert waited <= predicted <= waited + 8 * cost + 1e-9  # at most one turn of the others
+    # a quiet tenant's request goes after one request of each tenant, not after A's backlog
+    flow = _busy_and_quiet_tenants(cost)
+    quiet = waiter("q9-0", "q9", cost_s=cost)
+    assert flow.offer(quiet, cost, 2.0, 1) == (Verdict.WAIT, pytest.approx(10 * cost), 0.0)
+    assert _admitted_after(flow, quiet, cost) == pytest.approx(10 * cost)
