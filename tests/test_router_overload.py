@@ -136,7 +136,13 @@ def test_a_request_predicted_to_wait_past_max_wait_is_rejected_at_once_deadline_
             assert "--max-wait of 5s" in err.value.details()
             assert retry_after_ms(err.value) >= 100_000  # most of LONG's 240 s, less 5 s
             assert busy.result(60).result.request_id == "busy"
-            # nothing queued now: the same request goes on
+            # nothing queued once the router's view of the pipeline has caught up (its
+            # next poll): the same request goes on
+            wait_until(
+                lambda: client.score(SHORT, cache_salt="wait").queued_s < 5.0,
+                30,
+                "queue seen empty",
+            )
             assert client.prefill(SHORT, request_id="after", cache_salt="wait").result
             assert dict(engine.metrics.admission) == {"admit": 2, "wait_limit": 1}
             engine._flow.check_integrity()
