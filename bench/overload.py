@@ -20,7 +20,8 @@ answer, ``wall_s``), ``rejected_share``
     .venv/bin/python bench/overload.py --json /tmp/overload.json
 
 Goals (issue 29): at 2x and 4x, goodput >= 90% of the 1x goodput and admitted p95 within 2x of
-the 1x p95 of the same setting. A smoke run: ``--levels 0.5,2 --capacity-s 2 --duration-s 2``.
+the 1x p95 of the same setting, each the median of ``--runs`` runs. A smoke run: ``--levels 0.5,2
+--capacity-s 2 --duration-s 2``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="0,1",
         help="the router's --max-wait settings, seconds, each its own set of rows (0: no "
         "bound; default 0,1)",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat every setting's levels this many times, interleaved (rows carry `run`; the "
+        "summary prints medians; default 1)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -177,17 +185,19 @@ async def capacity_of(target: str, args: argparse.Namespace) -> float:
     return cap
 
 
-async def measure(target: str, args: argparse.Namespace, cap: float, max_wait_s: float):
-    load = Load(target, args, args.seed)
+async def measure(
+    target: str, args: argparse.Namespace, cap: float, max_wait_s: float, run: int
+) -> list[dict]:
+    seed = args.seed + 1000 * run
+    load = Load(target, args, seed)
     try:
         rows = []
         for i, x in enumerate(float(v) for v in args.levels.split(",")):
             settle = wait_quiet()
             rate = max(cap * x, 1e-3)
-            outcomes, wall_s = await offer(
-                load, rate, args.duration_s, args.deadline_s, args.seed + i
-            )
-            r = {"max_wait_s": max_wait_s, **row(x, rate, wall_s, args.deadline_s, outcomes),
+            outcomes, wall_s = await offer(load, rate, args.duration_s, args.deadline_s, seed + i)
+            r = {"max_wait_s": max_wait_s, "run": run,
+                 **row(x, rate, wall_s, args.deadline_s, outcomes),
                  "capacity_per_s": round(cap, 3), "settle_s": round(settle, 2)}  # fmt: skip
             print(json.dumps(r), file=sys.stderr)
             rows.append({**r, **provenance()})
@@ -218,16 +228,34 @@ def main(argv: list[str] | None = None) -> int:
             for p in pipelines:
                 warm_pipeline(p.wait_listening().address, args.prompt_tokens)
             rows, cap = [], None
-            for wait in (float(v) for v in args.max_waits.split(",")):
-                router = cluster.router("prefix", pipelines, (f"--max-wait={wait}",), f"-{wait}")
-                warm_router(router.address, args.pipelines)
-                if cap is None:
-                    cap = asyncio.run(capacity_of(router.address, args))
-                rows += asyncio.run(measure(router.address, args, cap, wait))
-                router.stop()
+            for run in range(args.runs):
+                for wait in (float(v) for v in args.max_waits.split(",")):
+                    tag = f"-{wait}-{run}"
+                    router = cluster.router("prefix", pipelines, (f"--max-wait={wait}",), tag)
+                    warm_router(router.address, args.pipelines)
+                    if cap is None:
+                        cap = asyncio.run(capacity_of(router.address, args))
+                    rows += asyncio.run(measure(router.address, args, cap, wait, run))
+                    router.stop()
     args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {len(rows)} rows to {args.json}", file=sys.stderr)
+    print_medians(rows)
     return 0
+
+
+def print_medians(rows: list[dict]) -> None:
+    """The table docs quote: per setting and level, the median over runs of each figure."""
+    keys = ("goodput_per_s", "rejected_share", "deadline_share", "p50_s", "p95_s")
+    print("max_wait_s offered_x runs " + " ".join(keys), file=sys.stderr)
+    cells: dict[tuple[float, float], list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["max_wait_s"], r["offered_x"]), []).append(r)
+    for (wait, x), rs in cells.items():
+        meds = []
+        for k in keys:
+            vals = [r[k] for r in rs if r[k] is not None]
+            meds.append(f"{statistics.median(vals):.4g}" if vals else "-")
+        print(f"{wait:g} {x:g} {len(rs)} " + " ".join(meds), file=sys.stderr)
 
 
 if __name__ == "__main__":

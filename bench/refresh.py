@@ -246,7 +246,7 @@ FIGURES = (
     Figure(
         "overload",
         "docs/router.md: offered 0.5x-4x of measured capacity, goodput and admitted latency",
-        _bench("overload"),
+        _bench("overload", "--runs", "3", "--duration-s", "30"),
         _bench("overload", "--levels", "0.5,2", "--capacity-s", "2", "--duration-s", "2"),
     ),
     Figure(
