@@ -461,6 +461,11 @@ class RouterEngine:
                 self._release_slot()
             raise
         self.metrics.queue_wait(time.monotonic() - now)
+        if tracing.enabled():
+            tracing.record("wavepp.router.queue", options.traceparent, tracing.wall_ns(now),
+                           time.time_ns(), {tracing.REQUEST_ID: request_id,
+                                            "wavepp.tenant": tenant,
+                                            "wavepp.priority": options.priority})  # fmt: skip
         return True
 
     def _release_slot(self) -> None:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -200,3 +201,50 @@ def test_a_server_with_tracing_off_never_imports_the_opentelemetry_sdk(tmp_path)
     assert any("prefill_node.runtime.stage_main" in ln for ln in imports)  # the log works
     assert any("prefill_node.tracing" in ln for ln in imports)  # and covers our module
     assert not [ln for ln in imports if "opentelemetry" in ln]
+
+
+def test_a_request_that_waits_in_the_routers_queue_has_a_queue_span(tmp_path, monkeypatch):
+    """A router with one slot per pipeline takes two overlapping requests (each lasts at least
+    15 slowed waves): exactly one waits in flow control's queue, and only its trace carries a
+    `wavepp.router.queue` span, under its router request span, as long as its wait."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    model = h.model_dir(tmp_path)
+    traces = {"a": "0af7651916cd43dd8448eb211c80319c", "b": "1bf7651916cd43dd8448eb211c80319d"}
+    prompts = {"a": [(7 * i + 3) % 64 for i in range(480)],
+               "b": [(11 * i + 5) % 64 for i in range(480)]}  # fmt: skip
+    procs = []
+    with OtlpReceiver() as rx:
+        try:
+            proc, pipeline = h.pipeline(model)
+            procs.append(proc)
+            proc, router = h.router(model, [pipeline], "--max-inflight-per-pipeline", "1",
+                                    "--otlp-endpoint", rx.endpoint)  # fmt: skip
+            procs.append(proc)
+            with PrefillClient(router) as client, ThreadPoolExecutor(2) as pool:
+                wait_until(client.is_ready, 60, "the router ready")
+                calls = [pool.submit(client.prefill, prompts[k], request_id=k,
+                                     metadata=[("traceparent", f"00-{t}-{CALLER_SPAN}-01")])
+                         for k, t in traces.items()]  # fmt: skip
+                for call in calls:
+                    assert call.result().result.prompt_tokens == 480
+
+            def requests(spans: list[ReceivedSpan]) -> bool:
+                return len([s for s in spans if s.name == "wavepp.router.request"]) == 2
+
+            spans = rx.wait_for(requests, 30, "both router request spans")
+        finally:
+            for proc in reversed(procs):
+                terminate(proc)
+    queued = [s for s in spans if s.name == "wavepp.router.queue"]
+    assert len(queued) == 1, queued
+    (queue,) = queued
+    waited = next(k for k, t in traces.items() if t == queue.trace_id)
+    request = _one([s for s in spans if s.trace_id == queue.trace_id], "wavepp-router",
+                   "wavepp.router.request")  # fmt: skip
+    assert queue.parent_id == request.span_id
+    assert queue.attributes["wavepp.request_id"] == waited
+    # it waited for the other's prefill: 15 waves of WAVE_DELAY_S on the slowed pipeline
+    assert queue.end_ns - queue.start_ns >= 15 * h.WAVE_DELAY_S * 1e9 * 0.5
+    route = _one([s for s in spans if s.trace_id == queue.trace_id], "wavepp-router",
+                 "wavepp.router.route")  # fmt: skip
+    assert route.start_ns >= queue.end_ns - 1_000_000  # routed once it had its slot
