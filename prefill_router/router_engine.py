@@ -555,8 +555,9 @@ class RouterEngine:
     ) -> tuple[bytes | None, str | None, str]:
         """The forwarded ``call``'s answer: (its bytes, None, "") or, when the request may
         fail over, (None, why, detail); other failures raise the typed error."""
+        data, reason, detail = None, None, ""
         try:
-            return await call, None, ""
+            data = await call
         except asyncio.CancelledError:
             call.cancel()
             if routed.aborted:  # Abort(request_id), not the caller going away
@@ -565,16 +566,22 @@ class RouterEngine:
             if task is None or task.cancelling():
                 raise  # the caller went away
             # nobody cancelled this request: the link's channel closed under the call
-            return None, LINK_CLOSED, "the router closed its link"
+            reason, detail = LINK_CLOSED, "the router closed its link"
         except grpc.aio.AioRpcError as exc:
             reason = failover_reason(exc)
             if reason is None:
                 raise error_from_rpc(exc) from None
             if reason == CONNECTION_LOST:
                 link.connection_lost(exc.details() or exc.code().name)
-            return None, reason, exc.details()
+            detail = exc.details()
         finally:
             self._forget(request_id, routed)
+        if routed.aborted:  # an Abort that landed as the call ended still wins (its caller
+            # was told True): no failover, and an answer's pull leases are revoked there
+            if data is not None:
+                link.abort(request_id)
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        return data, reason, detail
 
     @staticmethod
     def _trace_route(

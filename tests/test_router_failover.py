@@ -25,7 +25,7 @@ from prefill_node.model.weights import random_weights
 from prefill_node.process_tree import ProcessTree
 from prefill_node.server.server import ServerConfig
 from prefill_router.discovery import PipelineEndpoint, StaticDiscovery
-from prefill_router.pipeline_link import PREFILL_METHOD, LinkConfig
+from prefill_router.pipeline_link import PREFILL_METHOD, LinkConfig, PipelineLink
 from prefill_router.router_engine import RouterConfig, RouterEngine
 from tests.grpc_harness import ServerThread, wait_until
 from tests.router_harness import MODEL, serve, stop
@@ -179,6 +179,60 @@ def test_the_fast_path_parses_once_and_assigns_missing_request_ids(pipelines):
             assert result.served_by in (first, second)
             assert remote.server_s > 0  # the router's own time, merged into the answer
             assert engine.metrics.answered_requests[result.served_by] == 1
+    finally:
+        engine.shutdown()
+
+
+class AbortOnAnswer:
+    """A forwarded call that, once the pipeline's answer is in, has the router abort the
+    request before the router reads that answer: the race a soak client hits when its Abort
+    reaches the router just as the pipeline answers (the router said True: it had it)."""
+
+    def __init__(self, call, engine: RouterEngine, request_id: str) -> None:
+        self._call, self._engine, self._request_id = call, engine, request_id
+        self.landed: bool | None = None
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    def __await__(self):
+        data = yield from self._call.__await__()
+        self.landed = self._engine.abort(self._request_id)
+        return data
+
+
+def test_an_abort_that_lands_as_the_answer_arrives_still_cancels_the_request(
+    pipelines, monkeypatch
+):
+    """Abort said True, so the request ends CANCELLED, never OK; the pipeline answered, so
+    nothing is left on it (its blocks free)."""
+    addresses = [address for _, address in pipelines]
+    engine = RouterEngine(StaticDiscovery(addresses), RouterConfig())
+    calls: list[AbortOnAnswer] = []
+    raw = PipelineLink.aio_prefill
+
+    def aio_prefill(link):
+        def forward(request, **kwargs):
+            calls.append(AbortOnAnswer(raw(link)(request, **kwargs), engine, "r-abort"))
+            return calls[-1]
+
+        return forward
+
+    monkeypatch.setattr(PipelineLink, "aio_prefill", aio_prefill)
+    engine.start()
+    try:
+        with front(engine) as srv, PrefillClient(srv.target) as client:
+            wait_until(client.is_ready, 30, "the router SERVING")
+            with pytest.raises(grpc.RpcError) as err:
+                client.prefill(PROMPT[:40], request_id="r-abort", timeout_s=60)
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+            assert [c.landed for c in calls] == [True]  # one call, and the Abort landed
+            assert not engine.metrics.answered_requests and not engine.metrics.failovers
+            for address in addresses:
+                with PrefillClient(address) as pipeline:
+                    load = pipeline.load(timeout_s=10)
+                assert load.inflight_requests == 0
+                assert all(s.used_blocks == 0 for s in load.stages)
     finally:
         engine.shutdown()
 
