@@ -40,6 +40,9 @@ TAKE_A_PIPELINE = ("stage_kill", "leader_kill", "stage_stop", "kv_cut")
 WRITE_LOST_WINDOW_S = 5.0  # a stream write lost this soon after a router kill is the kill's
 RSS_NOISE_BYTES = 16 * 2**20  # growth over the last half below this is noise
 FD_NOISE = 4
+# a shorter last half measures warm-up, not leaks: a process (re)started in the run fills
+# its caches, and a router's index grows with every new prefix a pressure burst brings
+MIN_GROWTH_WINDOW_S = 300.0
 
 
 class Sampler:
@@ -110,7 +113,8 @@ class Sampler:
 def slopes(sampler: Sampler, load_s: float) -> dict[str, dict]:
     """Per process that lived at least half the run: least-squares slope of RSS (bytes/s)
     and fds (1/s) over the last half of its samples, and whether that half grew beyond
-    noise (RSS_NOISE_BYTES, FD_NOISE)."""
+    noise (RSS_NOISE_BYTES, FD_NOISE); ``growing`` is None (not judged) where that half
+    is shorter than MIN_GROWTH_WINDOW_S."""
     out = {}
     for key, series in sampler.procs.items():
         if len(series) < 6 or series[-1][0] - series[0][0] < load_s / 2:
@@ -125,7 +129,9 @@ def slopes(sampler: Sampler, load_s: float) -> dict[str, dict]:
             "fds_per_min": fd_slope * 60,
             "rss_mb_end": half[-1][1] / 2**20,
             "fds_end": half[-1][2],
-            "growing": rss_slope * span > RSS_NOISE_BYTES or fd_slope * span > FD_NOISE,
+            "growing": None
+            if span < MIN_GROWTH_WINDOW_S
+            else rss_slope * span > RSS_NOISE_BYTES or fd_slope * span > FD_NOISE,
         }
     return out
 
@@ -336,7 +342,7 @@ def summarise(args, tally, faults, sampler: Sampler, checks: dict) -> list[dict]
         "unexplained_pipeline_losses": checks["counters"]["unexplained_losses"],
         # the client (this process) keeps every request's row: its growth is not a leak
         "growing_processes": sum(
-            g["growing"] for k, g in grow.items() if k != f"client@{os.getpid()}"
+            bool(g["growing"]) for k, g in grow.items() if k != f"client@{os.getpid()}"
         ),
         "faults_injected": len(recs),
         "faults_skipped": faults.skipped,

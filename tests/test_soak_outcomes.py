@@ -120,3 +120,26 @@ def test_counters_must_equal_and_cancellations_count_on_both_sides() -> None:
     }
     assert reconcile({"ok": 11, "invalid_argument": 3, "unavailable": 1},
                      ended).mismatches == {"unavailable": (1, 0)}  # fmt: skip
+
+
+def test_growth_is_judged_only_over_a_long_enough_window() -> None:
+    """20 MiB over the last half of a 30-minute run is a leak; flat is not; the same 20 MiB
+    over the last half of a 60 s run (a restarted process warming up) is not judged."""
+    mib = 2**20
+    sampler = soak_report.Sampler(None, None, None)
+
+    def series(seconds: float, grow_mib: float) -> list[tuple[float, int, int]]:
+        n = 60
+        return [(seconds * i / (n - 1), int(300 * mib + 2 * grow_mib * mib * max(0, i - n // 2)
+                 / n), 40) for i in range(n)]  # fmt: skip
+
+    sampler.procs = {
+        "router@1": series(1800, 20),
+        "stage@2": series(1800, 0),
+        "decode@3": series(60, 20),
+    }
+    long_run = soak_report.slopes(sampler, 1800)
+    assert long_run["router@1"]["growing"] is True
+    assert long_run["stage@2"]["growing"] is False
+    short = soak_report.slopes(sampler, 60)["decode@3"]
+    assert short["growing"] is None and short["rss_mb_per_min"] > 16
