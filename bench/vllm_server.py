@@ -10,6 +10,7 @@ that binds there). Used by bench/pd_serve.py and tests_vllm.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -18,6 +19,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from soak_cluster import restartable_port  # bench/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +58,9 @@ class VllmServer:
         kv_cache_gib: int = 1,
         extra_args: tuple[str, ...] = (),
     ) -> None:
-        self.port = free_port()
+        # below the ephemeral range: no bind(0) (the events port) or outgoing connection
+        # can take it while vLLM starts (CI once found a ZMQ socket answering on it)
+        self.port = restartable_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
@@ -91,8 +96,8 @@ class VllmServer:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
-                pass
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
+                pass  # not up yet; a port someone else holds ends with vLLM's exit above
             time.sleep(0.5)
 
     def stop(self) -> None:
