@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 from router_cluster import START_TIMEOUT_S, Server  # bench/ is on sys.path
 
 from prefill_node.process_tree import ProcessTree
+from prefill_node.runtime.dist_env import free_local_port
 
 BLOCK = 16
 SOAK_HF = {
@@ -54,22 +54,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def restartable_port() -> int:
-    """A free port below the kernel's ephemeral range: a server killed and restarted on it
-    gets it back, since no outgoing connection is given it as its local port meanwhile (one
-    from ``free_port`` can be, and then the restart cannot bind for as long as it lives)."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port))
-            return port
-    return free_port()
-
-
 def write_model(model_dir: Path) -> Path:
     from prefill_node.model.config import ModelConfig
     from prefill_node.model.loader_hf import save_hf_checkpoint
@@ -85,7 +69,7 @@ class Restartable:
 
     def __init__(self, name: str, argv: Callable[[int], list[str]], banner: str, logs: Path):
         self.name, self._argv, self._banner, self._logs = name, argv, banner, logs
-        self.port = restartable_port()
+        self.port = free_local_port()  # below the ephemeral range: a restart gets it back
         self.address = f"127.0.0.1:{self.port}"
         self.server: Server | None = None
         self.starts = 0

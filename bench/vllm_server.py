@@ -13,22 +13,15 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from soak_cluster import restartable_port  # bench/ is on sys.path
+from prefill_node.runtime.dist_env import free_local_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def decode_kv_transfer_config(policy: str = "recompute", timeout_s: float = 20.0) -> dict:
@@ -58,9 +51,9 @@ class VllmServer:
         kv_cache_gib: int = 1,
         extra_args: tuple[str, ...] = (),
     ) -> None:
-        # below the ephemeral range: no bind(0) (the events port) or outgoing connection
-        # can take it while vLLM starts (CI once found a ZMQ socket answering on it)
-        self.port = restartable_port()
+        # below the ephemeral range: no outgoing connection can take it while vLLM starts
+        # (CI once found a ZMQ socket answering on a port picked by bind(0))
+        self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))

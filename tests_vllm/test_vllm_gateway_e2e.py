@@ -16,20 +16,17 @@ Not part of the default suite (it needs the vLLM peer environment, ``$VLLM_PEER_
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import openai
 import pytest
 
+from bench.vllm_server import VllmServer
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.process_tree import terminate
 from tests.grpc_harness import wait_until
 from tests.router_harness import spawn
-from tests_vllm.test_vllm_decode_e2e import REPO, _peer_python, serve_pipeline
-
-sys.path.insert(0, str(REPO / "bench"))
-from vllm_server import VllmServer  # noqa: E402
+from tests_vllm.test_vllm_decode_e2e import _peer_python, serve_pipeline
 
 pytestmark = [pytest.mark.timeout(900)]
 

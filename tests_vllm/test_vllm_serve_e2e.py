@@ -34,6 +34,7 @@ from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.process_tree import terminate
+from prefill_node.runtime.dist_env import free_local_port
 from tests_vllm.test_vllm_decode_e2e import (
     PROMPTS,
     REPO,
@@ -44,7 +45,7 @@ from tests_vllm.test_vllm_decode_e2e import (
 )
 
 sys.path.insert(0, str(REPO / "bench"))
-from vllm_server import VllmServer, free_port  # noqa: E402
+from vllm_server import VllmServer  # noqa: E402
 
 NEW_TOKENS = 24
 NAME = "smol"
@@ -58,7 +59,7 @@ def system(tmp_path_factory):
     started = time.monotonic()
     vllm = VllmServer(  # first: it takes the longest
         _peer_python(), model, logs / "vllm.log", served_model_name=NAME, decode=True,
-        events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        events_endpoint=f"tcp://127.0.0.1:{free_local_port()}",
     )  # fmt: skip
     prefill = None
     http = httpx.Client(base_url=vllm.url, trust_env=False, timeout=180)
