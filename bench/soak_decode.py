@@ -63,7 +63,12 @@ async def one(worker, client, rng: random.Random, i: int, tag: str, args) -> dic
     emit({"begin": rid, "kind": kind, "deadline_s": deadline})  # the parent tallies it open
     started = False
     try:
-        dest = worker.expect_push(rid, prompt) if mode == "push" else KVPullDestination()
+        # the reception outlives the prefill's own deadline: the stages WRITE until it answers
+        dest = (
+            worker.expect_push(rid, prompt, timeout_s=deadline + args.kv_timeout)
+            if mode == "push"
+            else KVPullDestination()
+        )
         started = True
         call = client.prefill_call(
             prompt,

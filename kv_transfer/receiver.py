@@ -163,13 +163,22 @@ class KVReceiver:
 
     # ----------------------------------------------------------------- push mode
     def expect(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, skip_tokens: int = 0
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        skip_tokens: int = 0,
+        timeout_s: float | None = None,
     ) -> PushDestination:
         """Register an incoming push; send the returned destination with the prefill request.
 
         ``block_ids`` (from ``allocate``) receive tokens ``[skip_tokens, num_tokens)``;
         ``skip_tokens`` must be a multiple of the decode block size (a cached prefix is
         whole blocks). With nothing to receive the request ends at once (next ``poll``).
+        ``timeout_s`` (default ``config.timeout_s``): the reception fails that long after
+        this call. The stages WRITE while the prefill runs, so it must cover the prefill
+        call's own deadline plus the transfer: a reception that gives up first fails a
+        hand-off the prefill tier then answers OK.
         """
         if not self.registered:
             raise InvalidTransferRequest(
@@ -179,7 +188,7 @@ class KVReceiver:
         PageMap(tuple(block_ids), self.layout.block_size, skip_tokens).check_range(
             skip_tokens, num_tokens, "destination"
         )
-        pending = self._register(request_id, block_ids, skip_tokens)
+        pending = self._register(request_id, block_ids, skip_tokens, timeout_s)
         pending.num_tokens = num_tokens
         dest = PushDestination(
             request_id,
@@ -193,7 +202,13 @@ class KVReceiver:
             self._end(pending, None, self._unclaimed)
         return dest
 
-    def _register(self, request_id: str, block_ids: Sequence[int], skip_tokens: int) -> _Pending:
+    def _register(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        skip_tokens: int,
+        timeout_s: float | None = None,
+    ) -> _Pending:
         if request_id in self._by_request:
             raise InvalidTransferRequest(f"request {request_id} is already being received")
         if skip_tokens < 0 or skip_tokens % self.layout.block_size:
@@ -212,7 +227,7 @@ class KVReceiver:
             tuple(block_ids),
             skip_tokens,
             now,
-            now + self.config.timeout_s,
+            now + (self.config.timeout_s if timeout_s is None else timeout_s),
         )
         self._pending[transfer_id] = pending
         self._by_request[request_id] = transfer_id
@@ -397,7 +412,8 @@ class KVReceiver:
                     self._send_to_leases(live, "hb")
             if error is None and now >= pending.deadline:
                 error = TransferTimeout(
-                    f"KV of {pending.request_id} incomplete after {self.config.timeout_s}s "
+                    f"KV of {pending.request_id} incomplete after "
+                    f"{pending.deadline - pending.started:g}s "
                     f"(stages done: {sorted(pending.layers) if not pending.reads else 'pull'})"
                 )
             if error is not None:

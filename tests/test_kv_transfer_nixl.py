@@ -87,11 +87,11 @@ def decode_worker(conn, pools: dict[str, tuple[int, str]], timeout_s: float) -> 
         if op == "stop":
             break
         if op == "expect":
-            request_id, num_tokens, skip = args
+            request_id, num_tokens, skip, *timeout = args
             num_blocks = -(-(num_tokens - skip) // rx.layout.block_size)
             blocks = rx.allocate(num_blocks)
             try:
-                conn.send(rx.expect(request_id, blocks, num_tokens, skip).to_dict())
+                conn.send(rx.expect(request_id, blocks, num_tokens, skip, *timeout).to_dict())
             except InvalidTransferRequest as exc:
                 rx.free(blocks)
                 rx.check_integrity()
@@ -380,6 +380,19 @@ def test_decode_times_out_when_a_stage_never_ships(decode, stages):
     started = time.monotonic()
     assert decode.call("wait", "direct", "half") == ("TransferTimeout", 0)
     assert time.monotonic() - started < 5
+
+
+def test_a_push_expected_for_longer_than_the_default_outlives_a_slow_prefill(decode, stages):
+    """The stages WRITE only once the prefill runs: a reception given the prefill's deadline
+    waits past the receiver's default timeout (2 s here) and still completes."""
+    patient = PushDestination.from_dict(decode.call("expect", "direct", "slow", 9, 0, 30.0))
+    decode.call("expect", "direct", "hasty", 9, 0)
+    assert decode.call("still_pending", "direct", "slow", 2.5)  # past the 2 s default
+    assert decode.call("wait", "direct", "hasty") == ("TransferTimeout", 0)  # ended meanwhile
+    src = prefill_blocks(9, seed=5)
+    assert [o.error for o in stages.push(patient, src, 9)] == [None, None]
+    assert decode.call("wait", "direct", "slow")[0] is None
+    assert_shipped(decode, stages, "direct", dest_blocks(patient.to_dict()), 0, 9, src)
 
 
 def test_disallowed_destinations_are_rejected_before_any_write(decode):

@@ -73,7 +73,12 @@ def register(subparsers: Any) -> None:
         "--decode-block-size", type=int, default=16, help="decode KV block size (default 16)"
     )
     p.add_argument("--decode-blocks", type=int, default=256, help="decode pool size in blocks")
-    p.add_argument("--timeout", type=float, default=30.0, help="KV transfer timeout, seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds a remote prefill may take, and again for its KV to arrive (default 30)",
+    )
     add_kv_progress(p)
     s = p.add_argument_group("HTTP server (--serve)")
     s.add_argument(
@@ -267,8 +272,8 @@ def _run_server(args: argparse.Namespace) -> int:
                 ids = _encode(args, tokenizer, text)
                 request_id = uuid.uuid4().hex[:12]
                 started = time.monotonic()
-                if args.mode == "push":
-                    dest: Any = worker.expect_push(request_id, ids)
+                if args.mode == "push":  # received within the prefill's deadline + --timeout
+                    dest: Any = worker.expect_push(request_id, ids, timeout_s=2 * args.timeout)
                 else:
                     dest = KVPullDestination()
                 try:

@@ -128,11 +128,15 @@ class DecodeWorker:
         self._sequences[request_id] = seq
         return seq
 
-    def expect_push(self, request_id: str, prompt_ids: Sequence[int]) -> KVPushDestination:
-        """Allocate the prompt's blocks; send the returned destination with the prefill."""
+    def expect_push(
+        self, request_id: str, prompt_ids: Sequence[int], timeout_s: float | None = None
+    ) -> KVPushDestination:
+        """Allocate the prompt's blocks; send the returned destination with the prefill.
+        ``timeout_s``: how long the reception waits from now (``KVReceiver.expect``): at
+        least the prefill call's deadline plus the transfer."""
         seq = self._new_sequence(request_id, prompt_ids)
         try:
-            wire = self.receiver.expect(request_id, seq.blocks, len(prompt_ids))
+            wire = self.receiver.expect(request_id, seq.blocks, len(prompt_ids), 0, timeout_s)
         except Exception:
             self.release(request_id)
             raise

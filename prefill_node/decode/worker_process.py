@@ -175,8 +175,10 @@ class DecodeWorkerProcess:
         self._conn.send(cmd)
         return self._recv(self.timeout_s)[1]
 
-    def expect_push(self, request_id: str, prompt_ids: Sequence[int]) -> KVPushDestination:
-        return self._call("expect", request_id, tuple(prompt_ids))
+    def expect_push(
+        self, request_id: str, prompt_ids: Sequence[int], timeout_s: float | None = None
+    ) -> KVPushDestination:
+        return self._call("expect", request_id, tuple(prompt_ids), timeout_s)
 
     def pull(
         self, request_id: str, prompt_ids: Sequence[int], manifests: Sequence[StageKVManifest]
