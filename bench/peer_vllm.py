@@ -115,7 +115,7 @@ class VllmPeer:
         self.popen.stdin.flush()
         a = self._answer(PEER_START_TIMEOUT_S)
         return rates(a["prompt_tokens"], a["cached_tokens"], a["wall_s"]) | {
-            "first_tokens": a["first_tokens"]}  # fmt: skip
+            "first_tokens": a["first_tokens"], "first_top": a.get("first_top")}  # fmt: skip
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -166,8 +166,13 @@ class OursTier:
         outcomes, wall_s = run_closed_loop(
             self.address, requests, len(requests), f"timed{self._calls}", bar
         )
-        firsts = [o.first_token for o in sorted(outcomes, key=lambda o: o.index)]
-        return token_stats(outcomes, wall_s) | {"wall_s": wall_s, "first_tokens": firsts}
+        ordered = sorted(outcomes, key=lambda o: o.index)
+        return token_stats(outcomes, wall_s) | {
+            "wall_s": wall_s,
+            "first_tokens": [o.first_token for o in ordered],
+            "first_top": [[list(t) for t in o.top[:2]] for o in ordered] if all(
+                o.top for o in ordered) else None,
+        }  # fmt: skip
 
 
 def main() -> int:
@@ -303,7 +308,8 @@ def write(per_run: list[dict], args, final: bool = True) -> tuple[list[dict], li
     summary and the first-token agreement problems (``first_token_agreement``)."""
     problems = first_token_agreement(per_run)
     summary = summarise(per_run)
-    rows = [{k: v for k, v in r.items() if k != "first_tokens"} for r in per_run]
+    rows = [{k: v for k, v in r.items() if k not in ("first_tokens", "first_top")}
+            for r in per_run]  # fmt: skip
     serve_args = " ".join(args.serve_arg)
     rows = [r | {"serve_args": serve_args} | provenance() for r in rows + summary]
     args.json.write_text(json.dumps(rows, indent=1))

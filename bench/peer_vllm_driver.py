@@ -6,7 +6,8 @@ start it loads the model (prefix caching on, ``--mode eager`` = enforce_eager, `
 vLLM's default torch.compile) and, after a warm-up, prints ``{"ready": ...}``. Then for each
 command line ``{"seed": [[ids], ...], "prompts": [[ids], ...]}`` it generates ``seed`` (untimed:
 fills the prefix cache), then times ``llm.generate(prompts, max_tokens=1)`` and answers
-``{"wall_s", "prompt_tokens", "cached_tokens", "first_tokens"}``. EOF on stdin ends it.
+``{"wall_s", "prompt_tokens", "cached_tokens", "first_tokens", "first_top"}`` (each
+prompt's top-2 [token, logprob] pairs). EOF on stdin ends it.
 
 vLLM's own logging and its child processes write to stderr: fd 1 is pointed at stderr before
 vllm is imported, and the answers go to a private duplicate of the original stdout.
@@ -22,6 +23,12 @@ import json
 import os
 import sys
 import time
+
+
+def top2(logprobs: dict) -> list[list]:
+    """One position's {token id: Logprob} as [[token, logprob], ...], best first, two."""
+    pairs = sorted(((t, lp.logprob) for t, lp in logprobs.items()), key=lambda p: -p[1])
+    return [[t, lp] for t, lp in pairs[:2]]
 
 
 def main() -> None:
@@ -54,7 +61,7 @@ def main() -> None:
         seed=0,
         gpu_memory_utilization=args.memory_utilization,
     )
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2)  # near-ties: see report
 
     def generate(prompts: list[list[int]]):
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -74,6 +81,7 @@ def main() -> None:
             "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
             "first_tokens": [o.outputs[0].token_ids[0] for o in outputs],
+            "first_top": [top2(o.outputs[0].logprobs[0]) for o in outputs],
         }
         answers.write(json.dumps(answer) + "\n")
 

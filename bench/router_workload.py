@@ -31,6 +31,7 @@ class Outcome:
     computed_tokens: int
     served_by: str
     first_token: int
+    top: tuple[tuple[int, float], ...] = ()  # the first position's top (token, logprob)
 
 
 async def closed_loop(
@@ -50,7 +51,8 @@ async def closed_loop(
             r = remote.result
             outcomes.append(
                 Outcome(i, req.tenant, time.perf_counter() - t0, r.prompt_tokens, r.cached_tokens,
-                        r.computed_tokens, r.served_by, r.first_token_id)
+                        r.computed_tokens, r.served_by, r.first_token_id,
+                        tuple(r.top_logprobs))
             )  # fmt: skip
             bar.update()
 

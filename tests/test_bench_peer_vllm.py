@@ -76,6 +76,32 @@ def test_first_token_agreement_is_in_every_row_and_required():
     assert report.first_token_agreement(agreeing) == []
 
 
+@pytest.mark.parametrize(
+    ("dtype", "agreement", "ties"), [("bfloat16", 0.5, 1), ("float32", 0.25, 0)]
+)
+def test_a_different_first_token_agrees_only_as_a_near_tie_in_that_dtype(dtype, agreement, ties):
+    ours = [[[5, -0.1], [6, -3.0]],  # the same token
+            [[7, -1.00], [8, -1.10]],  # 7 vs 8, 0.06 / 0.10 nats apart: a bf16 near-tie
+            [[3, -0.5], [4, -2.0]],  # 3 vs 4, 1.5 nats apart on both sides: different
+            [[9, -0.2], [1, -4.0]]]  # fmt: skip # 9 vs 10, each outside the other's top 2
+    theirs = [[[5, -0.1], [6, -3.0]], [[8, -1.02], [7, -1.08]], [[4, -0.5], [3, -2.0]],
+              [[10, -0.2], [2, -4.0]]]  # fmt: skip
+    per_run = [
+        {**_row("vllm-compiled", 0, 1.0, 1.0), "dtype": dtype, "first_top": theirs,
+         "first_tokens": [t[0][0] for t in theirs]},
+        {**_row("wavepp-pipeline", 0, 1.0, 1.0), "dtype": dtype, "first_top": ours,
+         "first_tokens": [t[0][0] for t in ours]},
+    ]  # fmt: skip
+    problems = report.first_token_agreement(per_run)
+    assert per_run[1]["first_token_agreement"] == agreement
+    assert per_run[1]["first_token_near_ties"] == ties
+    assert len(problems) == 1 and "wavepp-pipeline" in problems[0]  # below 90%
+    # a row without the logprobs (an older driver) falls back to equal tokens only
+    del per_run[0]["first_top"]
+    report.first_token_agreement(per_run)
+    assert (per_run[1]["first_token_agreement"], per_run[1]["first_token_near_ties"]) == (0.25, 0)
+
+
 def test_cases_draw_the_same_prompts_per_run_and_new_ones_per_run():
     cold, first, cached, long = cases.make_cases(**cases.DEFAULT)
     assert first.prefix_tokens == cached.prefix_tokens == 1152  # 90% of 1280, 9 x 128
