@@ -122,11 +122,12 @@ class Tally:
 
     def overdue(self, now: float) -> int:
         stalled = self._stalled()
-        return sum(
-            1
-            for _, start, d, s in self.open.values()
-            if now - start - (stalled - s) > d + HUNG_AFTER_S
-        )
+        with self._lock:  # decode drivers' reader threads begin and end requests meanwhile
+            return sum(
+                1
+                for _, start, d, s in self.open.values()
+                if now - start - (stalled - s) > d + HUNG_AFTER_S
+            )
 
 
 def _head(detail: str) -> str:
