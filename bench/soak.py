@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import provenance
 from soak_cluster import (  # bench/ is on sys.path: this file runs as a script
     CLIENT_BACKOFF_S,
     DecodeDriver,
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run finallys
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    started, stamp = time.monotonic(), provenance()  # the code and the time the run began
     with tempfile.TemporaryDirectory(prefix="wavepp-soak-") as tmp:
         tmp = Path(tmp)
         model = write_model(tmp / "model")
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             supervisor.stop()
             checks = final_checks(pipes, router, decode_finals, tally, faults, args)
             rows = summarise(args, tally, faults, sampler, checks)
+            rows[0] |= stamp | {"finished_utc": provenance()["date_utc"]}
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
             if args.plot is not None:
                 plot(sampler, faults, args.plot)
