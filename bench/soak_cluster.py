@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,12 +45,6 @@ LIVENESS_PERIOD_S, LIVENESS_TIMEOUT_S, LIVENESS_FAILURES = 1.0, 3.0, 3
 # a restarted router is reached within this long of listening again, not after a backoff
 # that grew while it was down.
 CLIENT_BACKOFF_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_model(model_dir: Path) -> Path:
@@ -353,7 +346,7 @@ class TcpCut:
         self._upstream = upstream.rsplit(":", 1)
         self._loop = asyncio.new_event_loop()
         self._writers: set = set()
-        self.port = free_port()
+        self.port = free_local_port()
         self.address = f"127.0.0.1:{self.port}"
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from prefill_node.client.prefill_client import PrefillClient
+from prefill_node.runtime.dist_env import free_local_port
 from prefill_router.discovery import PipelineEndpoint
 from prefill_router.pipeline_link import LinkConfig, PipelineLink
 from tests.grpc_harness import ServerThread, wait_until
@@ -136,7 +137,7 @@ def test_a_pipeline_back_after_a_long_outage_is_seen_within_the_retry_cap():
     that backoff at ``retry_s``."""
     from prefill_node.server.server import ServerConfig
 
-    port = _free_port()
+    port = free_local_port()
     config = ServerConfig(host="127.0.0.1", port=port, health_poll_s=0.05)
     engine = ToyEngine()
     owner = Recorder()
@@ -155,14 +156,6 @@ def test_a_pipeline_back_after_a_long_outage_is_seen_within_the_retry_cap():
     finally:
         link.stop()
         engine.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_hung_pipeline_under_watch_leaves_after_late_probes_and_comes_back(monkeypatch):
