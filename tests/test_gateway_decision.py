@@ -7,9 +7,16 @@ import pytest
 from prefill_node.engine.types import ScoreReport
 from wavepp_gateway.config import DecisionRule, GatewayConfig, InvalidGatewayConfigError
 from wavepp_gateway.config import PrefillMode as Mode
-from wavepp_gateway.decision import DecodeView, Reason, decide, pick_decode
+from wavepp_gateway.decision import DecodeView, FirstTokenModel, Reason, pick_decode
+from wavepp_gateway.decision import decide as _decide
 
-RULE = DecisionRule(local_max_tokens=64, max_tier_queue_s=1.0, request_tokens=100)
+RULE = DecisionRule(
+    local_max_tokens=64, max_tier_queue_s=0.1, decode_prefill_rate=1000.0, request_tokens=100
+)
+
+
+def decide(mode, rule, prompt, decode, report, first_token=None):
+    return _decide(mode, rule, prompt, decode, report, first_token or FirstTokenModel(rule))
 
 
 def tier(cached: int = 0, queued_s: float = 0.0, pipeline: str = "p0") -> ScoreReport:
@@ -40,13 +47,14 @@ def test_decode_prefill_budget_counts_prompts_it_is_still_computing():
     assert (d.remote, d.reason) == (False, Reason.SHORT_SUFFIX)  # 24 + 40 = 64: in budget
     d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier())
     assert (d.remote, d.reason) == (True, Reason.DECODE_BUSY)
-    # ... even when the tier's queue is long: the budget caps decode's prefill in flight
-    d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier(queued_s=1.5))
-    assert (d.remote, d.reason) == (True, Reason.DECODE_BUSY)
-    # a long suffix on a busy tier goes local only while decode has nothing pending
-    busy = tier(queued_s=1.5)
-    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0", prefilling_tokens=1), busy).remote
-    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0"), busy).reason is Reason.TIER_BUSY
+    # a tier queued no more than max_tier_queue_s counts as idle: over the budget is remote
+    # even where decode is predicted faster (the budget is the idle crossover)
+    fast = DecisionRule(local_max_tokens=64, max_tier_queue_s=0.1, decode_prefill_rate=1e6)
+    for queued in (0.0, 0.1):
+        d = decide(Mode.AUTO, fast, 500, DecodeView("d0"), tier(queued_s=queued))
+        assert (d.remote, d.reason) == (True, Reason.LONG_SUFFIX) and d.local_s < d.remote_s
+    assert decide(Mode.AUTO, fast, 500, DecodeView("d0"), tier(queued_s=0.11)).reason is (
+        Reason.TIER_BUSY)  # fmt: skip
 
 
 def test_no_tier_answer_or_no_ready_pipeline_is_local():
@@ -56,12 +64,40 @@ def test_no_tier_answer_or_no_ready_pipeline_is_local():
     assert (d.remote, d.reason) == (False, Reason.TIER_UNAVAILABLE)
 
 
-def test_a_busy_tier_goes_local_only_while_decode_has_nothing_waiting():
-    busy = tier(queued_s=1.5)
-    d = decide(Mode.AUTO, RULE, 500, DecodeView("d0", running=3), busy)
+def test_over_budget_a_queued_tier_loses_to_decode_only_when_decode_answers_first():
+    # prior rate 1000 tokens/s: 500 tokens take 0.5 s on decode; the tier: queue + 0.01 s
+    d = decide(Mode.AUTO, RULE, 500, DecodeView("d0", running=3), tier(queued_s=0.6))
     assert (d.remote, d.reason) == (False, Reason.TIER_BUSY)
-    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0", waiting=1), busy).remote
-    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0"), tier(queued_s=1.0)).remote
+    assert (d.local_s, d.remote_s) == pytest.approx((0.5, 0.61))
+    assert decide(Mode.AUTO, RULE, 500, DecodeView("d0"), tier(queued_s=0.4)).remote
+    # what decode is still computing counts: 200 pending tokens put it at 0.7 s
+    d = decide(Mode.AUTO, RULE, 500, DecodeView("d0", prefilling_tokens=200), tier(queued_s=0.6))
+    assert (d.remote, d.reason, d.local_s) == (True, Reason.LONG_SUFFIX, pytest.approx(0.7))
+    # a short suffix over the budget because of pending work: decode_busy unless faster there
+    d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=30), tier(queued_s=1.5))
+    assert (d.remote, d.reason) == (False, Reason.TIER_BUSY)  # 0.07 s against 1.51 s
+    d = decide(Mode.AUTO, RULE, 40, DecodeView("d0", prefilling_tokens=3000), tier(queued_s=1.5))
+    assert (d.remote, d.reason) == (True, Reason.DECODE_BUSY)  # 3.04 s against 1.51 s
+
+
+def test_first_token_predictions_learn_from_what_the_streams_took():
+    model = FirstTokenModel(RULE, alpha=0.5)
+    view, busy = DecodeView("d0"), tier(queued_s=0.6)
+    assert model.rate("d0") == 1000.0 and model.handoff_s == 0.0  # the priors
+    assert decide(Mode.AUTO, RULE, 500, view, busy, model).reason is Reason.TIER_BUSY
+    model.observe_local("d0", 500, 1.0)  # decode turned out to take 1 s for 500 tokens
+    assert model.rate("d0") == 500.0 and model.rate("d1") == 1000.0  # per instance
+    d = decide(Mode.AUTO, RULE, 500, view, busy, model)
+    assert (d.remote, d.local_s) == (True, pytest.approx(1.0))
+    model.observe_local("d0", 1000, 1.0)  # a faster sample moves it half way
+    assert model.rate("d0") == 750.0
+    # the tier answered 0.5 s later than the router's own estimate: the hand-off says so
+    model.observe_remote(busy, 0.61 + 0.5)
+    assert model.handoff_s == pytest.approx(0.5)
+    d = decide(Mode.AUTO, RULE, 500, view, tier(queued_s=0.2), model)
+    assert (d.remote, d.remote_s) == (False, pytest.approx(0.71))  # 0.667 s on decode
+    model.observe_local("d0", 0, 1.0)  # nothing computed there: no sample
+    assert model.rate("d0") == 750.0
 
 
 @pytest.mark.parametrize("mode", [Mode.REMOTE, Mode.LOCAL])
@@ -98,6 +134,10 @@ def test_pick_prefers_less_load_then_a_cached_prefix_then_the_id():
 def test_config_is_validated_once():
     with pytest.raises(InvalidGatewayConfigError):
         DecisionRule(local_max_tokens=-1)
+    with pytest.raises(InvalidGatewayConfigError, match="decode_prefill_rate"):
+        DecisionRule(decode_prefill_rate=0)
+    with pytest.raises(InvalidGatewayConfigError):
+        DecisionRule(max_tier_queue_s=-1)
     with pytest.raises(InvalidGatewayConfigError, match="--router"):
         GatewayConfig("m", 512, mode=Mode.REMOTE)
     with pytest.raises(InvalidGatewayConfigError):

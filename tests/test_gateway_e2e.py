@@ -99,6 +99,9 @@ def test_completions_and_chat_through_the_gateway_equal_decode_fed_directly(tier
     # the reference server reports its KV load in the body, and in a stream's last event
     assert h.metric(tier["gateway"], "wavepp_gateway_kv_loads_total") == {
         'wavepp_gateway_kv_loads_total{outcome="ok"}': 4.0}  # fmt: skip
+    # each streamed remote prefill was a sample of the tier's hand-off (auto's prediction)
+    handoff = h.metric(tier["gateway"], "wavepp_gateway_tier_handoff_seconds")
+    assert handoff["wavepp_gateway_tier_handoff_seconds"] != 0.0
 
 
 def _text(route, answer) -> str:
@@ -126,6 +129,13 @@ def test_a_cached_prefix_is_reported_and_a_short_prompt_stays_on_decode(tier):
     assert short.headers["x-wavepp-prefill"] == "local"
     assert short.headers["x-wavepp-prefill-reason"] == "short_suffix"
     assert "x-wavepp-prefill-pipeline" not in short.headers
+    streamed = gateway.completions.with_raw_response.create(
+        model=h.SERVED, prompt="what is the", max_tokens=2, stream=True)  # fmt: skip
+    assert streamed.headers["x-wavepp-prefill"] == "local" and list(streamed.parse())
+    # its first byte was a sample of that instance's prefill rate (auto's prediction)
+    rates = h.metric(tier["gateway"], "wavepp_gateway_decode_prefill_rate")
+    instance = streamed.headers["x-wavepp-decode"]
+    assert rates[f'wavepp_gateway_decode_prefill_rate{{instance="{instance}"}}'] > 0
     decisions = h.metric(tier["gateway"], "wavepp_gateway_prefill_decisions_total")
     assert (
         decisions['wavepp_gateway_prefill_decisions_total{prefill="local",reason="short_suffix"}']

@@ -43,6 +43,7 @@ def test_gateway_flags_point_at_the_router_and_the_static_fleet() -> None:
                 "prefill": "remote",
                 "localMaxTokens": 64,
                 "maxTierQueueSeconds": 0.5,
+                "decodePrefillRate": 800,
                 "servedModelName": "smol",
             },
             "router": {"port": 50060},
@@ -53,6 +54,7 @@ def test_gateway_flags_point_at_the_router_and_the_static_fleet() -> None:
     args = parse(gateway.container())
     assert args.command == "gateway" and args.decode == ["10.0.0.7:8000", "10.0.0.8:8000"]
     assert (args.prefill, args.local_max_tokens, args.max_tier_queue) == ("remote", 64, 0.5)
+    assert args.decode_prefill_rate == 800
     assert args.served_model_name == "smol" and args.k8s_service is None
     router_host, router_port = args.router.rsplit(":", 1)
     router_service = manifest.one("Service", router_host)
@@ -174,6 +176,7 @@ def test_a_service_monitor_and_a_pdb_for_the_gateway_when_enabled() -> None:
         ({"gateway": {"decode": {"urls": ["decode-0"]}}}, "urls"),
         ({"gateway": {"decode": {"kvEventsPort": 0}}}, "kvEventsPort"),
         ({"gateway": {"maxTierQueueSeconds": 0}}, "maxTierQueueSeconds"),
+        ({"gateway": {"decodePrefillRate": 0}}, "decodePrefillRate"),
         ({"gateway": {"decodes": []}}, "decodes"),
     ],
 )

@@ -28,21 +28,29 @@ class PrefillMode(Enum):
 class DecisionRule:
     """Thresholds of the remote-vs-local rule (``decision.decide``; docs/gateway.md).
 
-    ``local_max_tokens``: a suffix the decode instance would compute at most this long is
-    computed there (the tier's fixed cost per request: a gRPC prefill round trip, the lease
-    and the NIXL pull, outweighs computing it). ``max_tier_queue_s``: the tier's estimated
-    queue beyond which a prompt is computed locally, when the decode instance has nothing
-    waiting. ``request_tokens``: what one running or waiting decode request weighs, in
-    prompt tokens, when picking a decode instance (waiting ones count twice).
+    ``local_max_tokens``: decode's prefill budget: a suffix the decode instance would
+    compute is computed there while it and the instance's unanswered local prompts stay
+    within this many tokens (the tier's fixed cost per request: a gRPC prefill round trip,
+    the lease and the NIXL pull, outweighs computing it). Over the budget the predicted
+    first tokens decide once the tier's estimated queue exceeds ``max_tier_queue_s``
+    (``decision.FirstTokenModel``; below it the tier counts as idle, and the router's
+    queue estimate, from polled load, lags by up to a poll); ``decode_prefill_rate`` is that
+    model's prior for a decode instance's prefill rate, tokens/s, until one of its streams
+    is seen.
+    ``request_tokens``: what one running or waiting decode request weighs, in prompt
+    tokens, when picking a decode instance (waiting ones count twice).
     """
 
     local_max_tokens: int = 256
     max_tier_queue_s: float = 2.0
+    decode_prefill_rate: float = 5000.0
     request_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.local_max_tokens < 0 or self.max_tier_queue_s < 0 or self.request_tokens < 0:
             raise InvalidGatewayConfigError(f"decision thresholds must be >= 0: {self}")
+        if not self.decode_prefill_rate > 0:
+            raise InvalidGatewayConfigError(f"decode_prefill_rate must be > 0: {self}")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,15 @@ class GatewayMetrics:
                                        "tokens sent to the instance to compute that have not "
                                        "answered yet (auto's decode prefill budget)",
                                        ["instance"], registry=r)  # fmt: skip
+        self.decode_prefill_rate = Gauge("wavepp_gateway_decode_prefill_rate", "the "
+                                         "instance's effective prefill rate, tokens/s, "
+                                         "learned from its streamed local prefills (auto's "
+                                         "first-token prediction)", ["instance"],
+                                         registry=r)  # fmt: skip
+        self.tier_handoff = Gauge("wavepp_gateway_tier_handoff_seconds", "first byte of a "
+                                  "streamed remote prefill minus the tier's estimate "
+                                  "(queued + suffix), learned (auto's first-token "
+                                  "prediction)", registry=r)  # fmt: skip
         self.decode_ready = Gauge("wavepp_gateway_decode_ready", "1 while the instance answers",
                                   ["instance"], registry=r)  # fmt: skip
         self.decode_blocks = Gauge("wavepp_gateway_decode_indexed_blocks", "prefix blocks "

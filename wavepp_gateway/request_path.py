@@ -39,7 +39,14 @@ from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.openai_api.errors import ApiError, BadRequest, DecodeFailed, Unavailable
 from wavepp_gateway.client_disconnect import ClientGone, until_disconnected
 from wavepp_gateway.config import GatewayConfig, PrefillMode
-from wavepp_gateway.decision import Decision, DecodeView, Reason, decide, pick_decode
+from wavepp_gateway.decision import (
+    Decision,
+    DecodeView,
+    FirstTokenModel,
+    Reason,
+    decide,
+    pick_decode,
+)
 from wavepp_gateway.decode_fleet import DecodeFleet, DecodeInstance
 from wavepp_gateway.metrics import GatewayMetrics
 from wavepp_gateway.openai_request import (
@@ -91,6 +98,7 @@ class RequestPath:
         self._fleet = fleet
         self._tier = tier
         self._metrics = metrics
+        self._first_token = FirstTokenModel(config.rule)  # auto's predictions, learned
         self._releasing: set[asyncio.Task] = set()  # lease releases under way
 
     async def handle(self, route: Route, request: Request) -> Response:
@@ -185,6 +193,7 @@ class RequestPath:
         if decode is None:
             raise Unavailable("no decode instance is ready; retry later")
         decision, prefill = await self._prefill(req, decode)
+        decided = time.monotonic()
         headers = {"x-wavepp-prefill": decision.label,
                    "x-wavepp-prefill-reason": decision.reason.value}  # fmt: skip
         if prefill is not None:
@@ -199,6 +208,8 @@ class RequestPath:
             if prefill is not None:
                 self._release(prefill)
             raise
+        if answer.stream is not None and answer.status < 400:
+            self._learn(decision, prefill, answer, time.monotonic() - decided)
         loaded = self._count_kv_load(answer.body) if answer.stream is None else None
         if prefill is not None and (not answer.with_kv or answer.status >= 400 or loaded is False):
             self._release(prefill)  # the retry computed the prompt, or decode refused the KV
@@ -210,6 +221,23 @@ class RequestPath:
             cached = next((v.cached_tokens for v in views if v.instance == answer.instance), 0)
             headers["x-wavepp-cached-tokens"] = str(cached)
         return answer, headers, decision
+
+    def _learn(
+        self, decision: Decision, prefill: TierPrefill | None, answer: _Answer, seconds: float
+    ) -> None:
+        """A stream's first byte, ``seconds`` after the decision, is a sample for auto's
+        first-token predictions: of the decode instance's prefill rate when it computed the
+        prompt as decided, of the tier's hand-off when it loaded the tier's KV."""
+        d, m = decision.decode, self._metrics
+        if answer.instance != d.instance:
+            return  # retried elsewhere: neither prediction was what happened
+        if prefill is None:
+            tokens = d.prefilling_tokens + d.uncached(decision.prompt_tokens)
+            self._first_token.observe_local(d.instance, tokens, seconds)
+            m.decode_prefill_rate.labels(d.instance).set(self._first_token.rate(d.instance))
+        elif answer.with_kv and decision.tier is not None:
+            self._first_token.observe_remote(decision.tier, seconds)
+            m.tier_handoff.set(self._first_token.handoff_s)
 
     async def _prefill(
         self, req: GatewayRequest, decode: DecodeView
@@ -227,7 +255,8 @@ class RequestPath:
                     span.set_attribute(tracing.PIPELINE, report.pipeline_id)
                     span.set_attribute(tracing.CACHED_TOKENS, report.cached_tokens)
                 tracing.end(span, error=None if report is not None else "no answer")
-        decision = decide(mode, self.config.rule, len(req.prompt_ids), decode, report)
+        decision = decide(mode, self.config.rule, len(req.prompt_ids), decode, report,
+                          self._first_token)  # fmt: skip
         prefill = None
         if decision.remote:
             prefill, decision = await self._remote(req, decision)
@@ -313,7 +342,7 @@ class RequestPath:
             raise _DecodeAttemptFailed(iid, "gone", delivered=False)
         if params is not None:  # decode loads the prompt's KV: nothing to compute there
             return await self._send(req, inst, params)
-        local = len(req.prompt_ids) - view.cached_tokens
+        local = view.uncached(len(req.prompt_ids))
         gauge = self._metrics.decode_prefilling.labels(iid)
         inst.prefilling_tokens += local
         gauge.set(inst.prefilling_tokens)

@@ -24,9 +24,12 @@ decode's answer is relayed unchanged; headers say where it went: x-wavepp-prefil
 
 --prefill auto (default) decides per request: local when the tier is unavailable, or when
 what decode would compute (prompt minus its cached prefix), added to the prompt tokens the
-gateway sent it to compute that have not answered yet, is at most --local-max-tokens, or
-when the tier's queue exceeds --max-tier-queue and decode has nothing waiting; remote
-otherwise (docs/gateway.md). remote: always the tier (503 when it is down); local: never.
+gateway sent it to compute that have not answered yet, is at most --local-max-tokens;
+over that budget, while the tier's estimated queue exceeds --max-tier-queue, local when
+decode's first token is predicted before the tier's (decode: that work at the instance's
+prefill rate, learned from its streams, --decode-prefill-rate until then; tier: the
+router's queue + suffix estimate plus a learned hand-off); remote otherwise
+(docs/gateway.md). remote: always the tier (503 when it is down); local: never.
 
 Decode instances must serve the model under --served-model-name (vllm serve
 --served-model-name NAME).
@@ -101,8 +104,17 @@ def register(subparsers: Any) -> None:
         "--max-tier-queue",
         type=float,
         default=2.0,
-        help="auto: local when the tier's estimated queue exceeds this many "
-        "seconds and decode has nothing waiting (default 2)",
+        help="auto: the tier's estimated queue, seconds, beyond which a prompt over the "
+        "budget goes local when decode's first token is predicted sooner (default 2)",
+    )
+    t.add_argument(
+        "--decode-prefill-rate",
+        type=float,
+        default=5000.0,
+        metavar="TOKENS_PER_S",
+        help="auto: a decode instance's prefill rate until its first streamed local "
+        "prefill is measured; optimistic on purpose, so that local is tried and learned "
+        "(default 5000)",
     )
     t.add_argument(
         "--prefill-timeout",
@@ -170,8 +182,10 @@ def _run(args: argparse.Namespace) -> int:
         router_tls=client_tls(args.router_ca, args.router_cert, args.router_key, "router"),
         mode=PrefillMode(args.prefill),
         rule=DecisionRule(
-            local_max_tokens=args.local_max_tokens, max_tier_queue_s=args.max_tier_queue
-        ),  # fmt: skip
+            local_max_tokens=args.local_max_tokens,
+            max_tier_queue_s=args.max_tier_queue,
+            decode_prefill_rate=args.decode_prefill_rate,
+        ),
         prefill_timeout_s=args.prefill_timeout,
         decode_poll_s=args.decode_poll_interval,
     )

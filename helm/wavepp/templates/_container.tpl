@@ -123,6 +123,7 @@ args:
   - --prefill={{ $g.prefill }}
   - --local-max-tokens={{ int $g.localMaxTokens }}
   - --max-tier-queue={{ $g.maxTierQueueSeconds }}
+  - --decode-prefill-rate={{ $g.decodePrefillRate }}
   - --prefill-timeout={{ $g.prefillTimeoutSeconds }}
   {{- if include "wavepp.gatewayDiscovers" .root }}
   - --k8s-service={{ $g.decode.serviceName }}
