@@ -239,7 +239,7 @@ def test_request_round_trips_the_wire_format():
 
 def test_server_info_and_remote_engine_behave_like_the_engine(engine):
     from prefill_node.client.remote_engine import RemoteEngine
-    from prefill_node.errors import InvalidRequestError, RequestAbortedError
+    from prefill_node.errors import DeadlineExceededError, InvalidRequestError
 
     config = ServerConfig(host="127.0.0.1", port=0, model_name="tiny-grpc")
     with ServerThread(engine, config) as srv:
@@ -254,7 +254,7 @@ def test_server_info_and_remote_engine_behave_like_the_engine(engine):
             with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
                 remote.submit([VOCAB], PrefillOptions()).result(10)
             slow = PrefillOptions(deadline_s=0.0)  # already passed: the call's deadline expires
-            with pytest.raises(RequestAbortedError, match="DEADLINE_EXCEEDED"):
+            with pytest.raises(DeadlineExceededError, match="DEADLINE_EXCEEDED"):
                 remote.submit(prompt, slow).result(10)
             assert remote.health().ready and remote.load().stages[1].stage == 1
         finally:

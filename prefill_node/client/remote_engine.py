@@ -30,6 +30,7 @@ from prefill_node.engine.types import (
     PrefillResult,
 )
 from prefill_node.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     NeverFitsError,
     RequestAbortedError,
@@ -45,7 +46,7 @@ _ERRORS: dict[grpc.StatusCode, type[WaveppError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: NeverFitsError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.CANCELLED: RequestAbortedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: RequestAbortedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 
