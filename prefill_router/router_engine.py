@@ -2,10 +2,12 @@
 (PrefillServer: the same PrefillService, health, reflection, TLS, metrics) fronts a router.
 
 Per request (``prefill_async``, awaited on the server's event loop; ``submit`` runs it on a
-loop of the router's own for callers without one): hash the prompt with the node's own code
+loop of the router's own for callers without one), the decision is ``RouterCore``'s, the
+sans-IO core the cluster simulator drives too: hash the prompt with the node's own code
 and the cluster's cache identity + the request's ``cache_salt``, look up
 every pipeline's leading cached blocks in the global index, score the ready candidates
-(``Scorer``), record the prompt's blocks as pending on the chosen pipeline, and forward the
+(``Scorer``), record the prompt's blocks as pending on the chosen pipeline; this shell
+keeps the links (membership comes from them) and the calls, and forwards the
 request there as a Prefill call: the bytes the router received, as they are (token ids; KV
 destinations pass through untouched, so the stages still ship straight to decode). The
 answer comes back as the pipeline's bytes; the router reads its cached tokens only.
@@ -31,10 +33,10 @@ whose KV-event stream broke, has no entries in the index until its next snapshot
 
 Threading: every link runs on ONE event loop: the loop ``start`` is called on (the serving
 loop in ``wavepp router``: serving, forwarding and pipeline monitoring share it, with no
-thread per pipeline), else the router's own loop thread. One lock guards the index, the
-scorer and the routed-request table (discovery, ``abort``, ``load`` and scrapes call in from
-other threads). Forwarded calls are grpc.aio calls on the requesting loop (the server's), so
-a request never changes threads on its way through the router.
+thread per pipeline), else the router's own loop thread. One lock guards the core (index,
+scorer, accounting) and the routed-request table (discovery, ``abort``, ``load`` and
+scrapes call in from other threads). Forwarded calls are grpc.aio calls on the requesting
+loop (the server's), so a request never changes threads on its way through the router.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from prefill_node import tracing
 from prefill_node.client.prefill_client import RemoteServerInfo, build_request
 from prefill_node.client.remote_engine import error_from_rpc
 from prefill_node.core.cost_model import ChunkCostModel
-from prefill_node.core.hashing import ExtraKeys, hash_block_tokens, model_cache_name
+from prefill_node.core.hashing import model_cache_name
 from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import (
     CacheIdentity,
@@ -74,20 +76,18 @@ from prefill_node.errors import (
 )
 from prefill_node.server.convert import ParsedRequest, result_from_proto
 from prefill_node.server.servicer import FAILOVER_KEY, FAILOVER_NO, Relayed
-from prefill_router.calibration import CalibrationConfig, PredictionCalibration
+from prefill_router.calibration import CalibrationConfig
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.flow_control import FlowConfig, FlowControl, Verdict, Waiter
-from prefill_router.index import GlobalPrefixIndex, UnknownPipelineError
+from prefill_router.index import UnknownPipelineError
 from prefill_router.pipeline_link import LinkConfig, PipelineLink, start_loop_thread
+from prefill_router.router_core import UNBOUNDED_BLOCKS, PipelineMember, Placement, RouterCore
 from prefill_router.router_metrics import RouterMetrics
 from prefill_router.scoring import (
     DEFAULT_AFFINITY_SLACK,
-    CandidateScore,
-    PipelineView,
     RouteReason,
     RoutingDecision,
     RoutingPolicy,
-    Scorer,
 )
 from wavepp_proto.prefill.v1 import prefill_pb2
 
@@ -96,9 +96,6 @@ log = logging.getLogger(__name__)
 # A generic compute-bound default (about a 1B dense model); ``wavepp router --model`` derives
 # one from the model's shape. Only the ratio of the two terms changes routing decisions.
 DEFAULT_COST = ChunkCostModel(per_token_s=2e-6, per_token_context_s=2e-10)
-_NO_OWN = (0.0, 0, 0)  # a pipeline without requests routed here: (cost_s, tokens, requests)
-_UNBOUNDED = 1 << 40  # a pipeline's capacity before its first load
-_MAX_SALTS = 4096  # ExtraKeys kept per cache_salt (tenants); beyond it the table starts over
 _LEASED_KEPT = 4096  # answered pull-mode requests whose leases an Abort can still revoke
 
 
@@ -120,18 +117,18 @@ class RouterConfig:
 
 @dataclass(slots=True)
 class _Routed:
-    """One forwarded request (guarded by the engine lock)."""
+    """One forwarded request: its placement (``RouterCore``) and its call (guarded by the
+    engine lock). ``tried``: the pipelines it was forwarded to so far, this one last."""
 
-    pid: str
-    cost_s: float  # its prefill's cost-model seconds (what it adds to the pipeline's queue)
-    computed_tokens: int
-    predicted_cached: int
-    predicted_cost_s: float  # queued + prefill cost-model seconds there, at routing
+    placement: Placement
+    tried: tuple[str, ...]
     call: grpc.aio.UnaryUnaryCall | None = None
     loop: asyncio.AbstractEventLoop | None = None
-    tried: tuple[str, ...] = ()
     aborted: bool = False
-    reason: str = ""  # the routing decision's reason (traced)
+
+    @property
+    def pid(self) -> str:
+        return self.placement.pid
 
 
 CONNECTION_LOST = "connection_lost"
@@ -163,10 +160,11 @@ class RouterEngine:
         self.metrics = RouterMetrics(config.policy.value, self.prediction_ratios)
         self._discovery = discovery
         self._lock = threading.Lock()
-        self._index = GlobalPrefixIndex(config.pending_ttl_s)
+        self._core = RouterCore(config.cost_model, config.policy,
+                                pending_ttl_s=config.pending_ttl_s,
+                                affinity_slack=config.affinity_slack,
+                                calibration=config.calibration)  # fmt: skip
         self._flow = FlowControl(config.flow)
-        self._calibration = PredictionCalibration(config.calibration)
-        self._scorer: Scorer | None = None  # once the cluster's identity is known
         self._identity: CacheIdentity | None = None
         self._links: dict[str, PipelineLink] = {}
         # left the discovery with calls still forwarded there: closed when the last one ends
@@ -174,13 +172,9 @@ class RouterEngine:
         self._routed: dict[str, _Routed] = {}
         # answered pull-mode requests -> their pipeline, newest last (``abort``)
         self._leased: OrderedDict[str, str] = OrderedDict()
-        # per pipeline: (cost_s, computed_tokens, requests) summed over its _Routed entries
-        self._own: dict[str, tuple[float, int, int]] = {}
-        # per pipeline: (load, info, capacity_blocks, max_model_len, snapshot interval), the
-        # view's parts that change only with a new load or identity (see ``_view``)
-        self._derived: dict[str, tuple] = {}
-        self._per_token_s = config.cost_model.per_token_s
-        self._extra: dict[str | None, ExtraKeys] = {}  # per cache_salt, bounded (_MAX_SALTS)
+        # per pipeline: (load, info, ready, its PipelineMember), made again only when the
+        # link's load, identity or readiness changed (see ``_member``)
+        self._members: dict[str, tuple] = {}
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # own loop thread, when needed
         self._link_loop: asyncio.AbstractEventLoop | None = None  # where the links run
@@ -240,10 +234,9 @@ class RouterEngine:
             stopping, draining = [], set()
             for link in gone:
                 del self._links[link.pid]
-                self._derived.pop(link.pid, None)
-                self._calibration.forget(link.pid)
-                self._drop_index(link.pid)
-                if link.pid not in self._own:
+                self._members.pop(link.pid, None)
+                self._core.forget(link.pid)
+                if not self._core.placed_requests(link.pid):
                     stopping.append(link)
                     continue
                 # calls in flight there: the pod drains them; an older leaving link goes now
@@ -286,9 +279,7 @@ class RouterEngine:
                 self._max_model_len = max(self._max_model_len, info.max_model_len)
                 if self._identity is None:
                     self._identity = identity
-                    cfg = self.config
-                    self._scorer = Scorer(cfg.cost_model, identity.block_size, cfg.policy,
-                                          cfg.affinity_slack)  # fmt: skip
+                    self._core.start_scoring(identity.model_id, identity.block_size)
                     log.info("cluster cache identity: %s, %d-token blocks", *(
                         identity.model_id, identity.block_size))  # fmt: skip
         if why is not None:
@@ -300,8 +291,8 @@ class RouterEngine:
             if self._links.get(link.pid) is not link:
                 return
             if ready:
-                if link.pid not in self._index:
-                    self._index.add_pipeline(link.pid)  # entries come with its snapshot
+                if link.pid not in self._core.index:
+                    self._core.index.add_pipeline(link.pid)  # entries come with its snapshot
             else:
                 self._drop_index(link.pid)
             woken = self._flow.drain(self._ready_count())  # more room, or none ready
@@ -314,7 +305,7 @@ class RouterEngine:
             if self._links.get(link.pid) is not link:
                 return False
             try:
-                result = self._index.apply(link.pid, sequence, events)
+                result = self._core.index.apply(link.pid, sequence, events)
             except UnknownPipelineError:  # dropped while the batch was on its way
                 return False
         if sequence == 1:
@@ -323,18 +314,19 @@ class RouterEngine:
 
     def link_stream_lost(self, link: PipelineLink, reason: str) -> None:
         with self._lock:
-            if self._links.get(link.pid) is not link or link.pid not in self._index:
+            index = self._core.index
+            if self._links.get(link.pid) is not link or link.pid not in index:
                 return
             self._drop_index(link.pid)
             if link.ready:
-                self._index.add_pipeline(link.pid)  # awaiting the next snapshot
+                index.add_pipeline(link.pid)  # awaiting the next snapshot
         log.info("pipeline %s: KV events %s; re-indexing from a new subscription", link.pid,
                  reason)  # fmt: skip
 
     def _drop_index(self, pid: str) -> None:
         """Caller holds the lock."""
-        if pid in self._index:
-            self._index.drop_pipeline(pid)
+        if pid in self._core.index:
+            self._core.index.drop_pipeline(pid)
 
     # -- Engine protocol -----------------------------------------------------------------------
     @property
@@ -398,11 +390,8 @@ class RouterEngine:
     ) -> Relayed:
         """Admit the encoded ``request`` (``tokens``: its prompt) through flow control, then
         route and forward it."""
-        identity = self._identity  # set once, never reset: no lock needed to read it
-        if identity is None:
-            raise UnavailableError("no pipeline has connected to the router yet; retry later")
-        hashes = hash_block_tokens(tokens, identity.block_size,
-                                   self._extra_keys(identity, options.cache_salt))  # fmt: skip
+        with self._lock:
+            hashes = self._core.hashes(tokens, options.cache_salt)
         slot = await self._admit(tokens, hashes, options)
         try:
             return await self._forward_admitted(request, tokens, hashes, options)
@@ -421,7 +410,8 @@ class RouterEngine:
         request_id = options.request_id or ""
         loop = asyncio.get_running_loop()
         with self._lock:
-            scores = [s for s in self._assess(len(tokens), hashes, now) if s.eligible]
+            scores = [s for s in self._core.assess(len(tokens), hashes, self._members_now(), now)
+                      if s.eligible]  # fmt: skip
             if not scores:
                 return False
             chosen = min(scores, key=attrgetter("score"))  # the earliest it could be done
@@ -542,7 +532,8 @@ class RouterEngine:
                 continue
             self._calibrate(routed, started)
             response = prefill_pb2.PrefillResponse.FromString(data)
-            self.metrics.answered(routed.pid, routed.predicted_cached, response.cached_tokens)
+            self.metrics.answered(routed.pid, routed.placement.cached_tokens,
+                                  response.cached_tokens)  # fmt: skip
             if request_id and any(m.lease_id for m in response.stage_manifests):
                 with self._lock:  # pull leases: an Abort may still revoke them there
                     self._leased[request_id] = routed.pid
@@ -592,9 +583,9 @@ class RouterEngine:
         attributes = {
             tracing.REQUEST_ID: request_id,
             tracing.PIPELINE: routed.pid,
-            tracing.CACHED_TOKENS: routed.predicted_cached,
+            tracing.CACHED_TOKENS: routed.placement.cached_tokens,
             tracing.PROMPT_TOKENS: prompt_tokens,
-            "wavepp.route_reason": routed.reason,
+            "wavepp.route_reason": routed.placement.reason,
             "wavepp.attempt": len(routed.tried),
         }
         tracing.record("wavepp.router.route", parent, t_route, time.time_ns(), attributes)
@@ -604,25 +595,22 @@ class RouterEngine:
         """An answer from ``routed.pid``, forwarded at ``started``: a calibration sample."""
         now = time.monotonic()
         with self._lock:
-            self._calibration.observe(routed.pid, routed.predicted_cost_s, now - started, now)
+            self._core.observe(routed.placement, now - started, now)
 
     def prediction_ratios(self) -> dict[str, float]:
         """Each pipeline's measured / predicted time ratio now (``PredictionCalibration``;
         pipelines without an answer yet are absent: 1)."""
         with self._lock:
-            return self._calibration.ratios(time.monotonic())
+            return self._core.calibration.ratios(time.monotonic())
 
     def score(self, token_ids: Sequence[int], cache_salt: str | None) -> ScoreReport:
         """Where ``prefill`` would send this prompt now (the Score RPC): the same hashing,
         index lookup and scoring, with nothing recorded (no pending entries, no accounting;
         only round-robin's rotation moves). No pipeline connected yet -> UnavailableError."""
-        identity = self._identity
-        if identity is None:
-            raise UnavailableError("no pipeline has connected to the router yet; retry later")
-        hashes = hash_block_tokens(token_ids, identity.block_size,
-                                   self._extra_keys(identity, cache_salt))  # fmt: skip
         with self._lock:
-            decision = self._decide(len(token_ids), hashes, time.monotonic(), ())
+            hashes = self._core.hashes(token_ids, cache_salt)
+            decision = self._core.decide(len(token_ids), hashes, self._members_now(),
+                                         time.monotonic())  # fmt: skip
         chosen = next((c for c in decision.candidates if c.pid == decision.pipeline), None)
         return ScoreReport(
             decision.pipeline or "", decision.reason.value, len(token_ids),
@@ -631,37 +619,22 @@ class RouterEngine:
             sum(c.eligible for c in decision.candidates),
         )  # fmt: skip
 
-    def _extra_keys(self, identity: CacheIdentity, salt: str | None) -> ExtraKeys:
-        """The cluster's ExtraKeys for ``salt``, made once per salt (their digest is the
-        costly part); the table is emptied when it outgrows ``_MAX_SALTS``."""
-        extra = self._extra.get(salt)
-        if extra is None:
-            if len(self._extra) >= _MAX_SALTS:
-                self._extra.clear()
-            extra = self._extra[salt] = ExtraKeys(identity.model_id, salt)
-        return extra
-
     def _route(
         self, tokens: Sequence[int], hashes: Sequence[int], request_id: str, tried: tuple[str, ...]
     ) -> tuple[PipelineLink, _Routed]:
-        """Choose a pipeline (not one of ``tried``), record the prompt as pending there and
-        the request as routed; raises the typed error when none can take it."""
+        """Choose a pipeline (not one of ``tried``) and place the request there
+        (``RouterCore.route``: pending blocks, accounting), recording it as routed; raises
+        the typed error when none can take it."""
         now = time.monotonic()
         with self._lock:
-            decision = self._decide(len(tokens), hashes, now, tried)
-            if decision.pipeline is not None:
-                link = self._links[decision.pipeline]
-                chosen = next(c for c in decision.candidates if c.pid == decision.pipeline)
-                self._index.record_pending(decision.pipeline, hashes, now)
-                routed = _Routed(decision.pipeline, chosen.prefill_cost_s,
-                                 len(tokens) - decision.cached_tokens, decision.cached_tokens,
-                                 chosen.queued_cost_s + chosen.prefill_cost_s,
-                                 tried=(*tried, decision.pipeline),
-                                 reason=decision.reason.value)  # fmt: skip
+            decision, placement = self._core.route(len(tokens), hashes, self._members_now(), now,
+                                                   tried)  # fmt: skip
+            if placement is not None:
+                link = self._links[placement.pid]
+                routed = _Routed(placement, (*tried, placement.pid))
                 self._routed[request_id] = routed
-                self._account(routed, 1)
         self.metrics.decision(decision.reason.value)
-        if decision.pipeline is None:
+        if placement is None:
             raise self._no_pipeline(decision)
         return link, routed
 
@@ -670,68 +643,36 @@ class RouterEngine:
         with self._lock:
             if self._routed.get(request_id) is routed:
                 del self._routed[request_id]
-                self._account(routed, -1)
-                if routed.pid in self._leaving and routed.pid not in self._own:
-                    drained = self._leaving.pop(routed.pid)
+            self._core.finish(routed.placement)
+            pid = routed.pid
+            if pid in self._leaving and not self._core.placed_requests(pid):
+                drained = self._leaving.pop(pid)
         if drained is not None:  # its last call ended: close it on its loop, not blocking ours
             log.info("pipeline %s: the calls on it ended; closing its link", drained.pid)
             loop = self._link_loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(drained.stop)
 
-    def _account(self, routed: _Routed, sign: int) -> None:
-        """Add (1) or take back (-1) ``routed`` in its pipeline's sums. Caller holds the lock."""
-        cost, tokens, count = self._own.get(routed.pid, _NO_OWN)
-        count += sign
-        if count:
-            cost = max(0.0, cost + sign * routed.cost_s)  # float sums drift: never below 0
-            self._own[routed.pid] = (cost, tokens + sign * routed.computed_tokens, count)
-        else:
-            self._own.pop(routed.pid, None)
+    def _members_now(self) -> list[PipelineMember]:
+        """The links routing may choose from, as members. Caller holds the lock."""
+        return [self._member(link) for link in self._links.values()
+                if link.refused is None and link.info is not None]  # fmt: skip
 
-    def _decide(self, prompt_tokens: int, hashes, now: float, tried) -> RoutingDecision:
-        """Caller holds the lock."""
-        return self._scorer_for().choose(prompt_tokens, *self._inputs(hashes, now, tried))
-
-    def _assess(self, prompt_tokens: int, hashes, now: float) -> tuple[CandidateScore, ...]:
-        """Every pipeline's score for the prompt, choosing nothing. Caller holds the lock."""
-        return self._scorer_for().assess(prompt_tokens, *self._inputs(hashes, now, ()))
-
-    def _scorer_for(self) -> Scorer:
-        if self._scorer is None:
-            raise UnavailableError("no pipeline has connected to the router yet; retry later")
-        return self._scorer
-
-    def _inputs(self, hashes, now: float, tried) -> tuple[dict, list[PipelineView]]:
-        """The index's matches and the candidates' views (not ``tried``). Caller holds
-        the lock."""
-        matches = self._index.match(hashes, now)
-        views = [
-            self._view(link, now)
-            for link in self._links.values()
-            if link.refused is None and link.info is not None and link.pid not in tried
-        ]
-        return matches, views
-
-    def _view(self, link: PipelineLink, now: float) -> PipelineView:
-        """Caller holds the lock. What changes per request (own accounting, the index) is
-        read each time; what comes with a load or an identity is derived once per object."""
-        pid, load, info = link.pid, link.load, link.info
-        own_cost, own_tokens, own_requests = self._own.get(pid, _NO_OWN)
-        cached = self._derived.get(pid)
-        if cached is None or cached[0] is not load or cached[1] is not info:
+    def _member(self, link: PipelineLink) -> PipelineMember:
+        """``link`` as a member, made again only when its load, identity or readiness
+        changed. Caller holds the lock."""
+        load, info, ready = link.load, link.info, link.ready
+        cached = self._members.get(link.pid)
+        if cached is None or cached[0] is not load or cached[1] is not info or cached[2] != ready:
             stages = load.stages if load is not None else ()
-            capacity = min((s.total_blocks for s in stages), default=_UNBOUNDED)
-            max_len = info.max_model_len if info is not None else 0
-            snap = info.snapshot_interval_blocks or None if info else None
-            cached = self._derived[pid] = (load, info, capacity, max_len, snap)
-        others = max(0, load.inflight_tokens - own_tokens) if load is not None else 0
-        index = self._index
-        indexed = pid in index
-        return PipelineView(pid, link.ready and indexed, own_cost + others * self._per_token_s,
-                            cached[3], cached[2], own_requests, cached[4],
-                            index.num_blocks(pid) if indexed else 0,
-                            self._calibration.ratio(pid, now))  # fmt: skip
+            member = PipelineMember(
+                link.pid, ready, info.max_model_len if info is not None else 0,
+                min((st.total_blocks for st in stages), default=UNBOUNDED_BLOCKS),
+                (info.snapshot_interval_blocks or None) if info is not None else None,
+                load.inflight_tokens if load is not None else 0,
+            )  # fmt: skip
+            cached = self._members[link.pid] = (load, info, ready, member)
+        return cached[3]
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:
         if decision.reason is RouteReason.NEVER_FITS:
@@ -760,8 +701,9 @@ class RouterEngine:
     def load(self) -> EngineLoad:
         with self._lock:
             links = list(self._links.values())
-            inflight = {pid: own[2] for pid, own in self._own.items()}
-            indexed = {pid: self._index.num_blocks(pid) for pid in self._index.pipelines}
+            inflight = self._core.placed_by_pipeline()
+            index = self._core.index
+            indexed = {pid: index.num_blocks(pid) for pid in index.pipelines}
         pipelines = tuple(
             link.described(inflight.get(link.pid, 0), indexed.get(link.pid, 0)) for link in links
         )
@@ -795,4 +737,5 @@ class RouterEngine:
     def index_snapshot(self, pid: str) -> int:
         """Confirmed blocks the index holds for ``pid`` (0 when it has none)."""
         with self._lock:
-            return self._index.num_blocks(pid) if pid in self._index else 0
+            index = self._core.index
+            return index.num_blocks(pid) if pid in index else 0

@@ -36,7 +36,7 @@ def residency(address: str) -> set[int]:
 
 def indexed(engine: RouterEngine, pid: str, hashes_by_prompt) -> list[int]:
     with engine._lock:
-        return [engine._index.match(h, 0.0).get(pid, 0) for h in hashes_by_prompt]
+        return [engine._core.index.match(h, 0.0).get(pid, 0) for h in hashes_by_prompt]
 
 
 @pytest.fixture

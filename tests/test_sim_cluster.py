@@ -71,9 +71,9 @@ def test_index_mirrors_every_pipeline_cache_through_kv_events():
     sim = _run(ClusterPolicy.PREFIX)
     for pipe in sim.pipelines:
         stats = pipe.core.stages[0].pool.stats()
-        assert sim.index.num_blocks(pipe.pid) == stats.cached  # everything finished: unpinned
+        assert sim.router.index.num_blocks(pipe.pid) == stats.cached  # all finished: unpinned
     # p00 holds tenant 0's 8 system blocks + 2 suffix blocks, p01 tenant 1's
-    assert [sim.index.num_blocks(p.pid) for p in sim.pipelines] == [10, 10]
+    assert [sim.router.index.num_blocks(p.pid) for p in sim.pipelines] == [10, 10]
 
 
 def test_cluster_cli_runs_every_policy_and_the_zipf_sweep(tmp_path, capsys):

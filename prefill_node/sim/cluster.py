@@ -1,10 +1,11 @@
 """Cluster simulation: N pipelines behind the router's real index and scoring, one policy a run.
 
-What is real: the router's ``GlobalPrefixIndex`` (fed by each pipeline's KV events, with the
-pending entries the router records for every routed prompt) and its ``Scorer`` (every
-``RoutingPolicy``); each pipeline's cache is the node's own admission core (``CorePort``:
-block pool, prefix index, leases, escrow, LRU eviction, KV events); prompts are hashed with
-the node's hashing and each tenant's cache salt.
+What is real: the router's sans-IO core (``RouterCore``: its ``GlobalPrefixIndex``, fed by
+each pipeline's KV events, with the pending entries it records for every routed prompt; its
+``Scorer``, every ``RoutingPolicy``; its accounting of the requests it placed, the queued
+cost the scorer reads), driven as the router's server drives it; each pipeline's cache is
+the node's own admission core (``CorePort``: block pool, prefix index, leases, escrow, LRU
+eviction, KV events); prompts are hashed by the router core with each tenant's cache salt.
 
 What is modelled: a pipeline is one FCFS server at the speed of its bottleneck stage (the
 preset's roofline cost model, ``PipelineRoofline.chunk_cost_model``): a request of
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from prefill_node.core.admission_messages import Admitted, Rejected
 from prefill_node.core.cost_model import ChunkCostModel
-from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
+from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.wave import ScheduledChunk
 from prefill_node.errors import InvalidRequestError, InvariantError
@@ -41,8 +42,9 @@ from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import percentile
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.tenants import TenantRequest, TenantWorkload
-from prefill_router.index import GlobalPrefixIndex
-from prefill_router.scoring import PipelineView, RoutingPolicy, Scorer
+from prefill_router.calibration import CalibrationConfig
+from prefill_router.router_core import PipelineMember, Placement, RouterCore
+from prefill_router.scoring import RoutingPolicy
 
 
 class ClusterPolicy(enum.Enum):
@@ -114,7 +116,7 @@ class _Pipeline:
         self.pid, self.core = pid, core
         self.queue: deque[tuple[str, int]] = deque()  # admitted: (request id, cached ids)
         self.busy = False
-        self.predicted: dict[str, float] = {}  # routed, unfinished: the router's cost
+        self.placements: dict[str, Placement] = {}  # routed, unfinished
         self.sequence = 0
         self.served = 0
 
@@ -141,11 +143,14 @@ class ClusterSim:
         self.pipelines = [
             _Pipeline(f"p{i:02d}", pooled or self._core(cap, events=True)) for i in range(n)
         ]
-        self.index = GlobalPrefixIndex()
+        # no calibration: the simulated pipelines run exactly at the cost model's speed
+        self.router = RouterCore(self.cost, policy.routing,
+                                 calibration=CalibrationConfig(alpha=0.0))  # fmt: skip
+        self.router.start_scoring(self.model_id, spec.block_ids)
+        self._members = [PipelineMember(p.pid, True, 1 << 40, cap) for p in self.pipelines]
         for pipe in self.pipelines:
-            self.index.add_pipeline(pipe.pid)
+            self.router.index.add_pipeline(pipe.pid)
             self._publish(pipe, initial=True)
-        self.scorer = Scorer(self.cost, spec.block_ids, policy.routing)
         self.requests = spec.workload.requests_of_run(0)
         self._owner: dict[str, tuple[_Pipeline, int, float, int]] = {}
         self._cached: dict[str, int] = {}
@@ -172,7 +177,7 @@ class ClusterSim:
         events = pipe.core.drain_events(0)
         if events or initial:
             pipe.sequence += 1
-            result = self.index.apply(pipe.pid, pipe.sequence, events)
+            result = self.router.index.apply(pipe.pid, pipe.sequence, events)
             if result.needs_resubscribe:
                 raise InvariantError(f"{pipe.pid}: KV event gap in the simulation")
 
@@ -195,7 +200,7 @@ class ClusterSim:
                 self._complete(*payload)  # type: ignore[misc]
         for pipe in self.pipelines:
             pipe.core.check_integrity()
-        self.index.check_integrity()
+        self.router.index.check_integrity()
         return self._summary()
 
     def _send_next(self) -> None:
@@ -209,33 +214,21 @@ class ClusterSim:
     def _route(self, i: int) -> None:
         req = self.requests[i]
         spec = self._spec(i, req)
-        hashes = hash_block_tokens(req.tokens, self.spec.block_ids, spec.extra)
-        views = [self._view(p) for p in self.pipelines]
-        decision = self.scorer.choose(len(req.tokens), self.index.match(hashes, self.now), views)
-        if decision.pipeline is None:
+        hashes = self.router.hashes(req.tokens, req.salt)
+        pending = self.policy is not ClusterPolicy.ORACLE  # the pool has no index to feed
+        decision, placement = self.router.route(
+            len(req.tokens), hashes, self._members, self.now, record_pending=pending
+        )
+        if placement is None:
             raise InvariantError(f"request {i} not routed: {decision.reason}")
-        pipe = next(p for p in self.pipelines if p.pid == decision.pipeline)
-        if self.policy is not ClusterPolicy.ORACLE:
-            self.index.record_pending(pipe.pid, hashes, self.now)
-        cached = decision.cached_tokens
-        pipe.predicted[spec.request_id] = self.cost.chunk_cost(cached, len(req.tokens) - cached)
+        pipe = next(p for p in self.pipelines if p.pid == placement.pid)
+        pipe.placements[spec.request_id] = placement
         self._owner[spec.request_id] = (pipe, i, self.now, len(req.tokens))
         rejected = pipe.core.submit(spec)
         if rejected is not None:
             self._reject(spec.request_id)
             return
         self._admit(pipe)
-
-    def _view(self, pipe: _Pipeline) -> PipelineView:
-        return PipelineView(
-            pid=pipe.pid,
-            ready=True,
-            queued_cost_s=sum(pipe.predicted.values()),
-            max_model_len=1 << 40,
-            capacity_blocks=self.capacity,
-            inflight_requests=len(pipe.predicted),
-            resident_blocks=self.index.num_blocks(pipe.pid),
-        )
 
     def _admit(self, pipe: _Pipeline) -> None:
         """Run admission rounds on ``pipe``'s core while they admit someone (FCFS)."""
@@ -257,7 +250,7 @@ class ClusterSim:
 
     def _reject(self, rid: str) -> None:
         pipe = self._owner.pop(rid)[0]
-        pipe.predicted.pop(rid, None)
+        self.router.finish(pipe.placements.pop(rid))
         self._rejected += 1
         self._send_next()
 
@@ -281,7 +274,7 @@ class ClusterSim:
         if n > cached:
             core.materialise(0, ScheduledChunk(rid, cached, n - cached))
         core.finish(0, rid)
-        owner.predicted.pop(rid, None)
+        self.router.finish(owner.placements.pop(rid))
         owner.served += 1
         self._publish(owner)
         self._done.append((arrival, self.now, n, cached, owner.pid))
