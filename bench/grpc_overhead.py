@@ -149,7 +149,7 @@ def _bare_server(engine):
     deadlines or manifests) - what any Python gRPC front must pay."""
     import grpc
 
-    from prefill_node.server.convert import token_ids_of
+    from prefill_node.wire.convert import token_ids_of
     from wavepp_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
     class Bare(prefill_pb2_grpc.PrefillServiceServicer):

@@ -129,7 +129,7 @@ def _front_main(upstream: str, conn) -> None:
 
     from prefill_node.engine.types import CacheIdentity, EngineHealth, EngineLoad
     from prefill_node.server.server import PrefillServer, ServerConfig
-    from prefill_node.server.servicer import Relayed
+    from prefill_node.wire.convert import Relayed
     from wavepp_proto.prefill.v1 import prefill_pb2
 
     class Forwarder:  # a ResponseForwarder: the request's and the pipeline's bytes, passed on

@@ -55,7 +55,7 @@ from prefill_node.client.prefill_client import (
 )
 from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import EngineLoad, PipelineLoad
-from prefill_node.server.kv_convert import event_from_proto
+from prefill_node.wire.kv_convert import event_from_proto
 from prefill_router.discovery import PipelineEndpoint
 
 __all__ = ["PREFILL_METHOD", "LinkConfig", "LinkListener", "PipelineLink", "start_loop_thread"]

@@ -55,7 +55,6 @@ import grpc
 
 from prefill_node import tracing
 from prefill_node.client.prefill_client import RemoteServerInfo, build_request
-from prefill_node.client.remote_engine import error_from_rpc
 from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.hashing import model_cache_name
 from prefill_node.core.kv_events import KVEvent
@@ -74,8 +73,8 @@ from prefill_node.errors import (
     RequestAbortedError,
     UnavailableError,
 )
-from prefill_node.server.convert import ParsedRequest, result_from_proto
-from prefill_node.server.servicer import FAILOVER_KEY, FAILOVER_NO, Relayed
+from prefill_node.wire.convert import ParsedRequest, Relayed, result_from_proto
+from prefill_node.wire.status import CONNECTION_LOST, error_from_rpc, failover_reason
 from prefill_router.calibration import CalibrationConfig
 from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
 from prefill_router.flow_control import FlowConfig, FlowControl, Verdict, Waiter
@@ -131,25 +130,12 @@ class _Routed:
         return self.placement.pid
 
 
-CONNECTION_LOST = "connection_lost"
 LINK_CLOSED = "link_closed"  # the router closed the link under a call (it was shutting down)
 
 
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():  # a cancelled waiter gives its slot back itself
         future.set_result(None)
-
-
-def failover_reason(exc: grpc.aio.AioRpcError) -> str | None:
-    """Why the failed forwarded call may be run on another pipeline, or None. A pipeline's
-    servicer marks each UNAVAILABLE it sends (``FAILOVER_KEY``); one without the mark came
-    from the transport: no connection, or it broke (the pipeline died mid-request)."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return None
-    for key, value in exc.trailing_metadata() or ():
-        if key == FAILOVER_KEY:
-            return None if value == FAILOVER_NO else str(value)
-    return CONNECTION_LOST
 
 
 class RouterEngine:
@@ -559,7 +545,7 @@ class RouterEngine:
             # nobody cancelled this request: the link's channel closed under the call
             reason, detail = LINK_CLOSED, "the router closed its link"
         except grpc.aio.AioRpcError as exc:
-            reason = failover_reason(exc)
+            reason = failover_reason(exc.code(), exc.trailing_metadata())
             if reason is None:
                 raise error_from_rpc(exc) from None
             if reason == CONNECTION_LOST:

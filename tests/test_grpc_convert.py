@@ -15,7 +15,8 @@ from prefill_node.engine.types import (
     StageKVManifest,
 )
 from prefill_node.errors import InvalidKVDestinationError
-from prefill_node.server.kv_convert import (
+from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.wire.kv_convert import (
     destination_from_proto,
     destination_to_proto,
     event_from_proto,
@@ -23,7 +24,6 @@ from prefill_node.server.kv_convert import (
     manifest_from_proto,
     manifest_to_proto,
 )
-from prefill_node.server.kv_event_hub import KVEventHub
 
 LAYOUT = KVLayoutSpec(
     block_size=16,

@@ -21,8 +21,8 @@ from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.kv_event_feed import KVEventFeed
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
-from prefill_node.server.kv_convert import event_from_proto
 from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.wire.kv_convert import event_from_proto
 from tests.grpc_harness import TINY_CONFIG, ServerThread, wait_until
 from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2_grpc
 

@@ -20,7 +20,7 @@ from prefill_node.kv_shipping.kv_wire import (
     wire_manifest,
 )
 from prefill_node.kv_shipping.shipper import KVShippingConfig
-from prefill_node.server.kv_convert import manifest_from_proto, manifest_to_proto
+from prefill_node.wire.kv_convert import manifest_from_proto, manifest_to_proto
 
 DECODE = KVLayout(0, 4, 32, 8, 2, 16, "bfloat16")
 

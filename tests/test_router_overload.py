@@ -20,7 +20,7 @@ from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.server.server import ServerConfig
-from prefill_node.server.servicer import RETRY_AFTER_KEY
+from prefill_node.wire.status import RETRY_AFTER_KEY
 from prefill_router.calibration import CalibrationConfig
 from prefill_router.discovery import StaticDiscovery
 from prefill_router.flow_control import FlowConfig

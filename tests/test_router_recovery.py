@@ -12,7 +12,7 @@ from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
 from prefill_node.core.kv_events import BlockStored
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
-from prefill_node.server.kv_convert import event_from_proto
+from prefill_node.wire.kv_convert import event_from_proto
 from prefill_router.discovery import StaticDiscovery
 from prefill_router.pipeline_link import LinkConfig
 from prefill_router.router_engine import RouterConfig, RouterEngine

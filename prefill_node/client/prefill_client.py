@@ -21,8 +21,8 @@ from prefill_node.engine.types import (
     PrefillResult,
     ScoreReport,
 )
-from prefill_node.server.convert import load_from_proto, result_from_proto
-from prefill_node.server.kv_convert import destination_to_proto
+from prefill_node.wire.convert import load_from_proto, result_from_proto
+from prefill_node.wire.kv_convert import destination_to_proto
 from wavepp_proto.prefill.v1 import (
     debug_pb2,
     debug_pb2_grpc,

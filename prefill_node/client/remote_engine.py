@@ -30,31 +30,13 @@ from prefill_node.engine.types import (
     PrefillResult,
 )
 from prefill_node.errors import (
-    DeadlineExceededError,
-    InvalidRequestError,
-    NeverFitsError,
     RequestAbortedError,
     UnavailableError,
-    WaveppError,
 )
+from prefill_node.wire.status import error_from_rpc
 from wavepp_proto.prefill.v1 import prefill_pb2
 
 T = TypeVar("T")
-
-_ERRORS: dict[grpc.StatusCode, type[WaveppError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: NeverFitsError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.CANCELLED: RequestAbortedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
-
-
-def error_from_rpc(exc: grpc.RpcError) -> WaveppError:
-    """The typed error a failed call's status code stands for, carrying the server's message."""
-    code = exc.code()
-    kind = _ERRORS.get(code, WaveppError)
-    return kind(f"{exc.details()} [{code.name}]")
 
 
 class RemoteEngine:

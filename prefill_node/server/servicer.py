@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -34,50 +33,31 @@ from prefill_node import __version__, tracing
 from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult, ScoreReport
 from prefill_node.errors import (
     DeadlineExceededError,
-    InvalidRequestError,
-    NeverFitsError,
-    OverloadedError,
     RequestAbortedError,
-    UnavailableError,
 )
 from prefill_node.model.tokenizer import PromptTokenizer
-from prefill_node.server.convert import (
+from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.server.loop_bridge import LoopBridge
+from prefill_node.server.metrics import ServerMetrics
+from prefill_node.wire.convert import (
     ModelLimits,
     ParsedRequest,
+    Relayed,
     load_to_proto,
     parse_request,
     response_to_proto,
 )
-from prefill_node.server.kv_convert import batch_to_proto
-from prefill_node.server.kv_event_hub import KVEventHub
-from prefill_node.server.loop_bridge import LoopBridge
-from prefill_node.server.metrics import ServerMetrics
+from prefill_node.wire.kv_convert import batch_to_proto
+from prefill_node.wire.status import FAILOVER_KEY, status_of
 from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # UNAVAILABLE before anything was admitted starts with this: a router may retry elsewhere.
 NOT_READY = "the pipeline is not ready"
-# Trailing metadata of every UNAVAILABLE a request gets from this servicer: why a router may
-# send it to another pipeline (``UnavailableError.failover``), or FAILOVER_NO. An UNAVAILABLE
-# without it never came from a servicer: the connection failed (``router_engine``).
-FAILOVER_KEY = "wavepp-failover"
-FAILOVER_NO = "no"
-# Trailing metadata of a RESOURCE_EXHAUSTED for overload: milliseconds to wait before a retry.
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 T = TypeVar("T")
-
-
-class Relayed(NamedTuple):
-    """A pipeline's answer as a forwarder passes it on: ``data`` the response's bytes as the
-    pipeline sent them, ``response`` the same parsed (read, never re-encoded), ``served_by``
-    the pipeline that answered."""
-
-    data: bytes
-    response: prefill_pb2.PrefillResponse
-    served_by: str
 
 
 @runtime_checkable
@@ -122,19 +102,10 @@ class RequestFailure(Exception):
 
 
 def _failure(request_id: str, exc: BaseException) -> RequestFailure:
-    if isinstance(exc, InvalidRequestError):
-        return RequestFailure(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, OverloadedError):
-        retry_ms = str(max(1, math.ceil(exc.retry_after_s * 1000)))
-        return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                              ((RETRY_AFTER_KEY, retry_ms),))  # fmt: skip
-    if isinstance(exc, NeverFitsError):
-        return RequestFailure(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    if isinstance(exc, UnavailableError):
-        failover = ((FAILOVER_KEY, exc.failover or FAILOVER_NO),)
-        return RequestFailure(request_id, grpc.StatusCode.UNAVAILABLE, str(exc), failover)
-    if isinstance(exc, RequestAbortedError):
-        return RequestFailure(request_id, grpc.StatusCode.CANCELLED, str(exc))
+    """``exc`` as the request's final status (``wire.status``: the one table both ways)."""
+    status = status_of(exc)
+    if status is not None:
+        return RequestFailure(request_id, status[0], str(exc), status[1])
     log.error("request %s failed with an internal error", request_id, exc_info=exc)
     return RequestFailure(
         request_id,

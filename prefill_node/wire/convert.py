@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prefill_node.engine.types import (
     MAX_TOP_LOGPROBS,
@@ -22,7 +23,7 @@ from prefill_node.engine.types import (
 )
 from prefill_node.errors import InvalidPromptError, InvalidRequestError
 from prefill_node.model.tokenizer import PromptTokenizer
-from prefill_node.server.kv_convert import (
+from prefill_node.wire.kv_convert import (
     destination_from_proto,
     manifest_from_proto,
     manifest_to_proto,
@@ -30,6 +31,16 @@ from prefill_node.server.kv_convert import (
 from wavepp_proto.prefill.v1 import prefill_pb2
 
 MAX_ID_CHARS = 256
+
+
+class Relayed(NamedTuple):
+    """A pipeline's answer as a forwarder (a router) passes it on: ``data`` the response's
+    bytes as the pipeline sent them, ``response`` the same parsed (read, never re-encoded),
+    ``served_by`` the pipeline that answered."""
+
+    data: bytes
+    response: prefill_pb2.PrefillResponse
+    served_by: str
 
 
 @dataclass(frozen=True)
