@@ -148,6 +148,91 @@ def discovery_from_args(args: argparse.Namespace, static: list[str] | None) -> A
     )
 
 
+def add_engine_arguments(
+    group: Any, *, stages: int, model_help: str, engine_help: str, policy_help: str
+) -> None:
+    """The engine flags ``wavepp serve`` and ``wavepp prefill`` share, with one set of
+    defaults (``EngineSpec``'s; only the stage count is the command's), read back by
+    ``engine_spec``."""
+    from prefill_node.core.policy import POLICY_NAMES
+    from prefill_node.server.engine_factory import DTYPES, ENGINES, engine_defaults
+
+    d = engine_defaults()
+    blocks = ",".join(str(b) for b in d["num_blocks"])
+    group.add_argument("--model", type=Path, help=model_help)
+    group.add_argument(
+        "--stages", type=int, default=stages, help=f"pipeline stages (default {stages})"
+    )
+    group.add_argument("--engine", choices=ENGINES, default=d["engine"], help=engine_help)
+    group.add_argument("--policy", choices=POLICY_NAMES, default=d["policy"], help=policy_help)
+    group.add_argument(
+        "--num-blocks",
+        default=blocks,
+        help=f"KV blocks per stage: one number, or one per stage comma-separated "
+        f"(default {blocks})",
+    )
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=d["block_size"],
+        help=f"tokens per KV block (default {d['block_size']})",
+    )
+    group.add_argument(
+        "--max-chunk-tokens",
+        type=int,
+        default=d["max_chunk_tokens"],
+        help=f"tokens per forward chunk (default {d['max_chunk_tokens']})",
+    )
+    group.add_argument(
+        "--min-wave-tokens",
+        type=int,
+        help="smallest wave the planner shrinks to when little work is queued (b_min): "
+        "smaller keeps a short burst pipelined over the stages, larger keeps each forward "
+        "big; whole blocks (default: half of --max-chunk-tokens)",
+    )
+    group.add_argument(
+        "--max-model-len", type=int, help="longest prompt accepted (default: model's)"
+    )
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=d["dtype"],
+        help=f"weights and KV dtype (default {d['dtype']})",
+    )
+    group.add_argument(
+        "--device", default=d["device"], help=f"torch device: cpu or cuda (default {d['device']})"
+    )
+    group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
+    """The ``EngineSpec`` the ``add_engine_arguments`` flags describe (validated; ``extra``:
+    the command's own fields, e.g. KV shipping)."""
+    from prefill_node.errors import InvalidRequestError
+    from prefill_node.server.engine_factory import EngineSpec
+
+    try:
+        blocks = tuple(int(x) for x in str(args.num_blocks).split(","))
+    except ValueError:
+        raise InvalidRequestError(
+            f"--num-blocks must be integers, got {args.num_blocks!r}"
+        ) from None
+    return EngineSpec(
+        model_dir=model_dir,
+        stages=args.stages,
+        policy=args.policy,
+        num_blocks=blocks,
+        block_size=args.block_size,
+        max_chunk_tokens=args.max_chunk_tokens,
+        min_wave_tokens=args.min_wave_tokens,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        engine=args.engine,
+        **extra,
+    )
+
+
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """Server-side TLS flags."""
     t = parser.add_argument_group("TLS (optional)")

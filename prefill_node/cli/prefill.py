@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefill_node.core.policy import POLICY_NAMES
+from prefill_node.cli.options import add_engine_arguments, engine_spec
 
 DESCRIPTION = """\
 Prefill one or more prompts on the default model (SmolLM2-135M-Instruct, converted from the
@@ -64,49 +64,7 @@ def register(subparsers: Any) -> None:
         "one (default: on; with --server the server applies it)",
     )
     p.add_argument("--system", help="system message for the chat template (with --chat)")
-    p.add_argument(
-        "--model",
-        type=Path,
-        help="HF checkpoint dir (default: built-in SmolLM2); with --server optional, only "
-        "used locally to print token texts",
-    )
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages (default 1)")
-    p.add_argument(
-        "--engine",
-        choices=("pipeline", "local"),
-        default="pipeline",
-        help="pipeline: one OS process per stage on torch.distributed (the real runtime); "
-        "local: all stages simulated in this process (default pipeline; 1 stage is always local)",
-    )
-    p.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        default="wave",
-        help="admission policy of the pipeline engine: wave (WavePP, admission ahead of "
-        "execution), trtllm (the TensorRT-LLM PP baseline: stage 0 admits alone, the other "
-        "stages follow) or sync-admission (an ablation: WavePP's cross-stage admission on "
-        "stage 0's loop) (default wave)",
-    )
     p.add_argument("--repeat", type=int, default=1, help="run the prompt list K times (default 1)")
-    p.add_argument(
-        "--num-blocks",
-        default="512",
-        help="KV blocks per stage: one number, or one per stage comma-separated (default 512)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument(
-        "--max-chunk-tokens", type=int, default=512, help="tokens per forward chunk (default 512)"
-    )
-    p.add_argument(
-        "--min-wave-tokens",
-        type=int,
-        help="smallest wave the planner shrinks to when little work is queued (b_min): "
-        "smaller keeps a short burst pipelined over the stages, larger keeps each forward "
-        "big; whole blocks (default: half of --max-chunk-tokens)",
-    )
-    p.add_argument("--max-model-len", type=int, help="longest prompt accepted (default: model's)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights+KV")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--cache-salt", help="isolate prefix reuse: only equal salts share KV")
     p.add_argument("--top-logprobs", type=int, default=5, help="alternatives to print (0-20)")
     p.add_argument(
@@ -118,8 +76,20 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="after the prefill, continue greedily for up to N tokens and print the answer",
     )
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prefill")
+    add_engine_arguments(
+        p.add_argument_group("model and pipeline (without --server)"),
+        stages=1,
+        model_help="HF checkpoint dir (default: built-in SmolLM2); with --server optional, only "
+        "used locally to print token texts",
+        engine_help="pipeline: one OS process per stage on torch.distributed (the real "
+        "runtime); local: all stages simulated in this process (default pipeline; 1 stage is "
+        "always local)",
+        policy_help="admission policy of the pipeline engine: wave (WavePP, admission ahead of "
+        "execution), trtllm (the TensorRT-LLM PP baseline: stage 0 admits alone, the other "
+        "stages follow) or sync-admission (an ablation: WavePP's cross-stage admission on "
+        "stage 0's loop) (default wave)",
+    )
     from prefill_node.client.remote_args import add_server_arguments
 
     add_server_arguments(p)  # --server HOST:PORT: run against `wavepp serve` (RemoteEngine)
@@ -240,28 +210,9 @@ def _engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
         from prefill_node.errors import InvariantError
 
         raise InvariantError("an engine needs a model directory without --server")
-    from prefill_node.errors import InvalidRequestError
-    from prefill_node.server.engine_factory import EngineSpec, build_engine
+    from prefill_node.server.engine_factory import build_engine
 
-    try:
-        blocks = tuple(int(x) for x in str(args.num_blocks).split(","))
-    except ValueError:
-        raise InvalidRequestError(
-            f"--num-blocks must be integers, got {args.num_blocks!r}"
-        ) from None
-    spec = EngineSpec(
-        model_dir=model_dir,
-        stages=args.stages,
-        policy=args.policy,
-        num_blocks=blocks,
-        block_size=args.block_size,
-        max_chunk_tokens=args.max_chunk_tokens,
-        min_wave_tokens=args.min_wave_tokens,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        device=args.device,
-        engine=args.engine,
-    )
+    spec = engine_spec(args, model_dir)
     return build_engine(spec).engine
 
 

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from prefill_node.cli.options import (
+    add_engine_arguments,
     add_kv_progress,
     add_network_arguments,
     add_tls_arguments,
     add_tracing_argument,
     configure_tracing,
+    engine_spec,
     run_logged,
     serve_until_signal,
     server_config,
     start_server,
 )
-from prefill_node.core.policy import POLICY_NAMES
 
 DESCRIPTION = """\
 Serve the PrefillService (wavepp.prefill.v1) for one pipeline: the model's layers split over
@@ -48,47 +48,15 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("model and pipeline")
-    m.add_argument("--model", type=Path, help="HF checkpoint dir (default: built-in SmolLM2)")
-    m.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    m.add_argument(
-        "--engine",
-        choices=("pipeline", "local"),
-        default="pipeline",
-        help="pipeline: one OS process per stage on torch.distributed (this process is stage 0, "
-        "the leader); local: all stages simulated in this process (default pipeline)",
-    )
-    m.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        default="wave",
-        help="admission policy: wave (ahead of execution), trtllm (the TensorRT-LLM PP "
+    add_engine_arguments(
+        m,
+        stages=2,
+        model_help="HF checkpoint dir (default: built-in SmolLM2)",
+        engine_help="pipeline: one OS process per stage on torch.distributed (this process is "
+        "stage 0, the leader); local: all stages simulated in this process (default pipeline)",
+        policy_help="admission policy: wave (ahead of execution), trtllm (the TensorRT-LLM PP "
         "baseline) or sync-admission (an ablation) (default wave)",
     )
-    m.add_argument(
-        "--num-blocks",
-        default="1024",
-        help="KV blocks per stage: one number, or one per stage comma-separated (default 1024)",
-    )
-    m.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    m.add_argument(
-        "--max-chunk-tokens", type=int, default=512, help="tokens per forward chunk (default 512)"
-    )
-    m.add_argument(
-        "--min-wave-tokens",
-        type=int,
-        help="smallest wave the planner shrinks to when little work is queued (b_min): "
-        "smaller keeps a short burst pipelined over the stages, larger keeps each forward "
-        "big; whole blocks (default: half of --max-chunk-tokens)",
-    )
-    m.add_argument("--max-model-len", type=int, help="longest prompt accepted (default: model's)")
-    m.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="weights and KV dtype (default float32)",
-    )
-    m.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
-    m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     m.add_argument(
         "--core-share",
         action=argparse.BooleanOptionalAction,
@@ -206,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from prefill_node.model.tokenizer import Tokenizer
     from prefill_node.runtime.stage_main import EXIT_PIPELINE_LOST
-    from prefill_node.server.engine_factory import EngineSpec, build_engine
+    from prefill_node.server.engine_factory import build_engine
     from prefill_node.server.kv_event_hub import KVEventHub
 
     configure_tracing(args, "wavepp-leader")  # locally launched stages inherit it
@@ -220,19 +188,10 @@ def _run(args: argparse.Namespace) -> int:
         from prefill_node.model.default_model import default_model_dir
 
         model_dir = default_model_dir()
-    spec = EngineSpec(
-        model_dir=model_dir,
-        stages=args.stages,
-        policy=args.policy,
-        num_blocks=_ints(args.num_blocks, "--num-blocks"),
-        block_size=args.block_size,
-        max_chunk_tokens=args.max_chunk_tokens,
-        min_wave_tokens=args.min_wave_tokens,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        device=args.device,
+    spec = engine_spec(
+        args,
+        model_dir,
         kv_shipping=_kv_shipping(args),
-        engine=args.engine,
         debug_wave_delay_s=args.debug_wave_delay,
         core_share=args.core_share,
         stage_wait_s=args.stage_wait,
@@ -324,12 +283,3 @@ def _smoke_test(port: int, prompts: list[str], tokenizer: Any) -> None:
                     f"{r.first_token_id} {token} | server {remote.server_s * 1e3:.1f} ms",
                     flush=True,
                 )
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    from prefill_node.errors import InvalidRequestError
-
-    try:
-        return tuple(int(x) for x in str(text).split(","))
-    except ValueError:
-        raise InvalidRequestError(f"{flag} must be integers, got {text!r}") from None

@@ -9,7 +9,7 @@ the server calls it inline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -69,6 +69,11 @@ class EngineSpec:
             raise InvalidRequestError(f"--stage-wait must be > 0, got {self.stage_wait_s}")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def engine_defaults() -> dict[str, object]:
+    """``EngineSpec``'s field defaults by name: the one source of the defaults the CLI shows."""
+    return {f.name: f.default for f in fields(EngineSpec) if f.default is not MISSING}
 
 
 class ServedEngine(NamedTuple):
