@@ -22,12 +22,13 @@ def _git(*args: str) -> str:
 
 
 def provenance(command: list[str] | None = None) -> dict[str, object]:
-    """``commit`` (with ``+dirty`` when the work tree differs from it), ``date_utc``,
+    """``commit`` (with ``+dirty`` when the work tree differs from it outside bench/results/,
+    which the benchmark being stamped may itself have just rewritten), ``date_utc``,
     ``command`` (as typed, relative to the repo; or ``command`` for a row another program
     wrote, as bench/refresh.py stamps them), ``cpus`` this process may use and ``load_1m``,
     the 1-minute load average when the row was taken."""
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no"):
+    if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"):
         commit += "+dirty"
     return {
         "commit": commit,
