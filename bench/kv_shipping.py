@@ -137,7 +137,7 @@ class Bench:
                 num_stages=args.stages,
                 num_blocks=blocks_per_prompt * 4,
                 block_size=args.block_size,
-                max_chunk_tokens=args.max_chunk_tokens,
+                max_wave_tokens=args.max_chunk_tokens,
             )
             self.engine = LocalEngine.from_model_dir(model_dir, config, shipping)
         rng = random.Random(0)

@@ -24,7 +24,7 @@ class ReleaseReason(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Lease:
+class PullLease:
     """Blocks of one request pinned for decode to READ until ``deadline`` (clock seconds);
     each heartbeat moves the deadline to now + ``ttl_s``."""
 
@@ -35,14 +35,14 @@ class Lease:
     ttl_s: float
 
 
-class LeaseTable:
+class PullLeaseTable:
     """The live leases of one stage, by id; renewing pushes the deadline to now + the lease's
     TTL (the table's ``ttl_s`` unless ``grant`` was given one)."""
 
     def __init__(
         self,
         ttl_s: float,
-        on_release: Callable[[Lease, ReleaseReason], None],
+        on_release: Callable[[PullLease, ReleaseReason], None],
         clock: Callable[[], float] = time.monotonic,
         id_prefix: str = "lease",
     ) -> None:
@@ -53,7 +53,7 @@ class LeaseTable:
         self._clock = clock
         self._prefix = id_prefix
         self._ids = itertools.count()
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, PullLease] = {}
         self._granted = 0
         self._ended = 0
 
@@ -63,17 +63,17 @@ class LeaseTable:
     def __contains__(self, lease_id: object) -> bool:
         return lease_id in self._leases
 
-    def get(self, lease_id: str) -> Lease | None:
+    def get(self, lease_id: str) -> PullLease | None:
         return self._leases.get(lease_id)
 
     def grant(
         self, request_id: str, block_ids: tuple[int, ...], ttl_s: float | None = None
-    ) -> Lease:
+    ) -> PullLease:
         """A new lease; ``ttl_s``: this lease's TTL (None: the table's)."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         if ttl <= 0:
             raise InvalidTransferRequest(f"lease TTL must be positive, got {ttl}")
-        lease = Lease(
+        lease = PullLease(
             lease_id=f"{self._prefix}-{next(self._ids)}",
             request_id=request_id,
             block_ids=tuple(block_ids),
@@ -92,7 +92,7 @@ class LeaseTable:
         if self._clock() >= lease.deadline:
             self._end(lease, ReleaseReason.EXPIRED)
             return False
-        self._leases[lease_id] = Lease(
+        self._leases[lease_id] = PullLease(
             lease.lease_id,
             lease.request_id,
             lease.block_ids,
@@ -109,7 +109,7 @@ class LeaseTable:
         self._end(lease, reason)
         return True
 
-    def expire(self) -> list[Lease]:
+    def expire(self) -> list[PullLease]:
         """End every lease whose deadline has passed; returns them (oldest deadline first)."""
         now = self._clock()
         dead = sorted(
@@ -129,7 +129,7 @@ class LeaseTable:
             self._end(lease, ReleaseReason.REVOKED)
         return len(leases)
 
-    def _end(self, lease: Lease, reason: ReleaseReason) -> None:
+    def _end(self, lease: PullLease, reason: ReleaseReason) -> None:
         del self._leases[lease.lease_id]
         self._ended += 1
         self._on_release(lease, reason)

@@ -37,7 +37,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer, split_endpoint
 from kv_transfer.layout import HybridPool
-from kv_transfer.lease import Lease, LeaseTable, ReleaseReason
+from kv_transfer.lease import PullLease, PullLeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
 from kv_transfer.plan import PageMap, last_token_blocks
 from kv_transfer.prepared import prepared_fits, start_prepared_write
@@ -70,7 +70,7 @@ class KVSender:
         layer_start: int,
         config: SenderConfig,
         on_complete: Callable[[TransferOutcome], None] | None = None,
-        on_lease_end: Callable[[Lease, ReleaseReason], None] | None = None,
+        on_lease_end: Callable[[PullLease, ReleaseReason], None] | None = None,
         on_part_end: Callable[[str, int, KVTransferError | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         hybrid: HybridPool | None = None,
@@ -83,7 +83,7 @@ class KVSender:
         self.layout = agent.register_kv(layer_start, self.kv_caches, hybrid)
         self._on_complete = on_complete or (lambda outcome: None)
         self._clock = clock
-        self.leases = LeaseTable(
+        self.leases = PullLeaseTable(
             config.lease_ttl_s,
             on_lease_end or (lambda lease, reason: None),
             clock,

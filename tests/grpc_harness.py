@@ -83,7 +83,7 @@ def tiny_local_engine(num_blocks: int = 256, stage_delay_s: float = 0.0) -> Loca
         num_stages=2,
         num_blocks=num_blocks,
         block_size=4,
-        max_chunk_tokens=16,
+        max_wave_tokens=16,
         debug_wave_delay_s=stage_delay_s,
     )
     return LocalEngine.from_weights(TINY_CONFIG, random_weights(TINY_CONFIG, seed=5), config)

@@ -22,7 +22,7 @@ def check_reuse_up_to_a_snapshot(
     blocks (the snapshot boundary at 32); a wholly cached prompt of 40 reuses
     (40 - 1) // 8 = 4 blocks, never a block without its last token."""
     engine_config = LocalEngineConfig(
-        num_stages=2, num_blocks=32, block_size=block, max_chunk_tokens=20
+        num_stages=2, num_blocks=32, block_size=block, max_wave_tokens=20
     )
     engine = LocalEngine.from_weights(config, weights, engine_config)
     prompts = [list(tokens[:40]), list(tokens[:36]) + list(tokens[60:70]), list(tokens[:40])]
@@ -39,7 +39,7 @@ def check_eviction_shrinks_reuse(
     """A 7-block stage cache: a second prompt evicts the tail of the first one's chain, so
     repeating the first reuses only its leading blocks (their snapshots came with them)."""
     engine_config = LocalEngineConfig(
-        num_stages=2, num_blocks=7, block_size=block, max_chunk_tokens=16
+        num_stages=2, num_blocks=7, block_size=block, max_wave_tokens=16
     )
     engine = LocalEngine.from_weights(config, weights, engine_config)
     first, other = list(tokens[:40]), list(tokens[30:70])

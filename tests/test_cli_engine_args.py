@@ -17,7 +17,7 @@ SHARED = (
     "policy",
     "num_blocks",
     "block_size",
-    "max_chunk_tokens",
+    "max_wave_tokens",
     "min_wave_tokens",
     "max_model_len",
     "dtype",
@@ -59,7 +59,7 @@ def test_flags_reach_the_spec() -> None:
     for command in (["serve", "--stages", "2"], ["prefill", "x", "--stages", "2"]):
         spec = _spec(command + argv)
         assert spec.num_blocks == (64, 32) and spec.block_size == 8
-        assert (spec.max_chunk_tokens, spec.min_wave_tokens) == (64, 16)
+        assert (spec.max_wave_tokens, spec.min_wave_tokens) == (64, 16)
         assert (spec.dtype, spec.policy, spec.engine) == ("bfloat16", "trtllm", "local")
 
 

@@ -35,7 +35,7 @@ def tokenizer(default_model_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir: Path):
-    config = LocalEngineConfig(num_stages=2, num_blocks=160, block_size=16, max_chunk_tokens=512)
+    config = LocalEngineConfig(num_stages=2, num_blocks=160, block_size=16, max_wave_tokens=512)
     engine = LocalEngine.from_model_dir(default_model_dir, config)
     yield engine
     engine.check_integrity()

@@ -40,7 +40,7 @@ def _local() -> LocalEngine:
         num_stages=2,
         num_blocks=BLOCKS,
         block_size=4,
-        max_chunk_tokens=CHUNK,
+        max_wave_tokens=CHUNK,
         policy="sync-admission",
         debug_wave_delay_s=DELAY_S,
     )

@@ -31,7 +31,7 @@ BS = 4
 
 def engine_with_events(num_blocks: tuple[int, ...], sink) -> LocalEngine:
     config = LocalEngineConfig(
-        num_stages=len(num_blocks), num_blocks=num_blocks, block_size=BS, max_chunk_tokens=16
+        num_stages=len(num_blocks), num_blocks=num_blocks, block_size=BS, max_wave_tokens=16
     )
     weights = random_weights(TINY_CONFIG, seed=5)
     return LocalEngine.from_weights(TINY_CONFIG, weights, config, kv_events=sink)

@@ -72,7 +72,7 @@ def decode():
 
 @pytest.fixture(scope="module")
 def engine():
-    config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=8)
+    config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_wave_tokens=8)
     engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, SHIPPING)
     yield engine
     wait_idle(engine)
@@ -282,7 +282,7 @@ def test_moe_and_mla_families_push_and_pull_equal_transformers_generate(tmp_path
     push_prompt, pull_prompt = prompt_of(13, seed=8), prompt_of(17, seed=9)
     spec = DecodeWorkerSpec(model_config=config, seed=0, num_blocks=48, block_size=8, timeout_s=5)
     with DecodeWorkerProcess(spec) as decode:
-        local = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_chunk_tokens=6)
+        local = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_wave_tokens=6)
         engine = LocalEngine.from_weights(config, weights, local, SHIPPING)
         try:
             pushed = push_round_trip(engine, decode, f"{family}-push", push_prompt)

@@ -13,7 +13,7 @@ from kv_transfer.allowlist import AllowList
 from kv_transfer.convert import convert_kv, gather_tokens
 from kv_transfer.errors import DestinationNotAllowed, InvalidTransferRequest, LayoutMismatch
 from kv_transfer.layout import KVLayout, MemoryRegion, layout_of_tensors
-from kv_transfer.lease import LeaseTable, ReleaseReason
+from kv_transfer.lease import PullLeaseTable, ReleaseReason
 from kv_transfer.messages import Notification, PushDestination, StageManifest
 from kv_transfer.plan import PageMap, build_descriptors, token_runs
 
@@ -223,7 +223,7 @@ def test_allow_list_by_cidr_and_by_agent_name():
 
 def test_lease_expires_without_heartbeat_and_heartbeat_renews():
     clock, ended = FakeClock(), []
-    table = LeaseTable(10.0, lambda lease, why: ended.append((lease.request_id, why)), clock)
+    table = PullLeaseTable(10.0, lambda lease, why: ended.append((lease.request_id, why)), clock)
     a = table.grant("a", (1, 2))
     b = table.grant("b", (3,))
     clock.now += 6
@@ -239,7 +239,7 @@ def test_lease_expires_without_heartbeat_and_heartbeat_renews():
 
 def test_lease_heartbeat_after_deadline_expires_instead_of_renewing():
     clock, ended = FakeClock(), []
-    table = LeaseTable(1.0, lambda lease, why: ended.append(why), clock)
+    table = PullLeaseTable(1.0, lambda lease, why: ended.append(why), clock)
     lease = table.grant("a", (1,))
     clock.now += 1.0
     assert not table.renew(lease.lease_id) and ended == [ReleaseReason.EXPIRED]
@@ -250,7 +250,7 @@ def test_lease_heartbeat_after_deadline_expires_instead_of_renewing():
 
 def test_a_lease_granted_with_its_own_ttl_keeps_it_across_heartbeats():
     clock, ended = FakeClock(), []
-    table = LeaseTable(10.0, lambda lease, why: ended.append(lease.request_id), clock)
+    table = PullLeaseTable(10.0, lambda lease, why: ended.append(lease.request_id), clock)
     short = table.grant("short", (1,), ttl_s=2.0)
     long = table.grant("long", (2,))
     assert (short.ttl_s, long.ttl_s) == (2.0, 10.0)
@@ -273,7 +273,7 @@ def test_a_lease_granted_with_its_own_ttl_keeps_it_across_heartbeats():
 )
 def test_lease_table_ends_every_lease_exactly_once(ops):
     clock, ended = FakeClock(), []
-    table = LeaseTable(3.0, lambda lease, why: ended.append(lease.lease_id), clock)
+    table = PullLeaseTable(3.0, lambda lease, why: ended.append(lease.lease_id), clock)
     granted = []
     for op, arg in ops:
         if op == "grant":

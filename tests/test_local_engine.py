@@ -37,7 +37,7 @@ def make_engine():
 
     def make(stages: int = 2, num_blocks: int | tuple[int, ...] = 32, **kw) -> LocalEngine:
         kw.setdefault("block_size", 4)
-        kw.setdefault("max_chunk_tokens", 5)
+        kw.setdefault("max_wave_tokens", 5)
         config = LocalEngineConfig(num_stages=stages, num_blocks=num_blocks, **kw)
         engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
         built.append(engine)
@@ -62,7 +62,7 @@ def assert_matches_reference(engine: LocalEngine, ids: list[int], logits: torch.
 
 @pytest.mark.parametrize(("stages", "chunk"), [(1, 64), (2, 3), (3, 5), (4, 7)])
 def test_logits_and_kv_equal_one_full_forward(make_engine, stages: int, chunk: int) -> None:
-    engine = make_engine(stages, max_chunk_tokens=chunk)
+    engine = make_engine(stages, max_wave_tokens=chunk)
     ids = prompt(23, seed=stages)
     out = engine.prefill(ids, OPTS)
     ref_logits, ref_kv = reference_forward(CONFIG, WEIGHTS, ids)
@@ -188,7 +188,7 @@ def test_engine_protocol_results_load_health_shutdown(make_engine) -> None:
 def test_concurrent_requests_share_waves_and_match_reference(make_engine) -> None:
     """Requests submitted together are admitted by the same rounds and packed into shared
     waves (fewer waves than requests); each answer still equals its own full forward."""
-    engine = make_engine(2, max_chunk_tokens=16, debug_wave_delay_s=0.05)
+    engine = make_engine(2, max_wave_tokens=16, debug_wave_delay_s=0.05)
     prompts = [prompt(3 + i % 4, seed=40 + i) for i in range(12)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda ids: engine.prefill(ids, OPTS), prompts))
@@ -283,12 +283,12 @@ def test_min_wave_tokens_reaches_the_spec_and_bad_values_name_the_option() -> No
     from prefill_node.server.engine_factory import EngineSpec
 
     layers = [(0, CONFIG.num_layers)]
-    config = LocalEngineConfig(block_size=4, max_chunk_tokens=16)
+    config = LocalEngineConfig(block_size=4, max_wave_tokens=16)
     assert config.pipeline_spec(layers).min_wave_tokens == 8  # default: M/2
-    config = LocalEngineConfig(block_size=4, max_chunk_tokens=16, min_wave_tokens=4)
+    config = LocalEngineConfig(block_size=4, max_wave_tokens=16, min_wave_tokens=4)
     assert config.pipeline_spec(layers).min_wave_tokens == 4
     for bad in (0, 6, 20):  # below one block, not whole blocks, above the wave budget
         with pytest.raises(InvalidRequestError, match="--min-wave-tokens"):
-            LocalEngineConfig(block_size=4, max_chunk_tokens=16, min_wave_tokens=bad)
+            LocalEngineConfig(block_size=4, max_wave_tokens=16, min_wave_tokens=bad)
         with pytest.raises(InvalidRequestError, match="--min-wave-tokens"):
-            EngineSpec(model_dir=None, block_size=4, max_chunk_tokens=16, min_wave_tokens=bad)
+            EngineSpec(model_dir=None, block_size=4, max_wave_tokens=16, min_wave_tokens=bad)

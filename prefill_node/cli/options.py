@@ -180,8 +180,9 @@ def add_engine_arguments(
     group.add_argument(
         "--max-chunk-tokens",
         type=int,
-        default=d["max_chunk_tokens"],
-        help=f"tokens per forward chunk (default {d['max_chunk_tokens']})",
+        default=d["max_wave_tokens"],
+        help="the wave budget M: tokens per forward chunk, rounded up to whole blocks "
+        f"(default {d['max_wave_tokens']})",
     )
     group.add_argument(
         "--min-wave-tokens",
@@ -223,7 +224,7 @@ def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
         policy=args.policy,
         num_blocks=blocks,
         block_size=args.block_size,
-        max_chunk_tokens=args.max_chunk_tokens,
+        max_wave_tokens=args.max_chunk_tokens,
         min_wave_tokens=args.min_wave_tokens,
         max_model_len=args.max_model_len,
         dtype=args.dtype,

@@ -10,7 +10,7 @@ from prefill_node.core.request import PromptBlocks
 from prefill_node.errors import InvariantError
 
 
-class Lease:
+class PrefixLease:
     """Blocks ``0..len-1`` of a prompt, found by the collision-guarded lookup and pinned.
 
     Contract: while the lease holds a block, the block holds exactly that prompt block's

@@ -11,7 +11,7 @@ from prefill_node.core.execution_results import (
     MismatchReason,
     StageStateMismatch,
 )
-from prefill_node.core.lease import Lease
+from prefill_node.core.lease import PrefixLease
 from prefill_node.core.request import (
     PromptBlocks,
     blocks_needed,
@@ -38,7 +38,7 @@ class Reservation:
 
     def __init__(self, prompt: PromptBlocks) -> None:
         self.prompt = prompt
-        self.lease = Lease()
+        self.lease = PrefixLease()
         self.escrow = Escrow(prompt.request_id)
         self.new_blocks: list[KVBlock] = []
         self.committed = False

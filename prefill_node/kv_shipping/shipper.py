@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 from kv_transfer.agent import KVAgent
 from kv_transfer.errors import KVInvariantError, KVTransferError
-from kv_transfer.lease import Lease, ReleaseReason
+from kv_transfer.lease import PullLease, ReleaseReason
 from kv_transfer.messages import PushDestination, TransferOutcome
 from kv_transfer.sender import KVSender
 from prefill_node.core.block import KVBlock
@@ -456,7 +456,7 @@ class StageKVShipper:
             outcome.seconds,
         )
 
-    def _on_lease_end(self, lease: Lease, reason: ReleaseReason) -> None:
+    def _on_lease_end(self, lease: PullLease, reason: ReleaseReason) -> None:
         entry = self._leased.pop(lease.lease_id, None)
         if entry is None:
             raise KVInvariantError(f"lease {lease.lease_id} ended but holds no blocks here")

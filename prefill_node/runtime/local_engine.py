@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LocalEngineConfig:
     """Shape of the in-process pipeline. ``num_blocks``: one int for every stage, or one per
-    stage. ``max_chunk_tokens``: the wave budget M, rounded up to whole blocks
-    (``wave_tokens``: the planner plans in blocks). ``min_wave_tokens``: the planner's b_min,
+    stage. ``max_wave_tokens``: the wave budget M, rounded up here to whole blocks (the
+    planner plans in blocks). ``min_wave_tokens``: the planner's b_min,
     whole blocks up to M (None: M/2). ``max_model_len`` None = the model's
     ``max_position_embeddings``. ``policy``: ``wave``, ``trtllm`` or ``sync-admission``, as
     for a pipeline.
@@ -61,7 +61,7 @@ class LocalEngineConfig:
     num_stages: int = 1
     num_blocks: int | tuple[int, ...] = 512
     block_size: int = 16
-    max_chunk_tokens: int = 512
+    max_wave_tokens: int = 512
     min_wave_tokens: int | None = None
     max_model_len: int | None = None
     dtype: torch.dtype = torch.float32
@@ -72,14 +72,16 @@ class LocalEngineConfig:
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise InvalidRequestError(f"num_stages must be >= 1, got {self.num_stages}")
-        if self.block_size < 1 or self.max_chunk_tokens < 1:
-            raise InvalidRequestError("block_size and max_chunk_tokens must be >= 1")
+        if self.block_size < 1 or self.max_wave_tokens < 1:
+            raise InvalidRequestError("block_size and max_wave_tokens must be >= 1")
+        budget = -(-self.max_wave_tokens // self.block_size) * self.block_size
+        object.__setattr__(self, "max_wave_tokens", budget)
         if not isinstance(self.num_blocks, int) and len(self.num_blocks) != self.num_stages:
             raise InvalidRequestError(
                 f"num_blocks lists {len(self.num_blocks)} stages; the pipeline has "
                 f"{self.num_stages}"
             )
-        check_min_wave_tokens(self.min_wave_tokens, self.wave_tokens, self.block_size)
+        check_min_wave_tokens(self.min_wave_tokens, self.max_wave_tokens, self.block_size)
         if min(self.stage_num_blocks) < 2:
             raise InvalidRequestError(f"every stage needs >= 2 blocks, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -93,17 +95,12 @@ class LocalEngineConfig:
             return (self.num_blocks,) * self.num_stages
         return tuple(self.num_blocks)
 
-    @property
-    def wave_tokens(self) -> int:
-        """M: ``max_chunk_tokens`` rounded up to a multiple of ``block_size``."""
-        return -(-self.max_chunk_tokens // self.block_size) * self.block_size
-
     def pipeline_spec(
         self, layer_ranges: Sequence[tuple[int, int]], kv_events: bool = False
     ) -> PipelineSpec:
         """The spec every stage and the leader read (b_min as ``start_pipeline_engine`` sets
         it)."""
-        m, bs = self.wave_tokens, self.block_size
+        m, bs = self.max_wave_tokens, self.block_size
         return PipelineSpec(
             model=None,
             layer_ranges=tuple(tuple(r) for r in layer_ranges),  # type: ignore[misc]

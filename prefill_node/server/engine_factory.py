@@ -39,8 +39,8 @@ class EngineSpec:
     policy: str = "wave"
     num_blocks: tuple[int, ...] = (1024,)
     block_size: int = 16
-    max_chunk_tokens: int = 512
-    min_wave_tokens: int | None = None  # b_min (None: half of max_chunk_tokens)
+    max_wave_tokens: int = 512
+    min_wave_tokens: int | None = None  # b_min (None: half of max_wave_tokens)
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -63,8 +63,12 @@ class EngineSpec:
             raise InvalidRequestError(
                 f"--num-blocks: give one value or one per stage ({self.stages}), each >= 2"
             )
-        wave_budget = -(-self.max_chunk_tokens // self.block_size) * self.block_size
-        check_min_wave_tokens(self.min_wave_tokens, wave_budget, self.block_size)
+        if self.block_size < 1 or self.max_wave_tokens < 1:
+            raise InvalidRequestError("--block-size and --max-chunk-tokens must be >= 1")
+        # the wave budget M, in whole blocks (the planner plans in blocks)
+        budget = -(-self.max_wave_tokens // self.block_size) * self.block_size
+        object.__setattr__(self, "max_wave_tokens", budget)
+        check_min_wave_tokens(self.min_wave_tokens, budget, self.block_size)
         if self.stage_wait_s <= 0:
             raise InvalidRequestError(f"--stage-wait must be > 0, got {self.stage_wait_s}")
         if self.dtype not in DTYPES:
@@ -95,7 +99,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
             spec.policy,
             num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
             block_size=spec.block_size,
-            max_wave_tokens=spec.max_chunk_tokens,
+            max_wave_tokens=spec.max_wave_tokens,
             min_wave_tokens=spec.min_wave_tokens,
             max_model_len=spec.max_model_len,
             dtype=spec.dtype,
@@ -115,7 +119,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         num_stages=spec.stages,
         num_blocks=spec.num_blocks[0] if len(spec.num_blocks) == 1 else spec.num_blocks,
         block_size=spec.block_size,
-        max_chunk_tokens=spec.max_chunk_tokens,
+        max_wave_tokens=spec.max_wave_tokens,
         min_wave_tokens=spec.min_wave_tokens,
         max_model_len=spec.max_model_len,
         dtype=getattr(torch, spec.dtype),
