@@ -30,9 +30,9 @@ from prefill_node.cli.options import parse_listening
 from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.decode.decode_worker import DecodeWorker
 from prefill_node.engine.types import KVPullDestination
-from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.process_tree import LineReader, terminate
+from prefill_node.wire.kv_handoff import wire_manifest
 
 CLI = [sys.executable, "-m", "prefill_node.cli.main"]
 NEW = 20

@@ -38,10 +38,10 @@ from kv_transfer.vllm_decode.params import LOADED_KEY, pull_params
 from prefill_node.cli.options import parse_listening
 from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.engine.types import KVPullDestination
-from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.process_tree import LineReader
+from prefill_node.wire.kv_handoff import wire_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 24

@@ -30,11 +30,11 @@ import pytest
 from kv_transfer.vllm_decode.params import LOADED_KEY, pull_params
 from prefill_node.client.prefill_client import PrefillClient
 from prefill_node.engine.types import KVPullDestination
-from prefill_node.kv_shipping.kv_wire import wire_manifest
 from prefill_node.model.default_model import default_model_dir
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.process_tree import terminate
 from prefill_node.runtime.dist_env import free_local_port
+from prefill_node.wire.kv_handoff import wire_manifest
 from tests_vllm.test_vllm_decode_e2e import (
     PROMPTS,
     REPO,

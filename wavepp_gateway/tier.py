@@ -82,7 +82,7 @@ class PrefillTier:
         the call's metadata."""
         from kv_transfer.vllm_decode.params import pull_params
         from prefill_node.engine.types import KVPullDestination
-        from prefill_node.kv_shipping.kv_wire import wire_manifest
+        from prefill_node.wire.kv_handoff import wire_manifest
 
         ids = list(prompt_ids)
         try:

@@ -35,12 +35,12 @@ from prefill_node.errors import (
     InvariantError,
     KVHandoffError,
 )
-from prefill_node.kv_shipping.kv_wire import engine_push_destination, hybrid_pool, wire_manifest
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.latent_cache import stage_cache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
+from prefill_node.wire.kv_handoff import engine_push_destination, hybrid_pool, wire_manifest
 
 
 @dataclass

@@ -52,12 +52,12 @@ from kv_transfer.sender import KVSender
 from prefill_node.core.block import KVBlock
 from prefill_node.engine.types import KVPushDestination, StageKVManifest
 from prefill_node.kv_shipping.config import KVShippingConfig
-from prefill_node.kv_shipping.kv_wire import (
+from prefill_node.model.latent_cache import StageCache
+from prefill_node.wire.kv_handoff import (
     engine_manifest,
     hybrid_pool,
     stage_push_destination,
 )
-from prefill_node.model.latent_cache import StageCache
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ from kv_transfer.layout import KVLayout, MemoryRegion, layout_of_tensors
 from kv_transfer.messages import PushDestination, StageManifest
 from prefill_node.engine.types import KVPushDestination
 from prefill_node.errors import InvalidKVDestinationError, InvalidRequestError
-from prefill_node.kv_shipping.kv_wire import (
+from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.wire.kv_convert import manifest_from_proto, manifest_to_proto
+from prefill_node.wire.kv_handoff import (
     engine_manifest,
     engine_push_destination,
     stage_push_destination,
     wire_manifest,
 )
-from prefill_node.kv_shipping.shipper import KVShippingConfig
-from prefill_node.wire.kv_convert import manifest_from_proto, manifest_to_proto
 
 DECODE = KVLayout(0, 4, 32, 8, 2, 16, "bfloat16")
 
@@ -99,9 +99,9 @@ def test_hybrid_layout_names_attention_regions_and_state_slots_through_every_for
     layer 3's state matrix and conv tail; the layout survives dict, engine and proto forms,
     the decode pool's layout (all layers) is compatible, and a state slot maps byte-exactly."""
     from kv_transfer.plan import PageMap, last_token_blocks, state_descriptors
-    from prefill_node.kv_shipping.kv_wire import hybrid_pool
     from prefill_node.model.latent_cache import stage_cache
     from prefill_node.model.partition import LayerRange
+    from prefill_node.wire.kv_handoff import hybrid_pool
     from tests.tiny_models import tiny_kimi
 
     config = tiny_kimi()
@@ -148,9 +148,9 @@ def test_hybrid_pools_move_by_byte_copy_only():
     is posted."""
     from kv_transfer.plan import PageMap
     from kv_transfer.transfer import start_transfer
-    from prefill_node.kv_shipping.kv_wire import hybrid_pool
     from prefill_node.model.latent_cache import stage_cache
     from prefill_node.model.partition import LayerRange
+    from prefill_node.wire.kv_handoff import hybrid_pool
     from tests.tiny_models import tiny_qwen3_next
 
     config = tiny_qwen3_next()
