@@ -1,6 +1,6 @@
 """RouterCore: the router's routing state and decisions, sans-IO (no sockets, no threads, no
 clock of its own), so the router's server (``RouterEngine``) and the cluster simulator
-(``sim/cluster.py``) place requests with the same code.
+(``prefill_router/cluster_sim.py``) place requests with the same code.
 
 It holds the global prefix index (``GlobalPrefixIndex``), each pipeline's measured / predicted
 time ratio (``PredictionCalibration``), the ``Scorer`` (made once the cluster's block size is

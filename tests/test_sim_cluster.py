@@ -7,10 +7,10 @@ import json
 import pytest
 
 from prefill_node.cli.main import main
-from prefill_node.sim.cluster import ClusterPolicy, ClusterSim, ClusterSpec
-from prefill_node.sim.cluster_cli import ZIPF_SWEEP, stops_paying
 from prefill_node.sim.presets import get_preset
 from prefill_node.sim.tenants import TenantWorkload
+from prefill_router.cluster_sim import ClusterPolicy, ClusterSim, ClusterSpec
+from prefill_router.cluster_sim_cli import ZIPF_SWEEP, stops_paying
 
 # zipf 50: rank 0 every time, so the tenant sequence is the rotation alone: 0, 0, 1, 1
 TWO_TENANTS = TenantWorkload(
@@ -92,7 +92,7 @@ def test_cluster_cli_runs_every_policy_and_the_zipf_sweep(tmp_path, capsys):
 
 
 def test_stops_paying_reads_the_sweep():
-    from prefill_node.sim.cluster import ClusterResult
+    from prefill_router.cluster_sim import ClusterResult
 
     def r(zipf, policy, tok):
         return ClusterResult("p", 8, policy, zipf, 10, 8, 100, tok, tok, 0.5, 1, 2, 0.2, 0)

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reproduce_paper or args.fit_paper:
         return _reproduce_paper(args)
     if args.cluster is not None:
-        from prefill_node.sim.cluster_cli import run_cluster
+        from prefill_router.cluster_sim_cli import run_cluster
 
         return run_cluster(args)
     try:

@@ -16,10 +16,10 @@ from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
-from prefill_node.sim.cluster import ClusterPolicy, ClusterResult, ClusterSim, ClusterSpec
 from prefill_node.sim.presets import Preset, get_preset
 from prefill_node.sim.roofline import PipelineRoofline
 from prefill_node.sim.tenants import TenantWorkload
+from prefill_router.cluster_sim import ClusterPolicy, ClusterResult, ClusterSim, ClusterSpec
 
 SYSTEM_TOKENS = (16_384, 49_152)  # a tenant's shared prefix (documents, agent context)
 SUFFIX_TOKENS = (1_024, 4_096)  # each request's own part
