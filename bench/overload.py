@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir()
         config = ModelConfig.from_hf_config(MODEL_HF, name="bench-overload")
         save_hf_checkpoint(model_dir, config, random_weights(config, seed=0))
-        cluster_args = Namespace(max_wave_tokens=args.max_chunk_tokens, router_arg=args.router_arg)
+        cluster_args = Namespace(max_chunk_tokens=args.max_chunk_tokens, router_arg=args.router_arg)
         with Cluster(model_dir, logs, cluster_args) as cluster:
             pipelines = [
                 cluster.serve(
