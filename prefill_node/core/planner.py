@@ -137,6 +137,17 @@ class PlannerConfig:
         return tuple(out)
 
 
+def wave_budget(max_wave_tokens: int, block_size: int) -> int:
+    """The wave budget M as the planner uses it: ``max_wave_tokens`` rounded up to whole
+    blocks (the planner plans in blocks); both must be >= 1."""
+    if block_size < 1 or max_wave_tokens < 1:
+        raise InvalidPlannerConfigError(
+            f"the block size ({block_size}) and the wave budget --max-chunk-tokens "
+            f"({max_wave_tokens}) must be >= 1"
+        )
+    return -(-max_wave_tokens // block_size) * block_size
+
+
 def default_min_wave_tokens(max_wave_tokens: int, block_size: int) -> int:
     """b_min when none is given: M/2 in whole blocks (the paper's 8,192 of 16,384), at least
     one block."""

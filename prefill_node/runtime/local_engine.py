@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefill_node.core.hashing import model_cache_id
-from prefill_node.core.planner import check_min_wave_tokens, default_min_wave_tokens
+from prefill_node.core.planner import (
+    check_min_wave_tokens,
+    default_min_wave_tokens,
+    wave_budget,
+)
 from prefill_node.core.policy import POLICY_NAMES
 from prefill_node.engine.types import MAX_TOP_LOGPROBS, PrefillOptions, PrefillResult, StageLoad
 from prefill_node.errors import (
@@ -72,9 +76,7 @@ class LocalEngineConfig:
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise InvalidRequestError(f"num_stages must be >= 1, got {self.num_stages}")
-        if self.block_size < 1 or self.max_wave_tokens < 1:
-            raise InvalidRequestError("block_size and max_wave_tokens must be >= 1")
-        budget = -(-self.max_wave_tokens // self.block_size) * self.block_size
+        budget = wave_budget(self.max_wave_tokens, self.block_size)
         object.__setattr__(self, "max_wave_tokens", budget)
         if not isinstance(self.num_blocks, int) and len(self.num_blocks) != self.num_stages:
             raise InvalidRequestError(

@@ -13,7 +13,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from prefill_node.core.planner import check_min_wave_tokens
+from prefill_node.core.planner import check_min_wave_tokens, wave_budget
 from prefill_node.core.policy import POLICY_NAMES
 from prefill_node.engine.types import Engine
 from prefill_node.errors import InvalidRequestError
@@ -63,10 +63,7 @@ class EngineSpec:
             raise InvalidRequestError(
                 f"--num-blocks: give one value or one per stage ({self.stages}), each >= 2"
             )
-        if self.block_size < 1 or self.max_wave_tokens < 1:
-            raise InvalidRequestError("--block-size and --max-chunk-tokens must be >= 1")
-        # the wave budget M, in whole blocks (the planner plans in blocks)
-        budget = -(-self.max_wave_tokens // self.block_size) * self.block_size
+        budget = wave_budget(self.max_wave_tokens, self.block_size)
         object.__setattr__(self, "max_wave_tokens", budget)
         check_min_wave_tokens(self.min_wave_tokens, budget, self.block_size)
         if self.stage_wait_s <= 0:
