@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 from prefill_node.engine.types import EngineLoad, StageLoad
 from prefill_node.server.metrics import ServerMetrics
-from tests.helm_harness import LWS, merge, render, render_result
+from tests.helm_harness import LWS, merge, render, render_notes, render_result
 
 PER_PIPELINE = {"pipelines": {"layout": "podPerPipeline"}}
 KEDA = {
@@ -102,3 +102,9 @@ def test_the_pipeline_pdb_covers_every_pipeline_pod_and_nothing_else(values) -> 
     pipeline_pods = manifest.pods_of("leader") + manifest.pods_of("stage")
     assert manifest.matching(pdb["spec"]["selector"]) == pipeline_pods
     assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_notes_give_the_autoscaled_range_instead_of_replicas() -> None:
+    notes = render_notes(merge(PER_PIPELINE, HPA))
+    assert "1-6 pipeline(s) (autoscaled, hpa) x 2 stage(s)" in notes, notes
+    assert "1 pipeline(s) x 2 stage(s)" in render_notes(PER_PIPELINE)

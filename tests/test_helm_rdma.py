@@ -95,6 +95,26 @@ def test_host_network_keeps_one_leader_per_node_unless_affinity_is_given() -> No
         assert "hostNetwork" not in pod.spec
 
 
+@pytest.mark.parametrize("layout", [LWS, {"pipelines": {"layout": "podPerPipeline"}}])
+def test_host_ipc_gives_pipeline_pods_the_nodes_ipc_and_shm_and_nothing_else(layout) -> None:
+    """`pipelines.hostIPC`: the node's IPC namespace and its /dev/shm (the runtime mounts it for
+    a host-IPC pod unless a volume covers /dev/shm, so the chart's own shm volume goes)."""
+    manifest = render(merge(RDMA, layout, {"pipelines": {"hostIPC": True}}))
+    pipeline = manifest.pods_of("leader") + manifest.pods_of("stage")
+    assert pipeline
+    for pod in pipeline:
+        assert pod.spec["hostIPC"] is True
+        assert "shm" not in {v["name"] for v in pod.spec["volumes"]}
+        assert "/dev/shm" not in {m["mountPath"] for m in pod.container()["volumeMounts"]}
+    for pod in manifest.pods_of("router") + manifest.pods_of("gateway"):
+        assert "hostIPC" not in pod.spec
+    assert "hostIPC" not in manifest.all("Pod")[0]["spec"]  # the helm test pod
+    for pod in render(merge(RDMA, layout)).pods():
+        assert "hostIPC" not in pod.spec
+        if pod.labels["app.kubernetes.io/component"] in ("leader", "stage"):
+            assert {"name": "shm", "mountPath": "/dev/shm"} in pod.container()["volumeMounts"]
+
+
 def test_security_contexts_are_per_component() -> None:
     root = {"runAsUser": 0, "runAsNonRoot": False, "seccompProfile": {"type": "RuntimeDefault"}}
     manifest = render(merge(RDMA, {"pipelines": {"podSecurityContext": root}}))

@@ -26,6 +26,7 @@ from tests.helm_harness import (
     helm,
     merge,
     render,
+    render_notes,
 )
 
 REVISION_ENV = "WAVEPP_PIPELINE_REVISION"
@@ -199,3 +200,12 @@ async def test_kind_and_layout_auto_keep_what_the_release_was_installed_with(
     code, out, err = await cluster_render(kmock, tmp_path, values, installed, True, major)
     assert code == 0, err
     assert _pipeline_kind(out) == expected
+
+
+def test_notes_warn_that_statefulset_pipelines_are_for_development() -> None:
+    notes = " ".join(render_notes(STS).split())
+    assert "WARNING: pipelines run as StatefulSets, a development mode" in notes, notes
+    assert "pipelines.statefulSet.allowDisruptiveUpgrade=true" in notes
+    assert "Install LeaderWorkerSet (>= 0.4)" in notes
+    for values in (LWS, {}):  # LeaderWorkerSet, pod per pipeline: nothing to warn about
+        assert "WARNING" not in render_notes(values)

@@ -148,6 +148,7 @@ VARIANTS = {
                     "hostNetwork": True,
                     "nccl": {"ibHca": "mlx5", "ibGidIndex": 3},
                 },
+                "hostIPC": True,
                 "podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False},
                 "leaderWorkerSet": {"exclusiveTopology": "cloud.provider.com/topology-block"},
             },

@@ -21,6 +21,8 @@ The router and the leaders serve gRPC; the gateway serves HTTP (its /metrics on 
 {{- $copiesModelFiles := and (not $pipeline) (has $v.model.source (list "pvc" "hostPath")) }}
 {{- $cfg := get (dict "router" $v.router "gateway" $v.gateway "leader" $v.pipelines "stage" $v.pipelines) .role }}
 {{- $rdma := and $pipeline $v.pipelines.rdma.enabled }}
+{{- /* the node's IPC namespace and its /dev/shm instead of the pod's own */}}
+{{- $hostIPC := and $pipeline $v.pipelines.hostIPC }}
 {{- $podSecurity := $cfg.podSecurityContext | default $v.podSecurityContext }}
 {{- $initSecurity := $cfg.securityContext | default $v.securityContext }}
 {{- $security := deepCopy $initSecurity }}
@@ -76,6 +78,9 @@ spec:
   {{- if and $rdma $v.pipelines.rdma.hostNetwork }}
   hostNetwork: true
   dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
+  {{- if $hostIPC }}
+  hostIPC: true
   {{- end }}
   terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds }}
   {{- with $cfg.runtimeClassName }}
@@ -170,7 +175,7 @@ spec:
         {{- toYaml $security | nindent 8 }}
       volumeMounts:
         {{- include "wavepp.commonMounts" (dict "root" $root "filesOnly" $copiesModelFiles) | nindent 8 }}
-        {{- if $pipeline }}
+        {{- if and $pipeline (not $hostIPC) }}
         - name: shm
           mountPath: /dev/shm
         {{- end }}
@@ -197,7 +202,7 @@ spec:
         sizeLimit: {{ $v.cache.sizeLimit }}
     - name: tmp
       emptyDir: {}
-    {{- if $pipeline }}
+    {{- if and $pipeline (not $hostIPC) }}
     - name: shm
       emptyDir:
         medium: Memory
