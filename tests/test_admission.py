@@ -18,6 +18,7 @@ from prefill_node.core.admission_messages import (
     StageReservation,
     Wait,
 )
+from prefill_node.core.block_pool import BlockPool
 from prefill_node.core.coordinator import (
     AdmissionCoordinator,
     CoordinatorConfig,
@@ -26,7 +27,8 @@ from prefill_node.core.coordinator import (
 from prefill_node.core.execution_results import BlockTable, Completion, MismatchReason
 from prefill_node.core.hashing import ExtraKeys, hash_block_tokens
 from prefill_node.core.kv_events import BlockStored
-from prefill_node.core.request import EmptyPromptError, RequestSpec
+from prefill_node.core.request import EmptyPromptError, PromptBlocks, RequestSpec
+from prefill_node.core.reservation import Reservation
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import (
     InvalidStageConfigError,
@@ -166,88 +168,113 @@ def test_strict_fcfs_a_waiting_head_blocks_later_requests():
     check_all(stages)
 
 
-def test_fallback_when_a_stage_evicts_the_candidate_between_lookup_and_lease():
+def test_a_round_where_every_stage_leases_the_same_prefix_is_one_phase():
     coord, stages = make([10, 10])
     run_round(coord, stages, [spec("a", PREFIX + [1])])
     run_to_completion(stages, "a", 17)
     coord.submit(spec("b", PREFIX + [2, 3]))
     msg = coord.begin_round()
+    assert msg.phase is Phase.RESERVE and msg.reserves == (ReserveOrder("b"),)
+    assert [s.request_id for s in msg.new_requests] == ["b"]  # token ids travel here, once
     replies = [st.handle(msg) for st in stages]
-    assert [r.hints[0].blocks for r in replies] == [4, 4]
-    msg = coord.finish_phase(replies)
-    assert msg.phase is Phase.RESERVE and msg.reserves == (ReserveOrder("b", 4),)
-    pressure = stages[1].pool.allocate(6 + 2)  # meanwhile stage 1 evicts 2 prefix blocks
+    assert [r.reserved[0].confirmed_blocks for r in replies] == [4, 4]
+    result = coord.finish_phase(replies)
+    assert isinstance(result, RoundResult)  # no COMMIT: both committed at 4 already
+    (out,) = result.outcomes
+    assert isinstance(out, Admitted) and out.cached_len == 16
+    assert [st.reservation("b").committed for st in stages] == [True, True]
+    check_all(stages)
+
+
+def test_stages_that_lease_more_lower_to_the_common_boundary_in_a_commit_phase():
+    coord, stages = make([10, 10])
+    run_round(coord, stages, [spec("a", PREFIX + [1])])
+    run_to_completion(stages, "a", 17)
+    pressure = stages[1].pool.allocate(6 + 2)  # stage 1 evicts 2 prefix blocks
     stages[1].pool.free(pressure)
+    coord.submit(spec("b", PREFIX + [2, 3]))
+    msg = coord.begin_round()
     replies = [st.handle(msg) for st in stages]
     assert [r.reserved[0].confirmed_blocks for r in replies] == [4, 2]
+    assert [r.reserved[0].escrow_blocks for r in replies] == [1, 3]
     msg = coord.finish_phase(replies)
     assert msg.phase is Phase.COMMIT and msg.commits == (CommitOrder("b", 2),)
-    result = coord.finish_phase([st.handle(msg) for st in stages])
+    replies = [st.handle(msg) for st in stages]
+    assert [r.committed[0].escrow_blocks for r in replies] == [3, 3]  # stage 0 topped up
+    result = coord.finish_phase(replies)
     assert isinstance(result, RoundResult)
     assert result.outcomes[0].cached_len == 8
     assert [len(st.reservation("b").lease) for st in stages] == [2, 2]  # stage 0 shrank
     check_all(stages)
 
 
+def test_a_stage_that_cannot_top_up_at_the_common_boundary_makes_the_request_wait():
+    coord, stages = make([6, 6])
+    run_round(coord, stages, [spec("a", PREFIX + [1])])
+    run_to_completion(stages, "a", 17)  # 4 blocks cached on each stage
+    stages[1].pool.free(stages[1].pool.allocate(4))  # stage 1 evicts prefix blocks 2, 3
+    # stage 0: another request pins the whole prefix, so lowering b's lease frees nothing
+    assert _reserve(stages[0], "c", PREFIX + [5], 80).status is ReserveStatus.OK
+    coord.submit(spec("b", PREFIX + [2, 3]))
+    msg = coord.begin_round()
+    replies = [st.handle(msg) for st in stages]
+    assert [r.reserved[0].confirmed_blocks for r in replies] == [4, 2]
+    msg = coord.finish_phase(replies)
+    assert msg.phase is Phase.COMMIT
+    replies = [st.handle(msg) for st in stages]
+    assert [c.ok for r in replies for c in r.committed] == [False, True]
+    msg = coord.finish_phase(replies)
+    assert msg.phase is Phase.RELEASE and msg.releases == ("b",)
+    result = coord.finish_phase([st.handle(msg) for st in stages])
+    assert result.outcomes == (Wait("b", ReserveStatus.NO_CAPACITY, 0),)
+    assert [st.reservation("b") for st in stages] == [None, None]
+    check_all(stages)
+    stages[0].abort("c")
+    (out,) = run_round(coord, stages)  # the retry fits
+    assert isinstance(out, Admitted) and out.cached_len == 8
+    check_all(stages)
+
+
 def _prime_cached_prefix(st, tokens):
     """Stage-local: compute ``tokens`` and leave their full blocks cached, unpinned."""
-    st.handle(RoundRequest(90, Phase.LOOKUP, new_requests=(spec("p", tokens),), lookups=("p",)))
-    st.handle(RoundRequest(90, Phase.RESERVE, reserves=(ReserveOrder("p", 0),)))
-    st.handle(RoundRequest(90, Phase.COMMIT, commits=(CommitOrder("p", 0),)))
+    st.handle(
+        RoundRequest(
+            90, Phase.RESERVE, new_requests=(spec("p", tokens),), reserves=(ReserveOrder("p"),)
+        )
+    )
     run_to_completion([st], "p", len(tokens))
 
 
-def _reserve(st, rid, tokens, candidate, round_id):
-    st.handle(
-        RoundRequest(round_id, Phase.LOOKUP, new_requests=(spec(rid, tokens),), lookups=(rid,))
-    )
+def _reserve(st, rid, tokens, round_id):
     reply = st.handle(
-        RoundRequest(round_id, Phase.RESERVE, reserves=((ReserveOrder(rid, candidate)),))
+        RoundRequest(
+            round_id,
+            Phase.RESERVE,
+            new_requests=(spec(rid, tokens),),
+            reserves=(ReserveOrder(rid),),
+        )
     )
     return reply.reserved[0]
 
 
-def test_a_hit_on_an_escrowed_victim_gets_the_escrow_a_substitute():
-    st = StageAdmission(StageConfig(0, 12, B))
-    _prime_cached_prefix(st, PREFIX + [1])  # cached 0..3, queue [4..11, 3, 2, 1, 0]
-    _prime_cached_prefix(st, list(range(700, 709)))  # cached 4, 5; queue [6..11, 3..0, 5, 4]
-    a = _reserve(st, "a", range(500, 536), 0, 1)  # 9 victims: 6..11, 3, 2, 1
-    assert a.escrow_blocks == 9
-    assert st.pool.free_queue.block_ids() == [0, 5, 4]
-    b = _reserve(st, "b", PREFIX + [9], 4, 2)
-    # b pinned 0; took over a's victims 1 and 2 after a got 5 and 4 as substitutes; took 3
-    # with no substitute left (a is not committed yet); then found no room for its suffix
-    # and released everything.
-    assert b.status is ReserveStatus.NO_CAPACITY and b.confirmed_blocks == 4
-    escrow = st.reservation("a").escrow
-    assert {v.block_id for v in escrow.victims()} == {4, 5, 6, 7, 8, 9, 10, 11}
-    assert (escrow.held, escrow.target) == (8, 9)
-    st.check_integrity()
-    (done,) = st.handle(RoundRequest(3, Phase.COMMIT, commits=(CommitOrder("a", 0),))).committed
-    assert done.ok and done.escrow_blocks == 9
-    assert 3 in {v.block_id for v in escrow.victims()}  # the substitute found at commit
-    st.check_integrity()
-
-
-def test_commit_substitutes_a_victim_that_was_stolen_before_commit():
+def test_a_reservation_is_committed_where_its_lease_ends():
     st = StageAdmission(StageConfig(0, 8, B))
     _prime_cached_prefix(st, PREFIX + [1])
-    _reserve(st, "a", range(500, 532), 0, 1)  # all 8 blocks: no substitute exists
-    b = _reserve(st, "b", PREFIX[:8] + [9], 2, 2)  # steals cached blocks 0, 1 from a
-    assert b.status is ReserveStatus.NO_CAPACITY and b.confirmed_blocks == 2
-    assert st.reservation("a").escrow.held == 6  # b released 0, 1 but a lost them
-    st.check_integrity()
-    (done,) = st.handle(RoundRequest(3, Phase.COMMIT, commits=(CommitOrder("a", 0),))).committed
-    assert done.ok and st.reservation("a").escrow.held == 8  # re-claimed at commit
+    a = _reserve(st, "a", PREFIX + [7, 8], 1)
+    assert (a.status, a.confirmed_blocks, a.escrow_blocks) == (ReserveStatus.OK, 4, 1)
+    rsv = st.reservation("a")
+    assert rsv.committed and rsv.next_token == 16
+    assert isinstance(st.materialise("a", 16, 2), BlockTable)  # runnable with no COMMIT
+    with pytest.raises(InvariantError, match="committed after it started"):
+        st.handle(RoundRequest(2, Phase.COMMIT, commits=(CommitOrder("a", 2),)))
     st.check_integrity()
 
 
 def test_a_committed_escrow_is_never_short_a_hit_on_its_victim_is_a_miss():
     st = StageAdmission(StageConfig(0, 8, B))
     _prime_cached_prefix(st, PREFIX + [1])
-    _reserve(st, "a", range(500, 532), 0, 1)
-    st.handle(RoundRequest(1, Phase.COMMIT, commits=(CommitOrder("a", 0),)))
-    c = _reserve(st, "c", PREFIX + [9], 4, 2)
+    _reserve(st, "a", range(500, 532), 1)
+    c = _reserve(st, "c", PREFIX + [9], 2)
     assert c.confirmed_blocks == 0 and c.status is ReserveStatus.NO_CAPACITY
     assert st.reservation("a").escrow.held == 8
     table = st.materialise("a", 0, 32)
@@ -259,10 +286,9 @@ def test_a_hit_on_a_committed_victim_takes_it_over_only_with_a_substitute():
     st = StageAdmission(StageConfig(0, 12, B))
     _prime_cached_prefix(st, PREFIX + [1])
     _prime_cached_prefix(st, list(range(700, 709)))  # queue [6..11, 3, 2, 1, 0, 5, 4]
-    _reserve(st, "a", range(500, 536), 0, 1)  # 9 victims: 6..11, 3, 2, 1
-    st.handle(RoundRequest(1, Phase.COMMIT, commits=(CommitOrder("a", 0),)))
+    _reserve(st, "a", range(500, 536), 1)  # 9 victims: 6..11, 3, 2, 1
     assert st.pool.free_queue.block_ids() == [0, 5, 4]
-    c = _reserve(st, "c", PREFIX + [9], 4, 2)
+    c = _reserve(st, "c", PREFIX + [9], 2)
     # c pins 0; takes over 1 and 2 once a got 5 and 4 instead; 3 has no substitute left,
     # and a committed escrow is never left short, so c's prefix ends there.
     assert c.confirmed_blocks == 3 and c.status is ReserveStatus.NO_CAPACITY
@@ -290,17 +316,16 @@ def test_materialise_refuses_chunks_that_do_not_match_local_state():
 
 
 def test_materialise_refuses_a_reservation_that_was_not_committed():
-    st = StageAdmission(StageConfig(0, 8, B))
-    _reserve(st, "a", range(8), 0, 1)
-    assert st.materialise("a", 0, 8).reason is MismatchReason.NOT_COMMITTED
+    rsv = Reservation(PromptBlocks(spec("a", range(8)), B))
+    assert rsv.materialise(BlockPool(8, B), 0, 0, 8).reason is MismatchReason.NOT_COMMITTED
 
 
 @pytest.mark.parametrize("when", ["reserved", "committed", "half", "kept"])
 def test_abort_at_any_point_returns_every_block(when):
     st = StageAdmission(StageConfig(0, 8, B))
     _prime_cached_prefix(st, PREFIX + [1])
-    _reserve(st, "a", PREFIX + list(range(9)), 4, 1)
-    if when != "reserved":
+    _reserve(st, "a", PREFIX + list(range(9)), 1)  # committed at 4
+    if when != "reserved":  # lowered to 3
         st.handle(RoundRequest(2, Phase.COMMIT, commits=(CommitOrder("a", 3),)))
     if when in ("half", "kept"):
         st.materialise("a", 12, 6)
@@ -334,8 +359,9 @@ def test_abort_through_the_coordinator_mid_round_and_after_admission():
     coord, stages = make([8, 8])
     coord.submit(spec("a", range(9)))
     msg = coord.begin_round()
-    msg = coord.finish_phase([st.handle(msg) for st in stages])
+    replies = [st.handle(msg) for st in stages]
     assert coord.abort("a") is True
+    msg = coord.finish_phase(replies)
     while not isinstance(msg, RoundResult):
         msg = coord.finish_phase([st.handle(msg) for st in stages])
     assert msg.outcomes == (Aborted("a"),)
@@ -413,21 +439,24 @@ def test_bad_input_and_protocol_misuse():
     with pytest.raises(InvariantError, match="replies do not match"):
         coord.finish_phase([stages[0].handle(msg)])
     with pytest.raises(InvariantError, match="replies do not match"):
-        coord.finish_phase([StageReply(99, Phase.LOOKUP, 0), StageReply(99, Phase.LOOKUP, 1)])
+        coord.finish_phase([StageReply(99, Phase.RESERVE, 0), StageReply(99, Phase.RESERVE, 1)])
 
 
 def test_every_round_message_survives_pickling_as_the_rounds_plane_sends_it():
     coord, stages = make([8, 8])
-    coord.submit(spec("a", range(9), ExtraKeys("tiny", "salt")))
-    msg = coord.begin_round()
+    _prime_cached_prefix(stages[0], PREFIX[:8] + [1])  # stage 0 alone: a COMMIT phase follows
+    coord.submit(spec("p", PREFIX[:8] + [2]))
+    coord.submit(spec("q", range(9), ExtraKeys("tiny", "salt")))
+    messages = [coord.begin_round()]
     while True:
-        wire = pickle.loads(pickle.dumps(msg))
-        assert wire == msg
+        wire = pickle.loads(pickle.dumps(messages[-1]))
+        assert wire == messages[-1]
         replies = [pickle.loads(pickle.dumps(st.handle(wire))) for st in stages]
         step = coord.finish_phase(replies)
         if isinstance(step, RoundResult):
             break
-        msg = step
-    assert isinstance(pickle.loads(pickle.dumps(step)).outcomes[0], Admitted)
-    assert pickle.loads(pickle.dumps(msg)).new_requests == ()
-    assert len(pickle.dumps(msg)) < 400  # later phases carry ids and ints only
+        messages.append(step)
+    assert [type(o) for o in pickle.loads(pickle.dumps(step)).outcomes] == [Admitted, Admitted]
+    assert [m.phase for m in messages] == [Phase.RESERVE, Phase.COMMIT]
+    assert messages[1].new_requests == ()
+    assert len(pickle.dumps(messages[1])) < 400  # later phases carry ids and ints only

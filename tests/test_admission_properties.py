@@ -15,7 +15,7 @@ from prefill_node.core.admission_messages import (
 from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
 from prefill_node.core.execution_results import BlockTable, Completion
 from prefill_node.core.hashing import ExtraKeys
-from prefill_node.core.request import RequestSpec, blocks_needed
+from prefill_node.core.request import PromptBlocks, RequestSpec, blocks_needed
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 
 B = 4
@@ -93,6 +93,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         msg = self.coord.begin_round()
         outcomes = ()
         while msg is not None:
+            event(f"phase {msg.phase.value}")
             if msg.phase is pressure_at:
                 self._evict_candidate(msg, s) or self.evict_pressure(s, n)
             step = self.coord.finish_phase([stage.handle(msg) for stage in self.stages])
@@ -110,22 +111,28 @@ class AdmissionMachine(RuleBasedStateMachine):
                 assert isinstance(out, Wait) and out.request_id in self.queued
 
     def _evict_candidate(self, msg, s):
-        """Between lookup and lease, evict the last block of some candidate prefix on stage s
-        (with everything older in LRU order), forcing the lease there to fall short."""
+        """Right before the RESERVE, evict the last block of some request's cached prefix on
+        stage s (with everything older in LRU order): that stage's lease falls short of the
+        others', and a COMMIT phase lowers them to the common boundary."""
         stage = self.stages[s % len(self.stages)]
         for order in msg.reserves:
-            if order.candidate_blocks == 0:
+            prompt = PromptBlocks(self.specs[order.request_id], B)
+            hit = 0
+            while hit < len(prompt.hashes) and stage.pool.lookup(
+                prompt.hashes[hit], prompt.parent_of(hit), prompt.token_blocks[hit], EXTRA
+            ):
+                hit += 1
+            if hit == 0:
                 continue
-            prompt = stage.prompt_blocks(order.request_id)
-            i = order.candidate_blocks - 1
+            i = hit - 1
             target = stage.pool.lookup(
                 prompt.hashes[i], prompt.parent_of(i), prompt.token_blocks[i], EXTRA
             )
-            if target is None or target not in stage.pool.free_queue:
+            if target not in stage.pool.free_queue:
                 continue
             take = 1 + stage.pool.free_queue.block_ids().index(target.block_id)
             stage.pool.free(stage.pool.allocate(take))
-            event("candidate evicted before lease")
+            event("cached prefix evicted on one stage before the lease")
             return True
         return False
 

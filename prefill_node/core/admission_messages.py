@@ -1,19 +1,24 @@
 """Admission-round messages (leader <-> stages) and the typed outcomes of a round.
 
-One round is a few phases; in each the leader broadcasts one ``RoundRequest`` and every
-stage (stage 0 included) answers one ``StageReply`` (an all-gather). All messages are
-small frozen dataclasses of ints, strs, enums and tuples, so they pickle cheaply over
-``torch.distributed.broadcast_object_list`` / ``all_gather_object``; token ids travel once,
-in the LOOKUP message that first names a request.
+One round is one to three phases; in each the leader broadcasts one ``RoundRequest`` and
+every stage (stage 0 included) answers one ``StageReply`` (an all-gather). All messages are
+small frozen dataclasses of ints, strs, enums and tuples, so they pickle cheaply; token ids
+travel once, in the RESERVE message that first names a request.
 
 Phases (``AdmissionCoordinator`` drives them, ``StageAdmission.handle`` answers):
 
-1. LOOKUP - stages register new specs and answer hint boundaries (full blocks).
-2. RESERVE - at the candidate (minimum of the hints) each stage leases (re-checks and
-   pins) what it really holds, then escrows victims for the rest of the prompt.
-3. COMMIT - at the final boundary (highest one valid on every stage, <= every confirmed
-   lease) each stage shrinks its lease, tops up and re-checks its escrow, and commits.
-4. RELEASE - only when some stage failed a commit: the others drop that reservation.
+1. RESERVE - stages register new specs; for each request, FCFS, each stage leases (pins)
+   the longest prefix it really holds (the authoritative walk, cut back to a snapshot
+   boundary on recurrent-state stages), escrows victims for the rest of the prompt and
+   commits there at once. Its reply says how far its lease reaches.
+2. COMMIT - only when the stages' leases end at different blocks: at the common boundary
+   (the highest one valid on every stage, <= every lease) the stages above it shrink their
+   lease and top up their escrow (which may fail: that stage cleans up and says so).
+3. RELEASE - when a request reserved on some stages but not all (or failed a COMMIT on
+   some), or the coordinator defers it: the others drop that reservation.
+
+Where every stage holds the same prefix (the common case: stages cache the same chunks
+and evict under the same pressure), a round is one broadcast and one all-gather.
 
 Every message also carries ``releases`` (drop a reservation, keep the spec: the request
 waits and will be retried) and ``forgets`` (drop everything: aborted or finished with),
@@ -29,7 +34,6 @@ from prefill_node.core.request import RequestSpec
 
 
 class Phase(Enum):
-    LOOKUP = "lookup"
     RESERVE = "reserve"
     COMMIT = "commit"
     RELEASE = "release"
@@ -52,15 +56,15 @@ class ReserveStatus(Enum):
 
 @dataclass(frozen=True)
 class ReserveOrder:
-    """Lease up to ``candidate_blocks`` full blocks, escrow the rest of the prompt."""
+    """Lease the longest prefix this stage holds, escrow the rest of the prompt, commit."""
 
     request_id: str
-    candidate_blocks: int
 
 
 @dataclass(frozen=True)
 class CommitOrder:
-    """Settle the reservation at ``boundary_blocks`` (<= what this stage confirmed)."""
+    """Settle the reservation at ``boundary_blocks`` (<= what this stage leased): shrink the
+    lease to it and top up the escrow for the longer suffix."""
 
     request_id: str
     boundary_blocks: int
@@ -73,7 +77,6 @@ class RoundRequest:
     round_id: int
     phase: Phase
     new_requests: tuple[RequestSpec, ...] = ()
-    lookups: tuple[str, ...] = ()
     reserves: tuple[ReserveOrder, ...] = ()
     commits: tuple[CommitOrder, ...] = ()
     releases: tuple[str, ...] = ()
@@ -81,16 +84,9 @@ class RoundRequest:
 
 
 @dataclass(frozen=True)
-class Hint:
-    """A stage's approximate reusable prefix of a request, in full blocks."""
-
-    request_id: str
-    blocks: int
-
-
-@dataclass(frozen=True)
 class Reserved:
-    """A stage's answer to a ReserveOrder.
+    """A stage's answer to a ReserveOrder; with status OK the reservation is committed at
+    ``confirmed_blocks``.
 
     ``confirmed_blocks``: blocks leased (pinned after the authoritative check) on this stage.
     ``boundaries``: the boundaries <= confirmed_blocks this stage can resume from, or None
@@ -121,7 +117,6 @@ class StageReply:
     round_id: int
     phase: Phase
     stage: int
-    hints: tuple[Hint, ...] = ()
     reserved: tuple[Reserved, ...] = ()
     committed: tuple[Committed, ...] = ()
 

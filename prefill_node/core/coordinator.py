@@ -60,8 +60,6 @@ class _Round:
     round_id: int
     phase: Phase
     request_ids: list[str]
-    reserving: list[str] = field(default_factory=list)  # request_ids less the deferred ones
-    candidates: dict[str, int] = field(default_factory=dict)
     committing: dict[str, int] = field(default_factory=dict)  # request id -> boundary
     outcomes: dict[str, AdmissionOutcome] = field(default_factory=dict)
 
@@ -73,6 +71,8 @@ class AdmissionCoordinator:
     (None when there is nothing to do); broadcast it, gather one ``StageReply`` per stage,
     pass them to ``finish_phase``; repeat with the ``RoundRequest`` it returns until it
     returns a ``RoundResult``. One round at a time; ``run_round`` does this in-process.
+    Where every stage leases the same prefix a round is its RESERVE phase alone; a COMMIT
+    phase lowers the stages that lease more to the common boundary (admission_messages).
 
     Policy: strict FCFS. A request that waits keeps its place at the head of the queue and
     every later request of the round waits too (stages block them), so no request is
@@ -97,7 +97,7 @@ class AdmissionCoordinator:
         # request -> (block index, hash) of the blocks it computes and still claims
         self._produces: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
         self._cuts: dict[str, set[int]] = {}  # producer -> token positions waiters wait for
-        # claims dropped while a round runs: its LOOKUP replies may predate those blocks'
+        # claims dropped while a round runs: its RESERVE replies may predate those blocks'
         # caching, so the round still treats them as being computed (``_released``)
         self._released: dict[BlockHash, str] = {}
 
@@ -192,7 +192,7 @@ class AdmissionCoordinator:
     # ---- phases ------------------------------------------------------------------------
 
     def begin_round(self) -> RoundRequest | None:
-        """The LOOKUP message of a new round, or None if there is nothing to do."""
+        """The RESERVE message of a new round, or None if there is nothing to do."""
         if self._round is not None:
             raise InvariantError("begin_round while a round is running")
         if not self.has_work():
@@ -200,10 +200,14 @@ class AdmissionCoordinator:
         ids = list(self._queue)[: self.config.max_requests_per_round]
         new = tuple(self._queue[r] for r in ids if r not in self._sent)
         self._sent.update(ids)
-        self._released = {}  # this round's LOOKUP comes after their caching
-        self._round = _Round(self._next_round_id, Phase.LOOKUP, ids)
+        self._released = {}  # this round's RESERVE comes after their caching
+        self._round = _Round(self._next_round_id, Phase.RESERVE, ids)
         self._next_round_id += 1
-        return self._message(Phase.LOOKUP, new_requests=new, lookups=tuple(ids))
+        if not ids:
+            return self._message(Phase.RELEASE)  # forgets only
+        return self._message(
+            Phase.RESERVE, new_requests=new, reserves=tuple(ReserveOrder(r) for r in ids)
+        )
 
     def finish_phase(self, replies: Sequence[StageReply]) -> RoundRequest | RoundResult:
         """Consume every stage's reply; return the next phase's message or the round result."""
@@ -214,8 +218,6 @@ class AdmissionCoordinator:
             r.round_id != rnd.round_id or r.phase is not rnd.phase for r in replies
         ):
             raise InvariantError(f"round {rnd.round_id} {rnd.phase}: replies do not match")
-        if rnd.phase is Phase.LOOKUP:
-            return self._after_lookup(rnd, replies)
         if rnd.phase is Phase.RESERVE:
             return self._after_reserve(rnd, replies)
         if rnd.phase is Phase.COMMIT:
@@ -230,46 +232,66 @@ class AdmissionCoordinator:
         forgets, self._forgets = tuple(self._forgets), []
         return RoundRequest(rnd.round_id, phase, forgets=forgets, **items)
 
-    def _after_lookup(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
-        if not rnd.request_ids:
-            return self._finish(rnd)
-        for reply in replies:
-            _check_items(rnd, reply, [h.request_id for h in reply.hints], rnd.request_ids)
-            for hint in reply.hints:
-                old = rnd.candidates.get(hint.request_id, hint.blocks)
-                rnd.candidates[hint.request_id] = min(old, hint.blocks)
-        rnd.reserving = list(rnd.request_ids)
+    def _after_reserve(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
+        by_request: dict[str, list[Reserved]] = {rid: [] for rid in rnd.request_ids}
+        for reply in sorted(replies, key=lambda r: r.stage):
+            _check_items(rnd, reply, [i.request_id for i in reply.reserved], rnd.request_ids)
+            for item in reply.reserved:
+                by_request[item.request_id].append(item)
+        releases: list[str] = []
+        reserved: dict[str, int] = {}  # reserved on every stage -> common boundary
+        for rid, items in by_request.items():
+            failed = [(s, i) for s, i in enumerate(items) if i.status is not ReserveStatus.OK]
+            if failed:
+                # Report the stage that really lacked room, not one that only followed FCFS.
+                stage, item = min(failed, key=lambda f: f[1].status is ReserveStatus.FCFS_BLOCKED)
+                rnd.outcomes[rid] = Wait(rid, item.status, stage)
+                if len(failed) < len(items):
+                    releases.append(rid)
+            else:
+                reserved[rid] = _common_boundary(items)
         if self.config.share_inflight_prefix:
-            self._defer_inflight_prefixes(rnd)
-        if not rnd.reserving:
-            return self._finish(rnd)
-        orders = tuple(ReserveOrder(rid, rnd.candidates[rid]) for rid in rnd.reserving)
-        return self._message(Phase.RESERVE, reserves=orders)
+            for rid in self._defer_inflight_prefixes(reserved):
+                rnd.outcomes[rid] = Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
+                del reserved[rid]
+                releases.append(rid)
+        for rid, boundary in reserved.items():
+            items = by_request[rid]
+            if all(i.confirmed_blocks == boundary for i in items):  # committed there already
+                self._admit(rnd, rid, boundary, [(s, i.escrow_blocks) for s, i in enumerate(items)])
+            else:
+                rnd.committing[rid] = boundary
+        commits = tuple(CommitOrder(rid, b) for rid, b in rnd.committing.items())
+        if commits:
+            return self._message(Phase.COMMIT, commits=commits, releases=tuple(releases))
+        if releases:
+            return self._message(Phase.RELEASE, releases=tuple(releases))
+        return self._finish(rnd)
 
-    def _defer_inflight_prefixes(self, rnd: _Round) -> None:
-        """Take out of the round (``Wait(PREFIX_IN_FLIGHT)``) each request whose next
-        uncached blocks an admitted request, or an earlier one of this round, computes; and
-        note where the producer's blocks it waits for end (``take_cuts``). Blocks whose
-        claim was dropped since this round began count as claimed: a stage may have answered
-        the LOOKUP before caching them, and admitting now would compute them again; the
-        round that the drop asked for (``computed`` / ``finished`` return True) finds them
-        cached."""
+    def _defer_inflight_prefixes(self, reserved: dict[str, int]) -> list[str]:
+        """The requests of ``reserved`` (request -> common boundary, FCFS) to take out of the
+        round (``Wait(PREFIX_IN_FLIGHT)``): each whose next uncached blocks an admitted
+        request, or an earlier one of this round, computes; and note where the producer's
+        blocks it waits for end (``take_cuts``). Blocks whose claim was dropped since this
+        round began count as claimed: a stage may have answered the RESERVE before caching
+        them, and admitting now would compute them again; the round that the drop asked for
+        (``computed`` / ``finished`` return True) finds them cached."""
         claimed = {**self._released, **self._producer}  # block hash -> who computes it
         bs = self.config.block_size
-        for rid in rnd.request_ids:
+        deferred: list[str] = []
+        for rid, start in reserved.items():
             hashes = self._hashes_of(rid)
-            start = rnd.candidates[rid]
             run = 0
             while start + run < len(hashes) and hashes[start + run] in claimed:
                 run += 1
             if run and 2 * run * bs >= self._queue[rid].num_tokens - start * bs:
-                rnd.outcomes[rid] = Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
-                rnd.reserving.remove(rid)
+                deferred.append(rid)
                 producer = claimed[hashes[start + run - 1]]  # chained: same position there
                 self._cuts.setdefault(producer, set()).add((start + run) * bs)
             else:
                 for h in hashes[start:]:
                     claimed.setdefault(h, rid)
+        return deferred
 
     def take_cuts(self) -> dict[str, set[int]]:
         """Per producer, the token positions where requests waiting for its blocks could
@@ -288,30 +310,6 @@ class AdmissionCoordinator:
             self._hashes[request_id] = hashes
         return hashes
 
-    def _after_reserve(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
-        by_request: dict[str, list[Reserved]] = {rid: [] for rid in rnd.reserving}
-        for reply in sorted(replies, key=lambda r: r.stage):
-            _check_items(rnd, reply, [i.request_id for i in reply.reserved], rnd.reserving)
-            for item in reply.reserved:
-                by_request[item.request_id].append(item)
-        releases: list[str] = []
-        for rid, items in by_request.items():
-            failed = [(s, i) for s, i in enumerate(items) if i.status is not ReserveStatus.OK]
-            if failed:
-                # Report the stage that really lacked room, not one that only followed FCFS.
-                stage, item = min(failed, key=lambda f: f[1].status is ReserveStatus.FCFS_BLOCKED)
-                rnd.outcomes[rid] = Wait(rid, item.status, stage)
-                if len(failed) < len(items):
-                    releases.append(rid)
-            else:
-                rnd.committing[rid] = _common_boundary(items)
-        commits = tuple(CommitOrder(rid, b) for rid, b in rnd.committing.items())
-        if commits:
-            return self._message(Phase.COMMIT, commits=commits, releases=tuple(releases))
-        if releases:
-            return self._message(Phase.RELEASE, releases=tuple(releases))
-        return self._finish(rnd)
-
     def _after_commit(self, rnd: _Round, replies: Sequence[StageReply]) -> RoundRequest:
         results: dict[str, list] = {rid: [] for rid in rnd.committing}
         for reply in sorted(replies, key=lambda r: r.stage):
@@ -319,24 +317,28 @@ class AdmissionCoordinator:
             for item in reply.committed:
                 results[item.request_id].append((reply.stage, item))
         releases: list[str] = []
-        bs = self.config.block_size
         for rid, items in results.items():
             failed = [stage for stage, c in items if not c.ok]
-            boundary = rnd.committing[rid]
             if failed:
                 rnd.outcomes[rid] = Wait(rid, ReserveStatus.NO_CAPACITY, failed[0])
                 if len(failed) < len(items):
                     releases.append(rid)
                 continue
-            reservations = tuple(StageReservation(s, boundary, c.escrow_blocks) for s, c in items)
-            spec = self._queue[rid]
-            cached = reused_tokens(spec.num_tokens, bs, boundary)
-            rnd.outcomes[rid] = Admitted(rid, spec.num_tokens, cached, reservations)
-            if self.config.share_inflight_prefix:
-                self._claim(rid, boundary)
+            self._admit(rnd, rid, rnd.committing[rid], [(s, c.escrow_blocks) for s, c in items])
         if releases:
             return self._message(Phase.RELEASE, releases=tuple(releases))
         return self._finish(rnd)
+
+    def _admit(
+        self, rnd: _Round, request_id: str, boundary: int, escrows: Sequence[tuple[int, int]]
+    ) -> None:
+        """Committed at ``boundary`` on every stage ((stage, escrowed blocks) each)."""
+        spec = self._queue[request_id]
+        cached = reused_tokens(spec.num_tokens, self.config.block_size, boundary)
+        reservations = tuple(StageReservation(s, boundary, e) for s, e in escrows)
+        rnd.outcomes[request_id] = Admitted(request_id, spec.num_tokens, cached, reservations)
+        if self.config.share_inflight_prefix:
+            self._claim(request_id, boundary)
 
     def _claim(self, request_id: str, boundary: int) -> None:
         """Record the full blocks an admitted request computes (those nobody else does),

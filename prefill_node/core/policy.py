@@ -17,7 +17,7 @@ planner (mode, fragment rule) and every stage's admission (escrow headroom).
   ``num_micro_batches = pp_size``); at most one chunk of a request in flight
   (``inflight_req_ids``); a fixed budget of ``M`` filled to the brim (no fragment rule).
 - ``SYNC_ADMISSION`` (an ablation, not a baseline): the knobs of ``TRTLLM``, but admission is
-  WavePP's own three-phase cross-stage round, run synchronously on stage 0's loop before each
+  WavePP's own cross-stage round, run synchronously on stage 0's loop before each
   wave. It isolates what running admission ahead of execution buys; it is not how
   TensorRT-LLM schedules.
 

@@ -24,9 +24,10 @@ from prefill_node.errors import InvariantError
 class Reservation:
     """Lease (reused prefix, pinned) + escrow (victims for the rest) + materialised blocks.
 
-    Life cycle on a stage: reserved (lease + escrow, negotiable) -> committed (boundary
-    fixed; capacity guaranteed) -> materialised chunk by chunk (victims become real
-    blocks) -> completed (new full blocks cached, pins dropped or kept for a KV pull).
+    Life cycle on a stage: reserved (lease + escrow) -> committed (capacity guaranteed; the
+    boundary may still go down, never up, until the first chunk) -> materialised chunk by
+    chunk (victims become real blocks) -> completed (new full blocks cached, pins dropped or
+    kept for a KV pull).
     ``release`` undoes any stage of that: escrow first, then the blocks and the lease.
 
     Invariant: ``len(lease) + escrow.target + len(new_blocks) == prompt.num_blocks + c``
@@ -82,9 +83,13 @@ class Reservation:
 
     def commit(self, pool: BlockPool, boundary_blocks: int) -> bool:
         """Shrink the lease to the negotiated boundary, re-check the escrow (substituting
-        stolen victims, topping up for the longer suffix) and commit. False if short."""
-        if self.committed:
-            raise InvariantError(f"{self.request_id!r} committed twice")
+        stolen victims, topping up for the longer suffix) and commit. False if short.
+
+        A committed reservation may commit again at a lower boundary until its first chunk
+        materialises (the round's COMMIT phase, when the stages' leases differ)."""
+        started = self.committed and self.next_token != self.cached_len
+        if self.new_blocks or self.completed or started:
+            raise InvariantError(f"{self.request_id!r} committed after it started")
         self.lease.shrink(pool, boundary_blocks)
         if not self.reserve_suffix(pool):
             return False

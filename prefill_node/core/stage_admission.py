@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from prefill_node.core.admission_messages import (
     CommitOrder,
     Committed,
-    Hint,
     Phase,
     Reserved,
     ReserveOrder,
@@ -100,12 +99,9 @@ class StageAdmission:
             self.abort(request_id)
         for request_id in msg.releases:
             self._release(request_id)
-        if msg.phase is Phase.LOOKUP:
+        if msg.phase is Phase.RESERVE:
             for spec in msg.new_requests:
                 self._register(PromptBlocks(spec, self.config.block_size))
-            hints = tuple(self._hint(r) for r in msg.lookups)
-            return StageReply(msg.round_id, msg.phase, self.stage, hints=hints)
-        if msg.phase is Phase.RESERVE:
             reserved: list[Reserved] = []
             blocked = False
             for order in msg.reserves:
@@ -138,13 +134,6 @@ class StageAdmission:
     def _needs_snapshot(self) -> bool:
         return self.config.snapshot_interval_blocks is not None
 
-    def _hint(self, request_id: str) -> Hint:
-        prompt = self._prompt(request_id)
-        blocks = self.pool.index.reusable_blocks(
-            prompt.hashes, self._reuse_limit(prompt), needs_snapshot=self._needs_snapshot
-        )
-        return Hint(request_id, blocks)
-
     def _reuse_limit(self, prompt: PromptBlocks) -> int:
         """``max_reusable_blocks`` (the one reuse rule), one block less when copying a wholly
         cached prompt's last block would need more blocks than this stage has (then its last
@@ -156,6 +145,9 @@ class StageAdmission:
         return limit
 
     def _reserve(self, order: ReserveOrder, blocked: bool) -> Reserved:
+        """Lease the longest prefix this stage really holds (at a snapshot boundary where
+        recurrent state needs one), escrow the rest and commit there; nothing is held
+        unless the answer is OK."""
         rid = order.request_id
         prompt = self._prompt(rid)
         if rid in self._reservations:
@@ -163,15 +155,16 @@ class StageAdmission:
         if blocked:
             return Reserved(rid, ReserveStatus.FCFS_BLOCKED, 0, None, 0)
         rsv = Reservation(prompt)
-        upto = min(order.candidate_blocks, self._reuse_limit(prompt))
-        confirmed = rsv.lease.acquire(self.pool, prompt, upto, self._may_take_over)
+        confirmed = rsv.lease.acquire(
+            self.pool, prompt, self._reuse_limit(prompt), self._may_take_over
+        )
         boundaries = None
         if self._needs_snapshot:
             snaps = rsv.lease.snapshot_boundaries()
             rsv.lease.shrink(self.pool, snaps[-1] if snaps else 0)
             confirmed = len(rsv.lease)
             boundaries = (0, *rsv.lease.snapshot_boundaries())
-        if not rsv.reserve_suffix(self.pool):
+        if not rsv.commit(self.pool, confirmed):
             rsv.release(self.pool)
             return Reserved(rid, ReserveStatus.NO_CAPACITY, confirmed, boundaries, 0)
         if self._reservations and self._tied_up() > self._cap:
@@ -190,17 +183,17 @@ class StageAdmission:
         return stats.in_use + stats.claimed
 
     def _may_take_over(self, victim: KVBlock) -> bool:
-        """A lease hit an escrowed victim: take it over if its escrow gets a substitute, or if
-        that escrow is not committed yet (it will substitute or fail at its commit)."""
+        """A lease hit an escrowed victim: take it over only if its escrow gets a substitute
+        (every reservation here is committed, and a committed escrow is never left short)."""
         owner = self._reservations.get(victim.claimed_by or "")
         if owner is None:
             raise InvariantError(f"stage {self.stage}: {victim!r} claimed by no reservation")
-        return owner.escrow.replace(self.pool, victim) or not owner.committed
+        return owner.escrow.replace(self.pool, victim)
 
     def _commit(self, order: CommitOrder) -> Committed:
         rid = order.request_id
         rsv = self._reservations.get(rid)
-        if rsv is None or rsv.committed or order.boundary_blocks > rsv.boundary_blocks:
+        if rsv is None or order.boundary_blocks > rsv.boundary_blocks:
             raise InvariantError(f"stage {self.stage}: cannot commit {rid!r} at {order}")
         if self._needs_snapshot and order.boundary_blocks not in (
             0,
@@ -244,7 +237,7 @@ class StageAdmission:
         snaps = (0, *rsv.lease.snapshot_boundaries()) if self._needs_snapshot else (boundary,)
         if confirmed < boundary or boundary not in snaps:
             status = ReserveStatus.PREFIX_MISSING
-        elif not rsv.reserve_suffix(self.pool) or not rsv.commit(self.pool, boundary):
+        elif not rsv.commit(self.pool, boundary):
             status = ReserveStatus.NO_CAPACITY
         if status is not ReserveStatus.OK:
             rsv.release(self.pool)
@@ -367,8 +360,9 @@ class StageAdmission:
         return self.pool.drain_events()
 
     def check_integrity(self) -> None:
-        """The pool's own checks plus: every claim and pin belongs to exactly one reservation
-        and every lease block really holds its prompt block."""
+        """The pool's own checks plus: every claim and pin belongs to exactly one reservation,
+        every reservation is committed with its escrow full and covers its prompt, and every
+        lease block really holds its prompt block."""
         self.pool.check_integrity()
         claims: dict[int, str] = {}
         pins: dict[int, int] = {}
@@ -377,8 +371,12 @@ class StageAdmission:
                 if victim.block_id in claims:
                     raise InvariantError(f"block {victim.block_id} claimed twice")
                 claims[victim.block_id] = rid
-            if rsv.escrow.held != rsv.escrow.target and rsv.committed:
+            if not rsv.committed:
+                raise InvariantError(f"reservation of {rid!r} is held but not committed")
+            if rsv.escrow.held != rsv.escrow.target:
                 raise InvariantError(f"committed escrow of {rid!r} is short")
+            if not rsv.completed and rsv.held_blocks != rsv.needed_blocks:
+                raise InvariantError(f"reservation of {rid!r} does not cover its prompt")
             p = rsv.prompt
             for i, block in enumerate(rsv.lease.blocks):
                 if not block.matches(p.parent_of(i), p.token_blocks[i], p.spec.extra):
@@ -387,8 +385,6 @@ class StageAdmission:
                 pins[block.block_id] = pins.get(block.block_id, 0) + 1
         for block_id, n in self._transfer_pins.items():
             pins[block_id] = pins.get(block_id, 0) + n
-            if not rsv.completed and rsv.held_blocks != rsv.needed_blocks:
-                raise InvariantError(f"reservation of {rid!r} does not cover its prompt")
         if self.pool.stats().claimed != len(claims):
             raise InvariantError("claimed blocks held by no reservation")
         for block_id, n in pins.items():

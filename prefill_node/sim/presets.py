@@ -393,10 +393,14 @@ CPU_CORE_BENCH_PIPE = replace(
     chunk_overhead_s=CPU_CORE_BENCH.chunk_overhead_s * _FIT_SCALE,
     layer_overhead_s=_FIT_WAVE_S / _BENCH_LAYERS,
 )
-# What a round costs in the runtime (runtime/leader.py): the coordinator's 3 phases (hint,
-# lease, escrow commit), each a broadcast + all-gather on gloo; forward-only preset: 1 ms a
-# phase (~2 measured send + ack round trips) and the 1 us per token our admission core
-# costs (bench/calibrate_admission.py); the calibrated preset uses the fitted terms.
+# What a round cost in the runtime (runtime/leader.py) when these terms were fitted: the
+# coordinator's 3 phases (hint, lease, escrow commit), each a broadcast + all-gather on
+# gloo; forward-only preset: 1 ms a phase (~2 measured send + ack round trips) and the 1 us
+# per token our admission core costs (bench/calibrate_admission.py); the calibrated preset
+# uses the fitted terms. The runtime's rounds are one phase since 2026-12-06 where the
+# stages lease the same prefix (admission_messages.py); these CPU presets still charge the
+# 3 phases they were fitted with until they are fitted again. The paper presets model the
+# paper's 3-phase protocol on purpose.
 _BENCH_ROUNDS = RoundCostSpec(phase_latency_s=1.0e-3, host_s_per_token=1.0e-6, phases=3)
 _BENCH_ROUNDS_PIPE = replace(
     _BENCH_ROUNDS,
