@@ -2,7 +2,7 @@
 
 Runs the real sans-IO core (one StageAdmission + the coordinator, direct calls) on cold
 prompts and on warm prompts whose prefix (all but 4,096 tokens) is cached, and reports
-nanoseconds per prompt token: spec creation, hashing, hint probe, lease, escrow, commit.
+nanoseconds per prompt token: spec creation, hashing, lease, escrow, commit.
 This is the ``host_s_per_token`` of the simulator's rounds plane (presets.py).
 
     python bench/calibrate_admission.py --json calib.json

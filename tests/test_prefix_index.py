@@ -1,4 +1,4 @@
-"""Hint index: counters follow attach/detach; probe + binary search finds the cached prefix."""
+"""Prefix index: counters follow attach/detach; probe + binary search finds the cached prefix."""
 
 import pytest
 from hypothesis import given, settings
@@ -18,10 +18,9 @@ def test_counters_follow_attach_and_detach():
     idx = PrefixIndex()
     h = BlockHash(7)
     assert idx.attach(h) is True
-    assert idx.attach(h, snapshot=True) is False
-    assert idx.count(h) == 2 and idx.has_snapshot(h)
-    assert idx.detach(h, snapshot=True) is False
-    assert not idx.has_snapshot(h)
+    assert idx.attach(h) is False
+    assert idx.count(h) == 2
+    assert idx.detach(h) is False
     assert idx.detach(h) is True
     assert h not in idx
     with pytest.raises(InvariantError):
@@ -63,17 +62,6 @@ def test_longest_prefix_matches_linear_scan(present, limit):
     for h in chain[:present]:
         idx.attach(h)
     assert idx.longest_prefix(chain, limit) == min(present, limit)
-
-
-def test_snapshot_backward_scan():
-    chain = hashes(20)
-    idx = PrefixIndex()
-    for i, h in enumerate(chain[:17]):
-        idx.attach(h, snapshot=(i + 1) % 4 == 0)  # snapshots after blocks 4, 8, 12, 16
-    assert idx.reusable_blocks(chain, needs_snapshot=False) == 17
-    assert idx.reusable_blocks(chain, needs_snapshot=True) == 16
-    assert idx.reusable_blocks(chain, 15, needs_snapshot=True) == 12
-    assert idx.reusable_blocks(chain, 3, needs_snapshot=True) == 0
 
 
 def test_pool_keeps_the_index_exact_under_lazy_eviction():

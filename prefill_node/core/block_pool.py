@@ -236,7 +236,7 @@ class BlockPool:
         del copies[block.block_id]
         if not copies:
             del self._by_hash[block_hash]
-        return self.index.detach(block_hash, snapshot=block.has_snapshot)
+        return self.index.detach(block_hash)
 
     # ---- caching -------------------------------------------------------------------
 
@@ -267,7 +267,7 @@ class BlockPool:
             block.token_ids, block.extra = token_blocks[i], extra
             block.has_snapshot = bool(snapshots[i]) if snapshots is not None else False
             self._by_hash.setdefault(h, {})[block.block_id] = block
-            is_new = self.index.attach(h, snapshot=block.has_snapshot)
+            is_new = self.index.attach(h)
             if is_new and self._enable_events:
                 if not run_open:
                     stored.append((parent, [], []))
@@ -305,7 +305,6 @@ class BlockPool:
         self.free_queue.check_integrity()
         in_use = claimed = claimed_cached = queued = evictable = 0
         seen: dict[BlockHash, int] = {}
-        snaps: dict[BlockHash, int] = {}
         for block in self._blocks:
             in_queue = block in self.free_queue
             if block.ref_cnt < 0:
@@ -324,13 +323,11 @@ class BlockPool:
                 if self._by_hash.get(block.block_hash, {}).get(block.block_id) is not block:
                     raise InvariantError(f"{block!r} is cached but missing from the hash map")
                 seen[block.block_hash] = seen.get(block.block_hash, 0) + 1
-                if block.has_snapshot:
-                    snaps[block.block_hash] = snaps.get(block.block_hash, 0) + 1
             elif block.has_snapshot or block.token_ids:
                 raise InvariantError(f"{block!r} is uncached but keeps cached metadata")
         if sum(len(c) for c in self._by_hash.values()) != sum(seen.values()):
             raise InvariantError("hash map holds blocks that are not cached")
-        if seen != self.index.counts() or snaps != self.index.snapshot_counts():
+        if seen != self.index.counts():
             raise InvariantError("hint counters disagree with the resident blocks")
         counters = (
             self._num_in_use, self._num_claimed, self._num_claimed_cached, self._num_evictable

@@ -1,4 +1,4 @@
-"""The hint index: per chained block hash, how many resident blocks carry it (WAVEPP.md 1)."""
+"""Per chained block hash, how many resident blocks carry it (WAVEPP.md 1's hint counters)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,17 @@ from prefill_node.errors import InvariantError
 
 
 class PrefixIndex:
-    """Counters ``hash -> number of resident blocks carrying it`` plus snapshot counters.
+    """Counters ``hash -> number of resident blocks carrying it``.
 
-    This is a HINT: it answers "how long a prefix is probably cached here" in O(log n)
-    probes without touching blocks, pins or the collision guard. The block pool keeps it
-    exact (``attach`` when a block becomes findable, ``detach`` when it is evicted), but a
-    reader must still confirm a hint authoritatively (the lease does) before relying on it:
-    between the lookup and the lease a block may be evicted, and a 64-bit collision is
-    only caught by the pool's token comparison.
-
-    Snapshot counters serve stages with recurrent-state layers: a prefix is reusable there
-    only up to a block boundary where a recurrent-state snapshot is stored.
+    The block pool keeps them exact (``attach`` when a block becomes findable, ``detach``
+    when it is evicted), and their edges decide the stage's KV events: a hash's first
+    resident copy is stored, its last one removed. ``longest_prefix`` is the paper's hint
+    probe; admission does not need it (each stage's lease walks the prefix with the pool's
+    collision guard, ``StageAdmission._reserve``), and it serves tests and observation.
     """
 
     def __init__(self) -> None:
         self._count: dict[BlockHash, int] = {}
-        self._snapshots: dict[BlockHash, int] = {}
 
     def __len__(self) -> int:
         """Number of distinct hashes present."""
@@ -36,30 +31,17 @@ class PrefixIndex:
     def count(self, block_hash: BlockHash) -> int:
         return self._count.get(block_hash, 0)
 
-    def has_snapshot(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._snapshots
-
-    def attach(self, block_hash: BlockHash, *, snapshot: bool = False) -> bool:
+    def attach(self, block_hash: BlockHash) -> bool:
         """Count one more resident block with this hash; True if the hash is new here."""
         n = self._count.get(block_hash, 0)
         self._count[block_hash] = n + 1
-        if snapshot:
-            self._snapshots[block_hash] = self._snapshots.get(block_hash, 0) + 1
         return n == 0
 
-    def detach(self, block_hash: BlockHash, *, snapshot: bool = False) -> bool:
+    def detach(self, block_hash: BlockHash) -> bool:
         """Count one resident block fewer; True if no block carries the hash any more."""
         n = self._count.get(block_hash, 0)
         if n <= 0:
             raise InvariantError(f"detach of hash {block_hash:#x} that is not attached")
-        if snapshot:
-            s = self._snapshots.get(block_hash, 0)
-            if s <= 0:
-                raise InvariantError(f"detach of snapshot {block_hash:#x} that is not attached")
-            if s == 1:
-                del self._snapshots[block_hash]
-            else:
-                self._snapshots[block_hash] = s - 1
         if n == 1:
             del self._count[block_hash]
             return True
@@ -90,23 +72,6 @@ class PrefixIndex:
                 bad = mid
         return good
 
-    def snapshot_boundary(self, hashes: Sequence[BlockHash], upto: int) -> int:
-        """Backward scan: largest k <= ``upto`` with a snapshot after block k-1, else 0."""
-        for k in range(min(upto, len(hashes)), 0, -1):
-            if hashes[k - 1] in self._snapshots:
-                return k
-        return 0
-
-    def reusable_blocks(
-        self, hashes: Sequence[BlockHash], limit: int | None = None, *, needs_snapshot: bool
-    ) -> int:
-        """The stage-local hint: longest present prefix, moved back to a snapshot if required."""
-        boundary = self.longest_prefix(hashes, limit)
-        return self.snapshot_boundary(hashes, boundary) if needs_snapshot else boundary
-
     def counts(self) -> dict[BlockHash, int]:
         """A copy of the counters (for integrity checks and tests)."""
         return dict(self._count)
-
-    def snapshot_counts(self) -> dict[BlockHash, int]:
-        return dict(self._snapshots)
