@@ -23,15 +23,22 @@ EXTRA = ExtraKeys("prop")
 FAMILIES = [list(range(1000 * f, 1000 * f + 48)) for f in range(3)]
 
 
-def real_hit(stage, rid):
-    """Independent authoritative walk: full blocks of the prompt resident on ``stage``."""
-    prompt = stage.prompt_blocks(rid) or stage.reservation(rid).prompt
-    n = 0
+def resident_chain(stage, prompt):
+    """Independent authoritative walk: the leading blocks of ``prompt`` resident on
+    ``stage``, as pool blocks."""
+    chain = []
     for i, h in enumerate(prompt.hashes):
-        if stage.pool.lookup(h, prompt.parent_of(i), prompt.token_blocks[i], EXTRA) is None:
+        block = stage.pool.lookup(h, prompt.parent_of(i), prompt.token_blocks[i], EXTRA)
+        if block is None:
             break
-        n += 1
-    return n
+        chain.append(block)
+    return chain
+
+
+def real_hit(stage, rid):
+    """Full blocks of the request's prompt resident on ``stage``."""
+    prompt = stage.prompt_blocks(rid) or stage.reservation(rid).prompt
+    return len(resident_chain(stage, prompt))
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -116,20 +123,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         others', and a COMMIT phase lowers them to the common boundary."""
         stage = self.stages[s % len(self.stages)]
         for order in msg.reserves:
-            prompt = PromptBlocks(self.specs[order.request_id], B)
-            hit = 0
-            while hit < len(prompt.hashes) and stage.pool.lookup(
-                prompt.hashes[hit], prompt.parent_of(hit), prompt.token_blocks[hit], EXTRA
-            ):
-                hit += 1
-            if hit == 0:
+            chain = resident_chain(stage, PromptBlocks(self.specs[order.request_id], B))
+            if not chain or chain[-1] not in stage.pool.free_queue:
                 continue
-            i = hit - 1
-            target = stage.pool.lookup(
-                prompt.hashes[i], prompt.parent_of(i), prompt.token_blocks[i], EXTRA
-            )
-            if target not in stage.pool.free_queue:
-                continue
+            target = chain[-1]
             take = 1 + stage.pool.free_queue.block_ids().index(target.block_id)
             stage.pool.free(stage.pool.allocate(take))
             event("cached prefix evicted on one stage before the lease")
