@@ -22,7 +22,7 @@ last stage's logits) to its KV being complete on decode (when the decode process
 saw every stage's "done"; it polls every ``--decode-poll-us`` while a reception is due to
 end, every ``--decode-live-poll-us`` while it is live further from its end; one
 monotonic clock on this host), and the engine's ``handoff_s`` (the same start -> every
-stage's WRITE confirmed, seen by the leader's KV_COLLECT round). Default prompts span 16
+stage's WRITE confirmed, as each stage reports it to the leader). Default prompts span 16
 chunks (1024 tokens, chunk budget 64). One chunk's transfer time is measured, not derived:
 each at-end engine also prefills one-chunk prompts (the first ``--max-chunk-tokens`` of
 each), whose tail is that chunk's KV moved on its own, post and notification included

@@ -6,7 +6,7 @@ throughput over the window in which every client stays busy, as bench/pipeline.p
 it) under both policies with the calibrated ``cpu-bench`` preset, median over 3 prompt
 draws (and, for reference, ``cpu-bench-forward``: the isolated forward's costs only), and
 flags predictions more than ``--tolerance`` off. The runtime's wave policy plans with the
-MPU planner (runtime/leader_core.py), so does the simulated one here; the simulated
+MPU planner (runtime/leader.py), so does the simulated one here; the simulated
 sync-admission is our runtime's (rounds on stage 0's loop; the preset's executor is
 ``ExecutorKind.WAVEPP_RUNTIME``).
 The simulator is deterministic given the draw.

@@ -8,9 +8,12 @@ from __future__ import annotations
 from prefill_node.core.admission_messages import Admitted, ReserveStatus, Wait
 from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
 from prefill_node.core.execution_results import BlockTable
+from prefill_node.core.leader import LeaderCore
+from prefill_node.core.planner import PlannerMode, WavePlanner
+from prefill_node.core.policy import wave_policy
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.core.wave import ScheduledChunk
+from prefill_node.core.wave_scheduler import WaveScheduler
 from prefill_node.sim.core_port import CorePort
 from tests.test_admission import B, check_all, run_to_completion, spec
 
@@ -191,21 +194,41 @@ def test_an_aborted_producer_leaves_what_it_published_for_the_waiters():
     assert all(st.pool.stats().in_use == 0 for st in stages)
 
 
-def test_the_simulator_port_releases_a_waiter_chunk_by_chunk_like_the_leader():
+def test_the_simulators_leader_releases_a_waiter_chunk_by_chunk_in_real_tokens():
+    """The simulator's ``LeaderCore`` over its port (one id per 2 tokens): the producer's
+    chunk is cut where the waiter's prefix ends, the waiter waits while that chunk has not
+    passed every stage, the returned wave releases it, and lengths come back in real
+    tokens."""
     port = CorePort(B, 2, (64, 64), (2, 2), model_id="tiny", stage_headroom_blocks=(0, 0),
                     max_round_requests=8, share_inflight_prefix=True)  # fmt: skip
+    policy = wave_policy(2, PlannerMode.MPU)
+    cfg = policy.planner_config(
+        max_wave_tokens=48, min_wave_tokens=16, block_size=B, max_wave_requests=8
+    )
+    leader = LeaderCore(port.coordinator, WaveScheduler(policy, WavePlanner(cfg)), token_scale=2)
     ids = SYSTEM[:16]  # 16 ids of 2 tokens: 8 blocks of 4 tokens (2 ids each)
-    assert port.submit(port.spec("a", ids + list(range(20)))) is None  # 72 tokens
-    assert port.submit(port.spec("b", ids + [1])) is None  # 34 tokens
-    a, b = port.run_round()
-    assert isinstance(a, Admitted) and waits_for_prefix(b, "b")
-    chunk = ScheduledChunk("a", 0, 32)
-    port.materialise(0, chunk)
-    assert port.publish(0, chunk) is False  # stage 1 has not run it yet
-    assert waits_for_prefix(port.run_round()[0], "b")
-    port.materialise(1, chunk)
-    assert port.publish(1, chunk) is True
-    (b2,) = port.run_round()
+    assert leader.submit(port.spec("a", ids + list(range(20)))) is None  # 72 tokens
+    assert leader.submit(port.spec("b", ids + [1])) is None  # 34 tokens
+    a, b = run_round(leader, port.stages)
+    assert isinstance(a, Admitted) and a.num_tokens == 72 and waits_for_prefix(b, "b")
+    ends = []
+    while True:
+        wave = leader.next_wave()
+        assert wave is not None and [c.request_id for c in wave.chunks] == ["a"]
+        (chunk,) = wave.chunks
+        assert chunk.end <= 32 or chunk.start >= 32  # never across b's prefix end
+        ends.append(chunk.end)
+        port.materialise(0, chunk)
+        port.publish(0, chunk)
+        assert waits_for_prefix(run_round(leader, port.stages)[0], "b")  # stage 1: not yet
+        port.materialise(1, chunk)
+        port.publish(1, chunk)
+        done = leader.wave_done(wave.wave_id)
+        if chunk.end == 32:
+            break
+        assert not done.released
+    assert done.released and done.finished == ()
+    (b2,) = run_round(leader, port.stages)
     assert isinstance(b2, Admitted) and b2.cached_len == 32  # in real tokens
     assert all(st.reservation("a") is not None for st in port.stages)  # a still runs
     port.check_integrity()

@@ -33,7 +33,8 @@ def decode():
 
 
 def test_sync_admission_pipeline_ships_push_and_pull(decode):
-    """Under sync-admission the leader serves KV_COLLECT rounds between waves on stage 0's loop."""
+    """Under sync-admission (rounds on stage 0's loop) the hand-offs' outcomes still reach the
+    leader as they happen, for push and pull."""
     spec = PipelineSpec(
         model=ModelSource(config=HF_CONFIG, seed=0, name="tiny-llama"),
         layer_ranges=((0, 1), (1, 4)),  # uneven: each stage ships its own layer count

@@ -3,6 +3,7 @@ cancels, when deadlines fire (no processes)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -23,27 +24,29 @@ def manifest(stage: int) -> StageKVManifest:
 
 
 class Stages:
-    """Two stages' outcome queues, as KV_COLLECT rounds would return them, and the leader's
-    request table with the engine's side of it: records come (``add``), their logits
-    arrive (``logits_ready``) and they go (``forget``: aborted)."""
+    """Two stages' report streams (stage 0 delivers in-process, stage 1 through a queue the
+    receiver thread reads, as the reports plane does) and the leader's request table with
+    the engine's side of it: records come (``add``), their logits arrive
+    (``logits_ready``) and they go (``forget``: aborted)."""
 
     def __init__(self) -> None:
         self.table = RequestTable()
-        self.lock = threading.Lock()
-        self.queued: list[list[StageHandoff]] = [[], []]
+        self.stream: queue.SimpleQueue = queue.SimpleQueue()  # stage 1 -> the leader
+        self.handoffs: LeaderHandoffs | None = None
         self.cancelled: list[str] = []
         self.settled: dict[str, tuple] = {}
         self.expired: list[str] = []
         self.done = threading.Event()
 
     def report(self, handoff: StageHandoff) -> None:
-        with self.lock:
-            self.queued[handoff.stage].append(handoff)
+        if handoff.stage == 0:
+            self.handoffs.deliver((handoff,))
+        else:
+            self.stream.put((handoff,))
 
-    def collect(self):
-        with self.lock:
-            out, self.queued = self.queued, [[], []]
-        return out
+    def receive(self, stage: int):
+        assert stage == 1
+        return self.stream.get()
 
     def settle(self, req: LeaderRequest, manifests, error) -> None:
         self.settled[req.request_id] = (manifests, error)
@@ -67,20 +70,15 @@ class Stages:
 @pytest.fixture
 def stages():
     s = Stages()
-    h = LeaderHandoffs(
-        2,
-        s.table,
-        0.3,
-        s.collect,
-        s.cancelled.extend,
-        s.settle,
-        s.expired.append,
-        poll_interval_s=0.001,
-        slow_poll_s=0.005,
+    h = s.handoffs = LeaderHandoffs(
+        2, s.table, 0.3, s.cancelled.extend, s.settle, s.expired.append, receive=s.receive
     )
     h.start()
     yield s, h
     h.stop()
+    s.stream.put(None)  # the end of stage 1's stream: its receiver thread ends
+    h._receivers[0].join(timeout=2)
+    assert not h._receivers[0].is_alive()
 
 
 def wait_for(pred, timeout_s: float = 2.0) -> None:
@@ -157,29 +155,31 @@ def test_a_record_taken_out_is_neither_settled_nor_expired(stages):
     assert "gone" not in s.settled and s.expired == [] and s.cancelled == []
 
 
-def test_a_deadline_fires_while_a_collect_round_hangs_on_a_stopped_stage():
-    """A KV_COLLECT round waits for every stage; a SIGSTOPped stage holds it until the
-    heartbeat declares the pipeline dead. The soak saw requests answered 5 s past their
-    deadline then: deadlines must not wait for the round."""
+def test_outcomes_wake_the_hand_off_thread_without_any_polling():
+    """Outcomes are pushed: a request whose logits are back resolves as soon as the last
+    stage's outcome is delivered, and nothing asks the stages for anything meanwhile."""
     s = Stages()
-    hung = threading.Event()
+    asked: list[int] = []
 
-    def collect():
-        hung.set()
-        time.sleep(3.0)  # the stopped stage
-        return s.collect()
+    def receive(stage: int):
+        asked.append(stage)  # one blocking read per batch, not a poll
+        return s.stream.get()
 
-    h = LeaderHandoffs(2, s.table, 10.0, collect, s.cancelled.extend, s.settle,
-                       s.expired.append, poll_interval_s=0.001, slow_poll_s=0.005)  # fmt: skip
+    h = s.handoffs = LeaderHandoffs(
+        2, s.table, 10.0, s.cancelled.extend, s.settle, s.expired.append, receive=receive
+    )
     h.start()
     try:
-        s.add("shipping")  # a hand-off in flight: the thread collects
-        assert hung.wait(2)
-        s.add("tight", ships=False, deadline_s=time.monotonic() + 0.2)
+        s.add("r")
+        s.logits_ready("r")
+        s.report(StageHandoff("r", 0, manifest(0)))
+        time.sleep(0.2)  # stage 1 silent: nothing resolves, and no one asks again
+        assert "r" not in s.settled and asked == [1]
         t0 = time.monotonic()
-        while "tight" not in s.expired and time.monotonic() - t0 < 5:
-            time.sleep(0.01)
-        assert s.expired == ["tight"]
-        assert time.monotonic() - t0 < 1.0
+        s.report(StageHandoff("r", 1, manifest(1)))
+        wait_for(lambda: "r" in s.settled)
+        assert time.monotonic() - t0 < 0.5 and s.settled["r"][1] is None
+        assert asked == [1, 1]
     finally:
         h.stop()
+        s.stream.put(None)

@@ -33,7 +33,8 @@ def _join(rank: int, world: int, port: int, inline: int = 0) -> Planes:
 
 
 def _relay(rank: int, world: int, port: int, out: mp.Queue) -> None:
-    """Stage s>0: pass frames on (adding rank to the tensor); answer rounds with rank**2."""
+    """Stage s>0: pass frames on (adding rank to the tensor); answer rounds with rank**2;
+    report one batch; the last stage dies, the others end their report streams."""
     torch.set_num_threads(1)
     planes = _join(rank, world, port)
     for _ in range(3):
@@ -44,12 +45,15 @@ def _relay(rank: int, world: int, port: int, out: mp.Queue) -> None:
             planes.data.send_result(Frame(header, t))
         else:
             planes.data.send_next(Frame(header, t))
+    planes.reports.send((("report", rank),))
     msg, replies = planes.rounds.follow(lambda m: (m, rank * rank))
     out.put((rank, msg, replies))
     out.close()
     out.join_thread()  # flush before a hard exit
     if rank == world - 1:
         os._exit(0)  # die without closing: the leader must notice
+    planes.reports.close()
+    planes.reports.send((("dropped", rank),))  # after the end: dropped, not sent
     Planes.close()
 
 
@@ -91,9 +95,14 @@ def test_frames_and_rounds_cross_real_processes_and_peer_death_is_detected(world
         for _ in range(world - 1):
             rank, msg, peer_replies = out.get(timeout=20)
             assert msg == "admit-1" and peer_replies == replies
+        for s in range(1, world):  # each stage's report, on its own stream
+            assert planes.reports.recv(s) == (("report", s),)
         t0 = time.monotonic()
         with pytest.raises(PlaneClosedError, match="data plane recv"):
             planes.data.recv_result()
+        assert time.monotonic() - t0 < 10
+        assert planes.reports.recv(1) is None  # ended by its stage
+        assert planes.reports.recv(world - 1) is None  # its stage died
         assert time.monotonic() - t0 < 10
     finally:
         for p in procs:

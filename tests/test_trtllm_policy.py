@@ -1,21 +1,20 @@
 """The ``trtllm`` policy's mechanism, sans-IO: rank 0 decides alone, the other stages follow.
 
 ``StageAdmission.follow`` is a rank > 0 taking rank 0's admission from a wave (TensorRT-LLM's
-``_pp_retry_until_can_schedule`` + ``add_sequence``); ``LeaderCore`` under ``trtllm`` runs
-its rounds against stage 0 alone and carries the decisions in the waves.
+``_pp_retry_until_can_schedule`` + ``add_sequence``); the pipeline's ``LeaderCore`` under
+``trtllm`` runs its rounds against stage 0 alone and carries the decisions in the waves.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from prefill_node.core.admission_messages import ReserveStatus
+from prefill_node.core.admission_messages import Admitted, ReserveStatus, RoundResult
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.errors import InvariantError
-from prefill_node.runtime.leader_core import LeaderCore
-from prefill_node.runtime.messages import WaveResult
+from prefill_node.runtime.leader import pipeline_leader_core, wave_header
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
 
 B = 4
@@ -77,10 +76,6 @@ def test_follow_twice_is_a_bug() -> None:
         stage.follow(_spec("a", range(8)), 0)
 
 
-class _Model:
-    name = "m"
-
-
 def _pipeline_spec(policy: str, blocks=(32, 32)) -> PipelineSpec:
     return PipelineSpec(
         model=ModelSource(config={"x": 1}),
@@ -99,22 +94,20 @@ def test_trtllm_rounds_ask_stage0_alone_and_waves_carry_its_decisions() -> None:
     follows it from the wave, or fails it when its own cache disagrees; the failure and an
     abort reach stage 1 as forgets in a later wave."""
     spec = _pipeline_spec("trtllm")
-    core = LeaderCore(spec, _Model())
+    core = pipeline_leader_core(spec)
     stages = [StageAdmission(StageConfig(s, n, B)) for s, n in enumerate(spec.stage_blocks)]
-    warm = RequestSpec("warm", tuple(range(12)), ExtraKeys(core.model_id))
-    _run_whole(stages[0], warm)  # 3 blocks cached on stage 0 only
-    core.submit("r", tuple(range(20)), None)  # shares those 3 blocks
-    core.submit("s", tuple(range(50, 70)), None)
-    msg, verdicts, phases = core.begin_round(), [], 0
-    while msg is not None:
-        phases += 1
-        msg, verdicts = core.finish_phase([stages[0].handle(msg)])
-    assert phases == 1 and [(v.request_id, v.cached_tokens) for v in verdicts] == [
+    _run_whole(stages[0], _spec("warm", range(12)))  # 3 blocks cached on stage 0 only
+    core.submit(_spec("r", range(20)))  # shares those 3 blocks
+    core.submit(_spec("s", range(50, 70)))
+    step = core.begin_round()
+    step = core.finish_phase([stages[0].handle(step)])
+    assert isinstance(step, RoundResult)  # one phase, on stage 0's reply alone
+    assert [(v.request_id, v.cached_len) for v in step.outcomes if isinstance(v, Admitted)] == [
         ("r", 12),  # rank 0's view: a round over both stages would have found 0
         ("s", 0),
     ]
     assert stages[1].num_reservations == 0  # stage 1 saw no round
-    header = core.next_wave()
+    header = wave_header(core)
     assert [(c.request_id, c.start, c.length) for c in header.chunks] == [
         ("r", 12, 8),
         ("s", 0, 8),
@@ -125,13 +118,13 @@ def test_trtllm_rounds_ask_stage0_alone_and_waves_carry_its_decisions() -> None:
     assert follow is ReserveStatus.PREFIX_MISSING and stages[1].num_reservations == 0
     assert stages[1].follow(header.new_requests[1], 0) is ReserveStatus.OK
     core.abort("s")  # in flight: stage-side cleanup waits for its chunk to return
-    core.wave_done(WaveResult(header.wave_id, failed=(("r", "stage 1: cannot_follow"),)))
-    core.submit("t", tuple(range(80, 84)), None)
+    assert set(core.wave_done(header.wave_id, failed=("r",)).dropped) == {"r", "s"}
+    core.submit(_spec("t", range(80, 84)))
     msg = core.begin_round()
     assert set(msg.forgets) == {"r", "s"}  # stage 0 drops both through its own round
-    while msg is not None:
-        msg, verdicts = core.finish_phase([stages[0].handle(msg)])
-    third = core.next_wave()  # stages > 0 drop them through the next wave
+    while not isinstance(msg, RoundResult):
+        msg = core.finish_phase([stages[0].handle(msg)])
+    third = wave_header(core)  # stages > 0 drop them through the next wave
     assert set(third.forgets) == {"r", "s"} and [s.request_id for s in third.new_requests] == ["t"]
     assert stages[0].num_reservations == 1  # t
 
@@ -139,9 +132,9 @@ def test_trtllm_rounds_ask_stage0_alone_and_waves_carry_its_decisions() -> None:
 def test_sync_admission_rounds_need_every_stage() -> None:
     """The ablation negotiates: its coordinator waits for every stage's reply."""
     spec = _pipeline_spec("sync-admission")
-    core = LeaderCore(spec, _Model())
+    core = pipeline_leader_core(spec)
     stages = [StageAdmission(StageConfig(s, n, B)) for s, n in enumerate(spec.stage_blocks)]
-    core.submit("r", tuple(range(20)), None)
+    core.submit(_spec("r", range(20)))
     msg = core.begin_round()
     with pytest.raises(InvariantError):
         core.finish_phase([stages[0].handle(msg)])

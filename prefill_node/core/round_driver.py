@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from prefill_node.core.admission_messages import AdmissionOutcome, RoundResult
-from prefill_node.core.coordinator import AdmissionCoordinator
+from prefill_node.core.admission_messages import (
+    AdmissionOutcome,
+    Rejected,
+    RoundRequest,
+    RoundResult,
+    StageReply,
+)
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.stage_admission import StageAdmission
 
 
+class RoundLeader(Protocol):
+    """What runs rounds: ``AdmissionCoordinator`` alone, or ``leader.LeaderCore`` (which
+    also schedules what a round admits)."""
+
+    def submit(self, spec: RequestSpec) -> Rejected | None: ...
+
+    def begin_round(self) -> RoundRequest | None: ...
+
+    def finish_phase(self, replies: Sequence[StageReply]) -> RoundRequest | RoundResult: ...
+
+
 def run_round(
-    coordinator: AdmissionCoordinator,
+    coordinator: RoundLeader,
     stages: Sequence[StageAdmission],
     new_requests: Iterable[RequestSpec] = (),
 ) -> tuple[AdmissionOutcome, ...]:
@@ -21,8 +38,8 @@ def run_round(
     (empty when there was nothing to do). Both engines' leader (``runtime/leader.py``) runs
     the same loop over its rounds plane: a broadcast of each ``RoundRequest`` and an
     all-gather of the ``StageReply``s (across processes, or between threads in the
-    in-process ``LocalEngine``). Callers of this direct-call form: the simulator
-    (``sim/core_port.py``) and tests.
+    in-process ``LocalEngine``). Callers of this direct-call form: the simulator (its
+    ``LeaderCore``), ``sim/core_port.py`` and tests.
     """
     rejected = tuple(r for r in (coordinator.submit(spec) for spec in new_requests) if r)
     msg = coordinator.begin_round()

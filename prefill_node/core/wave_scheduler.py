@@ -1,9 +1,9 @@
 """The leader's wave scheduling: admitted requests' progress, waves from the planner, completion.
 
-Sans-IO and single-threaded; the runtime's ``LeaderCore`` (under the leader's lock) and the
-simulator drive the same object, so both schedule the same waves for the same admitted work.
-Admission itself (the coordinator's rounds) is not here: the caller reports each admitted
-request with ``admit`` and owns the stage-side cleanup this object asks for.
+Sans-IO and single-threaded; ``leader.LeaderCore`` owns it (for the runtime, under the
+leader's lock, and for the simulator), so both schedule the same waves for the same admitted
+work. Admission itself (the coordinator's rounds) is not here: the leader reports each
+admitted request with ``admit`` and owns the stage-side cleanup this object asks for.
 
 Contracts:
 

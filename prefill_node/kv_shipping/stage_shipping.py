@@ -27,15 +27,16 @@ layer group from inside its forward (``stream_final_blocks`` with ``layer_end``,
 the forward's per-layer hook): each time, every block from the chunk on (the partial last
 one too) is pinned once more for that group's WRITE.
 
-Results: each request's outcome on this stage, exactly once, as a ``StageHandoff`` through
-``take_outcomes`` (the leader collects them with a KV_COLLECT round).
+Results: each request's outcome on this stage, exactly once, as a ``StageHandoff``, handed
+to the ``report_to`` sink from the shipping thread as soon as the shipper reports it (in
+batches of what one poll brought; the runtime sends them to the leader on its reports plane).
+Outcomes from before a sink was set wait for it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -61,7 +62,7 @@ Destination = KVPushDestination | KVPullDestination
 
 @dataclass(frozen=True)
 class StageHandoff:
-    """One stage's outcome of one request's KV hand-off (reply to a KV_COLLECT round).
+    """One stage's outcome of one request's KV hand-off (reported to the leader as it happens).
 
     Success: ``manifest`` (push: ``pushed=True``, the WRITE landed and decode was notified;
     pull: the lease manifest). Failure: ``manifest`` is None, ``error`` is the cause's type
@@ -164,7 +165,8 @@ class StageShipping:
         self._release = release
         self._release_streamed = release_streamed
         self._loop = CommandLoop(f"stage {stage} KV shipping", poll_interval_s, idle_interval_s)
-        self._outcomes: deque[StageHandoff] = deque()
+        self._outcomes: list[StageHandoff] = []  # not yet reported (shipping thread)
+        self._report: Callable[[tuple[StageHandoff, ...]], object] | None = None
         # block-id table -> request ids pinned with it (a shipper unpin names blocks only),
         # and how many of its unpins to absorb (disowned requests); guarded by _pin_lock
         self._pin_lock = threading.Lock()
@@ -277,12 +279,10 @@ class StageShipping:
         if request_ids:  # after any cancel: the new requests' streams and pushes are live
             self._loop.call(partial(self._revive, request_ids))
 
-    def take_outcomes(self) -> tuple[StageHandoff, ...]:
-        """Outcomes reported since the last call, each request's exactly once."""
-        out = []
-        while self._outcomes:
-            out.append(self._outcomes.popleft())
-        return tuple(out)
+    def report_to(self, sink: Callable[[tuple[StageHandoff, ...]], object]) -> None:
+        """From now on, hand each batch of outcomes to ``sink`` (on the shipping thread; it
+        must not block for long). Any thread."""
+        self._report = sink
 
     def held(self) -> KVHeld:
         return self._loop.call(lambda: self._running().held).result(timeout=10)
@@ -357,4 +357,11 @@ class StageShipping:
                         span = self._spans.pop(result.request_id, None)
                         tracing.end(span, error=result.error)
                     self._outcomes.append(handoff_of(result))
+            if self._outcomes and self._report is not None:
+                batch, self._outcomes = tuple(self._outcomes), []
+                try:
+                    self._report(batch)
+                except Exception:  # the leader is gone: this stage is ending
+                    log.warning("stage %d: KV hand-off outcomes not reported", self.stage,
+                                exc_info=True)  # fmt: skip
             self._loop.pause(busy=shipper is not None and shipper.busy)

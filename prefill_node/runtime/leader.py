@@ -11,23 +11,110 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from prefill_node.core.admission_messages import Admitted, Rejected, RoundResult
+from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.leader import LeaderCore, LeaderCounts
+from prefill_node.core.planner import WavePlanner
 from prefill_node.core.policy import PolicyKind
-from prefill_node.runtime.leader_core import AdmissionVerdict, CoreCounts, LeaderCore
-from prefill_node.runtime.messages import RoundKind, RoundMessage, WaveHeader, WaveResult
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.wave_scheduler import WaveScheduler
+from prefill_node.engine.types import KVPullDestination, KVPushDestination
+from prefill_node.errors import NeverFitsError, WaveppError
+from prefill_node.runtime.messages import (
+    RoundKind,
+    RoundMessage,
+    WaveChunk,
+    WaveHeader,
+    WaveResult,
+)
 from prefill_node.runtime.planes import PlaneClosedError, Planes
+from prefill_node.runtime.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
+
+# top-k, KV destination, W3C traceparent ("" untraced): what each chunk of a request carries
+ChunkOptions = tuple[int, KVPushDestination | KVPullDestination | None, str]
+_NO_OPTIONS: ChunkOptions = (1, None, "")  # an aborted request's chunks still in flight
+
+
+@dataclass(frozen=True)
+class AdmissionVerdict:
+    """A request left the admission queue: admitted with ``cached_tokens`` reused on every
+    stage, or refused with ``error`` (e.g. NeverFitsError)."""
+
+    request_id: str
+    cached_tokens: int = 0
+    error: WaveppError | None = None
 
 
 @dataclass(frozen=True)
 class LeaderConfig:
     policy: PolicyKind  # wave: rounds on their own thread; else on stage 0's loop
     world_size: int
+    model_id: str  # ``hashing.model_cache_id``: the cache namespace of every prompt
     tick_s: float = 2.0  # idle rounds-plane keep-alive (the plane never times out: 1 h)
 
 
+def pipeline_leader_core(spec: PipelineSpec) -> LeaderCore[ChunkOptions]:
+    """The pipeline's sans-IO leader. Under ``trtllm`` (``Policy.rank0_decides``) the
+    coordinator knows stage 0 alone, so a round is rank 0's decision from its own cache,
+    and the waves carry each admitted prompt and each cleanup to the stages that follow."""
+    policy = spec.scheduling_policy
+    rank0 = policy.rank0_decides
+    coordinator = AdmissionCoordinator(
+        CoordinatorConfig(
+            spec.block_size,
+            spec.stage_blocks[:1] if rank0 else spec.stage_blocks,
+            policy.max_round_requests,
+            share_inflight_prefix=policy.share_inflight_prefix,
+        )
+    )
+    planner = WavePlanner(
+        policy.planner_config(
+            max_wave_tokens=spec.max_wave_tokens,
+            min_wave_tokens=spec.min_wave_tokens,
+            block_size=spec.block_size,
+            max_wave_requests=spec.max_batch,
+        )
+    )
+    return LeaderCore(coordinator, WaveScheduler(policy, planner), follow_waves=rank0)
+
+
+def _verdicts(result: RoundResult) -> list[AdmissionVerdict]:
+    """The requests that left the queue in a round (a Wait stays queued)."""
+    verdicts: list[AdmissionVerdict] = []
+    for out in result.outcomes:
+        if isinstance(out, Admitted):
+            verdicts.append(AdmissionVerdict(out.request_id, out.cached_len))
+        elif isinstance(out, Rejected):
+            verdicts.append(AdmissionVerdict(out.request_id, error=NeverFitsError(out.reason)))
+    return verdicts
+
+
+def wave_header(core: LeaderCore[ChunkOptions]) -> WaveHeader | None:
+    """The core's next wave in wire form, or None. Each chunk carries its request's options
+    (every chunk: stages complete and ship on the last, and may stream push KV after
+    earlier ones), or the defaults once the core dropped them (the request was aborted)."""
+    wave = core.next_wave()
+    if wave is None:
+        return None
+    chunks = tuple(
+        WaveChunk(
+            c.request_id,
+            c.start,
+            c.length,
+            core.is_last(c),
+            *(core.options(c.request_id) or _NO_OPTIONS),
+        )
+        for c in wave.chunks
+    )
+    new_requests, forgets = core.take_follow()
+    return WaveHeader(wave.wave_id, chunks, new_requests=new_requests, forgets=forgets)
+
+
 class Leader:
-    """Drives the pipeline from stage 0; the only owner of ``LeaderCore`` and its lock.
+    """Drives the pipeline from stage 0; the only owner of its ``LeaderCore`` and its lock.
 
     Transport-agnostic: ``planes`` are torch.distributed groups (``PipelineEngine``) or
     in-process queues (``LocalEngine``, local_planes.py); both engines run this class.
@@ -36,26 +123,25 @@ class Leader:
     round work; stage 0's LOOP pulls waves through ``next_wave`` (the core bounds them by
     the policy's ring) and, under ``trtllm`` and ``sync-admission``, runs the rounds itself
     first. Under ``trtllm`` an admission round never leaves stage 0: the core's coordinator
-    knows stage 0 alone (``LeaderCore``), so rank 0 decides from its own cache and each wave
-    carries the decision to the other stages, which follow it or fail the request
-    (``StageAdmission.follow``). The
-    collector receives each wave's result from the last stage. All core calls happen under
-    ``self._lock``; no collective is ever made while holding it.
+    knows stage 0 alone (``pipeline_leader_core``), so rank 0 decides from its own cache
+    and each wave carries the decision to the other stages, which follow it or fail the
+    request (``StageAdmission.follow``). The collector receives each wave's result from the
+    last stage. All core calls happen under ``self._lock``; no collective is ever made
+    while holding it.
 
     The engine reaches the core only through ``submit`` / ``abort`` / ``check_fits`` /
     ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
     ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
-    is stage 0's own reply to a round. Lock order: building a wave reads each request's
-    top-k and destination from the engine's ``RequestTable`` under this lock, so the
-    table's lock is only ever taken inside this one; the engine never calls in here while
-    holding the table's lock.
+    is stage 0's own reply to a round. A request's top-k, KV destination and traceparent
+    are handed over once, at ``submit``; the core keeps them for the wave headers, so this
+    lock takes no other lock inside it.
     """
 
     def __init__(
         self,
         config: LeaderConfig,
         planes: Planes,
-        core: LeaderCore,
+        core: LeaderCore[ChunkOptions],
         answer_local: Callable[[RoundMessage], Any],
         on_result: Callable[[WaveResult], None],
         on_verdicts: Callable[[list[AdmissionVerdict], float], None],
@@ -91,11 +177,20 @@ class Leader:
             self._lock.notify_all()
 
     # -- the engine's calls (any thread) -------------------------------------------------------
-    def submit(self, request_id: str, token_ids: tuple[int, ...], salt: str | None) -> None:
-        """Queue a request for admission (``LeaderCore.submit``: NeverFitsError or
+    def submit(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        salt: str | None,
+        options: ChunkOptions = _NO_OPTIONS,
+    ) -> None:
+        """Queue a request for admission with what its chunks carry (NeverFitsError or
         DuplicateRequestError raise here)."""
+        spec = RequestSpec(request_id, token_ids, ExtraKeys(self.config.model_id, salt))
         with self._lock:
-            self._core.submit(request_id, token_ids, salt)
+            rejected = self._core.submit(spec, options)
+            if rejected is not None:
+                raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
             self._lock.notify_all()
 
     def abort(self, request_id: str) -> bool:
@@ -107,10 +202,13 @@ class Leader:
         return admitted
 
     def check_fits(self, num_tokens: int) -> None:
+        """NeverFitsError if a prompt of ``num_tokens`` exceeds some stage's whole cache."""
         with self._lock:
-            self._core.check_fits(num_tokens)
+            rejected = self._core.check_fits(num_tokens)
+        if rejected is not None:
+            raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
 
-    def counts(self) -> CoreCounts:
+    def counts(self) -> LeaderCounts:
         with self._lock:
             return self._core.counts()
 
@@ -152,19 +250,22 @@ class Leader:
     def _admission_round(self) -> bool:
         """One admission round (all its phases) if the core has work; True when one ran."""
         with self._lock:
-            message = self._core.begin_round()
+            message = self._core.begin_round() if self._core.has_round_work() else None
         if message is None:
             return False
-        verdicts: list[AdmissionVerdict] = []
         t0 = time.monotonic()
-        while message is not None:
+        while True:
             envelope = RoundMessage(RoundKind.ADMIT, message)
             if self.config.policy is PolicyKind.TRTLLM:  # rank 0's own cache view alone
                 replies = [self._answer_local(envelope)]
             else:
                 replies = self._round(envelope)
             with self._lock:
-                message, verdicts = self._core.finish_phase(replies)
+                step = self._core.finish_phase(replies)
+            if isinstance(step, RoundResult):
+                break
+            message = step
+        verdicts = _verdicts(step)
         with self._lock:
             self._lock.notify_all()
         if verdicts:
@@ -214,7 +315,7 @@ class Leader:
                 if self._stopping and (self._core.waves_in_flight == 0 or self._dead):
                     break
                 if not self._stopping:  # the core keeps the ring (policy.ring_size)
-                    header = self._core.next_wave()
+                    header = wave_header(self._core)
                     if header is not None:
                         return header
                 if on_loop and self._core.has_round_work():
@@ -237,7 +338,7 @@ class Leader:
         if result.stop:
             return
         with self._lock:
-            self._core.wave_done(result)
+            self._core.wave_done(result.wave_id, (rid for rid, _ in result.failed))
             self._lock.notify_all()
         self._on_result(result)
 

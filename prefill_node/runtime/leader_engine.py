@@ -50,8 +50,12 @@ from prefill_node.errors import (
     WaveppError,
 )
 from prefill_node.runtime.kv_event_feed import KVEventFeed, KVEventSink
-from prefill_node.runtime.leader import Leader, LeaderConfig
-from prefill_node.runtime.leader_core import AdmissionVerdict, LeaderCore
+from prefill_node.runtime.leader import (
+    AdmissionVerdict,
+    Leader,
+    LeaderConfig,
+    pipeline_leader_core,
+)
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
 from prefill_node.runtime.leader_request import (
     LeaderRequest,
@@ -117,15 +121,29 @@ class LeaderEngine:
         """Build and start the leader's threads over stage 0's ``planes`` and ``compute``
         (``self.model_config`` must be set): the rounds, stage 0's loop, the
         result collector and the KV hand-off / deadline thread."""
-        core = LeaderCore(self.spec, self.model_config, self._requests.chunk_options)
         self._leader = Leader(
-            LeaderConfig(self.spec.scheduling_policy.kind, world_size, self.spec.tick_s),
+            LeaderConfig(
+                self.spec.scheduling_policy.kind,
+                world_size,
+                model_cache_id(self.model_config.name, self.spec.dtype),
+                self.spec.tick_s,
+            ),
             planes,
-            core,
+            pipeline_leader_core(self.spec),
             answer_local=lambda m: self._worker.answer(m),  # type: ignore[union-attr]
             on_result=self._on_result,
             on_verdicts=self._on_verdicts,
             on_dead=self._on_dead,
+        )
+        wait_limit = self._kv_shipping.wait_limit_s + 2.0 if self._kv_shipping else 60.0
+        self._handoffs = LeaderHandoffs(
+            world_size,
+            self._requests,
+            wait_limit,
+            cancel=self._cancel_shipping,
+            settle=self._settle_handoff,
+            on_deadline=self._expire,
+            receive=planes.reports.recv,
         )
         self._worker = StageWorker(
             0,
@@ -136,16 +154,7 @@ class LeaderEngine:
             wave_source=self._leader.next_wave,
             result_sink=self._leader.handle_result,
             on_error=self._on_dead,
-        )
-        wait_limit = self._kv_shipping.wait_limit_s + 2.0 if self._kv_shipping else 60.0
-        self._handoffs = LeaderHandoffs(
-            world_size,
-            self._requests,
-            wait_limit,
-            collect=lambda: self._control(RoundKind.KV_COLLECT, timeout_s=10.0),
-            cancel=self._cancel_shipping,
-            settle=self._settle_handoff,
-            on_deadline=self._expire,
+            report_sink=self._handoffs.deliver,
         )
         self._leader.start()
         self._worker.start()
@@ -236,7 +245,9 @@ class LeaderEngine:
             settle_future(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
             return fut, None
         try:
-            self._running_leader().submit(rid, tokens, options.cache_salt)
+            self._running_leader().submit(
+                rid, tokens, options.cache_salt, (req.top_k, req.destination, options.traceparent)
+            )
         except BaseException:
             self._requests.pop(rid)
             raise

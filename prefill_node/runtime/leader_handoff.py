@@ -4,14 +4,15 @@ They keep no requests of their own: both act on the records of the engine's
 ``RequestTable`` (leader_request.py), where a request's hand-off outcomes, logits time and
 deadline live.
 
-Where stage results travel (decision): on the ROUNDS plane. A stage's WRITE can end while no
-wave is flowing (an idle pipeline sends none), so piggy-backing on wave results could leave a
-push unanswered; instead, while any record ships its KV, this thread runs a KV_COLLECT round
-every ``poll_interval_s`` and every stage replies with the ``StageHandoff`` outcomes its
-shipping thread recorded since the previous round (every ``slow_poll_s`` until some pending
-request's logits are back - its early stages may have shipped already, but nothing can be
-answered before the logits, and each round takes the stages' time from their waves - then
-every ``poll_interval_s``). A request resolves when its logits came
+Where stage results travel (decision): each stage's shipping thread sends its
+``StageHandoff`` outcomes to the leader as they happen, on the REPORTS plane (planes.py; stage
+0's are handed over in-process). A stage's WRITE can end while no wave is flowing (an idle
+pipeline sends none), so piggy-backing on wave results could leave a push unanswered, and
+polling the stages with rounds cost every stage a round trip every few milliseconds while
+a hand-off was pending (the design before 2026-12-07). Here one receiver thread per stage
+s > 0 (``receive``) and stage 0's shipping thread call ``deliver``; the hand-off thread
+wakes when an outcome or a request's logits arrive, or when a wait limit runs out. A
+request resolves when its logits came
 back AND (push) every stage confirmed its WRITE / (pull) every stage published its lease.
 Any stage failing, or the outcome not arriving within ``wait_limit_s`` after the logits,
 fails the request and sends KV_CANCEL to every stage (WRITEs aborted, leases revoked, pins
@@ -21,7 +22,7 @@ no longer in the table (late, duplicate, aborted) are ignored.
 
 Deadlines (``LeaderRequest.deadline_s``): when one passes first, ``on_deadline`` runs on a
 thread of its own (the engine aborts the request with DeadlineExceededError), once per
-record, so a KV_COLLECT round stuck on a hung stage never delays it.
+record, so a slow settle or cancel never delays it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError, WaveppError
@@ -45,8 +46,10 @@ Settle = Callable[[LeaderRequest, tuple[StageKVManifest, ...] | None, WaveppErro
 class LeaderHandoffs:
     """The hand-off and deadline threads of one pipeline, over its ``RequestTable``.
 
-    ``collect``: run a KV_COLLECT round, one tuple of outcomes per stage. ``cancel``: send a
-    KV_CANCEL round (fire and forget). ``settle(request, manifests, error)``: resolve a
+    ``deliver``: outcomes reported by a stage (any thread). ``receive(stage)``: the next
+    batch a stage s > 0 reported, None once its stream ended (one thread each, started
+    here; None: the caller delivers everything). ``cancel``: send a KV_CANCEL round (fire
+    and forget). ``settle(request, manifests, error)``: resolve a
     request this object took out of the table (exactly one of manifests / error).
     ``on_deadline(request_id)``: the request's deadline passed. Callbacks run on this
     object's threads, without the table's lock.
@@ -57,42 +60,72 @@ class LeaderHandoffs:
         num_stages: int,
         table: RequestTable,
         wait_limit_s: float,
-        collect: Callable[[], Sequence[Sequence[StageHandoff]]],
         cancel: Callable[[tuple[str, ...]], None],
         settle: Settle,
         on_deadline: Callable[[str], None],
-        poll_interval_s: float = 0.003,
-        slow_poll_s: float = 0.25,
+        receive: Callable[[int], tuple[StageHandoff, ...] | None] | None = None,
     ) -> None:
         self._num_stages = num_stages
         self._table = table
         self._cond = table.cond
         self._wait_limit_s = wait_limit_s
-        self._collect = collect
         self._cancel = cancel
         self._settle = settle
         self._on_deadline = on_deadline
-        self._poll_interval_s = poll_interval_s
-        self._slow_poll_s = slow_poll_s
         self._failed_early: OrderedDict[str, None] = OrderedDict()  # capped, oldest dropped
+        self._delivered = 0  # outcomes delivered so far (the hand-off thread's wake-up)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="leader-kv", daemon=True)
-        # deadlines on their own thread: a KV_COLLECT round blocks for as long as a stage
-        # does not answer (a hung stage: until the heartbeat declares it dead)
+        # deadlines on their own thread: settling or cancelling a hand-off may take a while
         self._timer = threading.Thread(target=self._run_deadlines, name="leader-deadlines",
                                        daemon=True)  # fmt: skip
+        self._receivers = [
+            threading.Thread(
+                target=self._receive, args=(receive, s), name=f"leader-kv-{s}", daemon=True
+            )  # fmt: skip
+            for s in range(1, num_stages if receive is not None else 1)
+        ]
 
     def start(self) -> None:
         self._thread.start()
         self._timer.start()
+        for thread in self._receivers:
+            thread.start()
 
     def stop(self) -> None:
+        """Stop the hand-off and deadline threads (a receiver ends with its stage's stream)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         for thread in (self._thread, self._timer):
             if thread.is_alive():
                 thread.join(timeout=5.0)
+
+    def join_receivers(self, timeout_s: float) -> None:
+        """Wait for every stage's report stream to end (before the planes are torn down: a
+        receiver must not be waiting on a group that is being destroyed)."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._receivers:
+            if thread.is_alive():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def deliver(self, outcomes: Iterable[StageHandoff]) -> None:
+        """Outcomes a stage reported: each request's first word per stage counts; outcomes
+        of requests no longer in the table (late, duplicate, aborted) are ignored."""
+        with self._cond:
+            for h in outcomes:
+                r = self._table.get(h.request_id)
+                if r is not None and r.ships and h.stage not in r.outcomes:
+                    r.outcomes[h.stage] = h
+            self._delivered += 1
+            self._cond.notify_all()
+
+    def _receive(self, receive: Callable[[int], tuple[StageHandoff, ...] | None], stage: int):
+        try:
+            while (batch := receive(stage)) is not None:
+                self.deliver(batch)
+        except Exception:  # a dead pipeline fails its requests elsewhere
+            log.debug("stage %d's hand-off reports ended", stage, exc_info=True)
 
     def late_output(self, request_id: str) -> None:
         """Logits arrived for a request no longer in the table: if its hand-off failed
@@ -109,38 +142,30 @@ class LeaderHandoffs:
         return [r for r in self._table if r.ships]
 
     def _run(self) -> None:
+        seen = (-1, -1)
         while True:
             with self._cond:
+                while not self._stop and (self._delivered, self._table.logits_seen) == seen:
+                    wait = self._until_next_limit()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cond.wait(timeout=1.0 if wait is None else min(wait, 1.0))
                 if self._stop:
                     return
-                pending = self._shipping()
-                if not pending:  # a new record or stop notifies at once
-                    self._cond.wait(timeout=1.0)
-                    pending = self._shipping()
-                busy = bool(pending)
-                due = any(r.logits_at is not None for r in pending)
-                seen = self._table.logits_seen
+                seen = (self._delivered, self._table.logits_seen)
             try:
-                if busy:
-                    self._ingest(self._collect())
                 self._resolve()
-            except Exception:  # a dead pipeline fails its requests elsewhere; keep ticking
-                log.debug("KV hand-off poll failed", exc_info=True)
+            except Exception:  # a dead pipeline fails its requests elsewhere; keep going
+                log.debug("KV hand-off resolution failed", exc_info=True)
                 time.sleep(0.05)
-            if busy:  # a request's logits coming back ends the slow wait at once
-                wait = self._poll_interval_s if due else self._slow_poll_s
-                with self._cond:
-                    self._cond.wait_for(
-                        lambda s=seen: self._stop or self._table.logits_seen != s, wait
-                    )
 
-    def _ingest(self, replies: Sequence[Sequence[StageHandoff]]) -> None:
-        with self._cond:
-            for reply in replies:
-                for h in reply or ():
-                    r = self._table.get(h.request_id)
-                    if r is not None and r.ships and h.stage not in r.outcomes:
-                        r.outcomes[h.stage] = h
+    def _until_next_limit(self) -> float | None:
+        """Seconds until the first shipping record whose logits are back runs out of its
+        wait limit (None: none waits; under the lock)."""
+        now = time.monotonic()
+        limits = [r.logits_at + self._wait_limit_s - now for r in self._shipping()
+                  if r.logits_at is not None]  # fmt: skip
+        return min(limits, default=None)
 
     def _resolve(self) -> None:
         done: list[tuple[LeaderRequest, tuple[StageKVManifest, ...] | None, WaveppError | None]]
@@ -155,7 +180,7 @@ class LeaderHandoffs:
                 elif r.logits_at is not None and len(r.outcomes) == self._num_stages:
                     ordered = tuple(r.outcomes[s].manifest for s in range(self._num_stages))
                     done.append((r, ordered, None))  # type: ignore[arg-type]
-                elif r.logits_at is not None and now - r.logits_at > self._wait_limit_s:
+                elif r.logits_at is not None and now - r.logits_at >= self._wait_limit_s:
                     missing = sorted(set(range(self._num_stages)) - set(r.outcomes))
                     err = KVHandoffError(
                         f"KV hand-off of {rid} timed out: stages {missing} did not report "

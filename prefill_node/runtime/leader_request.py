@@ -33,7 +33,6 @@ from prefill_node.engine.types import (
 )
 from prefill_node.errors import InvalidRequestError
 from prefill_node.kv_shipping.stage_shipping import StageHandoff
-from prefill_node.runtime.leader_core import ChunkOptions
 from prefill_node.runtime.messages import RequestOutput
 
 
@@ -158,16 +157,6 @@ class RequestTable:
             self._records.clear()
             self.cond.notify_all()
             return records
-
-    def chunk_options(self, request_id: str) -> ChunkOptions:
-        """What rides on each of the request's chunks: its top-k, KV destination and
-        traceparent (1, None and "" once the record is gone: an aborted request's last
-        chunks)."""
-        with self.cond:
-            req = self._records.get(request_id)
-        if req is None:
-            return (1, None, "")
-        return (req.top_k, req.destination, req.options.traceparent)
 
     # -- under ``cond`` ------------------------------------------------------------------
     def get(self, request_id: str) -> LeaderRequest | None:

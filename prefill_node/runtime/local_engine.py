@@ -1,9 +1,9 @@
 """LocalEngine: the pipeline with its P stages as threads of ONE process (in-process planes).
 
 It is the multi-process pipeline with another transport: the same ``LeaderEngine`` (the
-leader's ``LeaderCore`` with the core's coordinator, ``WaveScheduler``, planner and
-``Policy``), the same ``StageWorker`` threads and ``PipelineStageCompute`` per stage, wired
-by ``local_planes.py`` instead of torch.distributed. So admission rounds, waves (ring,
+core's ``LeaderCore``: coordinator, ``WaveScheduler``, planner and ``Policy``), the same
+``StageWorker`` threads and ``PipelineStageCompute`` per stage, wired by
+``local_planes.py`` instead of torch.distributed. So admission rounds, waves (ring,
 chunks in flight per request, planner mode), prefix reuse, lease / escrow headroom, KV
 shipping, KV events, deadlines and aborts behave exactly as in a pipeline of processes, and
 concurrent requests share waves.
@@ -255,6 +255,8 @@ class LocalEngine(LeaderEngine):
             worker.join(timeout=10.0 if graceful else 0.5)
         for stage in self.stages:
             stage.close()
+        for worker in self._followers:  # after the last outcome: the leader's receivers end
+            worker.close_reports()
 
     # ---- the prefill ---------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""In-process planes: the data and rounds planes of P stages that run as threads of one process.
+"""In-process planes: the planes of P stages that run as threads of one process.
 
-The same contracts as ``planes.py`` (``DataPlane`` / ``RoundsPlane``), with queues instead of
+The same contracts as ``planes.py`` (``DataPlane`` / ``RoundsPlane`` / ``ReportPlane``), with
+queues instead of
 process groups, so ``Leader`` and ``StageWorker`` run unchanged on threads: the in-process
 ``LocalEngine`` is the multi-process pipeline with this transport.
 
@@ -12,11 +13,13 @@ process groups, so ``Leader`` and ``StageWorker`` run unchanged on threads: the 
   meanwhile, then takes the followers' replies in stage order. A follower whose handler
   raises still replies (with the failure), so the leader raises ``PlaneClosedError``
   instead of waiting forever, as a dead peer does across processes.
+- Reports: one queue per stage s > 0 into the leader; ``close`` puts the end of the stream.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,16 +109,45 @@ class LocalRoundsPlane:
         return message, [reply]
 
 
+_END = None  # the end of a stage's report stream
+
+
+class LocalReportPlane:
+    """``ReportPlane`` between threads: ``streams[s]`` carries stage s's batches."""
+
+    def __init__(self, rank: int, streams: list[queue.SimpleQueue]):
+        self.rank = rank
+        self._streams = streams
+        self._lock = threading.Lock()
+        self._closed = rank == 0
+
+    def send(self, outcomes: tuple[Any, ...]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._streams[self.rank].put(outcomes)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._streams[self.rank].put(_END)
+
+    def recv(self, stage: int) -> tuple[Any, ...] | None:
+        return self._streams[stage].get()
+
+
 def local_planes(world_size: int) -> list[Planes]:
     """Connected planes for stages 0..world_size-1 of one in-process pipeline."""
     links: list[queue.Queue] = [queue.Queue(maxsize=DEPTH) for _ in range(world_size)]
     results: queue.Queue = queue.Queue()
     inboxes: list[queue.Queue] = [queue.Queue() for _ in range(world_size)]
     replies: list[queue.Queue] = [queue.Queue() for _ in range(world_size)]
+    streams: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(world_size)]
     return [
         Planes(
             data=LocalDataPlane(rank, world_size, links, results),  # type: ignore[arg-type]
             rounds=LocalRoundsPlane(rank, world_size, inboxes, replies),  # type: ignore[arg-type]
+            reports=LocalReportPlane(rank, streams),  # type: ignore[arg-type]
         )
         for rank in range(world_size)
     ]

@@ -106,7 +106,6 @@ class RoundKind(enum.Enum):
     STATS = "stats"  # reply: StageStats
     CHECK = "check"  # run check_integrity(); reply: None or the error text
     DUMP_KV = "dump_kv"  # payload: request id; reply: captured KV (tests only)
-    KV_COLLECT = "kv_collect"  # reply: tuple[StageHandoff, ...] finished since the last one
     KV_CANCEL = "kv_cancel"  # payload: request ids; abort their WRITEs / revoke their leases
     STOP = "stop"  # leave the WAVE loop
 

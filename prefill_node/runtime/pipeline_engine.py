@@ -155,6 +155,8 @@ class PipelineEngine(LeaderEngine):
             self._board.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._handoffs is not None:  # no receiver may wait on a group being destroyed
+            self._handoffs.join_receivers(5.0 if graceful else 1.0)
         Planes.close()
         self._store = None
         log.info(

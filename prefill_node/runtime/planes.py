@@ -1,6 +1,7 @@
-"""The two communication planes of a pipeline: data (waves, activations) and rounds (admission).
+"""The communication planes of a pipeline: data (waves, activations), rounds (admission) and
+reports (KV hand-off outcomes, stage -> leader).
 
-Both sit on torch.distributed. Three process groups are created, in the same order on every
+All sit on torch.distributed. Four process groups are created, in the same order on every
 rank, right after the default group:
 
 - ``fwd``: the data plane's forward path, stage s -> s+1 (wave header + activations). Used
@@ -10,6 +11,9 @@ rank, right after the default group:
   stage's LOOP thread sends, the leader's collector thread receives.
 - ``rounds``: the rounds plane, leader broadcast + all-gather of admission messages. Used only
   by each stage's WAVE thread, so admission never waits behind activations.
+- ``reports``: each stage s > 0 -> the leader, the outcomes of its KV hand-offs as they
+  happen (sent by the stage's shipping thread, received by one leader thread per stage), so
+  the leader never polls the stages for them. gloo, always: small pickled objects.
 
 The data plane uses NCCL when the stage runs on CUDA and gloo otherwise. The rounds plane
 always uses gloo: it carries small pickled Python objects, and a CPU group keeps admission
@@ -24,6 +28,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +43,7 @@ __all__ = [
     "Frame",
     "PlaneClosedError",
     "Planes",
+    "ReportPlane",
     "RoundsPlane",
     "inline_activation_bytes",
 ]
@@ -217,6 +223,51 @@ class RoundsPlane:
         return [pickle.loads(head) for _, head in parts]
 
 
+class ReportPlane:
+    """Stage s > 0 -> leader: batches of KV hand-off outcomes, in order, as they happen.
+
+    A stage ``send``s from its shipping thread (thread-safe: ``close`` may come from
+    another) and ``close``s once, after its shipping stopped: that ends its stream, and
+    later sends are dropped. The leader runs one thread per stage on ``recv(stage)``, which
+    returns the next batch, or None once that stage closed its stream or failed.
+    """
+
+    def __init__(self, rank: int, world_size: int, group: Any):
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._send: SendChannel | None = None
+        self._recv: dict[int, RecvChannel] = {}
+        if world_size > 1 and rank > 0:
+            self._send = SendChannel(0, group, torch.device("cpu"))
+        elif world_size > 1:
+            self._recv = {
+                s: RecvChannel(s, group, torch.device("cpu")) for s in range(1, world_size)
+            }
+
+    def send(self, outcomes: tuple[Any, ...]) -> None:
+        """Post one batch to the leader (dropped once closed). PlaneClosedError: the leader
+        is gone."""
+        with self._lock:
+            if self._send is not None:
+                self._send.send(Frame(outcomes))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End this stage's stream (idempotent; a no-op on the leader)."""
+        with self._lock:
+            channel, self._send = self._send, None
+            if channel is not None:
+                channel.send(Frame(()), last=True)
+                channel.drain(timeout_s)
+
+    def recv(self, stage: int) -> tuple[Any, ...] | None:
+        """Leader: the next batch from ``stage``; None once its stream ended or failed."""
+        try:
+            outcomes = self._recv[stage].recv().header
+        except PlaneClosedError:
+            return None
+        return outcomes if outcomes else self.recv(stage)
+
+
 def _fill(buf: torch.Tensor, payload: bytes) -> None:
     """``buf`` = [len][as much of payload as fits]."""
     head = _LEN.pack(len(payload)) + payload[: ROUND_BYTES - _LEN.size]
@@ -232,10 +283,11 @@ def _split(buf: torch.Tensor) -> tuple[int, bytes]:
 
 @dataclass
 class Planes:
-    """The default group plus the three plane groups of this rank; ``close`` tears them down."""
+    """The default group plus the four plane groups of this rank; ``close`` tears them down."""
 
     data: DataPlane
     rounds: RoundsPlane
+    reports: ReportPlane
 
     @classmethod
     def join(
@@ -262,9 +314,11 @@ class Planes:
         rounds = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=rounds_timeout_s)
         )
+        reports = dist.new_group(backend="gloo", timeout=_DATA_TIMEOUT)
         return cls(
             data=DataPlane(rank, world_size, fwd, ret, device, inline_bytes),
             rounds=RoundsPlane(rank, world_size, rounds),
+            reports=ReportPlane(rank, world_size, reports),
         )
 
     @classmethod

@@ -189,8 +189,11 @@ class PipelineStageCompute:
         with self._lock:
             self.admission.unpin_transfer(blocks)
 
-    def kv_collect(self) -> tuple[StageHandoff, ...]:
-        return self.shipping.take_outcomes() if self.shipping is not None else ()
+    def report_handoffs(self, sink: Callable[[tuple[StageHandoff, ...]], object]) -> None:
+        """Where this stage's KV hand-off outcomes go as they happen (no-op without
+        shipping)."""
+        if self.shipping is not None:
+            self.shipping.report_to(sink)
 
     def kv_cancel(self, request_ids: tuple[str, ...]) -> None:
         if self.shipping is not None:

@@ -120,6 +120,7 @@ def run_stage(
         os._exit(EXIT_STAGE_FAILED)
     worker.join(timeout=spec.dead_after_s)
     compute.close()
+    worker.close_reports()  # after the last outcome: the leader's receiver ends
     if cores is not None:
         cores.board.close()
     heartbeat.stop()

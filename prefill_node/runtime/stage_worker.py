@@ -69,7 +69,7 @@ class StageCompute(Protocol):
 
     def pool_stats(self) -> PoolStats: ...
 
-    def kv_collect(self) -> tuple[StageHandoff, ...]: ...
+    def report_handoffs(self, sink: Callable[[tuple[StageHandoff, ...]], object]) -> None: ...
 
     def kv_cancel(self, request_ids: tuple[str, ...]) -> None: ...
 
@@ -83,6 +83,13 @@ class StageWorker:
     through ``wave_source`` on stage 0), run ``compute.run_wave``, pass the activations to s+1 -
     or, on the last stage, a ``WaveResult`` to the leader (``result_sink`` when P = 1).
     WAVE (non-leader only; the leader drives rounds itself): follow rounds and reply.
+    The compute's KV hand-off outcomes go to ``report_sink`` as they happen (stage 0: the
+    leader's, given by the engine) or, on stages s > 0, on the reports plane. The LOOP ends
+    that stream when the STOP wave passes, before sending it on, so the leader has every
+    stage's end of stream once the STOP comes back and may tear the planes down; outcomes
+    after it (the compute's close aborting WRITEs) are dropped, the engine has failed its
+    requests by then. ``close_reports`` (idempotent) ends it too, for a pipeline whose STOP
+    never came.
 
     ``admission_on_loop=True`` (``trtllm``, ``sync-admission``): a round is only answered
     between waves (the WAVE handler takes the same lock the LOOP holds while it
@@ -99,6 +106,7 @@ class StageWorker:
         wave_source: Callable[[], WaveHeader] | None = None,
         result_sink: Callable[[WaveResult], None] | None = None,
         on_error: Callable[[str], None] | None = None,
+        report_sink: Callable[[tuple[StageHandoff, ...]], object] | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -121,6 +129,10 @@ class StageWorker:
         self.wave_thread = threading.Thread(
             target=self._wave, name=f"stage{rank}-wave", daemon=True
         )
+        if report_sink is None and rank > 0:
+            report_sink = planes.reports.send
+        if report_sink is not None:
+            compute.report_handoffs(report_sink)
 
     @property
     def is_last(self) -> bool:
@@ -136,6 +148,13 @@ class StageWorker:
         if self.rank != 0:
             self.wave_thread.join(timeout)
 
+    def close_reports(self) -> None:
+        """End this stage's reports stream (after its compute stopped shipping)."""
+        try:
+            self._planes.reports.close()
+        except PlaneClosedError as exc:  # the leader is gone already
+            log.debug("stage %d reports: %s", self.rank, exc)
+
     # -- LOOP ------------------------------------------------------------------------------
     def _next_wave(self) -> Frame:
         if self.rank == 0:
@@ -149,7 +168,8 @@ class StageWorker:
             while True:
                 frame = self._next_wave()
                 header: WaveHeader = frame.header
-                if header.stop:
+                if header.stop:  # the reports stream ends before the leader sees the STOP
+                    self.close_reports()
                     self._emit(header, StepOutput(hidden=None))
                     return
                 with self._exec_lock:
@@ -247,8 +267,6 @@ class StageWorker:
             return None
         if kind is RoundKind.DUMP_KV:
             return self._compute.dump_kv(message.payload)
-        if kind is RoundKind.KV_COLLECT:
-            return self._compute.kv_collect()
         if kind is RoundKind.KV_CANCEL:
             self._compute.kv_cancel(tuple(message.payload))
             return None

@@ -2,9 +2,11 @@
 
 Nothing here models the core: every call goes to ``AdmissionCoordinator``,
 ``StageAdmission`` and ``round_driver.run_round`` (the leader's admission round with direct
-calls instead of a rounds plane; the simulator's waves come from the core's
-``WaveScheduler``, as both engines' leader's do). The port only adds what a simulation
-needs: seeding prefixes into every stage's cache before the measured run, and turning a
+calls instead of a rounds plane). The pipeline simulator drives the coordinator through
+the core's ``LeaderCore``, as both engines' leader does, and the stages through
+``materialise`` / ``publish`` / ``complete`` here; the cluster simulator, which runs whole
+requests instead of waves, uses ``run_round`` and ``finish``. The port only adds what a
+simulation needs: seeding prefixes into every stage's cache before the measured run, and turning a
 ``StageStateMismatch`` (which in the real runtime fails the request) into an
 ``InvariantError``, because the simulator never sends a chunk the leader did not schedule,
 so a mismatch here is a bug.
@@ -17,13 +19,13 @@ cached lengths between real tokens (simulator, planner, roofline) and ids (core)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from prefill_node.core.admission_messages import AdmissionOutcome, Admitted, Rejected
 from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
 from prefill_node.core.execution_results import StageStateMismatch
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.kv_events import KVEvent
+from prefill_node.core.leader import in_tokens
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
@@ -97,18 +99,7 @@ class CorePort:
 
     def run_round(self) -> tuple[AdmissionOutcome, ...]:
         """One whole admission round over every stage, by direct calls (lengths in tokens)."""
-        outcomes = run_round(self.coordinator, self.stages)
-        return tuple(
-            replace(o, num_tokens=o.num_tokens * self.scale, cached_len=o.cached_len * self.scale)
-            if isinstance(o, Admitted)
-            else o
-            for o in outcomes
-        )
-
-    def take_cuts(self) -> list[tuple[str, int]]:
-        """``AdmissionCoordinator.take_cuts`` in tokens: (producer, position) pairs."""
-        cuts = self.coordinator.take_cuts()
-        return [(rid, x * self.scale) for rid, xs in cuts.items() for x in sorted(xs)]
+        return in_tokens(run_round(self.coordinator, self.stages), self.scale)
 
     def _ids(self, tokens: int) -> int:
         if tokens % self.scale:
@@ -122,21 +113,23 @@ class CorePort:
         if isinstance(table, StageStateMismatch):
             raise InvariantError(f"simulated chunk refused: {table.to_error()}")
 
-    def finish(self, stage: int, request_id: str) -> None:
+    def complete(self, stage: int, request_id: str) -> None:
+        """The request's last chunk left ``stage``: it completes there (pins drop)."""
         done = self.stages[stage].complete(request_id)
         if isinstance(done, StageStateMismatch):
             raise InvariantError(f"simulated completion refused: {done.to_error()}")
+
+    def finish(self, stage: int, request_id: str) -> None:
+        """``complete``, and after the last stage the coordinator's ``finished`` (for the
+        drivers without a ``LeaderCore``: seeding, the cluster simulator)."""
+        self.complete(stage, request_id)
         if stage == len(self.stages) - 1:  # cached on every stage now
             self.coordinator.finished(request_id)
 
-    def publish(self, stage: int, chunk: ScheduledChunk) -> bool:
-        """A non-last chunk left ``stage``: its full blocks become reusable there; after the
-        last stage, waiting requests may use them. True if the coordinator released any."""
-        end = self._ids(chunk.end)
-        self.stages[stage].publish(chunk.request_id, end)
-        if stage == len(self.stages) - 1:  # cached on every stage now
-            return self.coordinator.computed(chunk.request_id, end)
-        return False
+    def publish(self, stage: int, chunk: ScheduledChunk) -> None:
+        """A non-last chunk left ``stage``: its full blocks become reusable there (the
+        ``LeaderCore`` tells the coordinator once the wave has left the last stage)."""
+        self.stages[stage].publish(chunk.request_id, self._ids(chunk.end))
 
     def seed(self, request_id: str, tokens: Sequence[int]) -> None:
         """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned."""

@@ -1,7 +1,8 @@
 """Discrete-event simulator of one pipeline: admission rounds, waves through P stages, clients.
 
-It drives the real sans-IO core (per-stage block pools, leases, escrows, the admission
-coordinator, the wave planner) through ``CorePort``; only time is simulated, from the
+It drives the real sans-IO core: the leader (``core.leader.LeaderCore``: the admission
+coordinator, the wave scheduler and planner, as the runtime's leader does) and each
+stage's block pool, leases and escrows (``CorePort``); only time is simulated, from the
 roofline (stage times, activation transfers) and the rounds plane's cost.
 
 Timeline rules (both policies, see ``policies.py`` for what differs):
@@ -38,8 +39,10 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from prefill_node.core.admission_messages import Admitted, Rejected, Wait
+from prefill_node.core.leader import LeaderCore
 from prefill_node.core.planner import WavePlanner
 from prefill_node.core.policy import Policy, PolicyKind
+from prefill_node.core.round_driver import run_round
 from prefill_node.core.wave import Wave
 from prefill_node.core.wave_scheduler import WaveScheduler
 from prefill_node.errors import InvariantError
@@ -100,8 +103,12 @@ class Simulator(TrtllmIssue):
             max_wave_requests=p.max_batch,
             fill_factor=p.fill_factor,
         )
-        # the leader's scheduling: the same core object the runtime's LeaderCore drives
-        self.scheduler = WaveScheduler(policy, WavePlanner(cfg, self.roof.chunk_cost_model()))
+        # the leader: the same core object the runtime's Leader drives
+        self.leader: LeaderCore[None] = LeaderCore(
+            self.core.coordinator,
+            WaveScheduler(policy, WavePlanner(cfg, self.roof.chunk_cost_model())),
+            token_scale=p.token_scale,
+        )
         self._check = check_integrity
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -187,7 +194,7 @@ class Simulator(TrtllmIssue):
         if len(self._records) + self._rejected != self.spec.num_requests:
             raise InvariantError(
                 f"simulation stalled: {len(self._records)} done, {self._rejected} rejected, "
-                f"{len(self._pending)} pending, {self.scheduler.num_running} running of "
+                f"{len(self._pending)} pending, {self.leader.scheduler.num_running} running of "
                 f"{self.spec.num_requests}"
             )
         self.core.check_integrity()
@@ -231,12 +238,12 @@ class Simulator(TrtllmIssue):
         """Hand arrivals to the coordinator while the batch limit allows (FCFS); under the
         executor-loops trtllm only those rank 0's last fetch has broadcast."""
         while self._pending and (
-            self.scheduler.num_running + len(self._submitted) < self.preset.max_batch
+            self.leader.scheduler.num_running + len(self._submitted) < self.preset.max_batch
         ):
             if self.loops is not None and self._pending[0][1] > self._fetched_until:
                 break
             request, arrival = self._pending.popleft()
-            rejected = self.core.submit(self.core.spec(request.request_id, request.tokens))
+            rejected = self.leader.submit(self.core.spec(request.request_id, request.tokens))
             if rejected is not None:
                 self._rejected += 1
                 self._send_next()
@@ -305,12 +312,17 @@ class Simulator(TrtllmIssue):
 
     def _on_round_done(self, _: object) -> None:
         self._round_busy = False
-        self._apply_outcomes(self.core.run_round())
+        self._apply_outcomes(self._run_round())
         self._maybe_start_round()
         self._try_issue()
 
+    def _run_round(self) -> tuple[object, ...]:
+        """The round's effects on the core: the leader's round over every stage."""
+        return run_round(self.leader, self.core.stages)
+
     def _apply_outcomes(self, outcomes: tuple[object, ...]) -> None:
-        """Admitted requests start running, rejected ones are counted, waiting ones stay queued."""
+        """Admitted requests start running (the leader scheduled them), rejected ones are
+        counted, waiting ones stay queued."""
         admitted = 0
         for outcome in outcomes:
             rid = outcome.request_id
@@ -318,7 +330,6 @@ class Simulator(TrtllmIssue):
                 request, arrival = self._submitted.pop(rid)
                 self._charged.discard(rid)
                 self._admitted[rid] = _Admitted(request, arrival, self.now, outcome.cached_len)
-                self.scheduler.admit(rid, outcome.cached_len, request.num_tokens)
                 admitted += 1
             elif isinstance(outcome, Rejected):
                 del self._submitted[rid]
@@ -327,8 +338,6 @@ class Simulator(TrtllmIssue):
                 self._send_next()
             elif not isinstance(outcome, Wait):  # Wait: stays queued, FCFS
                 raise InvariantError(f"unexpected admission outcome {outcome!r}")
-        for rid, position in self.core.take_cuts():  # as the runtime's LeaderCore does
-            self.scheduler.cut(rid, position)
         if admitted and self._admission_waiting():
             self._round_wanted = True  # progress was made: the rest may fit now
 
@@ -344,11 +353,11 @@ class Simulator(TrtllmIssue):
             return
         if self._stage_busy[0] or self._stage_queue[0]:
             return
-        wave = self.scheduler.next_wave()
+        wave = self.leader.next_wave()
         if wave is not None:
             self._count(wave)
             if self.hosts is not None:
-                runs = ((c, self.scheduler.request(c.request_id)) for c in wave.chunks)
+                runs = ((c, self.leader.scheduler.request(c.request_id)) for c in wave.chunks)
                 chunks = [(c.start, c.end, r.cached_len, r.end) for c, r in runs]
                 self.hosts.plan(wave.wave_id, self.now, wave_host_work([], chunks, 0))
             self._start_on_stage(0, wave)
@@ -363,7 +372,7 @@ class Simulator(TrtllmIssue):
         round_work = self._round_wanted and self._admission_waiting()
         if not after_round and round_work and self._start_round():
             return
-        wave = self.scheduler.next_wave()
+        wave = self.leader.next_wave()
         if wave is None:
             if after_round and self._round_wanted and self._admission_waiting():
                 self._start_round()
@@ -427,16 +436,18 @@ class Simulator(TrtllmIssue):
             self._retry_parked()
         retired = 0
         for chunk in wave.chunks:
-            if self.scheduler.is_last(chunk):
-                self.core.finish(stage, chunk.request_id)
+            if self.leader.is_last(chunk):
+                self.core.complete(stage, chunk.request_id)
                 self._round_wanted = True  # capacity came back on this stage
                 retired += chunk.end
-            elif self.core.publish(stage, chunk):
-                self._round_wanted = True  # requests waiting for these blocks may go
+            else:
+                self.core.publish(stage, chunk)
         if self.hosts is not None and retired:
             self.hosts.retire(stage, self.now, retired)
-        if last_stage:
-            for rid in self.scheduler.wave_done(wave.wave_id).finished:
+        if last_stage:  # the leader: finished requests, blocks waiting requests may use
+            done = self.leader.wave_done(wave.wave_id)
+            self._round_wanted |= done.released
+            for rid in done.finished:
                 self._complete(rid)
             self._loop_index.pop(wave.wave_id, None)
         else:

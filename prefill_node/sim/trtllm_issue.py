@@ -30,7 +30,7 @@ class TrtllmIssue:
         gates each stage's GPU in ``_start_on_stage``.
         """
         free_at = loops.leader_free_at()
-        if free_at is None or self.scheduler.ring_full:
+        if free_at is None or self.leader.scheduler.ring_full:
             return  # GPU 0 / the ring will call again when a wave finishes
         if free_at > self.now:
             self._wake_leader(free_at)
@@ -57,8 +57,8 @@ class TrtllmIssue:
             self._round_wanted = False
             self._num_rounds += 1
             self._round_requests += len(ids)
-            self._apply_outcomes(self.core.run_round())
-        wave = self.scheduler.next_wave()
+            self._apply_outcomes(self._run_round())
+        wave = self.leader.next_wave()
         self._leader_idle, self._fetch_cut = wave is None, None
         if wave is None:
             return  # nothing to run: the loop spins, fetching whatever arrives next
@@ -73,12 +73,12 @@ class TrtllmIssue:
         """What ``wave`` costs every rank's loop. The scheduler pass walks
         every admitted request not yet finished (in flight ones included: they stay
         ``CONTEXT_INIT`` on rank 0 until retired) and the queue's head (walked, refused)."""
-        live = [(r.cached_len, r.end) for r in self.scheduler.running()]
+        live = [(r.cached_len, r.end) for r in self.leader.scheduler.running()]
         waiting = self.core.next_round_ids()
         if waiting:
             head = self._submitted[waiting[0]][0]
             live.append((head.seeded_len, head.num_tokens))
-        runs = ((c, self.scheduler.request(c.request_id)) for c in wave.chunks)
+        runs = ((c, self.leader.scheduler.request(c.request_id)) for c in wave.chunks)
         return wave_host_work(
             live, [(c.start, c.end, r.cached_len, r.end) for c, r in runs], new_tokens
         )

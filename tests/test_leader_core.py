@@ -1,19 +1,26 @@
-"""LeaderCore (sans-IO) driven against real StageAdmission objects, no processes."""
+"""The sans-IO leader (``core.leader.LeaderCore``, built for a pipeline the way the runtime
+builds it) driven against real StageAdmission objects, no processes; its waves in the
+runtime's wire form (``runtime.leader.wave_header``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 
+from prefill_node.core.admission_messages import Admitted
 from prefill_node.core.coordinator import DuplicateRequestError
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.leader import LeaderCore
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.errors import NeverFitsError
-from prefill_node.runtime.leader_core import LeaderCore
-from prefill_node.runtime.messages import WaveResult
+from prefill_node.runtime.leader import pipeline_leader_core, wave_header
 from prefill_node.runtime.spec import InvalidPipelineSpecError, ModelSource, PipelineSpec
 
 
-class _Model:
-    name = "m"
+def _submit(core: LeaderCore, rid: str, tokens: Iterable[int], options=None):
+    return core.submit(RequestSpec(rid, tuple(tokens), ExtraKeys("m")), options)
 
 
 def _spec(policy: str = "wave", blocks=(16, 12)) -> PipelineSpec:
@@ -28,12 +35,12 @@ def _spec(policy: str = "wave", blocks=(16, 12)) -> PipelineSpec:
     )
 
 
-def _admit_all(core: LeaderCore, stages: list[StageAdmission]) -> list:
-    outcomes = []
-    msg = core.begin_round()
-    while msg is not None:
-        msg, outcomes = core.finish_phase([s.handle(msg) for s in stages])
-    return outcomes
+def _admit_all(core: LeaderCore, stages: list[StageAdmission]) -> list[Admitted]:
+    """One round if the core has round work (as the runtime's ``Leader`` runs them): what
+    it admitted."""
+    if not core.has_round_work():
+        return []
+    return [o for o in run_round(core, stages) if isinstance(o, Admitted)]
 
 
 def _stages(spec: PipelineSpec) -> list[StageAdmission]:
@@ -44,57 +51,58 @@ def _stages(spec: PipelineSpec) -> list[StageAdmission]:
 
 def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -> None:
     spec = _spec()
-    top_k = {"a": 2, "b": 1}  # what the engine's records hold
-    core = LeaderCore(spec, _Model(), lambda rid: (top_k.get(rid, 1), None, ""))
+    top_k = {"a": 2, "b": 1}  # what the engine gives at submit
+    core = pipeline_leader_core(spec)
     stages = _stages(spec)
-    core.submit("a", tuple(range(30)), None)
-    core.submit("b", tuple(range(100, 110)), None)
+    _submit(core, "a", range(30), (2, None, ""))
+    _submit(core, "b", range(100, 110), (1, None, "00-trace"))
     outcomes = _admit_all(core, stages)
-    assert [(o.request_id, o.cached_tokens, o.error) for o in outcomes] == [
-        ("a", 0, None),
-        ("b", 0, None),
-    ]
+    assert [(o.request_id, o.cached_len) for o in outcomes] == [("a", 0), ("b", 0)]
     assert not core.has_round_work()
     covered: dict[str, list[tuple[int, int]]] = {"a": [], "b": []}
-    while (header := core.next_wave()) is not None:
+    while (header := wave_header(core)) is not None:
         assert header.num_tokens <= spec.max_wave_tokens
         for c in header.chunks:
             covered[c.request_id].append((c.start, c.start + c.length))
             assert c.top_logprobs == top_k[c.request_id] and c.kv_destination is None
+            assert c.traceparent == ("00-trace" if c.request_id == "b" else "")
             for s in stages:  # what each stage's LOOP does
                 assert not hasattr(s.materialise(c.request_id, c.start, c.length), "reason")
                 if c.is_last:
                     s.complete(c.request_id)
-        core.wave_done(WaveResult(header.wave_id))
+        core.wave_done(header.wave_id)
     for rid, n in (("a", 30), ("b", 10)):
         spans = covered[rid]
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:], strict=False))
     assert core.idle and core.counts().inflight_requests == 0
+    assert core.options("a") is None and core.options("b") is None  # left with the requests
     for s in stages:
         s.check_integrity()
         assert s.pool.stats().in_use == 0
     # a second request with the same prefix reuses it on every stage
-    core.submit("c", tuple(range(30)) + (7,), None)
-    assert [o.cached_tokens for o in _admit_all(core, stages)] == [28]
+    _submit(core, "c", (*range(30), 7))
+    assert [o.cached_len for o in _admit_all(core, stages)] == [28]
 
 
 def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
     spec = _spec()
-    core, stages = LeaderCore(spec, _Model()), _stages(spec)
-    core.submit("a", tuple(range(40)), None)
+    core, stages = pipeline_leader_core(spec), _stages(spec)
+    _submit(core, "a", range(40), (3, None, ""))
     _admit_all(core, stages)
-    header = core.next_wave()
+    header = wave_header(core)
     assert header is not None and header.chunks[0].request_id == "a"
+    assert header.chunks[0].top_logprobs == 3
     for s in stages:
         s.materialise("a", header.chunks[0].start, header.chunks[0].length)
     core.abort("a")
+    assert core.options("a") is None  # nothing of it is shipped or streamed any more
     with pytest.raises(DuplicateRequestError, match="still in the pipeline"):
-        core.submit("a", (1, 2, 3), None)  # its stage state is not cleaned up yet
+        _submit(core, "a", (1, 2, 3))  # its stage state is not cleaned up yet
     assert core.next_wave() is None  # nothing more is scheduled for it
     assert not core.has_round_work()  # and no forget goes out while its chunk is in flight
     assert all(s.pool.stats().in_use > 0 for s in stages)
-    core.wave_done(WaveResult(header.wave_id))
+    assert core.wave_done(header.wave_id).dropped == ("a",)
     assert core.has_round_work()
     assert _admit_all(core, stages) == []  # the round carries only the forget
     for s in stages:
@@ -103,10 +111,12 @@ def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
 
 
 def test_prompt_larger_than_a_stage_never_fits() -> None:
-    core = LeaderCore(_spec(blocks=(16, 3)), _Model())
-    with pytest.raises(NeverFitsError, match="stage 1 holds 3 blocks"):
-        core.check_fits(13)
-    core.check_fits(12)
+    core = pipeline_leader_core(_spec(blocks=(16, 3)))
+    assert "stage 1 holds 3 blocks" in core.check_fits(13).reason
+    assert core.check_fits(12) is None
+    rejected = _submit(core, "big", range(13))
+    assert rejected is not None and "stage 1 holds 3 blocks" in rejected.reason
+    assert core.counts().queue_depth == 0 and core.options("big") is None
 
 
 def test_spec_round_trips_as_json_and_rejects_bad_options() -> None:
@@ -135,15 +145,15 @@ def test_on_loop_policies_keep_one_chunk_of_a_request_in_flight_wave_pipelines_t
     flight and keeps P micro-batches; WavePP pipelines a request's chunks over R = 2P waves."""
     spec = _spec(policy)
     assert spec.ring == (2 if policy == "sync-admission" else 4)
-    core, stages = LeaderCore(spec, _Model()), _stages(spec)
-    core.submit("a", tuple(range(40)), None)  # 40 tokens: 3 chunks of <= 16
+    core, stages = pipeline_leader_core(spec), _stages(spec)
+    _submit(core, "a", range(40))  # 40 tokens: 3 chunks of <= 16
     _admit_all(core, stages)
     first = core.next_wave()
     assert first is not None and [c.request_id for c in first.chunks] == ["a"]
     second = core.next_wave()
     if policy == "sync-admission":
         assert second is None  # "a" is in flight: nothing else to schedule
-        core.wave_done(WaveResult(first.wave_id))
+        core.wave_done(first.wave_id)
         second = core.next_wave()
     assert second is not None and second.chunks[0].start == first.chunks[0].length
 
@@ -166,26 +176,26 @@ def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(poli
     is admitted once a's chunks holding it have returned from the last stage, while a
     still runs, and reuses exactly that prefix."""
     spec = _spec(policy, blocks=(32, 32))
-    core, stages = LeaderCore(spec, _Model()), _stages(spec)
+    core, stages = pipeline_leader_core(spec), _stages(spec)
     system = tuple(range(100, 120))  # 5 blocks
-    core.submit("a", system + tuple(range(40)), None)  # 60 tokens: chunks of <= 16
-    core.submit("b", system + (1, 2), None)
+    _submit(core, "a", system + tuple(range(40)))  # 60 tokens: chunks of <= 16
+    _submit(core, "b", system + (1, 2))
     admitted: dict[str, tuple[int, bool]] = {"a": (0, True)}  # -> (cached, a still running)
-    assert [(o.request_id, o.cached_tokens) for o in _admit_all(core, stages)] == [("a", 0)]
+    assert [(o.request_id, o.cached_len) for o in _admit_all(core, stages)] == [("a", 0)]
     assert _admit_all(core, stages) == [] and not core.has_round_work()  # b waits, idle
     pending, ends = [], []
     while True:
         for o in _admit_all(core, stages):
             running = stages[-1].reservation("a") is not None
-            admitted[o.request_id] = (o.cached_tokens, running)
-        while (header := core.next_wave()) is not None:
+            admitted[o.request_id] = (o.cached_len, running)
+        while (header := wave_header(core)) is not None:
             pending.append(header)
         if not pending:
             break
         header = pending.pop(0)  # the oldest wave passes every stage and returns
         ends += [c.start + c.length for c in header.chunks if c.request_id == "a"]
         _run_on_stages(stages, header)
-        core.wave_done(WaveResult(header.wave_id))
+        core.wave_done(header.wave_id)
     assert admitted == {"a": (0, True), "b": (20, True)}
     assert 20 in ends and ends[-1] == 60
     assert core.idle
