@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # top-k, KV destination, W3C traceparent ("" untraced): what each chunk of a request carries
 ChunkOptions = tuple[int, KVPushDestination | KVPullDestination | None, str]
-_NO_OPTIONS: ChunkOptions = (1, None, "")  # an aborted request's chunks still in flight
+_NO_OPTIONS: ChunkOptions = (1, None, "")  # a request whose options the core dropped (aborted)
 
 
 @dataclass(frozen=True)
