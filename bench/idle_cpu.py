@@ -3,7 +3,7 @@ NIXL progress mode.
 
 For each ``--progress`` mode (``event``: the default, the progress thread sleeps until UCX
 signals traffic; ``poll``: NIXL's thread busy-polls), one run starts ``wavepp serve
---stages N --kv-progress MODE`` (KV shipping on: every stage owns a NIXL agent) and a
+--stages N --kv-progress MODE`` (KV hand-off on: every stage owns a NIXL agent) and a
 reference decode worker process with the same mode, both on the default model, then:
 
 1. idle: CPU time of the server's process tree and of the decode worker over ``--seconds``

@@ -5,8 +5,8 @@ One KVSender (this process, the stage's layers; NIXL progress EVENT as on a stag
 over clones of one KV pool; a KVReceiver in a spawned process (decode, polling every 200 us
 while busy, as the reference decode worker). Each request goes as a stage streams it: one
 all-layer range per chunk but the last, the last chunk's layer groups but the last
-(``KVShippingConfig.layer_group_ends``), then the final push; after handing each range over
-the thread polls until it landed (as the shipping thread would between chunks), sleeping
+(``KVHandoffConfig.layer_group_ends``), then the final push; after handing each range over
+the thread polls until it landed (as the hand-off thread would between chunks), sleeping
 ``--poll-us`` between polls. Measured with the thread's CPU clock, per request: all sender
 calls (``stream`` / ``push`` / ``poll``, polls included), and per WRITE: building the
 request (``_start`` without the post) and the post itself (``transfer``: the bytes are
@@ -30,7 +30,7 @@ import time
 import torch
 from nixl_throughput import call, decode_main
 
-HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV heads (what bench/kv_shipping.py serves)
+HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV heads (what bench/kv_handoff.py serves)
 
 
 class Timed:
@@ -101,7 +101,7 @@ def main() -> None:
     from kv_transfer.allowlist import AllowList
     from kv_transfer.progress import KVProgress
     from kv_transfer.sender import KVSender, SenderConfig
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True, help="write the rows (a list of dicts) here")
@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=15, help="the stage's layers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--decode-block-size", type=int, default=16)
-    p.add_argument("--poll-us", type=float, default=500.0, help="the shipping thread's pause")
+    p.add_argument("--poll-us", type=float, default=500.0, help="the hand-off thread's pause")
     args = p.parse_args()
     if args.runs < 3:
         p.error("--runs must be >= 3 (medians)")
@@ -122,7 +122,7 @@ def main() -> None:
         torch.randn(blocks * 2, 2, args.block_size, HEADS, HEAD_DIM, generator=gen)
         for _ in range(args.layers)
     ]
-    groups = KVShippingConfig().layer_group_ends(0, args.layers)
+    groups = KVHandoffConfig().layer_group_ends(0, args.layers)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     decode_blocks = -(-args.tokens // args.decode_block_size) * 2

@@ -6,13 +6,13 @@ NIXL agent) serves the same prompts twice per run: OFF (no ``kv_destination``: K
 the prefill tier) and ON (push: every stage WRITEs its layers into blocks a reference
 decode worker in another process allocated; the request completes only when every stage's
 WRITE landed and was notified). Timed: each request's ``submit -> result`` (what a router
-waits for), wall and this process's CPU time (local: the engine and shipping threads;
-pipeline: the leader process only, stage 0 with its shipping thread; other stages and the
+waits for), wall and this process's CPU time (local: the engine and hand-off threads;
+pipeline: the leader process only, stage 0 with its hand-off thread; other stages and the
 decode process are not counted). After each ON request the decode worker confirms the KV
 arrived (outside the timed region).
 
 Streamed vs at-end hand-off (``--kv-stream both``, the default): every run starts one
-engine per ``KVShippingConfig.stream`` setting, one after the other (the order alternating
+engine per ``KVHandoffConfig.stream`` setting, one after the other (the order alternating
 run by run), each serving the same OFF / ON passes; the streamed / at-end throughput ratio
 is the median of the runs' own ratios, so slow drift of the machine does not land on one
 side. For every ON request, the tail: from its last chunk finishing on the last
@@ -30,7 +30,7 @@ each), whose tail is that chunk's KV moved on its own, post and notification inc
 by its chunks instead, which spreads those fixed costs thin). Goals: streamed tail <= one
 chunk's transfer time; streamed ON throughput / at-end ON throughput >= 0.95. Streamed, each
 stage ships its last chunk layer group by layer group during that chunk's forward
-(``--layer-groups``, default ``KVShippingConfig.stream_layer_groups``; 1: the whole last
+(``--layer-groups``, default ``KVHandoffConfig.stream_layer_groups``; 1: the whole last
 chunk after the forward), so the tail moves only the last group's layers of it.
 
 Prompts are random token ids; each pass replaces token 0 with a per-pass salt so no pass
@@ -112,15 +112,15 @@ class Bench:
     """The engine, the decode worker and the prompts; ``run_pass`` times one pass."""
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, decode, stream: bool) -> None:
-        from prefill_node.kv_shipping.shipper import KVShippingConfig
+        from prefill_node.kv_handoff.config import KVHandoffConfig
         from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
         blocks_per_prompt = -(-args.tokens // args.block_size)
         self.decode = decode
-        shipping = KVShippingConfig(stream=stream)
+        handoff = KVHandoffConfig(stream=stream)
         if args.layer_groups is not None:
-            shipping = replace(shipping, stream_layer_groups=args.layer_groups)
-        self.layer_groups = shipping.stream_layer_groups if stream else 1
+            handoff = replace(handoff, stream_layer_groups=args.layer_groups)
+        self.layer_groups = handoff.stream_layer_groups if stream else 1
         if args.engine == "pipeline":
             from prefill_node.runtime.factory import start_pipeline_engine
 
@@ -130,7 +130,7 @@ class Bench:
                 num_blocks=blocks_per_prompt * 4,
                 block_size=args.block_size,
                 max_wave_tokens=args.max_chunk_tokens,
-                kv_shipping=shipping,
+                kv_handoff=handoff,
             )
         else:
             config = LocalEngineConfig(
@@ -139,7 +139,7 @@ class Bench:
                 block_size=args.block_size,
                 max_wave_tokens=args.max_chunk_tokens,
             )
-            self.engine = LocalEngine.from_model_dir(model_dir, config, shipping)
+            self.engine = LocalEngine.from_model_dir(model_dir, config, handoff)
         rng = random.Random(0)
         vocab = self.engine.vocab_size
         self.prompts = [

@@ -1,7 +1,7 @@
 """Soak and chaos: the whole tier under load for a long time while things break.
 
 Starts, as real processes on this machine: ``--pipelines`` pipelines (`wavepp serve --stages
-2`, a tiny model, KV shipping and the debug service on), the router in front of them, and
+2`, a tiny model, KV hand-off and the debug service on), the router in front of them, and
 ``--decoders`` decode workers (bench/soak_decode.py) doing push and pull hand-offs through
 the router. This process keeps ``--concurrency`` requests in flight: tenants with shared
 system prompts (cache_salt), unique prompts, PrefillStream batches, tight deadlines, client

@@ -26,7 +26,7 @@ def model_dir(root: Path) -> Path:
 
 
 def pipeline(model: Path, *extra: str):
-    """A 2-stage `wavepp serve` with KV shipping (pull leases), the debug service, and
+    """A 2-stage `wavepp serve` with KV hand-off (pull leases), the debug service, and
     ``WAVE_DELAY_S`` added to every wave (32-token chunks); ``extra``: more flags."""
     proc, port, _ = spawn(
         ["serve", "--model", str(model), "--stages", "2", "--num-blocks", "128",

@@ -224,7 +224,7 @@ def test_kv_destination_reaches_the_engine_options(engine):
     with ServerThread(engine) as srv, PrefillClient(srv.target) as client:
         try:
             client.prefill([1, 2, 3], kv_destination=KVPullDestination(lease_ttl_s=2.5))
-        except grpc.RpcError as exc:  # an engine without KV shipping rejects it, and says so
+        except grpc.RpcError as exc:  # an engine without KV hand-off rejects it, and says so
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "kv_destination" in exc.details()
     assert seen[0].kv_destination == KVPullDestination(lease_ttl_s=2.5)

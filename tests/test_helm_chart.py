@@ -321,22 +321,22 @@ def test_tls_secrets_are_mounted_where_the_flags_point_and_probes_fall_back_to_t
     assert not manifest.all("Pod")  # no `helm test` pod: it speaks plaintext
 
 
-def test_kv_shipping_flags_build_the_stages_shipping_config() -> None:
-    from prefill_node.cli.serve import _kv_shipping
+def test_kv_flags_build_the_stages_handoff_config() -> None:
+    from prefill_node.cli.serve import _kv_handoff
 
     allow = ["10.0.0.0/8", "fd00::/8", "decode-agent-a"]
     manifest = render({"pipelines": {"kvShipping": {"allow": allow, "progress": "poll"}}})
-    config = _kv_shipping(parse(manifest.pods_of("leader")[0].container()))
+    config = _kv_handoff(parse(manifest.pods_of("leader")[0].container()))
     assert config.metadata_host == "0.0.0.0"  # each stage advertises its own pod IP
     assert config.progress.value == "poll"
     assert config.allow == type(config.allow).parse(allow[:2], allow[2:])
     assert config.stream  # streamed push by default
     assert config.stream_layer_groups == 4
     at_end = render({"pipelines": {"kvShipping": {"stream": False, "streamLayerGroups": 1}}})
-    at_end_config = _kv_shipping(parse(at_end.pods_of("leader")[0].container()))
+    at_end_config = _kv_handoff(parse(at_end.pods_of("leader")[0].container()))
     assert not at_end_config.stream and at_end_config.stream_layer_groups == 1
     off = render({"pipelines": {"kvShipping": {"enabled": False}}})
-    assert _kv_shipping(parse(off.pods_of("leader")[0].container())) is None
+    assert _kv_handoff(parse(off.pods_of("leader")[0].container())) is None
 
 
 @pytest.mark.parametrize("layout", [PER_STAGE, {}], ids=["pod-per-stage", "pod-per-pipeline"])

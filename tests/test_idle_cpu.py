@@ -1,4 +1,4 @@
-"""An idle tier idles: a 2-stage `wavepp serve` with KV shipping on (each stage owns a NIXL
+"""An idle tier idles: a 2-stage `wavepp serve` with KV hand-off on (each stage owns a NIXL
 agent) and an idle decode worker process stay far below a core once ready. Before the NIXL
 progress mode `event`, every agent's progress thread spun a full core here."""
 
@@ -41,7 +41,7 @@ def test_idle_server_and_decode_worker_use_almost_no_cpu(tmp_path):
             match = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline())
             assert match, "serve did not start"
             with PrefillClient(match.group(1)) as client:
-                wait_until(client.is_ready, 60, "the pipeline ready")  # KV shipping is on
+                wait_until(client.is_ready, 60, "the pipeline ready")  # KV hand-off is on
             trees = {"serve": ProcessTree(server.pid), "decode": ProcessTree(decode.process.pid)}
             assert len(trees["serve"].pids()) == 2  # the leader and stage 1
             time.sleep(1.0)  # let start-up work (imports, first collectives) drain

@@ -1,7 +1,7 @@
 """Prompt -> 2-stage LocalEngine -> NIXL (push / pull) -> decode worker process -> greedy tokens.
 
 The decode worker runs in a spawned process with its own NIXL agent; the two prefill stages'
-agents live in this process (one StageShipping thread per stage). The decode pool's block size (8)
+agents live in this process (one StageKVHandoff thread per stage). The decode pool's block size (8)
 differs from prefill's (4), so the shipped KV goes through the token-run mapping. Generated
 tokens must equal a monolithic greedy generation with the independent reference forward.
 After every test each stage holds no blocks and every integrity check passes.
@@ -19,7 +19,7 @@ import pytest
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
-from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 CONFIG = tiny_llama("tiny-llama")
 WEIGHTS = random_weights(CONFIG, seed=0)
-SHIPPING = KVShippingConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
+SHIPPING = KVHandoffConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
 NEW_TOKENS = 32
 SMOL_TOKENS = 16  # 135M parameters on a shared CPU: ~0.1-0.5 s per decode step
 
@@ -58,7 +58,7 @@ def wait_idle(engine: LocalEngine, timeout_s: float = 5.0) -> None:
     while any(used_blocks(engine)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert used_blocks(engine) == [0, 0]
-    engine.check_integrity()  # the stages' pools, admission state and shippers
+    engine.check_integrity()  # the stages' pools, admission state and KV hand-offs
     assert engine.kv_held_blocks() == (0, 0)
 
 
@@ -100,7 +100,7 @@ def test_push_generation_equals_monolithic_greedy(engine, decode):
     ]
     # waves of 8, blocks of 4: whole blocks of every layer, then the last chunk's first layer
     # group (1 of each stage's 2 layers) to the prompt's end; the final push carries the rest,
-    # and the ranges its shipping thread had not posted yet when it came (a prefix is posted).
+    # and the ranges its hand-off thread had not posted yet when it came (a prefix is posted).
     # The sender posts in order, but two WRITEs in flight at once may notify decode in either
     # order (each notification rides its own transfer's completion), so arrival order is not
     # part of the claim: which ranges streamed is.
@@ -256,8 +256,8 @@ def test_rejected_destinations_fail_before_any_write(engine):
 
 def test_unread_pull_lease_expires_after_the_requests_ttl_and_unpins_every_stage():
     config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=4)
-    shipping = KVShippingConfig(lease_ttl_s=60.0)  # node default: long
-    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, shipping)
+    handoff = KVHandoffConfig(lease_ttl_s=60.0)  # node default: long
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, handoff)
     try:
         options = PrefillOptions("unread", kv_destination=KVPullDestination(lease_ttl_s=0.5))
         result = engine.submit(prompt_of(10, seed=6), options).result()

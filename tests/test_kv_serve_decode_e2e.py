@@ -101,8 +101,8 @@ def _serve_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["serve", *argv])
 
 
-def test_serve_kv_flags_build_the_shipping_config():
-    config = serve_cli._kv_shipping(
+def test_serve_kv_flags_build_the_handoff_config():
+    config = serve_cli._kv_handoff(
         _serve_args("--kv-allow", "10.0.0.0/8", "--kv-allow", "decode-7", "--kv-allow", "::1",
                     "--kv-transfer-timeout", "3", "--kv-lease-ttl", "9",
                     "--kv-metadata-host", "10.0.0.5")
@@ -111,8 +111,8 @@ def test_serve_kv_flags_build_the_shipping_config():
     assert config.allow.agent_names == frozenset({"decode-7"})
     assert (config.transfer_timeout_s, config.lease_ttl_s) == (3.0, 9.0)
     assert config.metadata_host == "10.0.0.5"
-    default = serve_cli._kv_shipping(_serve_args())
+    default = serve_cli._kv_handoff(_serve_args())
     assert default.allow.host_allowed("127.0.0.1") and not default.allow.host_allowed("10.0.0.5")
-    assert serve_cli._kv_shipping(_serve_args("--no-kv-shipping")) is None
+    assert serve_cli._kv_handoff(_serve_args("--no-kv-shipping")) is None
     with pytest.raises(Exception, match="positive"):
-        serve_cli._kv_shipping(_serve_args("--kv-lease-ttl", "0"))
+        serve_cli._kv_handoff(_serve_args("--kv-lease-ttl", "0"))

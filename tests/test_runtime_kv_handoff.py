@@ -4,7 +4,7 @@ Every stage is its own process with its own NIXL agent (stage 0 inside the leade
 decode worker is a third process with block size 8 against prefill's 4. Generated tokens
 must equal monolithic greedy generation by the independent reference forward. The same
 pipeline publishes its KV events to a sink, and enforces deadlines. After every test each
-stage holds no blocks (none pinned for shipping either) and every integrity check passes.
+stage holds no blocks (none pinned for a hand-off either) and every integrity check passes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prefill_node.core.kv_events import BlockStored, KVEvent
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, PrefillOptions
 from prefill_node.errors import DeadlineExceededError, InvalidKVDestinationError, KVHandoffError
-from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
@@ -36,7 +36,7 @@ HF_CONFIG = TINY_LLAMA_HF
 CONFIG = ModelConfig.from_hf_config(HF_CONFIG, name="tiny-llama")
 WEIGHTS = random_weights(CONFIG, seed=0)
 BS = 4
-SHIPPING = KVShippingConfig(  # at-end shipping; test_runtime_kv_stream.py covers streaming
+SHIPPING = KVHandoffConfig(  # at-end hand-off; test_runtime_kv_stream.py covers streaming
     transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0, stream=False
 )
 NEW_TOKENS = 32
@@ -96,7 +96,7 @@ def engine(sink):
     )
     env = DistEnv(0, 2, "127.0.0.1", free_local_port())
     engine = PipelineEngine.start(
-        spec, env, startup_timeout_s=60, kv_shipping=SHIPPING, kv_events=sink
+        spec, env, startup_timeout_s=60, kv_handoff=SHIPPING, kv_events=sink
     )
     yield engine
     wait_idle(engine)
@@ -113,7 +113,7 @@ def wait_idle(engine: PipelineEngine, timeout_s: float = 5.0) -> None:
             break
         time.sleep(0.02)
     assert busy == [(0, 0), (0, 0)]
-    engine.debug_check_integrity()  # admission state and each stage's shipper
+    engine.debug_check_integrity()  # admission state and each stage's hand-off
 
 
 def push_round_trip(engine, decode, request_id: str, prompt: list[int]) -> list[int]:

@@ -19,7 +19,7 @@ import pytest
 
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 from prefill_node.engine.types import KVPullDestination, PrefillOptions
-from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
@@ -32,9 +32,9 @@ from tests.tiny_models import TINY_KIMI_HF, TINY_QWEN3_NEXT_HF
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 FAMILIES = {"qwen3-next": TINY_QWEN3_NEXT_HF, "kimi-linear": TINY_KIMI_HF}
-# debug_post_before_push: what stage 1 streams must not depend on when its shipping thread
+# debug_post_before_push: what stage 1 streams must not depend on when its hand-off thread
 # gets a core (unposted ranges would ride the final push; test_runtime_kv_stream.py says why)
-SHIPPING = KVShippingConfig(
+SHIPPING = KVHandoffConfig(
     transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0, debug_post_before_push=True
 )
 NEW_TOKENS = 8
@@ -58,7 +58,7 @@ def family(request, tmp_path_factory):
     decode_spec = DecodeWorkerSpec(model_dir=str(path), num_blocks=16, block_size=8, timeout_s=5)
     env = DistEnv(0, 2, "127.0.0.1", free_local_port())
     with DecodeWorkerProcess(decode_spec) as decode:
-        engine = PipelineEngine.start(spec, env, startup_timeout_s=60, kv_shipping=SHIPPING)
+        engine = PipelineEngine.start(spec, env, startup_timeout_s=60, kv_handoff=SHIPPING)
         try:
             yield path, engine, decode
             wait_idle(engine)

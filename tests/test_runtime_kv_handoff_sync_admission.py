@@ -45,7 +45,7 @@ def test_sync_admission_pipeline_ships_push_and_pull(decode):
         min_wave_tokens=8,
     )
     env = DistEnv(0, 2, "127.0.0.1", free_local_port())
-    engine = PipelineEngine.start(spec, env, startup_timeout_s=60, kv_shipping=SHIPPING)
+    engine = PipelineEngine.start(spec, env, startup_timeout_s=60, kv_handoff=SHIPPING)
     try:
         prompt = prompt_of(15, seed=9)
         dest = decode.expect_push("lock-push", prompt)

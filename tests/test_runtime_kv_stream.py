@@ -19,7 +19,7 @@ from kv_transfer.receiver import PartReceived
 from prefill_node.decode.worker_process import DecodeWorkerProcess, DecodeWorkerSpec
 from prefill_node.engine.types import KVPullDestination, PrefillOptions
 from prefill_node.errors import KVHandoffError, RequestAbortedError
-from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
@@ -37,10 +37,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # debug_post_before_push: the final push waits until every range handed over before it is
 # posted. Without it, a range (usually the last chunk's first layer group: this tiny model's
-# last layer runs in microseconds) that the shipping thread had not posted yet when the push
+# last layer runs in microseconds) that the hand-off thread had not posted yet when the push
 # came rides the push instead, and a loaded machine makes that happen: streaming is then
 # not observable, which these tests must require.
-STREAM = KVShippingConfig(
+STREAM = KVHandoffConfig(
     transfer_timeout_s=5.0,
     handshake_timeout_s=1.0,
     lease_ttl_s=5.0,
@@ -75,7 +75,7 @@ def decode():
 @pytest.fixture(scope="module")
 def engine():
     env = DistEnv(0, 2, "127.0.0.1", free_local_port())
-    engine = PipelineEngine.start(pipeline_spec(), env, startup_timeout_s=60, kv_shipping=STREAM)
+    engine = PipelineEngine.start(pipeline_spec(), env, startup_timeout_s=60, kv_handoff=STREAM)
     yield engine
     wait_idle(engine)
     engine.shutdown()
@@ -159,7 +159,7 @@ def test_abort_mid_stream_fails_decode_attempt_and_a_retry_is_exact(engine, deco
     # decode hears "fail" from the stages (not its own 5 s timeout): the attempt is invalid
     with pytest.raises(KVHandoffError, match="TransferFailed"):
         list(decode.generate("stream-abort", 0, 1))
-    wait_idle(engine)  # every stage: no block in use, none held by the shipper
+    wait_idle(engine)  # every stage: no block in use, none held by the hand-off
     assert decode.stats().used_blocks == 0
     tokens, _ = stream_round_trip(engine, decode, "stream-abort", prompt)  # new transfer id
     assert tokens == reference_greedy(prompt)

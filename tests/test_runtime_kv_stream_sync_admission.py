@@ -27,7 +27,7 @@ def test_sync_admission_pipeline_streams_push_and_pulls_unchanged():
     with DecodeWorkerProcess(spec) as decode:
         env = DistEnv(0, 2, "127.0.0.1", free_local_port())
         engine = PipelineEngine.start(
-            pipeline_spec("sync-admission"), env, startup_timeout_s=60, kv_shipping=STREAM
+            pipeline_spec("sync-admission"), env, startup_timeout_s=60, kv_handoff=STREAM
         )
         try:
             prompt = prompt_of(59, seed=31)  # 8 chunks, one at a time in the pipeline

@@ -12,7 +12,7 @@ import pytest
 
 from prefill_node.engine.types import KVPullDestination, PrefillOptions, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
-from prefill_node.kv_shipping.stage_shipping import StageHandoff
+from prefill_node.kv_handoff.stage_handoff import HandoffOutcome
 from prefill_node.runtime.leader_handoff import LeaderHandoffs
 from prefill_node.runtime.leader_request import LeaderRequest, RequestTable
 
@@ -38,7 +38,7 @@ class Stages:
         self.expired: list[str] = []
         self.done = threading.Event()
 
-    def report(self, handoff: StageHandoff) -> None:
+    def report(self, handoff: HandoffOutcome) -> None:
         if handoff.stage == 0:
             self.handoffs.deliver((handoff,))
         else:
@@ -91,11 +91,11 @@ def wait_for(pred, timeout_s: float = 2.0) -> None:
 def test_resolves_after_logits_and_every_stage_in_stage_order(stages):
     s, h = stages
     s.add("r")
-    s.report(StageHandoff("r", 1, manifest(1)))
-    s.report(StageHandoff("r", 1, None, "late duplicate"))  # a stage's second word is ignored
+    s.report(HandoffOutcome("r", 1, manifest(1)))
+    s.report(HandoffOutcome("r", 1, None, "late duplicate"))  # a stage's second word is ignored
     time.sleep(0.02)
     assert "r" not in s.settled  # stage 0 missing, logits missing
-    s.report(StageHandoff("r", 0, manifest(0)))
+    s.report(HandoffOutcome("r", 0, manifest(0)))
     time.sleep(0.02)
     assert "r" not in s.settled  # logits still missing
     s.logits_ready("r")
@@ -107,7 +107,7 @@ def test_resolves_after_logits_and_every_stage_in_stage_order(stages):
 def test_rejected_destination_is_the_callers_fault_and_cancels_every_stage(stages):
     s, h = stages
     s.add("bad")
-    s.report(StageHandoff("bad", 1, None, "InvalidTransferRequest: x", invalid_destination=True))
+    s.report(HandoffOutcome("bad", 1, None, "InvalidTransferRequest: x", invalid_destination=True))
     wait_for(lambda: "bad" in s.settled)
     manifests, error = s.settled["bad"]
     assert manifests is None and isinstance(error, InvalidKVDestinationError)
@@ -121,10 +121,10 @@ def test_unreachable_decode_and_missing_stage_fail_as_handoff_errors(stages):
     s, h = stages
     s.add("lost")
     s.logits_ready("lost")
-    s.report(StageHandoff("lost", 0, None, "DecodeUnreachable: refused"))
+    s.report(HandoffOutcome("lost", 0, None, "DecodeUnreachable: refused"))
     s.add("quiet")
     s.logits_ready("quiet")
-    s.report(StageHandoff("quiet", 0, manifest(0)))
+    s.report(HandoffOutcome("quiet", 0, manifest(0)))
     wait_for(lambda: {"lost", "quiet"} <= set(s.settled))
     lost, quiet = s.settled["lost"][1], s.settled["quiet"][1]
     assert isinstance(lost, KVHandoffError) and "DecodeUnreachable" in str(lost)
@@ -149,8 +149,8 @@ def test_a_record_taken_out_is_neither_settled_nor_expired(stages):
     s.add("gone", deadline_s=time.monotonic() + 0.05)
     s.logits_ready("gone")
     s.forget("gone")
-    s.report(StageHandoff("gone", 0, manifest(0)))
-    s.report(StageHandoff("gone", 1, manifest(1)))
+    s.report(HandoffOutcome("gone", 0, manifest(0)))
+    s.report(HandoffOutcome("gone", 1, manifest(1)))
     time.sleep(0.15)
     assert "gone" not in s.settled and s.expired == [] and s.cancelled == []
 
@@ -172,11 +172,11 @@ def test_outcomes_wake_the_hand_off_thread_without_any_polling():
     try:
         s.add("r")
         s.logits_ready("r")
-        s.report(StageHandoff("r", 0, manifest(0)))
+        s.report(HandoffOutcome("r", 0, manifest(0)))
         time.sleep(0.2)  # stage 1 silent: nothing resolves, and no one asks again
         assert "r" not in s.settled and asked == [1]
         t0 = time.monotonic()
-        s.report(StageHandoff("r", 1, manifest(1)))
+        s.report(HandoffOutcome("r", 1, manifest(1)))
         wait_for(lambda: "r" in s.settled)
         assert time.monotonic() - t0 < 0.5 and s.settled["r"][1] is None
         assert asked == [1, 1]

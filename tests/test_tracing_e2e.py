@@ -1,5 +1,5 @@
 """OpenTelemetry tracing across every hop, with real processes: a gateway, a router, a
-2-stage pipeline with KV shipping and a reference decode server, all started with
+2-stage pipeline with KV hand-off and a reference decode server, all started with
 ``--otlp-endpoint`` pointing at a real OTLP/HTTP receiver in this process. One request with
 a known W3C ``traceparent`` must come back as one trace: every service's spans carry its
 trace id, each span's parent is the hop before it, and the request id rides on them. With

@@ -13,7 +13,7 @@ from kv_transfer.layout import KVLayout, MemoryRegion, layout_of_tensors
 from kv_transfer.messages import PushDestination, StageManifest
 from prefill_node.engine.types import KVPushDestination
 from prefill_node.errors import InvalidKVDestinationError, InvalidRequestError
-from prefill_node.kv_shipping.shipper import KVShippingConfig
+from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.wire.kv_convert import manifest_from_proto, manifest_to_proto
 from prefill_node.wire.kv_handoff import (
     engine_manifest,
@@ -70,9 +70,9 @@ def test_pull_manifest_round_trips_through_the_engine_type():
         wire_manifest(replace(engine, lease_id=""), "r", 2)  # a push manifest has no lease
 
 
-def test_shipping_config_is_validated_once():
+def test_handoff_config_is_validated_once():
     with pytest.raises(InvalidRequestError, match="positive"):
-        KVShippingConfig(lease_ttl_s=0)
+        KVHandoffConfig(lease_ttl_s=0)
 
 
 def test_mla_one_plane_layout_survives_the_engine_and_proto_round_trips():

@@ -129,7 +129,7 @@ class Driver:
 
 
 def serve_pipeline(model: Path, err: Path) -> tuple[subprocess.Popen, str]:
-    """A 2-stage `wavepp serve` of ``model`` (float32, KV shipping on) on loopback, its
+    """A 2-stage `wavepp serve` of ``model`` (float32, KV hand-off on) on loopback, its
     stderr in ``err``: (process, gRPC address), once it announces it (every tests_vllm file
     starts its pipeline here)."""
     server = subprocess.Popen(

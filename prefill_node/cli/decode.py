@@ -7,7 +7,7 @@ decode worker allocated; pull: the decode worker READs the leased blocks), then 
 worker continues greedily with the same model and the text streams here.
 
 Server mode (``--prefill-server HOST:PORT``): the decode worker runs in this process and asks
-a running `wavepp serve` (KV shipping is on by default there) to prefill over gRPC with a
+a running `wavepp serve` (KV hand-off is on by default there) to prefill over gRPC with a
 push destination (the receiver's transfer id travels in ``KvPushDestination.transfer_id``) or,
 with ``--mode pull``, READs the blocks named by the response's leased manifests.
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     except (WaveppError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:  # the prefill server's status, e.g. shipping turned off
+    except grpc.RpcError as exc:  # the prefill server's status, e.g. the hand-off turned off
         print(f"error: prefill server: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
 
@@ -200,18 +200,18 @@ def worker_spec(args: argparse.Namespace, model_dir: Path) -> Any:
 def _run_local(args: argparse.Namespace) -> int:
     from prefill_node.decode.worker_process import DecodeWorkerProcess
     from prefill_node.engine.types import KVPullDestination, PrefillOptions
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
     from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
 
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
     spec = worker_spec(args, model_dir)
-    shipping = KVShippingConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
+    handoff = KVHandoffConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
     with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
         config = LocalEngineConfig(
             num_stages=args.local_stages, num_blocks=args.num_blocks, block_size=args.block_size
         )
-        engine = LocalEngine.from_model_dir(model_dir, config, shipping)
+        engine = LocalEngine.from_model_dir(model_dir, config, handoff)
         try:
             for text in args.prompts:
                 ids = _encode(args, tokenizer, text)

@@ -1,7 +1,7 @@
 """`wavepp demo`: the whole local stack in one command, driven by the openai SDK.
 
 Starts ``--pipelines`` pipelines (``wavepp serve``, each a multi-process pipeline of
-``--stages`` stage processes with KV shipping on), ``wavepp router`` in front of them, a
+``--stages`` stage processes with KV hand-off on), ``wavepp router`` in front of them, a
 reference decode server (``wavepp decode --serve``, OpenAI-compatible as ``vllm serve``) and
 ``wavepp gateway`` in front of both, all as child processes on loopback. Then, as a client
 of the gateway (the ``openai`` SDK):
@@ -34,7 +34,7 @@ from prefill_node.cli.options import parse_listening
 
 DESCRIPTION = """\
 Run the local stack on the default model (or --model): --pipelines pipelines of --stages
-stage processes each (KV shipping on), the cluster router in front of them, a reference
+stage processes each (KV hand-off on), the cluster router in front of them, a reference
 decode server (OpenAI-compatible, as vllm serve) and the gateway (the OpenAI endpoint) in
 front of both. Two tenants with long system prompts ask questions through the gateway with
 the openai SDK (each line shows which pipeline prefilled the prompt, how many tokens were

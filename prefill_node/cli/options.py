@@ -208,7 +208,7 @@ def add_engine_arguments(
 
 def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
     """The ``EngineSpec`` the ``add_engine_arguments`` flags describe (validated; ``extra``:
-    the command's own fields, e.g. KV shipping)."""
+    the command's own fields, e.g. KV hand-off)."""
     from prefill_node.errors import InvalidRequestError
     from prefill_node.server.engine_factory import EngineSpec
 

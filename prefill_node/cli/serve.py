@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     spec = engine_spec(
         args,
         model_dir,
-        kv_shipping=_kv_shipping(args),
+        kv_handoff=_kv_handoff(args),
         debug_wave_delay_s=args.debug_wave_delay,
         core_share=args.core_share,
         stage_wait_s=args.stage_wait,
@@ -210,13 +210,13 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_PIPELINE_LOST if lost else 0
 
 
-def _kv_shipping(args: argparse.Namespace) -> Any:
-    """The stages' KVShippingConfig from the --kv-* flags; None with --no-kv-shipping."""
+def _kv_handoff(args: argparse.Namespace) -> Any:
+    """The stages' KVHandoffConfig from the --kv-* flags; None with --no-kv-shipping."""
     import ipaddress
 
     from kv_transfer.allowlist import AllowList
     from kv_transfer.errors import InvalidTransferRequest
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
 
     if args.no_kv_shipping:
         return None
@@ -232,7 +232,7 @@ def _kv_shipping(args: argparse.Namespace) -> Any:
         allow = AllowList.parse(cidrs, agents) if args.kv_allow else AllowList.loopback()
     except InvalidTransferRequest as exc:
         raise ValueError(f"--kv-allow: {exc}") from exc
-    return KVShippingConfig(
+    return KVHandoffConfig(
         allow=allow,
         transfer_timeout_s=args.kv_transfer_timeout,
         lease_ttl_s=args.kv_lease_ttl,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prefill_node.core.admission_messages import (
     CommitOrder,
@@ -67,6 +68,18 @@ class StageConfig:
             )
         if self.snapshot_interval_blocks is not None and self.snapshot_interval_blocks <= 0:
             raise InvalidStageConfigError(f"stage {self.stage}: snapshot interval must be > 0")
+
+
+class FinalBlocks(NamedTuple):
+    """Blocks whose KV became final, pinned once each for a streamed WRITE (``pin_final``):
+    ``block_ids`` is the request's block table so far, ``[start, end)`` the tokens they
+    hold (of a ``num_tokens``-token prompt)."""
+
+    blocks: list[KVBlock]
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    start: int
+    end: int
 
 
 class StageAdmission:
@@ -299,26 +312,41 @@ class StageAdmission:
         self._release(request_id)
         return True
 
-    def pin_for_transfer(self, request_id: str, start_block: int, end_block: int) -> list[KVBlock]:
-        """One more reference on blocks ``[start_block, end_block)`` of the request's table
-        (materialised already), held by a streamed KV WRITE: the blocks stay in use, even if
-        the request is aborted meanwhile, until ``unpin_transfer`` gives each back once."""
+    def pin_final(
+        self, request_id: str, start: int, end: int, *, to_prompt_end: bool = False
+    ) -> FinalBlocks | None:
+        """Tokens ``[start, end)`` of the request just ran here: one more reference on each
+        block whose KV became final since the previous chunk, held by a streamed KV WRITE
+        (the blocks stay in use, even if the request is aborted meanwhile, until
+        ``unpin_transfer`` gives each back once). The block holding the prompt's last token
+        is left to the final push (a partial block is sent once, when final); the first
+        chunk also covers the prefix this stage reused. ``to_prompt_end`` (the last chunk,
+        during its forward): every block from the chunk's first one to the prompt's end,
+        the partial last one too. None when no block is final yet, or the request no longer
+        runs here."""
         rsv = self._reservations.get(request_id)
         if rsv is None or rsv.completed:
-            raise InvariantError(f"{request_id!r} has no running reservation to stream from")
+            return None
+        bs = self.config.block_size
+        num_tokens = rsv.prompt.num_tokens
+        keep = (num_tokens - 1) // bs  # the last block's index
+        last = keep + 1 if to_prompt_end else min(end // bs, keep)
+        first = 0 if start == rsv.cached_len else min(start // bs, keep)  # first chunk: prefix
+        if last <= first:
+            return None
         table = rsv.block_ids()
-        if not 0 <= start_block <= end_block <= len(table):
+        if last > len(table):
             raise InvariantError(
-                f"blocks [{start_block}, {end_block}) outside {request_id!r}'s {len(table)} blocks"
+                f"blocks [{first}, {last}) outside {request_id!r}'s {len(table)} blocks"
             )
-        blocks = [self.pool.block(b) for b in table[start_block:end_block]]
+        blocks = [self.pool.block(b) for b in table[first:last]]
         self.pool.touch(blocks)
         for block in blocks:
             self._transfer_pins[block.block_id] = self._transfer_pins.get(block.block_id, 0) + 1
-        return blocks
+        return FinalBlocks(blocks, table, num_tokens, first * bs, min(last * bs, num_tokens))
 
     def unpin_transfer(self, blocks: Sequence[KVBlock]) -> None:
-        """Give back the references ``pin_for_transfer`` took (a WRITE ended or was dropped)."""
+        """Give back the references ``pin_final`` took (a WRITE ended or was dropped)."""
         for block in blocks:
             held = self._transfer_pins.get(block.block_id, 0)
             if held <= 0:

@@ -3,7 +3,7 @@ their shapes, the per-block snapshot bytes they add, and Qwen3-Next's config.jso
 
 Torch-free, like ``config``. ``RecurrentConfig`` describes any gated-delta-rule layer (Qwen3-
 Next's GatedDeltaNet; Kimi Linear's KDA has the same state shape with equal key and value
-heads), so cache sizing, escrow and shipping read one description.
+heads), so cache sizing, escrow and the KV hand-off read one description.
 """
 
 from __future__ import annotations

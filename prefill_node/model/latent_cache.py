@@ -8,7 +8,7 @@ part, and the sparse-attention indexer's key), so the sans-IO block pool, escrow
 hashing count, pin, hash and evict MLA blocks exactly like GQA blocks. Allocated contiguous
 once and never reallocated; a transfer engine registers ``tensors`` like ``PagedKVCache``'s
 and describes them with ``planes = 1``, ``num_kv_heads = 1``, ``head_dim = entry_width``
-(the KV manifest / ``KvLayout`` fields), so shipping moves whole token entries. The cache
+(the KV manifest / ``KvLayout`` fields), so the KV hand-off moves whole token entries. The cache
 only holds memory; block ownership is the block pool's. A Kimi Linear stage's cache
 (``HybridLatentCache``) holds such entries for its MLA layers only, plus recurrent-state
 snapshots per block for its KDA layers (``RecurrentStateCache``).

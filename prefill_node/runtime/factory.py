@@ -13,7 +13,7 @@ from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
 
 if TYPE_CHECKING:
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
     from prefill_node.runtime.kv_event_feed import KVEventSink
 
 
@@ -32,7 +32,7 @@ def start_pipeline_engine(
     device: str = "cpu",
     from_env: bool | None = None,
     startup_timeout_s: float = 600.0,
-    kv_shipping: KVShippingConfig | None = None,
+    kv_handoff: KVHandoffConfig | None = None,
     kv_events: KVEventSink | None = None,
     debug_wave_delay_s: float = 0.0,
     core_share: bool = True,
@@ -48,7 +48,7 @@ def start_pipeline_engine(
     ``max_wave_tokens`` is the wave budget M (the fixed chunk budget under ``trtllm`` and
     ``sync-admission``) and must be a multiple of ``block_size``; ``min_wave_tokens`` (b_min)
     defaults to M/2 as in the paper.
-    ``kv_shipping``: ship each request's KV to its ``kv_destination`` over NIXL (None: off).
+    ``kv_handoff``: ship each request's KV to its ``kv_destination`` over NIXL (None: off).
     ``kv_events``: a sink for the pipeline's KV events, e.g. ``KVEventHub.publish``.
     ``debug_wave_delay_s``: every stage sleeps this long per wave (tests: requests that stay
     in flight long enough to act on them). ``core_share``: locally launched CPU stages lend
@@ -90,7 +90,7 @@ def start_pipeline_engine(
                 f"must be RANK 0 of {num_stages} (other ranks run `wavepp stage`)"
             )
         return PipelineEngine.start(
-            spec, env, False, startup_timeout_s, kv_shipping=kv_shipping, kv_events=kv_events
+            spec, env, False, startup_timeout_s, kv_handoff=kv_handoff, kv_events=kv_events
         )
     env = DistEnv(0, num_stages, "127.0.0.1", free_local_port())
     return PipelineEngine.start(
@@ -98,7 +98,7 @@ def start_pipeline_engine(
         env,
         True,
         startup_timeout_s,
-        kv_shipping=kv_shipping,
+        kv_handoff=kv_handoff,
         kv_events=kv_events,
         core_share=core_share,
     )

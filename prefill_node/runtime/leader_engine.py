@@ -69,7 +69,7 @@ from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_worker import StageCompute, StageWorker
 
 if TYPE_CHECKING:
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
 
 log = logging.getLogger(__name__)
 _LEASED_KEPT = 4096  # answered pull-mode requests whose leases abort can still revoke
@@ -82,9 +82,9 @@ class LeaderEngine:
     ``_on_dead``) turns the engine not ready and not live and fails every unfinished request
     with UnavailableError at once; the engine never hangs a caller.
 
-    KV hand-off (``kv_shipping`` given): every stage ships its layers of a request with a
+    KV hand-off (``kv_handoff`` given): every stage ships its layers of a request with a
     ``kv_destination`` as soon as the request's last chunk left it (push streamed chunk by
-    chunk before that when ``KVShippingConfig.stream``, stage_shipping.py); the answer
+    chunk before that when ``KVHandoffConfig.stream``, stage_handoff.py); the answer
     waits for every stage's outcome (leader_handoff.py). KV events (``kv_events`` given):
     every stage drains its pool once per wave, the batches ride the wave to the leader and a
     ``KVEventFeed`` publishes the pipeline-level events to the sink (collector thread).
@@ -99,11 +99,11 @@ class LeaderEngine:
     def __init__(
         self,
         spec: PipelineSpec,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         kv_events: KVEventSink | None = None,
     ):
         self.spec = spec
-        self._kv_shipping = kv_shipping
+        self._kv_handoff = kv_handoff
         self._feed = KVEventFeed(spec.num_stages, kv_events) if kv_events is not None else None
         self._handoffs: LeaderHandoffs | None = None
         self._state_lock = threading.Lock()  # _dead, _closed and _leased
@@ -135,12 +135,12 @@ class LeaderEngine:
             on_verdicts=self._on_verdicts,
             on_dead=self._on_dead,
         )
-        wait_limit = self._kv_shipping.wait_limit_s + 2.0 if self._kv_shipping else 60.0
+        wait_limit = self._kv_handoff.wait_limit_s + 2.0 if self._kv_handoff else 60.0
         self._handoffs = LeaderHandoffs(
             world_size,
             self._requests,
             wait_limit,
-            cancel=self._cancel_shipping,
+            cancel=self._cancel_handoffs,
             settle=self._settle_handoff,
             on_deadline=self._expire,
             receive=planes.reports.recv,
@@ -276,10 +276,10 @@ class LeaderEngine:
             raise InvalidRequestError(
                 f"top_logprobs must be in [0, {limit}], got {options.top_logprobs}"
             )
-        if options.kv_destination is not None and self._kv_shipping is None:
+        if options.kv_destination is not None and self._kv_handoff is None:
             raise InvalidKVDestinationError(
-                "this engine has no KV shipping configured; omit kv_destination or start it "
-                "with a KVShippingConfig"
+                "this engine has no KV hand-off configured; omit kv_destination or start it "
+                "with a KVHandoffConfig"
             )
         self._check_fits(len(ids))
         return ids
@@ -304,7 +304,7 @@ class LeaderEngine:
         with self._state_lock:
             leased = self._leased.pop(request_id, False)
         if leased:
-            self._cancel_shipping((request_id,))
+            self._cancel_handoffs((request_id,))
         return leased
 
     def _expire(self, request_id: str) -> None:
@@ -325,7 +325,7 @@ class LeaderEngine:
             error = RequestAbortedError(f"request {request_id!r} was aborted {where}")
         settle_future(req.future, error=error)
         if req.ships:  # its hand-off was pending: every stage gives it up
-            self._cancel_shipping((request_id,))
+            self._cancel_handoffs((request_id,))
         return True
 
     def health(self) -> EngineHealth:
@@ -412,7 +412,7 @@ class LeaderEngine:
         for msg, req in failed:
             if req is not None:
                 if req.ships:
-                    self._cancel_shipping((req.request_id,))
+                    self._cancel_handoffs((req.request_id,))
                 if req.options.traceparent:
                     trace_request(req, now, msg)
                 settle_future(req.future, error=StageStateError(msg))
@@ -454,7 +454,7 @@ class LeaderEngine:
             trace_request(req, now)
         settle_future(req.future, result=req.result(req.output, now, manifests))
 
-    def _cancel_shipping(self, request_ids: tuple[str, ...]) -> None:
+    def _cancel_handoffs(self, request_ids: tuple[str, ...]) -> None:
         """Every stage gives these requests' hand-offs up (fire and forget)."""
         leader = self._leader
         if leader is not None and self._dead is None and not self._closed:

@@ -4,13 +4,13 @@ They keep no requests of their own: both act on the records of the engine's
 ``RequestTable`` (leader_request.py), where a request's hand-off outcomes, logits time and
 deadline live.
 
-Where stage results travel (decision): each stage's shipping thread sends its
-``StageHandoff`` outcomes to the leader as they happen, on the REPORTS plane (planes.py; stage
+Where stage results travel (decision): each stage's hand-off thread sends its
+``HandoffOutcome`` outcomes to the leader as they happen, on the REPORTS plane (planes.py; stage
 0's are handed over in-process). A stage's WRITE can end while no wave is flowing (an idle
 pipeline sends none), so piggy-backing on wave results could leave a push unanswered, and
 polling the stages with rounds cost every stage a round trip every few milliseconds while
 a hand-off was pending (the design before 2026-12-07). Here one receiver thread per stage
-s > 0 (``receive``) and stage 0's shipping thread call ``deliver``; the hand-off thread
+s > 0 (``receive``) and stage 0's hand-off thread call ``deliver``; the hand-off thread
 wakes when an outcome or a request's logits arrive, or when a wait limit runs out. A
 request resolves when its logits came
 back AND (push) every stage confirmed its WRITE / (pull) every stage published its lease.
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, KVHandoffError, WaveppError
-from prefill_node.kv_shipping.stage_shipping import StageHandoff
+from prefill_node.kv_handoff.stage_handoff import HandoffOutcome
 from prefill_node.runtime.leader_request import LeaderRequest, RequestTable
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class LeaderHandoffs:
         cancel: Callable[[tuple[str, ...]], None],
         settle: Settle,
         on_deadline: Callable[[str], None],
-        receive: Callable[[int], tuple[StageHandoff, ...] | None] | None = None,
+        receive: Callable[[int], tuple[HandoffOutcome, ...] | None] | None = None,
     ) -> None:
         self._num_stages = num_stages
         self._table = table
@@ -109,7 +109,7 @@ class LeaderHandoffs:
             if thread.is_alive():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def deliver(self, outcomes: Iterable[StageHandoff]) -> None:
+    def deliver(self, outcomes: Iterable[HandoffOutcome]) -> None:
         """Outcomes a stage reported: each request's first word per stage counts; outcomes
         of requests no longer in the table (late, duplicate, aborted) are ignored."""
         with self._cond:
@@ -120,7 +120,7 @@ class LeaderHandoffs:
             self._delivered += 1
             self._cond.notify_all()
 
-    def _receive(self, receive: Callable[[int], tuple[StageHandoff, ...] | None], stage: int):
+    def _receive(self, receive: Callable[[int], tuple[HandoffOutcome, ...] | None], stage: int):
         try:
             while (batch := receive(stage)) is not None:
                 self.deliver(batch)
@@ -137,7 +137,7 @@ class LeaderHandoffs:
             self._cancel((request_id,))
 
     # -- the hand-off thread ---------------------------------------------------------------
-    def _shipping(self) -> list[LeaderRequest]:
+    def _handing_off(self) -> list[LeaderRequest]:
         """Records whose answer waits for a hand-off (under the lock)."""
         return [r for r in self._table if r.ships]
 
@@ -160,10 +160,10 @@ class LeaderHandoffs:
                 time.sleep(0.05)
 
     def _until_next_limit(self) -> float | None:
-        """Seconds until the first shipping record whose logits are back runs out of its
+        """Seconds until the first handing-off record whose logits are back runs out of its
         wait limit (None: none waits; under the lock)."""
         now = time.monotonic()
-        limits = [r.logits_at + self._wait_limit_s - now for r in self._shipping()
+        limits = [r.logits_at + self._wait_limit_s - now for r in self._handing_off()
                   if r.logits_at is not None]  # fmt: skip
         return min(limits, default=None)
 
@@ -172,7 +172,7 @@ class LeaderHandoffs:
         done = []
         now = time.monotonic()
         with self._cond:
-            for r in self._shipping():
+            for r in self._handing_off():
                 rid = r.request_id
                 failed = [h for h in r.outcomes.values() if not h.ok]
                 if failed:
@@ -226,7 +226,7 @@ class LeaderHandoffs:
                     log.warning("deadline expiry failed", exc_info=True)
 
 
-def handoff_error(request_id: str, outcome: StageHandoff, pushed: bool) -> WaveppError:
+def handoff_error(request_id: str, outcome: HandoffOutcome, pushed: bool) -> WaveppError:
     """The typed error of a failed stage: a rejected destination is the caller's fault.
     ``pushed``: the request's KV went by WRITEs, which may have reached decode."""
     if outcome.invalid_destination:

@@ -32,7 +32,7 @@ from prefill_node.engine.types import (
     StageKVManifest,
 )
 from prefill_node.errors import InvalidRequestError
-from prefill_node.kv_shipping.stage_shipping import StageHandoff
+from prefill_node.kv_handoff.stage_handoff import HandoffOutcome
 from prefill_node.runtime.messages import RequestOutput
 
 
@@ -65,7 +65,7 @@ class LeaderRequest:
     # it, and each stage's outcome
     t_last_chunk: float = 0.0
     logits_at: float | None = None
-    outcomes: dict[int, StageHandoff] = field(default_factory=dict)
+    outcomes: dict[int, HandoffOutcome] = field(default_factory=dict)
     deadline_fired: bool = False
 
     @property
@@ -118,14 +118,14 @@ class LeaderRequest:
 class RequestTable:
     """The leader's requests by id; thread-safe. ``cond`` guards every record's mutable
     fields and is notified when a record that ships KV or has a deadline comes or goes,
-    and when a shipping record's logits arrive (the hand-off and deadline threads wait on
+    and when a handing-off record's logits arrive (the hand-off and deadline threads wait on
     it). Once ``close``d (the engine died or shut down) it refuses new records for good."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self._records: dict[str, LeaderRequest] = {}
         self._closed = False
-        self.logits_seen = 0  # shipping requests whose logits arrived so far
+        self.logits_seen = 0  # handing-off requests whose logits arrived so far
 
     def add(self, req: LeaderRequest) -> bool:
         """Insert ``req``; False once closed. InvalidRequestError if its id is in flight."""

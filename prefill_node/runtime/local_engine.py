@@ -4,9 +4,9 @@ It is the multi-process pipeline with another transport: the same ``LeaderEngine
 core's ``LeaderCore``: coordinator, ``WaveScheduler``, planner and ``Policy``), the same
 ``StageWorker`` threads and ``PipelineStageCompute`` per stage, wired by
 ``local_planes.py`` instead of torch.distributed. So admission rounds, waves (ring,
-chunks in flight per request, planner mode), prefix reuse, lease / escrow headroom, KV
-shipping, KV events, deadlines and aborts behave exactly as in a pipeline of processes, and
-concurrent requests share waves.
+chunks in flight per request, planner mode), prefix reuse, lease / escrow headroom, the
+KV hand-off, KV events, deadlines and aborts behave exactly as in a pipeline of processes,
+and concurrent requests share waves.
 
 What it adds: building the stages from weights in this process (``from_weights``,
 ``from_model_dir``, ``from_stage_models``), a fit check whose message names the stage at
@@ -47,7 +47,7 @@ from prefill_node.runtime.stage_compute import PipelineStageCompute
 from prefill_node.runtime.stage_worker import StageWorker
 
 if TYPE_CHECKING:
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
     from prefill_node.model.config import ModelConfig
     from prefill_node.runtime.kv_event_feed import KVEventSink
 
@@ -141,20 +141,20 @@ class LocalEngine(LeaderEngine):
         self,
         stages: Sequence[PipelineStageCompute],
         config: LocalEngineConfig,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> None:
         """``stages``: built on one spec (``config.pipeline_spec``), stage s at index s;
         the last one keeps its logits. They ship each request's KV to its
-        ``PrefillOptions.kv_destination`` when built with ``kv_shipping``. ``kv_events``:
+        ``PrefillOptions.kv_destination`` when built with ``kv_handoff``. ``kv_events``:
         receives the pipeline's KV events (the spec must have ``kv_events``)."""
         if len(stages) != config.num_stages or not stages:
             raise InvariantError(f"{len(stages)} stage computes for {config.num_stages} stages")
         spec = stages[0].spec
         if kv_events is not None and not spec.kv_events:
             raise InvariantError("KV events need stages whose pools buffer them (spec.kv_events)")
-        super().__init__(spec, kv_shipping, kv_events)
+        super().__init__(spec, kv_handoff, kv_events)
         self.stages = tuple(stages)
         self.config = config
         self.model_config = stages[0].model_config
@@ -175,19 +175,19 @@ class LocalEngine(LeaderEngine):
         cls,
         models: Sequence[StageModel],
         config: LocalEngineConfig,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
-        """``kv_shipping``: every stage gets a NIXL agent and ships the KV of requests with a
+        """``kv_handoff``: every stage gets a NIXL agent and ships the KV of requests with a
         ``kv_destination``; None: such requests are refused."""
         ranges = [(m.layer_range.start, m.layer_range.end) for m in models]
         spec = config.pipeline_spec(ranges, kv_events=kv_events is not None)
         stages = [
-            PipelineStageCompute(spec, s, m, kv_shipping, keep_logits=m.is_last)
+            PipelineStageCompute(spec, s, m, kv_handoff, keep_logits=m.is_last)
             for s, m in enumerate(models)
         ]
-        return cls(stages, config, kv_shipping, kv_events=kv_events)
+        return cls(stages, config, kv_handoff, kv_events=kv_events)
 
     @classmethod
     def from_weights(
@@ -195,7 +195,7 @@ class LocalEngine(LeaderEngine):
         model_config: ModelConfig,
         weights: dict[str, torch.Tensor],
         config: LocalEngineConfig,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
@@ -205,14 +205,14 @@ class LocalEngine(LeaderEngine):
             model = StageModel(model_config, layer_range, config.dtype, config.device)
             model.load_weights(weights)
             models.append(model)
-        return cls.from_stage_models(models, config, kv_shipping, kv_events=kv_events)
+        return cls.from_stage_models(models, config, kv_handoff, kv_events=kv_events)
 
     @classmethod
     def from_model_dir(
         cls,
         path: str | Path,
         config: LocalEngineConfig,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
@@ -224,12 +224,12 @@ class LocalEngine(LeaderEngine):
             load_stage_model(path, layer_range, config.dtype, config.device)
             for layer_range in split_layers(model_config.num_layers, config.num_stages)
         ]
-        return cls.from_stage_models(models, config, kv_shipping, kv_events=kv_events)
+        return cls.from_stage_models(models, config, kv_handoff, kv_events=kv_events)
 
     # ---- reads of the in-process stages -----------------------------------------------
 
     def kv_held_blocks(self) -> tuple[int, ...]:
-        """Per stage: block references its shipper holds now (in-flight WRITEs, live leases)."""
+        """Per stage: block references its hand-off holds now (in-flight WRITEs, live leases)."""
         return tuple(stage.kv_held().blocks for stage in self.stages)
 
     def _stage_loads(self) -> tuple[StageLoad, ...]:
@@ -239,14 +239,14 @@ class LocalEngine(LeaderEngine):
         return tuple(w.stats().load() for w in workers)
 
     def check_integrity(self) -> None:
-        """Every stage's block pool, admission state and shipper is consistent (raises
+        """Every stage's block pool, admission state and KV hand-off are consistent (raises
         otherwise); callable after ``shutdown`` too."""
         for stage in self.stages:
             stage.check()
 
     def shutdown(self) -> None:
         """Drain the ring and stop every thread; unfinished requests fail with
-        UnavailableError. Stops shipping (WRITEs aborted, leases revoked). Idempotent."""
+        UnavailableError. Stops the KV hand-off (WRITEs aborted, leases revoked). Idempotent."""
         if not self._close("the engine has been shut down"):
             return
         graceful = self._dead is None

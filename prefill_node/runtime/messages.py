@@ -133,7 +133,7 @@ class StageStats:
     tokens: int
     uptime_s: float
     pool: PoolStats
-    kv_held_blocks: int = 0  # block references the stage's KV shipper holds (WRITEs, leases)
+    kv_held_blocks: int = 0  # block references the stage's KV hand-off holds (WRITEs, leases)
     kv_pushes: int = 0  # WRITEs to decode workers in flight
     kv_leases: int = 0  # pull leases not yet released, expired or revoked
     wide_layers: int = 0  # layers run with idle neighbours' cores (runtime/core_share.py)

@@ -25,10 +25,10 @@ from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_compute import build_stage_compute
-from prefill_node.runtime.stage_main import KV_SHIPPING_KEY, REVISION_KEY, SPEC_KEY, ready_key
+from prefill_node.runtime.stage_main import KV_HANDOFF_KEY, REVISION_KEY, SPEC_KEY, ready_key
 
 if TYPE_CHECKING:
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
     from prefill_node.runtime.stage_compute import PipelineStageCompute
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,13 @@ class PipelineEngine(LeaderEngine):
         spec: PipelineSpec,
         env: DistEnv,
         launch: bool,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         kv_events: KVEventSink | None = None,
         core_share: bool = True,
     ):
         if kv_events is not None and not spec.kv_events:
             spec = replace(spec, kv_events=True)
-        super().__init__(spec, kv_shipping, kv_events)
+        super().__init__(spec, kv_handoff, kv_events)
         self._compute: PipelineStageCompute | None = None
         self._env = env
         self._board: CoreBoard | None = None
@@ -75,11 +75,11 @@ class PipelineEngine(LeaderEngine):
         env: DistEnv,
         launch: bool = True,
         startup_timeout_s: float = 600,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         kv_events: KVEventSink | None = None,
         core_share: bool = True,
     ) -> PipelineEngine:
-        engine = cls(spec, env, launch, kv_shipping, kv_events, core_share)
+        engine = cls(spec, env, launch, kv_handoff, kv_events, core_share)
         try:
             engine._start(startup_timeout_s)
         except BaseException:
@@ -99,12 +99,12 @@ class PipelineEngine(LeaderEngine):
             timeout=datetime.timedelta(seconds=startup_timeout_s),
         )
         self._store.set(REVISION_KEY, env.revision)
-        self._store.set(KV_SHIPPING_KEY, pickle.dumps(self._kv_shipping))
+        self._store.set(KV_HANDOFF_KEY, pickle.dumps(self._kv_handoff))
         self._store.set(SPEC_KEY, self.spec.to_json())
         if self._launcher is not None:
             self._launcher.start()
         cores = CoreShare(self._board, 0) if self._board is not None else None
-        self._compute = compute = build_stage_compute(self.spec, 0, self._kv_shipping, cores)
+        self._compute = compute = build_stage_compute(self.spec, 0, self._kv_handoff, cores)
         self.model_config = compute.model_config
         self._wait_ready(startup_timeout_s)
         planes = Planes.join_stage(
@@ -150,7 +150,7 @@ class PipelineEngine(LeaderEngine):
         if self._leader is not None:
             self._leader.join(timeout=5.0)
         if self._compute is not None:
-            self._compute.close()  # stage 0's shipper: WRITEs aborted, leases revoked
+            self._compute.close()  # stage 0's hand-off: WRITEs aborted, leases revoked
         if self._board is not None:
             self._board.close()
         if self._heartbeat is not None:

@@ -12,7 +12,7 @@ rank, right after the default group:
 - ``rounds``: the rounds plane, leader broadcast + all-gather of admission messages. Used only
   by each stage's WAVE thread, so admission never waits behind activations.
 - ``reports``: each stage s > 0 -> the leader, the outcomes of its KV hand-offs as they
-  happen (sent by the stage's shipping thread, received by one leader thread per stage), so
+  happen (sent by the stage's hand-off thread, received by one leader thread per stage), so
   the leader never polls the stages for them. gloo, always: small pickled objects.
 
 The data plane uses NCCL when the stage runs on CUDA and gloo otherwise. The rounds plane
@@ -226,8 +226,8 @@ class RoundsPlane:
 class ReportPlane:
     """Stage s > 0 -> leader: batches of KV hand-off outcomes, in order, as they happen.
 
-    A stage ``send``s from its shipping thread (thread-safe: ``close`` may come from
-    another) and ``close``s once, after its shipping stopped: that ends its stream, and
+    A stage ``send``s from its hand-off thread (thread-safe: ``close`` may come from
+    another) and ``close``s once, after its hand-off stopped: that ends its stream, and
     later sends are dropped. The leader runs one thread per stage on ``recv(stage)``, which
     returns the next batch, or None once that stage closed its stream or failed.
     """

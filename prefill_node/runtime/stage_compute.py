@@ -11,16 +11,18 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.core.admission_messages import ReserveStatus, RoundRequest, StageReply
+from prefill_node.core.block import KVBlock
 from prefill_node.core.block_pool import BlockPool, PoolStats
 from prefill_node.core.execution_results import BlockTable, MismatchReason, StageStateMismatch
-from prefill_node.core.stage_admission import StageAdmission, StageConfig
-from prefill_node.engine.types import KVPushDestination, StageKVManifest
+from prefill_node.core.stage_admission import FinalBlocks, StageAdmission, StageConfig
+from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
-from prefill_node.kv_shipping.shipper import KVHeld, KVShippingConfig
-from prefill_node.kv_shipping.stage_shipping import (
-    StageHandoff,
-    StageShipping,
-    stream_final_blocks,
+from prefill_node.kv_handoff.config import KVHandoffConfig
+from prefill_node.kv_handoff.stage_handoff import (
+    ChunkRange,
+    HandoffOutcome,
+    KVHeld,
+    StageKVHandoff,
 )
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.config import ModelConfig
@@ -118,14 +120,14 @@ class PipelineStageCompute:
     request of that wave, one in the logits the requests finishing in it; the stage keeps
     serving either way.
 
-    KV hand-off (``kv_shipping`` given): a request whose last chunk carries a destination is
-    completed with its blocks kept pinned and handed to the stage's ``StageShipping``, whose
-    thread drops the pins (``_release_shipped``) when the WRITE ended or the lease did. That
-    happens right after the forward, before the last stage computes the logits, so the last
-    WRITE overlaps the LM head.
-    Streaming (push, ``KVShippingConfig.stream``): after each earlier chunk, the blocks that
-    became full are pinned once more for the shipper and WRITten at once (``_stream``); the
-    last chunk goes layer group by layer group from inside its forward (``_group_hook``).
+    KV hand-off (``kv_handoff`` given): a request whose last chunk carries a destination is
+    completed with its blocks kept pinned and handed to the stage's ``StageKVHandoff``, whose
+    thread drops the pins (``release``) when the WRITE ended or the lease did. That happens
+    right after the forward, before the last stage computes the logits, so the last WRITE
+    overlaps the LM head. The hand-off also streams (push): after each earlier chunk
+    (``stream_chunks``) and layer group by layer group from inside the last chunk's forward
+    (``layer_hook``); it pins what it streams through ``pin_final`` / ``release_transfer``.
+    This object is its ``HandoffOwner``: those three calls take ``_lock``.
     KV events (``spec.kv_events``): the pool buffers them; each wave drains them after its
     completions, so a batch holds everything since the previous wave (admission evictions too).
     """
@@ -135,7 +137,7 @@ class PipelineStageCompute:
         spec: PipelineSpec,
         stage: int,
         model: StageModel,
-        kv_shipping: KVShippingConfig | None = None,
+        kv_handoff: KVHandoffConfig | None = None,
         *,
         keep_logits: bool = False,
         cores: CoreShare | None = None,
@@ -169,60 +171,57 @@ class PipelineStageCompute:
         self._lock = threading.Lock()
         self._captured: dict[str, CapturedKV] = {}
         self.cores = cores
-        self.shipping: StageShipping | None = None
-        if kv_shipping is not None:
-            self.shipping = StageShipping(
-                stage,
-                spec.num_stages,
-                self.kv,
-                kv_shipping,
-                self._release_shipped,
-                release_streamed=self._release_streamed,
-            )
+        self.handoff: StageKVHandoff | None = None
+        if kv_handoff is not None:
+            self.handoff = StageKVHandoff(stage, spec.num_stages, self.kv, kv_handoff, self)
 
-    # -- KV hand-off (shipping thread / WAVE thread) -----------------------------------------
-    def _release_shipped(self, request_id: str) -> None:
+    # -- KV hand-off: its HandoffOwner side (hand-off / LOOP / WAVE threads) ----------------
+    def pin_final(
+        self, request_id: str, start: int, end: int, *, to_prompt_end: bool = False
+    ) -> FinalBlocks | None:
+        with self._lock:
+            return self.admission.pin_final(request_id, start, end, to_prompt_end=to_prompt_end)
+
+    def release(self, request_id: str) -> None:
         with self._lock:
             self.admission.unpin(request_id)  # False when an abort released it already
 
-    def _release_streamed(self, blocks) -> None:
+    def release_transfer(self, blocks: list[KVBlock]) -> None:
         with self._lock:
             self.admission.unpin_transfer(blocks)
 
-    def report_handoffs(self, sink: Callable[[tuple[StageHandoff, ...]], object]) -> None:
-        """Where this stage's KV hand-off outcomes go as they happen (no-op without
-        shipping)."""
-        if self.shipping is not None:
-            self.shipping.report_to(sink)
+    def report_handoffs(self, sink: Callable[[tuple[HandoffOutcome, ...]], object]) -> None:
+        """Where this stage's KV hand-off outcomes go as they happen (no-op without one)."""
+        if self.handoff is not None:
+            self.handoff.report_to(sink)
 
     def kv_cancel(self, request_ids: tuple[str, ...]) -> None:
-        if self.shipping is not None:
+        if self.handoff is not None:
             for rid in request_ids:
-                self.shipping.cancel(rid)
+                self.handoff.cancel(rid)
 
     def kv_held(self) -> KVHeld:
-        return self.shipping.held() if self.shipping is not None else KVHeld()
+        return self.handoff.held() if self.handoff is not None else KVHeld()
 
     def close(self) -> None:
-        """Stop shipping (WRITEs aborted, leases revoked, pins dropped); idempotent. The
+        """Stop the hand-off (WRITEs aborted, leases revoked, pins dropped); idempotent. The
         stage stays checkable afterwards (``check``)."""
-        shipping, self.shipping = self.shipping, None
-        if shipping is not None:
-            shipping.close()
+        handoff, self.handoff = self.handoff, None
+        if handoff is not None:
+            handoff.close()
 
     # -- WAVE thread ---------------------------------------------------------------------------
     def admit(self, message: RoundRequest) -> StageReply:
-        if self.shipping is not None:  # a reused id supersedes its predecessor's hand-off
-            new_ids = (spec.request_id for spec in message.new_requests)
-            self.shipping.supersede(new_ids, self._release_shipped)
+        if self.handoff is not None:  # a reused id supersedes its predecessor's hand-off
+            self.handoff.supersede(spec.request_id for spec in message.new_requests)
         with self._lock:
             return self.admission.handle(message)
 
     def check(self) -> None:
         with self._lock:
             self.admission.check_integrity()
-        if self.shipping is not None:
-            self.shipping.check_integrity()
+        if self.handoff is not None:
+            self.handoff.check_integrity()
 
     def dump_kv(self, request_id: str) -> CapturedKV | None:
         return self._captured.get(request_id)
@@ -268,7 +267,7 @@ class PipelineStageCompute:
             for attempt in range(FOLLOW_RETRIES + 1):
                 with self._lock:
                     status = self.admission.follow(spec, starts[rid])
-                held = self.shipping.held().blocks if self.shipping is not None else 0
+                held = self.handoff.held().blocks if self.handoff is not None else 0
                 if status is not ReserveStatus.NO_CAPACITY or held == 0:
                     break
                 if attempt < FOLLOW_RETRIES:
@@ -323,7 +322,8 @@ class PipelineStageCompute:
             return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
         computed_at = time.monotonic()
         # the KV is final: ship it before the logits, so the last WRITE overlaps the LM head
-        self._stream(tables)
+        if self.handoff is not None:
+            self.handoff.stream_chunks(_chunk_ranges(tables), before=self._kv_written)
         manifests = self._complete(tables, failed)
         if self.model.is_last:
             outputs = self._outputs(header, tables, hidden_ok, failed)
@@ -386,9 +386,12 @@ class PipelineStageCompute:
     def _layer_hook(
         self, tables: list[tuple[int, WaveChunk, BlockTable]]
     ) -> Callable[[int], None] | None:
-        """The forward's per-layer hook: KV streaming's (``_group_hook``), and with core
-        sharing, the thread count for the next layer (``CoreShare.adjust``)."""
-        group, cores = self._group_hook(tables), self.cores
+        """The forward's per-layer hook: the KV hand-off's (``StageKVHandoff.layer_hook``),
+        and with core sharing, the thread count for the next layer (``CoreShare.adjust``)."""
+        handoff, cores = self.handoff, self.cores
+        group = None
+        if handoff is not None:
+            group = handoff.layer_hook(_chunk_ranges(tables), self.model.layer_range, self._fence)
         if cores is None:
             return group
         cores.adjust()  # the first layer's
@@ -424,58 +427,13 @@ class PipelineStageCompute:
             outputs.append(RequestOutput(chunk.request_id, pairs, kept))
         return tuple(outputs)
 
-    def _group_hook(
-        self, tables: list[tuple[int, WaveChunk, BlockTable]]
-    ) -> Callable[[int], None] | None:
-        """The forward's per-layer hook streaming the last chunks of push requests layer
-        group by layer group (``KVShippingConfig.layer_group_ends``; a wave holds at most
-        one chunk per request, so a last chunk's earlier chunks were streamed already).
-        None when there are none or the stage's layers form one group. A stage with
-        recurrent layers streams their groups' paged layers alike; the final push carries
-        every recurrent layer's state slot (``start_transfer``'s ``state_layout``)."""
-        shipping = self.shipping
-        if shipping is None:
+    def _fence(self) -> Callable[[], object] | None:
+        """At a layer group's end: what its WRITE waits for (on CUDA, that group's kernels)."""
+        if self.model.device.type != "cuda":
             return None
-        tails = [
-            (c.request_id, c.start, c.start + c.length, c.kv_destination)
-            for _, c, _ in tables
-            if c.is_last and isinstance(c.kv_destination, KVPushDestination)
-        ]
-        layers = self.model.layer_range
-        ends = shipping.config.layer_group_ends(layers.start, layers.end)
-        if not tails or not ends:
-            return None
-
-        def after_layer(layer: int) -> None:
-            if layer + 1 not in ends:
-                return
-            ready = None
-            if self.model.device.type == "cuda":  # the WRITE waits for this group's kernels
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.model.device))
-            for request_id, start, end, dest in tails:
-                stream_final_blocks(
-                    shipping, self.admission, self._lock, request_id, start, end, dest,
-                    layer_end=layer + 1, ready=None if ready is None else ready.synchronize,
-                )  # fmt: skip
-
-        return after_layer
-
-    def _stream(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> None:
-        """Stream the blocks each non-last chunk of a push request made final
-        (``stream_final_blocks``; decode's cached prefix is skipped by the shipper)."""
-        shipping = self.shipping
-        if shipping is None or not shipping.config.stream:
-            return
-        for _, chunk, _ in tables:
-            dest = chunk.kv_destination
-            if chunk.is_last or not isinstance(dest, KVPushDestination):
-                continue
-            self._kv_written()
-            end = chunk.start + chunk.length
-            stream_final_blocks(
-                shipping, self.admission, self._lock, chunk.request_id, chunk.start, end, dest
-            )
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.model.device))
+        return ready.synchronize
 
     def _kv_written(self) -> None:
         """Before a WRITE reads this wave's KV: on CUDA, wait for the forward's kernels."""
@@ -493,17 +451,17 @@ class PipelineStageCompute:
                 continue
             if self.spec.capture_kv:
                 self._capture(chunk.request_id, table)
-            dest = chunk.kv_destination if self.shipping is not None else None
+            dest = chunk.kv_destination if self.handoff is not None else None
             with self._lock:
                 done = self.admission.complete(chunk.request_id, keep_pinned=dest is not None)
             if isinstance(done, StageStateMismatch):
                 failed.append((chunk.request_id, str(done.to_error())))
                 continue
             manifest = kv_manifest(self.stage, self.kv, done.block_ids, table.end)
-            if dest is not None and self.shipping is not None:
+            if dest is not None and self.handoff is not None:
                 self._kv_written()
                 blocks = [self.admission.pool.block(b) for b in done.block_ids]
-                self.shipping.ship(chunk.request_id, blocks, manifest, dest, chunk.traceparent)
+                self.handoff.ship(chunk.request_id, blocks, manifest, dest, chunk.traceparent)
             manifests.append((chunk.request_id, manifest))
         return tuple(manifests)
 
@@ -521,12 +479,19 @@ class PipelineStageCompute:
 def build_stage_compute(
     spec: PipelineSpec,
     stage: int,
-    kv_shipping: KVShippingConfig | None = None,
+    kv_handoff: KVHandoffConfig | None = None,
     cores: CoreShare | None = None,
 ) -> PipelineStageCompute:
     """Load stage ``stage``'s slice and allocate its KV (what each stage process does once);
-    with ``kv_shipping``, also create its NIXL agent and register the KV tensors; with
+    with ``kv_handoff``, also create its NIXL agent and register the KV tensors; with
     ``cores``, borrow idle neighbours' cores (core_share.py)."""
     torch.manual_seed(0)
     model = load_stage_model(spec, stage)
-    return PipelineStageCompute(spec, stage, model, kv_shipping, cores=cores)
+    return PipelineStageCompute(spec, stage, model, kv_handoff, cores=cores)
+
+
+def _chunk_ranges(tables: list[tuple[int, WaveChunk, BlockTable]]) -> list[ChunkRange]:
+    return [
+        ChunkRange(c.request_id, c.start, c.start + c.length, c.kv_destination, c.is_last)
+        for _, c, _ in tables
+    ]

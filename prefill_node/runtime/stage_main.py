@@ -24,7 +24,7 @@ from prefill_node.runtime.stage_worker import StageWorker
 log = logging.getLogger("wavepp.stage")
 
 SPEC_KEY = "wavepp/spec"
-KV_SHIPPING_KEY = "wavepp/kv_shipping"  # pickled KVShippingConfig or None (set before SPEC_KEY)
+KV_HANDOFF_KEY = "wavepp/kv_handoff"  # pickled KVHandoffConfig or None (set before SPEC_KEY)
 REVISION_KEY = "wavepp/revision"  # the leader's DistEnv.revision (set before SPEC_KEY)
 EXIT_LEADER_LOST = 3
 EXIT_STAGE_FAILED = 4
@@ -86,12 +86,12 @@ def run_stage(
 
     from prefill_node.runtime.stage_compute import build_stage_compute
 
-    kv_shipping = pickle.loads(store.get(KV_SHIPPING_KEY))  # the leader's trusted store
+    kv_handoff = pickle.loads(store.get(KV_HANDOFF_KEY))  # the leader's trusted store
     board_fd = os.environ.get(FD_ENV)  # the local launcher's core-sharing board
     cores = None
     if board_fd:
         cores = CoreShare(CoreBoard.attach(int(board_fd), spec.num_stages), env.rank)
-    compute = build_stage_compute(spec, env.rank, kv_shipping, cores)
+    compute = build_stage_compute(spec, env.rank, kv_handoff, cores)
     store.set(ready_key(env.rank), "1")
     planes = Planes.join_stage(env.rank, env.world_size, store, compute.model, spec.max_wave_tokens)
     worker = StageWorker(

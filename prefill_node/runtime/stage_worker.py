@@ -15,8 +15,7 @@ from prefill_node import tracing
 from prefill_node.core.block_pool import PoolStats
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvariantError
-from prefill_node.kv_shipping.shipper import KVHeld
-from prefill_node.kv_shipping.stage_shipping import StageHandoff
+from prefill_node.kv_handoff.stage_handoff import HandoffOutcome, KVHeld
 from prefill_node.runtime.messages import (
     RequestOutput,
     RoundKind,
@@ -69,7 +68,7 @@ class StageCompute(Protocol):
 
     def pool_stats(self) -> PoolStats: ...
 
-    def report_handoffs(self, sink: Callable[[tuple[StageHandoff, ...]], object]) -> None: ...
+    def report_handoffs(self, sink: Callable[[tuple[HandoffOutcome, ...]], object]) -> None: ...
 
     def kv_cancel(self, request_ids: tuple[str, ...]) -> None: ...
 
@@ -106,7 +105,7 @@ class StageWorker:
         wave_source: Callable[[], WaveHeader] | None = None,
         result_sink: Callable[[WaveResult], None] | None = None,
         on_error: Callable[[str], None] | None = None,
-        report_sink: Callable[[tuple[StageHandoff, ...]], object] | None = None,
+        report_sink: Callable[[tuple[HandoffOutcome, ...]], object] | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -149,7 +148,7 @@ class StageWorker:
             self.wave_thread.join(timeout)
 
     def close_reports(self) -> None:
-        """End this stage's reports stream (after its compute stopped shipping)."""
+        """End this stage's reports stream (after its compute stopped its hand-off)."""
         try:
             self._planes.reports.close()
         except PlaneClosedError as exc:  # the leader is gone already

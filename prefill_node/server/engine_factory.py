@@ -20,7 +20,7 @@ from prefill_node.errors import InvalidRequestError
 from prefill_node.runtime.kv_event_feed import KVEventSink
 
 if TYPE_CHECKING:
-    from prefill_node.kv_shipping.shipper import KVShippingConfig
+    from prefill_node.kv_handoff.config import KVHandoffConfig
 
 
 ENGINES = ("pipeline", "local")
@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class EngineSpec:
     """What to serve. ``model_dir``: a Hugging Face checkpoint directory (config.json +
     safetensors); ``num_blocks``: KV blocks per stage, one value or one per stage;
-    ``kv_shipping``: each stage gets a NIXL agent and ships KV to the decode destinations
+    ``kv_handoff``: each stage gets a NIXL agent and ships KV to the decode destinations
     requests carry (None: requests with a ``kv_destination`` are rejected)."""
 
     model_dir: Path
@@ -44,7 +44,7 @@ class EngineSpec:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    kv_shipping: KVShippingConfig | None = None
+    kv_handoff: KVHandoffConfig | None = None
     engine: str = "pipeline"  # pipeline: one process per stage; local: stages in-process
     debug_wave_delay_s: float = 0.0  # testing: every stage sleeps this long per wave
     core_share: bool = True  # local CPU stages lend idle cores (runtime/core_share.py)
@@ -101,7 +101,7 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
             max_model_len=spec.max_model_len,
             dtype=spec.dtype,
             device=spec.device,
-            kv_shipping=spec.kv_shipping,
+            kv_handoff=spec.kv_handoff,
             kv_events=kv_events,
             debug_wave_delay_s=spec.debug_wave_delay_s,
             core_share=spec.core_share,
@@ -125,6 +125,6 @@ def build_engine(spec: EngineSpec, kv_events: KVEventSink | None = None) -> Serv
         debug_wave_delay_s=spec.debug_wave_delay_s,
     )
     engine = LocalEngine.from_model_dir(
-        spec.model_dir, config, spec.kv_shipping, kv_events=kv_events
+        spec.model_dir, config, spec.kv_handoff, kv_events=kv_events
     )
     return ServedEngine(engine, blocking_submit=False)

@@ -1,4 +1,4 @@
-"""KVShippingConfig: the settings every stage's KV shipper shares (shipper.py)."""
+"""KVHandoffConfig: the settings every stage's KV hand-off shares (stage_handoff.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from prefill_node.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
-class KVShippingConfig:
-    """Settings of every stage's shipper. ``allow``: decode destinations a stage may write to
+class KVHandoffConfig:
+    """Settings of every stage's hand-off. ``allow``: decode destinations a stage may write to
     (CIDRs or agent names; default loopback only). ``lease_ttl_s``: pull leases (renewed by
     decode's heartbeats). ``progress``: how each stage's NIXL agent progresses (``KVProgress``;
     the default sleeps until traffic arrives). ``stream``: push mode WRITEs each chunk's
@@ -23,7 +23,7 @@ class KVShippingConfig:
     last chunk after the forward). ``debug_post_before_push`` (tests only): a final push
     first waits until every range handed over before it is posted, instead of taking the
     unposted ones back to carry them itself, so which ranges stream does not depend on
-    when the shipping thread gets a core (it makes the push wait for them to land)."""
+    when the hand-off thread gets a core (it makes the push wait for them to land)."""
 
     allow: AllowList = field(default_factory=AllowList.loopback)
     transfer_timeout_s: float = 30.0
@@ -45,11 +45,11 @@ class KVShippingConfig:
             )
         if min(self.transfer_timeout_s, self.handshake_timeout_s, self.lease_ttl_s) <= 0:
             raise InvalidRequestError(
-                "KV shipping timeouts and lease TTL must be positive, got "
+                "KV hand-off timeouts and lease TTL must be positive, got "
                 f"{self.transfer_timeout_s}, {self.handshake_timeout_s}, {self.lease_ttl_s}"
             )
         if not self.agent_prefix:
-            raise InvalidRequestError("KV shipping agent_prefix must be non-empty")
+            raise InvalidRequestError("KV hand-off agent_prefix must be non-empty")
 
     def sender_config(self, stage: int, num_stages: int) -> SenderConfig:
         return SenderConfig(

@@ -1,6 +1,6 @@
 """CommandLoop: hands work to one owner thread and paces that thread's polling.
 
-NIXL agents are used from one thread only, so the KV-shipping threads (in-process stages and
+NIXL agents are used from one thread only, so the KV hand-off threads (in-process stages and
 runtime stage processes) run every call on their own thread: other threads ``call`` work and
 get a Future; the owner thread's loop runs ``run_pending`` then its own polling, then ``pause``.
 """

@@ -1,21 +1,23 @@
-"""StageKVShipper streaming over real NIXL (issue 20): two stage shippers with real paged KV
-pools in this process, a spawned decode process (block size 8 fp32, or 2 in bf16).
+"""StageKVHandoff streaming over real NIXL (issue 20): two stages' hand-offs with real paged
+KV pools in this process, a spawned decode process (block size 8 fp32, or 2 in bf16). Each
+hand-off runs on the test's thread (``own_thread=False``), so the test orders every poll.
 
 Checks the mechanism the runtime relies on: streamed ranges then the final push ship exactly
 the tokens decode lacks (its cached prefix skipped); decode is not "ready" before the final
 push; the in-flight bound queues and coalesces ranges (and the final push carries a queue
 still waiting); every block reference handed over comes back exactly once; ``cancel``
 mid-stream tells decode the attempt failed, later calls for that id are dropped until
-``revive``, and the retry (a new transfer id) is exact; the poll that sees a request's last
-range land posts its final push (no poll interval lost on the tail); the last chunk's layer
-groups wait behind queued ranges, and the final push ships exactly the layers they left.
+it is admitted again (``supersede``), and the retry (a new transfer id) is exact; the poll
+that sees a request's last range land posts its final push (no poll interval lost on the
+tail); the last chunk's layer groups wait behind queued ranges, and the final push ships
+exactly the layers they left.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import pytest
@@ -24,9 +26,11 @@ import torch
 from kv_transfer.messages import Notification, PushDestination
 from kv_transfer.progress import KVProgress
 from prefill_node.core.block import KVBlock
+from prefill_node.core.stage_admission import FinalBlocks
 from prefill_node.engine.types import KVLayoutSpec, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidRequestError
-from prefill_node.kv_shipping.shipper import KVShippingConfig, StageKVShipper
+from prefill_node.kv_handoff.config import KVHandoffConfig
+from prefill_node.kv_handoff.stage_handoff import HandoffOutcome, StageKVHandoff
 from prefill_node.model.paged_kv import PagedKVCache
 from prefill_node.model.partition import LayerRange
 from tests.test_kv_transfer_nixl import (
@@ -42,7 +46,7 @@ from tests.test_kv_transfer_nixl import (
 
 pytestmark = pytest.mark.slow
 
-CONFIG = KVShippingConfig(
+CONFIG = KVHandoffConfig(
     transfer_timeout_s=3.0,
     handshake_timeout_s=0.5,
     progress=KVProgress.OWNER,
@@ -51,11 +55,43 @@ CONFIG = KVShippingConfig(
 )
 
 
-class StreamStages:
-    """Two stage shippers (layers [0, 2) and [2, 4)); counts every block reference handed
-    to them and every one they give back."""
+class TableOwner:
+    """A stage's cache as its hand-off sees it (``HandoffOwner``), over the block table the
+    test gives each request; counts every reference handed over and given back."""
 
-    def __init__(self, config: KVShippingConfig = CONFIG, tag: str = "") -> None:
+    def __init__(self, handed: Counter[int], returned: Counter[int]) -> None:
+        self.handed, self.returned = handed, returned
+        self.tables: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.shipped: dict[str, list[tuple[int, ...]]] = {}
+        self.given_back = 0  # references given back to this stage
+
+    def pin_final(self, request_id, start, end, *, to_prompt_end=False) -> FinalBlocks:
+        src, num_tokens = self.tables[request_id]
+        end = num_tokens if to_prompt_end else end
+        ids = src[start // PREFILL_BS : len(src) if to_prompt_end else end // PREFILL_BS]
+        self.handed.update(ids)
+        return FinalBlocks([KVBlock(b) for b in ids], src, num_tokens, start, end)
+
+    def ship(self, request_id: str, src: tuple[int, ...]) -> list[KVBlock]:
+        self.shipped.setdefault(request_id, []).append(src)
+        self.handed.update(src)
+        return [KVBlock(b) for b in src]
+
+    def release(self, request_id: str) -> None:
+        src = self.shipped[request_id].pop(0)
+        self.returned.update(src)
+        self.given_back += len(src)
+
+    def release_transfer(self, blocks: Sequence[KVBlock]) -> None:
+        self.returned.update(b.block_id for b in blocks)
+        self.given_back += len(blocks)
+
+
+class StreamStages:
+    """Two stages' hand-offs (layers [0, 2) and [2, 4)), polled by the test; every
+    outcome they report is kept per stage."""
+
+    def __init__(self, config: KVHandoffConfig = CONFIG, tag: str = "") -> None:
         gen = torch.Generator().manual_seed(1)
         self.pools = []
         for s in range(2):
@@ -68,43 +104,46 @@ class StreamStages:
         self.kv = [t for kv in self.pools for t in kv.tensors]  # for assert_shipped
         self.handed: Counter[int] = Counter()
         self.returned: Counter[int] = Counter()
-        self.shippers = [
-            StageKVShipper(s, 2, self.pools[s], config, self._give_back, f"stream{tag}-stage{s}")
-            for s in range(2)
-        ]
+        self.owners = [TableOwner(self.handed, self.returned) for _ in range(2)]
+        self.outcomes: list[list[HandoffOutcome]] = [[], []]
+        self.handoffs = []
+        for s in range(2):
+            handoff = StageKVHandoff(
+                s, 2, self.pools[s], config, self.owners[s],
+                agent_name=f"stream{tag}-stage{s}", own_thread=False,
+            )  # fmt: skip
+            handoff.report_to(self.outcomes[s].extend)
+            self.handoffs.append(handoff)
 
-    def _give_back(self, blocks) -> None:
-        self.returned.update(b.block_id for b in blocks)
-
-    def refs(self, block_ids) -> list[KVBlock]:
-        self.handed.update(block_ids)
-        return [KVBlock(b) for b in block_ids]
+    def table(self, request_id: str, src: tuple[int, ...], num_tokens: int) -> None:
+        for owner in self.owners:
+            owner.tables[request_id] = (src, num_tokens)
 
     def poll_until(self, predicate, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for shipper in self.shippers:
-                shipper.poll()
+            for handoff in self.handoffs:
+                handoff.poll()
             if predicate():
                 return True
             time.sleep(0.001)
         return False
 
-    def results(self, request_id: str, timeout_s: float = 8.0) -> list:
-        got: dict[int, object] = {}
+    def results(self, request_id: str, timeout_s: float = 8.0) -> list[HandoffOutcome]:
+        got: dict[int, HandoffOutcome] = {}
 
         def done() -> bool:
-            for shipper in self.shippers:
-                for r in shipper.take_results():
-                    if r.request_id == request_id:
-                        got[r.stage] = r
+            for stage, outcomes in enumerate(self.outcomes):
+                got.update((stage, o) for o in outcomes if o.request_id == request_id)
             return len(got) == 2
 
         assert self.poll_until(done, timeout_s)
+        for outcomes in self.outcomes:
+            outcomes[:] = [o for o in outcomes if o.request_id != request_id]
         return [got[0], got[1]]
 
     def balanced(self) -> bool:
-        return self.handed == self.returned and all(s.held_blocks == 0 for s in self.shippers)
+        return self.handed == self.returned and all(h.held_blocks == 0 for h in self.handoffs)
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +157,9 @@ def decode() -> Iterator[Decode]:
 def stages() -> Iterator[StreamStages]:
     pipeline = StreamStages()
     yield pipeline
-    for shipper in pipeline.shippers:
-        shipper.check_integrity()
-        shipper.close()
+    for handoff in pipeline.handoffs:
+        handoff.check_integrity()
+        handoff.close()
     assert pipeline.handed == pipeline.returned
 
 
@@ -143,15 +182,16 @@ def manifest(src: tuple[int, ...], num_tokens: int) -> StageKVManifest:
 
 
 def stream_ranges(stages, request_id, src, dest, num_tokens, ranges) -> None:
-    for shipper in stages.shippers:
+    stages.table(request_id, src, num_tokens)
+    for handoff in stages.handoffs:
         for start, end in ranges:
-            blocks = stages.refs(src[start // PREFILL_BS : end // PREFILL_BS])
-            shipper.stream(request_id, blocks, src, dest, num_tokens, start, end)
+            handoff.stream(request_id, start, end, dest)
 
 
 def push_final(stages, request_id, src, dest, num_tokens) -> None:
-    for shipper in stages.shippers:
-        shipper.push(request_id, stages.refs(src), manifest(src, num_tokens), dest)
+    for owner, handoff in zip(stages.owners, stages.handoffs, strict=True):
+        blocks = owner.ship(request_id, src)
+        handoff.ship(request_id, blocks, manifest(src, num_tokens), dest)
 
 
 @pytest.mark.parametrize("pool", POOLS)
@@ -161,15 +201,15 @@ def test_streamed_ranges_then_final_push_ship_exactly_the_delta(decode, stages, 
     src = prefill_blocks(num_tokens, seed=10 + skip_blocks)
     rid = f"stream-{pool}-{skip}"
     dest = engine_dest(decode.call("expect", pool, rid, num_tokens, skip), pool, skip_blocks)
-    posted = [s.parts_posted for s in stages.shippers]
+    posted = [s.parts_posted for s in stages.handoffs]
     # three chunks' ranges at once: one WRITE in flight per stage, the others queue ...
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16), (16, 24)])
-    assert [s.parts_posted - p for s, p in zip(stages.shippers, posted, strict=True)] == [1, 1]
+    assert [s.parts_posted - p for s, p in zip(stages.handoffs, posted, strict=True)] == [1, 1]
     # ... and go as ONE coalesced WRITE once the first landed
     assert stages.poll_until(
         lambda: all(
             s.parts_posted - p == 2 and not s.busy
-            for s, p in zip(stages.shippers, posted, strict=True)
+            for s, p in zip(stages.handoffs, posted, strict=True)
         )
     )
     assert decode.call("still_pending", pool, rid, 0.2)  # parts landed; nobody said "done"
@@ -186,13 +226,13 @@ def test_the_final_push_carries_ranges_still_queued(decode, stages):
     src = prefill_blocks(num_tokens, seed=20)
     rid = "stream-queued"
     dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
-    posted = [s.parts_posted for s in stages.shippers]
+    posted = [s.parts_posted for s in stages.handoffs]
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
-    for shipper in stages.shippers:
-        shipper.poll()  # posts (0, 8)
+    for handoff in stages.handoffs:
+        handoff.poll()  # posts (0, 8)
     push_final(stages, rid, src, dest, num_tokens)  # (8, 16) never got a WRITE of its own
     assert all(r.ok for r in stages.results(rid))
-    assert [s.parts_posted - p for s, p in zip(stages.shippers, posted, strict=True)] == [1, 1]
+    assert [s.parts_posted - p for s, p in zip(stages.handoffs, posted, strict=True)] == [1, 1]
     assert decode.call("wait", pool, rid) == (None, 0)
     assert_shipped(decode, stages, pool, dest.block_ids, 0, num_tokens, src)
     assert stages.balanced()
@@ -204,21 +244,24 @@ def test_cancel_mid_stream_fails_decodes_attempt_and_a_retry_is_exact(decode, st
     rid = "stream-cancel"
     dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 12)])
-    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
-    for shipper in stages.shippers:
-        shipper.cancel(rid)
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.handoffs))
+    for handoff in stages.handoffs:
+        handoff.cancel(rid)
     assert decode.call("wait", pool, rid) == ("TransferFailed", 0)  # told, not timed out
     assert stages.balanced()
     # late calls of the cancelled request are dropped, their references given back at once
     stream_ranges(stages, rid, src, dest, num_tokens, [(12, 20)])
     push_final(stages, rid, src, dest, num_tokens)
-    assert stages.balanced() and not any(s.busy or s.take_results() for s in stages.shippers)
-    for shipper in stages.shippers:  # the id is admitted again: a new attempt
-        shipper.revive(rid)
+    for handoff in stages.handoffs:
+        handoff.poll()
+    assert stages.balanced() and not any(h.busy for h in stages.handoffs)
+    assert not any(o.request_id == rid for outcomes in stages.outcomes for o in outcomes)
+    for handoff in stages.handoffs:  # the id is admitted again: a new attempt
+        handoff.supersede([rid])
     retry = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     assert retry.transfer_id != dest.transfer_id
     ignored = decode.call("stats", pool)
-    sender = stages.shippers[0].sender  # late notes of the old attempt: ignored by the retry
+    sender = stages.handoffs[0].sender  # late notes of the old attempt: ignored by the retry
     decode_agent = sender._peers[dest.metadata_endpoint].agent_name
     for kind in ("part", "done"):
         note = Notification(
@@ -233,8 +276,8 @@ def test_cancel_mid_stream_fails_decodes_attempt_and_a_retry_is_exact(decode, st
     assert decode.call("wait", pool, rid) == (None, 0)
     assert_shipped(decode, stages, pool, retry.block_ids, 0, num_tokens, src)
     assert stages.balanced()
-    for shipper in stages.shippers:
-        shipper.check_integrity()
+    for handoff in stages.handoffs:
+        handoff.check_integrity()
 
 
 def test_the_poll_that_sees_the_last_range_land_posts_the_final_push(decode):
@@ -249,45 +292,46 @@ def test_the_poll_that_sees_the_last_range_land_posts_the_final_push(decode):
             dest = engine_dest(decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
             stream_ranges(stages, rid, src, dest, num_tokens, [(0, 16)])
             if attempt == "tail":
-                for shipper in stages.shippers:
-                    shipper.poll()  # posts the range (the peer is known)
-            push_final(stages, rid, src, dest, num_tokens)  # queued behind the range
-            for shipper in stages.shippers:
-                back, posted = sum(stages.returned.values()), shipper.sender.writes_posted
+                for handoff in stages.handoffs:
+                    handoff.poll()  # posts the range (the peer is known)
+            for owner, handoff in zip(stages.owners, stages.handoffs, strict=True):
+                back, posted = owner.given_back, handoff.sender.writes_posted
+                blocks = owner.ship(rid, src)  # its final push: queued behind the range
+                handoff.ship(rid, blocks, manifest(src, num_tokens), dest)
                 deadline = time.monotonic() + 5.0
-                while sum(stages.returned.values()) - back < 16 // PREFILL_BS:
+                while owner.given_back - back < 16 // PREFILL_BS:
                     assert time.monotonic() < deadline, "the streamed range never landed"
-                    shipper.poll()
+                    handoff.poll()
                     time.sleep(0.001)
                 if attempt == "tail":  # the range's end seen, and the final push posted
-                    assert shipper.sender.writes_posted == posted + 1
+                    assert handoff.sender.writes_posted == posted + 1
             assert all(r.ok for r in stages.results(rid))
             assert decode.call("wait", pool, rid) == (None, 0)
             assert_shipped(decode, stages, pool, dest.block_ids, 0, num_tokens, src)
         assert stages.balanced()
     finally:
-        for shipper in stages.shippers:
-            shipper.check_integrity()
-            shipper.close()
+        for handoff in stages.handoffs:
+            handoff.check_integrity()
+            handoff.close()
 
 
 def test_layer_group_ends_split_a_stage_with_the_smallest_group_last():
-    config = KVShippingConfig()
+    config = KVHandoffConfig()
     assert config.layer_group_ends(0, 15) == (4, 8, 12)  # groups of 4, 4, 4 and 3 layers
     assert config.layer_group_ends(2, 4) == (3,)
     assert config.layer_group_ends(5, 6) == ()  # one layer: one group, the final push's
     assert replace(config, stream_layer_groups=1).layer_group_ends(0, 15) == ()
     assert replace(config, stream=False).layer_group_ends(0, 15) == ()
     with pytest.raises(InvalidRequestError):
-        KVShippingConfig(stream_layer_groups=0)
+        KVHandoffConfig(stream_layer_groups=0)
 
 
 def stream_first_layer(stages, request_id, src, dest, num_tokens, start) -> None:
     """The last chunk (from ``start``) of stage s's first layer [2s, 2s + 1), every block
     to the prompt's end (the partial last one too)."""
-    for s, shipper in enumerate(stages.shippers):
-        blocks = stages.refs(src[start // PREFILL_BS :])
-        shipper.stream(request_id, blocks, src, dest, num_tokens, start, num_tokens, 2 * s + 1)
+    stages.table(request_id, src, num_tokens)
+    for s, handoff in enumerate(stages.handoffs):
+        handoff.stream(request_id, start, num_tokens, dest, layer_end=2 * s + 1)
 
 
 @pytest.fixture(scope="module")
@@ -310,14 +354,14 @@ def test_a_layer_group_waits_for_queued_ranges_and_the_final_push_sends_the_rest
     src = prefill_blocks(num_tokens, seed=50)
     rid = f"groups-{pool}"
     dest = engine_dest(worker.call("expect", pool, rid, num_tokens, 0), pool, 0)
-    posted = [s.parts_posted for s in stages.shippers]
+    posted = [s.parts_posted for s in stages.handoffs]
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
     stream_first_layer(stages, rid, src, dest, num_tokens, 16)
-    assert [s.parts_posted - p for s, p in zip(stages.shippers, posted, strict=True)] == [1, 1]
+    assert [s.parts_posted - p for s, p in zip(stages.handoffs, posted, strict=True)] == [1, 1]
     assert stages.poll_until(
         lambda: all(
             s.parts_posted - p == 3 and not s.busy
-            for s, p in zip(stages.shippers, posted, strict=True)
+            for s, p in zip(stages.handoffs, posted, strict=True)
         )
     )
     assert worker.call("still_pending", pool, rid, 0.2)
@@ -360,14 +404,14 @@ def test_a_layer_group_handed_over_but_not_posted_rides_the_final_push(direct_de
     rid = "groups-unposted"
     dest = engine_dest(direct_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8), (8, 16)])
-    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
-    posted = [(s.parts_posted, s.sender.writes_posted) for s in stages.shippers]
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.handoffs))
+    posted = [(s.parts_posted, s.sender.writes_posted) for s in stages.handoffs]
     stream_first_layer(stages, rid, src, dest, num_tokens, 16)  # handed to the sender ...
-    assert all(s.sender.parts_inflight == 1 for s in stages.shippers)
+    assert all(s.sender.parts_inflight == 1 for s in stages.handoffs)
     push_final(stages, rid, src, dest, num_tokens)  # ... and taken back, unposted
-    assert all(s.sender.parts_inflight == 0 for s in stages.shippers)
+    assert all(s.sender.parts_inflight == 0 for s in stages.handoffs)
     assert all(r.ok for r in stages.results(rid))
-    after = [(s.parts_posted, s.sender.writes_posted) for s in stages.shippers]
+    after = [(s.parts_posted, s.sender.writes_posted) for s in stages.handoffs]
     assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, posted, strict=True)] == [(0, 1)] * 2
     assert direct_decode.call("wait", pool, rid) == (None, 0)
     assert_shipped(direct_decode, stages, pool, dest.block_ids, 0, num_tokens, src)
@@ -383,13 +427,13 @@ def test_cancel_after_a_layer_group_fails_decodes_attempt_and_gives_every_block_
     dest = engine_dest(convert_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 8)])
     stream_first_layer(stages, rid, src, dest, num_tokens, 8)
-    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
-    for shipper in stages.shippers:
-        shipper.cancel(rid)
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.handoffs))
+    for handoff in stages.handoffs:
+        handoff.cancel(rid)
     assert convert_decode.call("wait", pool, rid) == ("TransferFailed", 0)
     assert stages.balanced()
-    for shipper in stages.shippers:
-        shipper.check_integrity()
+    for handoff in stages.handoffs:
+        handoff.check_integrity()
 
 
 def test_a_reception_is_due_once_a_stage_streamed_its_last_token(direct_decode, stages):
@@ -401,11 +445,11 @@ def test_a_reception_is_due_once_a_stage_streamed_its_last_token(direct_decode, 
     rid = "stream-due"
     dest = engine_dest(direct_decode.call("expect", pool, rid, num_tokens, 0), pool, 0)
     stream_ranges(stages, rid, src, dest, num_tokens, [(0, 16)])
-    assert stages.poll_until(lambda: not any(s.busy for s in stages.shippers))
+    assert stages.poll_until(lambda: not any(s.busy for s in stages.handoffs))
     assert direct_decode.call("still_pending", pool, rid, 0.2)
     assert not direct_decode.call("due", pool)
-    first = stages.shippers[0]  # its first layer of the last chunk, to the prompt's end
-    first.stream(rid, stages.refs(src[1:]), src, dest, num_tokens, 16, num_tokens, layer_end=1)
+    first = stages.handoffs[0]  # its first layer of the last chunk, to the prompt's end
+    first.stream(rid, 16, num_tokens, dest, layer_end=1)
     assert stages.poll_until(lambda: not first.busy)
     assert direct_decode.call("still_pending", pool, rid, 0.2) and direct_decode.call("due", pool)
     push_final(stages, rid, src, dest, num_tokens)

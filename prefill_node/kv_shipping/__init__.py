@@ -1,1 +1,0 @@
-"""Per-stage KV hand-off to decode: the stage's shipper, wire conversion, its thread wrapper."""
