@@ -120,7 +120,8 @@ def make_engine(kind: str, service_s: float, jitter: float):
 
     from prefill_node.model.config import ModelConfig, ModelFamily
     from prefill_node.model.weights import random_weights
-    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+    from prefill_node.runtime.engine_config import EngineConfig
+    from prefill_node.runtime.local_engine import LocalEngine
 
     torch.set_num_threads(1)
     config = ModelConfig(
@@ -139,7 +140,7 @@ def make_engine(kind: str, service_s: float, jitter: float):
         tie_word_embeddings=True,
         name="bench-tiny",
     )
-    engine_config = LocalEngineConfig(num_stages=2, num_blocks=4096, block_size=16)
+    engine_config = EngineConfig(stages=2, num_blocks=4096, block_size=16)
     return LocalEngine.from_weights(config, random_weights(config, seed=0), engine_config)
 
 

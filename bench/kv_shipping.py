@@ -113,7 +113,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, decode, stream: bool) -> None:
         from prefill_node.kv_handoff.config import KVHandoffConfig
-        from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+        from prefill_node.runtime.engine_config import EngineConfig
+        from prefill_node.runtime.factory import build_engine
 
         blocks_per_prompt = -(-args.tokens // args.block_size)
         self.decode = decode
@@ -121,25 +122,15 @@ class Bench:
         if args.layer_groups is not None:
             handoff = replace(handoff, stream_layer_groups=args.layer_groups)
         self.layer_groups = handoff.stream_layer_groups if stream else 1
-        if args.engine == "pipeline":
-            from prefill_node.runtime.factory import start_pipeline_engine
-
-            self.engine = start_pipeline_engine(
-                model_dir,
-                args.stages,
-                num_blocks=blocks_per_prompt * 4,
-                block_size=args.block_size,
-                max_wave_tokens=args.max_chunk_tokens,
-                kv_handoff=handoff,
-            )
-        else:
-            config = LocalEngineConfig(
-                num_stages=args.stages,
-                num_blocks=blocks_per_prompt * 4,
-                block_size=args.block_size,
-                max_wave_tokens=args.max_chunk_tokens,
-            )
-            self.engine = LocalEngine.from_model_dir(model_dir, config, handoff)
+        config = EngineConfig(
+            model_dir=model_dir,
+            stages=args.stages,
+            num_blocks=blocks_per_prompt * 4,
+            block_size=args.block_size,
+            max_wave_tokens=args.max_chunk_tokens,
+            kv_handoff=handoff,
+        )
+        self.engine = build_engine(config, args.engine)
         rng = random.Random(0)
         vocab = self.engine.vocab_size
         self.prompts = [

@@ -48,14 +48,15 @@ def _driver_main(core_share: bool, stages: int, dtype: str, blocks: int, conn) -
     from prefill_node.model.default_model import default_model_dir
     from prefill_node.model.loader_hf import load_hf_config
     from prefill_node.model.partition import split_layers
+    from prefill_node.runtime.engine_config import EngineConfig
     from prefill_node.runtime.factory import start_pipeline_engine
 
     model_dir = default_model_dir()
     config = load_hf_config(model_dir)
     layers = [len(r) for r in split_layers(config.num_layers, stages)]
-    engine = start_pipeline_engine(model_dir, stages, num_blocks=blocks, block_size=BLOCK,
-                                   max_wave_tokens=WAVE_TOKENS, dtype=dtype,
-                                   core_share=core_share)  # fmt: skip
+    engine = start_pipeline_engine(EngineConfig(
+        model_dir=model_dir, stages=stages, num_blocks=blocks, block_size=BLOCK,
+        max_wave_tokens=WAVE_TOKENS, dtype=dtype, core_share=core_share))  # fmt: skip
     warm = Case("warm", 2, 512)  # first forwards build oneDNN's primitives
     serve_commands(
         conn,

@@ -11,7 +11,8 @@ from prefill_node.engine.types import Engine
 from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import DistEnv, free_local_port
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from prefill_node.runtime.pipeline_engine import PipelineEngine
 from prefill_node.runtime.spec import ModelSource, PipelineSpec
 from prefill_node.server.kv_event_hub import KVEventHub
@@ -79,8 +80,8 @@ TINY_CONFIG = tiny_qwen3("tiny-grpc", max_position_embeddings=64)
 def tiny_local_engine(num_blocks: int = 256, stage_delay_s: float = 0.0) -> LocalEngine:
     """A 2-stage LocalEngine on a random 3-layer model (block size 4, waves of 16 tokens);
     ``stage_delay_s`` > 0 makes every stage sleep that long per wave (real caches, slow)."""
-    config = LocalEngineConfig(
-        num_stages=2,
+    config = EngineConfig(
+        stages=2,
         num_blocks=num_blocks,
         block_size=4,
         max_wave_tokens=16,

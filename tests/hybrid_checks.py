@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from prefill_node.engine.types import PrefillOptions
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 
 WantLogits = Callable[[list[int]], torch.Tensor]
 
@@ -21,9 +22,7 @@ def check_reuse_up_to_a_snapshot(
     """2 stages, 20-token chunks (ends fall mid-block): a prompt sharing 36 tokens reuses 4
     blocks (the snapshot boundary at 32); a wholly cached prompt of 40 reuses
     (40 - 1) // 8 = 4 blocks, never a block without its last token."""
-    engine_config = LocalEngineConfig(
-        num_stages=2, num_blocks=32, block_size=block, max_wave_tokens=20
-    )
+    engine_config = EngineConfig(stages=2, num_blocks=32, block_size=block, max_wave_tokens=20)
     engine = LocalEngine.from_weights(config, weights, engine_config)
     prompts = [list(tokens[:40]), list(tokens[:36]) + list(tokens[60:70]), list(tokens[:40])]
     outs = [engine.prefill(p, PrefillOptions()) for p in prompts]
@@ -38,9 +37,7 @@ def check_eviction_shrinks_reuse(
 ) -> None:
     """A 7-block stage cache: a second prompt evicts the tail of the first one's chain, so
     repeating the first reuses only its leading blocks (their snapshots came with them)."""
-    engine_config = LocalEngineConfig(
-        num_stages=2, num_blocks=7, block_size=block, max_wave_tokens=16
-    )
+    engine_config = EngineConfig(stages=2, num_blocks=7, block_size=block, max_wave_tokens=16)
     engine = LocalEngine.from_weights(config, weights, engine_config)
     first, other = list(tokens[:40]), list(tokens[30:70])
     outs = [engine.prefill(p, PrefillOptions()) for p in (first, other, first)]

@@ -1,5 +1,5 @@
-"""`wavepp serve` and `wavepp prefill` share one set of engine flags with EngineSpec's
-defaults, and both read them back into the same EngineSpec."""
+"""`wavepp serve` and `wavepp prefill` share one set of engine flags with EngineConfig's
+defaults, and both read them back into the same EngineConfig."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import pytest
 from prefill_node.cli.main import build_parser
 from prefill_node.cli.options import engine_spec
 from prefill_node.errors import InvalidRequestError
-from prefill_node.server.engine_factory import EngineSpec, engine_defaults
+from prefill_node.runtime.engine_config import EngineConfig, config_defaults
 
 SHARED = (
-    "engine",
     "policy",
     "num_blocks",
     "block_size",
@@ -25,7 +24,7 @@ SHARED = (
 )
 
 
-def _spec(argv: list[str]) -> EngineSpec:
+def _spec(argv: list[str]) -> EngineConfig:
     args = build_parser().parse_args(argv)
     return engine_spec(args, Path("/model"))
 
@@ -33,7 +32,7 @@ def _spec(argv: list[str]) -> EngineSpec:
 def test_serve_and_prefill_build_the_same_spec_from_their_defaults() -> None:
     serve = _spec(["serve"])
     prefill = _spec(["prefill", "hello"])
-    defaults = EngineSpec(model_dir=Path("/model"))
+    defaults = EngineConfig(model_dir=Path("/model"))
     for name in SHARED:
         assert getattr(serve, name) == getattr(prefill, name) == getattr(defaults, name), name
     assert (serve.stages, prefill.stages) == (2, 1)  # the one per-command default
@@ -60,7 +59,8 @@ def test_flags_reach_the_spec() -> None:
         spec = _spec(command + argv)
         assert spec.num_blocks == (64, 32) and spec.block_size == 8
         assert (spec.max_wave_tokens, spec.min_wave_tokens) == (64, 16)
-        assert (spec.dtype, spec.policy, spec.engine) == ("bfloat16", "trtllm", "local")
+        assert (spec.dtype, spec.policy) == ("bfloat16", "trtllm")
+        assert build_parser().parse_args(command + argv).engine == "local"  # the transport
 
 
 def test_bad_values_are_typed_errors() -> None:
@@ -72,5 +72,5 @@ def test_bad_values_are_typed_errors() -> None:
 
 def test_help_shows_the_spec_defaults() -> None:
     text = build_parser()._subparsers._group_actions[0].choices["prefill"].format_help()
-    d = engine_defaults()
+    d = config_defaults()
     assert f"(default {d['num_blocks'][0]})" in " ".join(text.split())

@@ -20,7 +20,8 @@ from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.tokenizer import Tokenizer
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import REVISION_ENV, free_local_port
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from prefill_node.runtime.stage_main import EXIT_REVISION_MISMATCH
 from tests.grpc_harness import TINY_CONFIG, wait_until
 from tests.tiny_models import save_word_tokenizer
@@ -116,7 +117,9 @@ def test_prefill_server_sends_text_for_the_server_to_tokenise(tmp_path):
     )
     plain_ids = tokenizer.encode(text)
     assert len(chat_ids) == 12 and len(plain_ids) == 7  # the template and system were applied
-    direct = LocalEngine.from_model_dir(tmp_path, LocalEngineConfig(2, 64, 4))
+    direct = LocalEngine.from_model_dir(
+        EngineConfig(model_dir=tmp_path, stages=2, num_blocks=64, block_size=4)
+    )
     for rows, ids in ((chat, chat_ids), (plain, plain_ids)):
         want = direct.submit(ids, PrefillOptions(top_logprobs=2)).result()
         assert {r["first_token_id"] for r in rows} == {want.first_token_id}
@@ -252,8 +255,8 @@ def test_serve_then_prefill_over_grpc_shows_reuse_and_matches_in_process(tmp_pat
         if server.poll() is None:
             server.kill()
             server.wait()
-    config = LocalEngineConfig(num_stages=2, num_blocks=64, block_size=4)
-    direct = LocalEngine.from_model_dir(tmp_path, config)
+    config = EngineConfig(model_dir=tmp_path, stages=2, num_blocks=64, block_size=4)
+    direct = LocalEngine.from_model_dir(config)
     want = direct.submit([int(x) for x in ids.split(",")], PrefillOptions(top_logprobs=2)).result()
     assert [(r["prompt_tokens"], r["cached_tokens"]) for r in rows] == [(9, 0), (9, 8)]
     assert {r["first_token_id"] for r in rows} == {want.first_token_id}

@@ -14,7 +14,8 @@ from prefill_node.errors import ModelFileNotFoundError
 from prefill_node.model import default_model
 from prefill_node.model.default_model import REQUIRED_FILES, ensure_default_model
 from prefill_node.model.tokenizer import Tokenizer
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,10 @@ def tokenizer(default_model_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir: Path):
-    config = LocalEngineConfig(num_stages=2, num_blocks=160, block_size=16, max_wave_tokens=512)
-    engine = LocalEngine.from_model_dir(default_model_dir, config)
+    config = EngineConfig(
+        model_dir=default_model_dir, stages=2, num_blocks=160, block_size=16, max_wave_tokens=512
+    )
+    engine = LocalEngine.from_model_dir(config)
     yield engine
     engine.check_integrity()
 

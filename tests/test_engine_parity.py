@@ -19,7 +19,8 @@ from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import RequestAbortedError
 from prefill_node.model.config import ModelConfig
 from prefill_node.model.weights import random_weights
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from tests.grpc_harness import PIPELINE_HF, start_tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,8 +37,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _local() -> LocalEngine:
     model = ModelConfig.from_hf_config(PIPELINE_HF, name="tiny-grpc-pipeline")
-    config = LocalEngineConfig(
-        num_stages=2,
+    config = EngineConfig(
+        stages=2,
         num_blocks=BLOCKS,
         block_size=4,
         max_wave_tokens=CHUNK,

@@ -41,7 +41,8 @@ from prefill_node.model.default_model import DEFAULT_MODEL_DIRNAME, is_complete
 from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import free_local_port
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from tests.helm_harness import (
     CLUSTER_DNS,
     NAMESPACE,
@@ -253,7 +254,11 @@ async def test_rendered_pipeline_serves_a_prefill_through_the_router(
     model_dir = tmp_path / "tiny-helm"
     save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=14))
     prompt = [(7 * i + 3) % 64 for i in range(41)]
-    direct = LocalEngine.from_model_dir(model_dir, LocalEngineConfig(2, 128, 4, 16))
+    direct = LocalEngine.from_model_dir(
+        EngineConfig(
+            model_dir=model_dir, stages=2, num_blocks=128, block_size=4, max_wave_tokens=16
+        )
+    )
     want = direct.submit(prompt, PrefillOptions(top_logprobs=5)).result()
 
     manifest = rendered_chart(layout)
@@ -389,7 +394,11 @@ async def test_a_pod_per_pipeline_roll_keeps_the_router_serving(kmock, tmp_path)
     model_dir = tmp_path / "tiny-helm"
     save_hf_checkpoint(model_dir, MODEL, random_weights(MODEL, seed=15))
     prompt = [(5 * i + 1) % 64 for i in range(23)]
-    direct = LocalEngine.from_model_dir(model_dir, LocalEngineConfig(2, 128, 4, 16))
+    direct = LocalEngine.from_model_dir(
+        EngineConfig(
+            model_dir=model_dir, stages=2, num_blocks=128, block_size=4, max_wave_tokens=16
+        )
+    )
     want = direct.submit(prompt, PrefillOptions()).result().first_token_id
 
     def revision(tag: str, num_blocks: str, i: int) -> tuple[Manifest, Pod]:

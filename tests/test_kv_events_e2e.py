@@ -19,8 +19,9 @@ from prefill_node.core.kv_events import AllBlocksCleared, BlockRemoved, BlockSto
 from prefill_node.engine.types import PrefillOptions
 from prefill_node.model.loader_hf import load_hf_config, save_hf_checkpoint
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.kv_event_feed import KVEventFeed
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.wire.kv_convert import event_from_proto
 from tests.grpc_harness import TINY_CONFIG, ServerThread, wait_until
@@ -30,8 +31,8 @@ BS = 4
 
 
 def engine_with_events(num_blocks: tuple[int, ...], sink) -> LocalEngine:
-    config = LocalEngineConfig(
-        num_stages=len(num_blocks), num_blocks=num_blocks, block_size=BS, max_wave_tokens=16
+    config = EngineConfig(
+        stages=len(num_blocks), num_blocks=num_blocks, block_size=BS, max_wave_tokens=16
     )
     weights = random_weights(TINY_CONFIG, seed=5)
     return LocalEngine.from_weights(TINY_CONFIG, weights, config, kv_events=sink)

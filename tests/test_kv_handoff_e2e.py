@@ -22,7 +22,8 @@ from prefill_node.errors import InvalidKVDestinationError, KVHandoffError
 from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -72,8 +73,10 @@ def decode():
 
 @pytest.fixture(scope="module")
 def engine():
-    config = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_wave_tokens=8)
-    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, SHIPPING)
+    config = EngineConfig(
+        stages=2, num_blocks=40, block_size=4, max_wave_tokens=8, kv_handoff=SHIPPING
+    )
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
     yield engine
     wait_idle(engine)
     engine.shutdown()
@@ -255,9 +258,9 @@ def test_rejected_destinations_fail_before_any_write(engine):
 
 
 def test_unread_pull_lease_expires_after_the_requests_ttl_and_unpins_every_stage():
-    config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=4)
     handoff = KVHandoffConfig(lease_ttl_s=60.0)  # node default: long
-    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config, handoff)
+    config = EngineConfig(stages=2, num_blocks=8, block_size=4, kv_handoff=handoff)
+    engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
     try:
         options = PrefillOptions("unread", kv_destination=KVPullDestination(lease_ttl_s=0.5))
         result = engine.submit(prompt_of(10, seed=6), options).result()
@@ -282,8 +285,10 @@ def test_moe_and_mla_families_push_and_pull_equal_transformers_generate(tmp_path
     push_prompt, pull_prompt = prompt_of(13, seed=8), prompt_of(17, seed=9)
     spec = DecodeWorkerSpec(model_config=config, seed=0, num_blocks=48, block_size=8, timeout_s=5)
     with DecodeWorkerProcess(spec) as decode:
-        local = LocalEngineConfig(num_stages=2, num_blocks=40, block_size=4, max_wave_tokens=6)
-        engine = LocalEngine.from_weights(config, weights, local, SHIPPING)
+        local = EngineConfig(
+            stages=2, num_blocks=40, block_size=4, max_wave_tokens=6, kv_handoff=SHIPPING
+        )
+        engine = LocalEngine.from_weights(config, weights, local)
         try:
             pushed = push_round_trip(engine, decode, f"{family}-push", push_prompt)
             options = PrefillOptions(f"{family}-pull", kv_destination=KVPullDestination())
@@ -312,8 +317,7 @@ def test_smollm2_push_generation_equals_monolithic_greedy(default_model_dir):
         engine = LocalEngine.from_weights(
             config,
             weights,
-            LocalEngineConfig(num_stages=2, num_blocks=16, block_size=16),
-            SHIPPING,
+            EngineConfig(stages=2, num_blocks=16, block_size=16, kv_handoff=SHIPPING),
         )
         try:
             tokens = push_round_trip(engine, decode, "smol", prompt, SMOL_TOKENS)

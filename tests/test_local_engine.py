@@ -19,9 +19,11 @@ from prefill_node.errors import (
     RequestAbortedError,
     UnavailableError,
 )
+from prefill_node.model.partition import LayerRange
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from prefill_node.runtime.messages import WaveChunk, WaveHeader
 from tests.tiny_models import tiny_llama
 
@@ -38,7 +40,7 @@ def make_engine():
     def make(stages: int = 2, num_blocks: int | tuple[int, ...] = 32, **kw) -> LocalEngine:
         kw.setdefault("block_size", 4)
         kw.setdefault("max_wave_tokens", 5)
-        config = LocalEngineConfig(num_stages=stages, num_blocks=num_blocks, **kw)
+        config = EngineConfig(stages=stages, num_blocks=num_blocks, **kw)
         engine = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
         built.append(engine)
         return engine
@@ -280,15 +282,11 @@ def test_stage_materialises_on_escrowed_blocks(make_engine) -> None:
 
 
 def test_min_wave_tokens_reaches_the_spec_and_bad_values_name_the_option() -> None:
-    from prefill_node.server.engine_factory import EngineSpec
-
-    layers = [(0, CONFIG.num_layers)]
-    config = LocalEngineConfig(block_size=4, max_wave_tokens=16)
+    layers = (LayerRange(0, CONFIG.num_layers),)
+    config = EngineConfig(stages=1, block_size=4, max_wave_tokens=16)
     assert config.pipeline_spec(layers).min_wave_tokens == 8  # default: M/2
-    config = LocalEngineConfig(block_size=4, max_wave_tokens=16, min_wave_tokens=4)
+    config = EngineConfig(stages=1, block_size=4, max_wave_tokens=16, min_wave_tokens=4)
     assert config.pipeline_spec(layers).min_wave_tokens == 4
     for bad in (0, 6, 20):  # below one block, not whole blocks, above the wave budget
         with pytest.raises(InvalidRequestError, match="--min-wave-tokens"):
-            LocalEngineConfig(block_size=4, max_wave_tokens=16, min_wave_tokens=bad)
-        with pytest.raises(InvalidRequestError, match="--min-wave-tokens"):
-            EngineSpec(model_dir=None, block_size=4, max_wave_tokens=16, min_wave_tokens=bad)
+            EngineConfig(block_size=4, max_wave_tokens=16, min_wave_tokens=bad)

@@ -28,7 +28,8 @@ from prefill_node.model.partition import LayerRange, split_layers
 from prefill_node.model.recurrent_cache import HybridKVCache
 from prefill_node.model.stage_model import StageModel
 from prefill_node.model.weights import random_weights, weight_shapes
-from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
 from tests.hybrid_checks import check_eviction_shrinks_reuse, check_reuse_up_to_a_snapshot
 from tests.tiny_models import TINY_QWEN3_NEXT_HF, tiny_qwen3_next
 
@@ -216,7 +217,7 @@ def test_the_server_reports_the_snapshot_interval_to_routers():
     from prefill_node.client.remote_engine import RemoteEngine
     from tests.grpc_harness import ServerThread
 
-    config = LocalEngineConfig(num_stages=2, num_blocks=8, block_size=BLOCK)
+    config = EngineConfig(stages=2, num_blocks=8, block_size=BLOCK)
     with ServerThread(LocalEngine.from_weights(CONFIG, WEIGHTS, config)) as srv:
         remote = RemoteEngine(srv.target)
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from prefill_node.core.planner import PlannerMode
@@ -71,9 +73,9 @@ def test_runtime_spec_runs_the_core_policy_with_its_headroom() -> None:
     )
     assert spec.scheduling_policy == wave_policy(2, PlannerMode.MPU, 5)
     assert [spec.headroom_blocks(s) for s in (0, 1)] == [10, 16]
-    lock = PipelineSpec(**{**spec.__dict__, "policy": "sync-admission"})
+    lock = replace(spec, policy="sync-admission")
     assert lock.scheduling_policy == sync_admission_policy(2, 5) and lock.ring == 2
-    trt = PipelineSpec(**{**spec.__dict__, "policy": "trtllm"})
+    trt = replace(spec, policy="trtllm")
     assert trt.scheduling_policy == trtllm_policy(2, 5) and trt.ring == 2
 
 

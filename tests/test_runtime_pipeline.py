@@ -311,6 +311,7 @@ def test_killing_a_stage_fails_in_flight_requests_within_seconds(start) -> None:
 
 def test_torchrun_env_launch_leader_plus_wavepp_stage_process(tmp_path, monkeypatch) -> None:
     """The Kubernetes path: the leader from RANK=0 env, the other stage via `wavepp stage`."""
+    from prefill_node.runtime.engine_config import EngineConfig
     from prefill_node.runtime.factory import start_pipeline_engine
 
     save_hf_checkpoint(tmp_path, MODEL, WEIGHTS)
@@ -323,15 +324,16 @@ def test_torchrun_env_launch_leader_plus_wavepp_stage_process(tmp_path, monkeypa
     try:
         for key, value in env.to_env().items():
             monkeypatch.setenv(key, value)
-        engine = start_pipeline_engine(
-            tmp_path,
-            2,
-            "sync-admission",
+        config = EngineConfig(
+            model_dir=tmp_path,
+            stages=2,
+            policy="sync-admission",
             num_blocks=(64, 32),
             block_size=4,
             max_wave_tokens=16,
-            startup_timeout_s=60,
+            stage_wait_s=60,
         )
+        engine = start_pipeline_engine(config)
         assert engine.stage_pids == {}  # nothing launched locally
         prompt = list(range(1, 40))
         res = engine.submit(prompt, PrefillOptions(top_logprobs=3)).result(timeout=30)

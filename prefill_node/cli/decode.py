@@ -201,17 +201,22 @@ def _run_local(args: argparse.Namespace) -> int:
     from prefill_node.decode.worker_process import DecodeWorkerProcess
     from prefill_node.engine.types import KVPullDestination, PrefillOptions
     from prefill_node.kv_handoff.config import KVHandoffConfig
-    from prefill_node.runtime.local_engine import LocalEngine, LocalEngineConfig
+    from prefill_node.runtime.engine_config import EngineConfig
+    from prefill_node.runtime.local_engine import LocalEngine
 
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
     spec = worker_spec(args, model_dir)
     handoff = KVHandoffConfig(transfer_timeout_s=args.timeout, progress=args.kv_progress)
     with DecodeWorkerProcess(spec) as decode:  # loads its model while we load ours
-        config = LocalEngineConfig(
-            num_stages=args.local_stages, num_blocks=args.num_blocks, block_size=args.block_size
+        config = EngineConfig(
+            model_dir=model_dir,
+            stages=args.local_stages,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            kv_handoff=handoff,
         )
-        engine = LocalEngine.from_model_dir(model_dir, config, handoff)
+        engine = LocalEngine.from_model_dir(config)
         try:
             for text in args.prompts:
                 ids = _encode(args, tokenizer, text)

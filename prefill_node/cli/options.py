@@ -152,18 +152,19 @@ def add_engine_arguments(
     group: Any, *, stages: int, model_help: str, engine_help: str, policy_help: str
 ) -> None:
     """The engine flags ``wavepp serve`` and ``wavepp prefill`` share, with one set of
-    defaults (``EngineSpec``'s; only the stage count is the command's), read back by
-    ``engine_spec``."""
+    defaults (``EngineConfig``'s; only the stage count is the command's), read back by
+    ``engine_spec``; ``--engine`` is the transport ``build_engine`` takes."""
     from prefill_node.core.policy import POLICY_NAMES
-    from prefill_node.server.engine_factory import DTYPES, ENGINES, engine_defaults
+    from prefill_node.runtime.engine_config import TRANSPORTS, config_defaults
+    from prefill_node.runtime.spec import DEVICES, DTYPES
 
-    d = engine_defaults()
+    d = config_defaults()
     blocks = ",".join(str(b) for b in d["num_blocks"])
     group.add_argument("--model", type=Path, help=model_help)
     group.add_argument(
         "--stages", type=int, default=stages, help=f"pipeline stages (default {stages})"
     )
-    group.add_argument("--engine", choices=ENGINES, default=d["engine"], help=engine_help)
+    group.add_argument("--engine", choices=TRANSPORTS, default=TRANSPORTS[0], help=engine_help)
     group.add_argument("--policy", choices=POLICY_NAMES, default=d["policy"], help=policy_help)
     group.add_argument(
         "--num-blocks",
@@ -201,16 +202,19 @@ def add_engine_arguments(
         help=f"weights and KV dtype (default {d['dtype']})",
     )
     group.add_argument(
-        "--device", default=d["device"], help=f"torch device: cpu or cuda (default {d['device']})"
+        "--device",
+        choices=DEVICES,
+        default=d["device"],
+        help=f"torch device (default {d['device']})",
     )
     group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
 def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
-    """The ``EngineSpec`` the ``add_engine_arguments`` flags describe (validated; ``extra``:
-    the command's own fields, e.g. KV hand-off)."""
+    """The ``EngineConfig`` the ``add_engine_arguments`` flags describe (validated; ``extra``:
+    the command's own fields, e.g. the KV hand-off)."""
     from prefill_node.errors import InvalidRequestError
-    from prefill_node.server.engine_factory import EngineSpec
+    from prefill_node.runtime.engine_config import EngineConfig
 
     try:
         blocks = tuple(int(x) for x in str(args.num_blocks).split(","))
@@ -218,7 +222,7 @@ def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
         raise InvalidRequestError(
             f"--num-blocks must be integers, got {args.num_blocks!r}"
         ) from None
-    return EngineSpec(
+    return EngineConfig(
         model_dir=model_dir,
         stages=args.stages,
         policy=args.policy,
@@ -229,7 +233,6 @@ def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device,
-        engine=args.engine,
         **extra,
     )
 

@@ -201,7 +201,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 def _engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
     """The Engine to run on: a RemoteEngine (--server), else what
-    ``server.engine_factory.build_engine`` builds (``model_dir`` is needed there)."""
+    ``runtime.factory.build_engine`` builds (``model_dir`` is needed there)."""
     if args.server:  # remote mode: the same loop, every prefill a gRPC call
         from prefill_node.client.remote_args import remote_engine_from_args
 
@@ -210,10 +210,9 @@ def _engine(args: argparse.Namespace, model_dir: Path | None) -> Any:
         from prefill_node.errors import InvariantError
 
         raise InvariantError("an engine needs a model directory without --server")
-    from prefill_node.server.engine_factory import build_engine
+    from prefill_node.runtime.factory import build_engine
 
-    spec = engine_spec(args, model_dir)
-    return build_engine(spec).engine
+    return build_engine(engine_spec(args, model_dir), args.engine)
 
 
 def _tokenizer(model_dir: Path, required: bool) -> Any:

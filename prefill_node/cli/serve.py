@@ -173,8 +173,8 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from prefill_node.model.tokenizer import Tokenizer
+    from prefill_node.runtime.factory import build_engine
     from prefill_node.runtime.stage_main import EXIT_PIPELINE_LOST
-    from prefill_node.server.engine_factory import build_engine
     from prefill_node.server.kv_event_hub import KVEventHub
 
     configure_tracing(args, "wavepp-leader")  # locally launched stages inherit it
@@ -198,8 +198,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     kv_events = KVEventHub(args.pipeline_id or socket.gethostname())
-    engine, blocking_submit = build_engine(spec, kv_events=kv_events.publish)
-    config = replace(config, blocking_submit=blocking_submit, debug_service=args.debug_service)
+    engine = build_engine(spec, args.engine, kv_events=kv_events.publish)
+    config = replace(config, blocking_submit=False, debug_service=args.debug_service)
     exit_on_lost = args.exit_on_pipeline_lost
     try:
         lost = asyncio.run(

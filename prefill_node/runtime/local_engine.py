@@ -20,103 +20,27 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from prefill_node.core.hashing import model_cache_id
-from prefill_node.core.planner import (
-    check_min_wave_tokens,
-    default_min_wave_tokens,
-    wave_budget,
-)
-from prefill_node.core.policy import POLICY_NAMES
 from prefill_node.engine.types import MAX_TOP_LOGPROBS, PrefillOptions, PrefillResult, StageLoad
 from prefill_node.errors import (
     InvalidRequestError,
     InvariantError,
     NeverFitsError,
 )
-from prefill_node.model.partition import split_layers
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.local_planes import local_planes
-from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_compute import PipelineStageCompute
 from prefill_node.runtime.stage_worker import StageWorker
 
 if TYPE_CHECKING:
-    from prefill_node.kv_handoff.config import KVHandoffConfig
     from prefill_node.model.config import ModelConfig
     from prefill_node.runtime.kv_event_feed import KVEventSink
-
-
-@dataclass(frozen=True)
-class LocalEngineConfig:
-    """Shape of the in-process pipeline. ``num_blocks``: one int for every stage, or one per
-    stage. ``max_wave_tokens``: the wave budget M, rounded up here to whole blocks (the
-    planner plans in blocks). ``min_wave_tokens``: the planner's b_min,
-    whole blocks up to M (None: M/2). ``max_model_len`` None = the model's
-    ``max_position_embeddings``. ``policy``: ``wave``, ``trtllm`` or ``sync-admission``, as
-    for a pipeline.
-    ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
-
-    num_stages: int = 1
-    num_blocks: int | tuple[int, ...] = 512
-    block_size: int = 16
-    max_wave_tokens: int = 512
-    min_wave_tokens: int | None = None
-    max_model_len: int | None = None
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    policy: str = "wave"
-    debug_wave_delay_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.num_stages < 1:
-            raise InvalidRequestError(f"num_stages must be >= 1, got {self.num_stages}")
-        budget = wave_budget(self.max_wave_tokens, self.block_size)
-        object.__setattr__(self, "max_wave_tokens", budget)
-        if not isinstance(self.num_blocks, int) and len(self.num_blocks) != self.num_stages:
-            raise InvalidRequestError(
-                f"num_blocks lists {len(self.num_blocks)} stages; the pipeline has "
-                f"{self.num_stages}"
-            )
-        check_min_wave_tokens(self.min_wave_tokens, self.max_wave_tokens, self.block_size)
-        if min(self.stage_num_blocks) < 2:
-            raise InvalidRequestError(f"every stage needs >= 2 blocks, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.policy not in POLICY_NAMES:
-            raise InvalidRequestError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-
-    @property
-    def stage_num_blocks(self) -> tuple[int, ...]:
-        if isinstance(self.num_blocks, int):
-            return (self.num_blocks,) * self.num_stages
-        return tuple(self.num_blocks)
-
-    def pipeline_spec(
-        self, layer_ranges: Sequence[tuple[int, int]], kv_events: bool = False
-    ) -> PipelineSpec:
-        """The spec every stage and the leader read (b_min as ``start_pipeline_engine`` sets
-        it)."""
-        m, bs = self.max_wave_tokens, self.block_size
-        return PipelineSpec(
-            model=None,
-            layer_ranges=tuple(tuple(r) for r in layer_ranges),  # type: ignore[misc]
-            stage_blocks=self.stage_num_blocks,
-            block_size=bs,
-            policy=self.policy,
-            max_wave_tokens=m,
-            min_wave_tokens=self.min_wave_tokens or default_min_wave_tokens(m, bs),
-            max_model_len=self.max_model_len,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=self.device,
-            kv_events=kv_events,
-            debug_wave_delay_s=self.debug_wave_delay_s,
-        )
 
 
 @dataclass(frozen=True)
@@ -140,91 +64,91 @@ class LocalEngine(LeaderEngine):
     def __init__(
         self,
         stages: Sequence[PipelineStageCompute],
-        config: LocalEngineConfig,
-        kv_handoff: KVHandoffConfig | None = None,
+        config: EngineConfig,
         *,
         kv_events: KVEventSink | None = None,
     ) -> None:
         """``stages``: built on one spec (``config.pipeline_spec``), stage s at index s;
-        the last one keeps its logits. They ship each request's KV to its
-        ``PrefillOptions.kv_destination`` when built with ``kv_handoff``. ``kv_events``:
+        the last one keeps its logits. They hand each request's KV to its
+        ``PrefillOptions.kv_destination`` when ``config.kv_handoff`` is set. ``kv_events``:
         receives the pipeline's KV events (the spec must have ``kv_events``)."""
-        if len(stages) != config.num_stages or not stages:
-            raise InvariantError(f"{len(stages)} stage computes for {config.num_stages} stages")
+        if len(stages) != config.stages or not stages:
+            raise InvariantError(f"{len(stages)} stage computes for {config.stages} stages")
         spec = stages[0].spec
         if kv_events is not None and not spec.kv_events:
             raise InvariantError("KV events need stages whose pools buffer them (spec.kv_events)")
-        super().__init__(spec, kv_handoff, kv_events)
+        super().__init__(spec, config.kv_handoff, kv_events)
         self.stages = tuple(stages)
         self.config = config
         self.model_config = stages[0].model_config
         self.model_id = model_cache_id(self.model_config.name, spec.dtype)
-        planes = local_planes(config.num_stages)
+        planes = local_planes(config.stages)
         self._followers = [
-            StageWorker(s, config.num_stages, planes[s], stages[s],
+            StageWorker(s, config.stages, planes[s], stages[s],
                         admission_on_loop=spec.scheduling_policy.admission_on_loop,
                         on_error=self._on_dead)
-            for s in range(1, config.num_stages)
+            for s in range(1, config.stages)
         ]  # fmt: skip
         for worker in self._followers:
             worker.start()
-        self._start_leader(planes[0], stages[0], config.num_stages)
+        self._start_leader(planes[0], stages[0], config.stages)
 
     @classmethod
     def from_stage_models(
         cls,
         models: Sequence[StageModel],
-        config: LocalEngineConfig,
-        kv_handoff: KVHandoffConfig | None = None,
+        config: EngineConfig,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
-        """``kv_handoff``: every stage gets a NIXL agent and ships the KV of requests with a
-        ``kv_destination``; None: such requests are refused."""
-        ranges = [(m.layer_range.start, m.layer_range.end) for m in models]
-        spec = config.pipeline_spec(ranges, kv_events=kv_events is not None)
+        """From the stages' models, stage s at index s (their layer ranges are the split)."""
+        layers = tuple(m.layer_range for m in models)
+        spec = config.pipeline_spec(layers, kv_events=kv_events is not None)
         stages = [
-            PipelineStageCompute(spec, s, m, kv_handoff, keep_logits=m.is_last)
+            PipelineStageCompute(spec, s, m, config.kv_handoff, keep_logits=m.is_last)
             for s, m in enumerate(models)
         ]
-        return cls(stages, config, kv_handoff, kv_events=kv_events)
+        return cls(stages, config, kv_events=kv_events)
 
     @classmethod
     def from_weights(
         cls,
         model_config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        config: LocalEngineConfig,
-        kv_handoff: KVHandoffConfig | None = None,
+        config: EngineConfig,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
         """Build from one HF-named weight dict (e.g. ``random_weights`` in tests)."""
         models = []
-        for layer_range in split_layers(model_config.num_layers, config.num_stages):
-            model = StageModel(model_config, layer_range, config.dtype, config.device)
+        dtype = getattr(torch, config.dtype)
+        for layer_range in config.stage_layers(model_config.num_layers):
+            model = StageModel(model_config, layer_range, dtype, config.device)
             model.load_weights(weights)
             models.append(model)
-        return cls.from_stage_models(models, config, kv_handoff, kv_events=kv_events)
+        return cls.from_stage_models(models, config, kv_events=kv_events)
 
     @classmethod
     def from_model_dir(
         cls,
-        path: str | Path,
-        config: LocalEngineConfig,
-        kv_handoff: KVHandoffConfig | None = None,
+        config: EngineConfig,
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
-        """Build from a Hugging Face checkpoint directory; each stage loads only its slice."""
+        """Build from the Hugging Face checkpoint directory ``config.model_dir``; each stage
+        loads only its slice."""
         from prefill_node.model.loader_hf import load_hf_config, load_stage_model
 
+        path = config.model_dir
+        if path is None:
+            raise InvalidRequestError("the engine needs a model directory (--model)")
         model_config = load_hf_config(path)
+        dtype = getattr(torch, config.dtype)
         models = [
-            load_stage_model(path, layer_range, config.dtype, config.device)
-            for layer_range in split_layers(model_config.num_layers, config.num_stages)
+            load_stage_model(path, layer_range, dtype, config.device)
+            for layer_range in config.stage_layers(model_config.num_layers)
         ]
-        return cls.from_stage_models(models, config, kv_handoff, kv_events=kv_events)
+        return cls.from_stage_models(models, config, kv_events=kv_events)
 
     # ---- reads of the in-process stages -----------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 from prefill_node.core.planner import PlannerMode
@@ -17,6 +18,9 @@ from prefill_node.core.policy import (
     wave_policy,
 )
 from prefill_node.errors import InvalidRequestError
+
+DTYPES = ("float32", "bfloat16", "float16")  # weights and KV
+DEVICES = ("cpu", "cuda")
 
 
 class InvalidPipelineSpecError(InvalidRequestError):
@@ -110,12 +114,10 @@ class PipelineSpec:
             )
         if self.max_batch < 1 or self.max_requests_per_round < 1:
             raise InvalidPipelineSpecError("max_batch and max_requests_per_round must be >= 1")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidPipelineSpecError(
-                f"dtype must be float32, bfloat16 or float16: {self.dtype}"
-            )
-        if self.device not in ("cpu", "cuda"):
-            raise InvalidPipelineSpecError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidPipelineSpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise InvalidPipelineSpecError(f"device must be one of {DEVICES}, got {self.device!r}")
 
     @property
     def num_stages(self) -> int:
@@ -125,10 +127,10 @@ class PipelineSpec:
     def num_layers(self) -> int:
         return self.layer_ranges[-1][1]
 
-    @property
+    @cached_property
     def scheduling_policy(self) -> Policy:
-        """The core policy this pipeline runs. The runtime has no chunk cost model, so its
-        wave policy plans with plain MPU."""
+        """The core policy this pipeline runs, parsed once. The runtime has no chunk cost
+        model, so its wave policy plans with plain MPU."""
         kind = parse_policy_kind(self.policy)
         if kind is PolicyKind.TRTLLM:
             return trtllm_policy(self.num_stages, self.max_requests_per_round)
