@@ -16,6 +16,7 @@ from prefill_node.core.request import RequestSpec
 from prefill_node.core.round_driver import run_round
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
 from prefill_node.runtime.leader import pipeline_leader_core, wave_header
+from prefill_node.runtime.messages import RequestOptions
 from prefill_node.runtime.spec import InvalidPipelineSpecError, ModelSource, PipelineSpec
 
 
@@ -54,8 +55,8 @@ def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -
     top_k = {"a": 2, "b": 1}  # what the engine gives at submit
     core = pipeline_leader_core(spec)
     stages = _stages(spec)
-    _submit(core, "a", range(30), (2, None, ""))
-    _submit(core, "b", range(100, 110), (1, None, "00-trace"))
+    _submit(core, "a", range(30), (RequestOptions(2), ""))
+    _submit(core, "b", range(100, 110), (RequestOptions(1), "00-trace"))
     outcomes = _admit_all(core, stages)
     assert [(o.request_id, o.cached_len) for o in outcomes] == [("a", 0), ("b", 0)]
     assert not core.has_round_work()
@@ -63,9 +64,10 @@ def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -
     while (header := wave_header(core)) is not None:
         assert header.num_tokens <= spec.max_wave_tokens
         for c in header.chunks:
+            first = not covered[c.request_id]  # the options go once, with the first chunk
             covered[c.request_id].append((c.start, c.start + c.length))
-            assert c.top_logprobs == top_k[c.request_id] and c.kv_destination is None
-            assert c.traceparent == ("00-trace" if c.request_id == "b" else "")
+            assert c.options == (RequestOptions(top_k[c.request_id]) if first else None)
+            assert c.traceparent == ("00-trace" if c.request_id == "b" else "")  # every chunk
             for s in stages:  # what each stage's LOOP does
                 assert not hasattr(s.materialise(c.request_id, c.start, c.length), "reason")
                 if c.is_last:
@@ -88,11 +90,11 @@ def test_waves_cover_each_prompt_once_in_order_and_completion_frees_capacity() -
 def test_abort_defers_stage_cleanup_until_in_flight_chunks_return() -> None:
     spec = _spec()
     core, stages = pipeline_leader_core(spec), _stages(spec)
-    _submit(core, "a", range(40), (3, None, ""))
+    _submit(core, "a", range(40), (RequestOptions(3), ""))
     _admit_all(core, stages)
     header = wave_header(core)
     assert header is not None and header.chunks[0].request_id == "a"
-    assert header.chunks[0].top_logprobs == 3
+    assert header.chunks[0].options == RequestOptions(3)
     for s in stages:
         s.materialise("a", header.chunks[0].start, header.chunks[0].length)
     core.abort("a")

@@ -24,7 +24,7 @@ from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.local_engine import LocalEngine
-from prefill_node.runtime.messages import WaveChunk, WaveHeader
+from prefill_node.runtime.messages import RequestOptions, WaveChunk, WaveHeader
 from tests.tiny_models import tiny_llama
 
 CONFIG = tiny_llama("tiny-llama")
@@ -202,6 +202,29 @@ def test_concurrent_requests_share_waves_and_match_reference(make_engine) -> Non
     assert all(s.waves < len(prompts) for s in stats), [s.waves for s in stats]
 
 
+def test_options_travel_once_and_leave_every_stage_with_their_request(make_engine) -> None:
+    """A request's options reach the stages with its first chunk only: the last stage still
+    answers with its top-k several chunks later, and no stage keeps them once the request
+    finished, or was aborted between its chunks."""
+    engine = make_engine(2, max_wave_tokens=8, debug_wave_delay_s=0.05)
+    out = engine.submit(prompt(30, seed=12), PrefillOptions("long", top_logprobs=4)).result()
+    assert len(out.top_logprobs) == 4
+    assert all(s.waves >= 4 for s in engine.stage_stats())  # 30 tokens in chunks of <= 8
+    assert [s.options_held for s in engine.stages] == [0, 0]
+    fut = engine.submit(prompt(40, seed=13), PrefillOptions("cut", top_logprobs=2))
+    deadline = time.monotonic() + 10
+    while engine.stages[1].options_held == 0:  # its first chunk reached the last stage
+        assert time.monotonic() < deadline, "the first chunk never reached stage 1"
+        time.sleep(0.005)
+    assert engine.abort("cut")
+    with pytest.raises(RequestAbortedError):
+        fut.result(timeout=10)
+    while any(s.admission.num_reservations for s in engine.stages):
+        assert time.monotonic() < deadline, "the aborted request stayed on a stage"
+        time.sleep(0.005)
+    assert [s.options_held for s in engine.stages] == [0, 0]
+
+
 def test_passed_deadline_fails_the_request_and_frees_its_blocks(make_engine) -> None:
     engine = make_engine(2)
     late = PrefillOptions(deadline_s=time.monotonic() - 1.0)
@@ -264,6 +287,31 @@ def test_random_request_streams_match_reference(make_engine, stages, blocks, req
         engine.check_integrity()
 
 
+def test_a_round_between_complete_and_logits_leaves_the_waves_options(
+    make_engine, monkeypatch
+) -> None:
+    """The WAVE thread's sweep of options (on every admission round) may land after
+    ``complete`` released a finished request's reservation and before its logits: the wave
+    still answers with the top-k its first chunk brought (here the sweep is forced there)."""
+    engine = make_engine(1, num_blocks=8)
+    stage = engine.stages[0]
+    ids = prompt(10, seed=12)
+    assert admit_alone(engine, "req", ids) == 0
+    complete = stage._complete
+
+    def complete_then_a_round(*args):
+        done = complete(*args)
+        with stage._lock:  # what ``admit`` does on the WAVE thread
+            stage._sweep_options()
+        assert stage.options_held == 0  # the finished request's entry is gone ...
+        return done
+
+    monkeypatch.setattr(stage, "_complete", complete_then_a_round)
+    chunk = WaveChunk("req", 0, len(ids), is_last=True, options=RequestOptions(5))
+    step = stage.run_wave(WaveHeader(0, (chunk,)), None)
+    assert not step.failed and len(step.outputs[0].top_logprobs) == 5  # ... not the wave's
+
+
 def test_stage_materialises_on_escrowed_blocks(make_engine) -> None:
     """Admission escrows victims for the suffix; executing the chunk makes them its blocks."""
     engine = make_engine(1, num_blocks=8)
@@ -272,7 +320,7 @@ def test_stage_materialises_on_escrowed_blocks(make_engine) -> None:
     assert admit_alone(engine, "req", ids) == 0
     victims = stage.admission.reservation("req").escrow.victims()
     assert len(victims) == 3 and stage.pool.stats().in_use == 0
-    chunk = WaveChunk("req", 0, len(ids), is_last=True, top_logprobs=1)
+    chunk = WaveChunk("req", 0, len(ids), is_last=True, options=RequestOptions(1))
     step = stage.run_wave(WaveHeader(0, (chunk,)), None)
     assert not step.failed and [o.request_id for o in step.outputs] == ["req"]
     assert_matches_reference(engine, ids, step.outputs[0].logits)

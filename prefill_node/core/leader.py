@@ -16,7 +16,8 @@ time, direct calls to the stages). What it owns:
   request, a completion, an abort, released blocks, or a round that admitted someone), so
   requests waiting for capacity do not spin the rounds;
 - each request's ``options`` (what its chunks carry to the stages; opaque here), given
-  once at ``submit`` and dropped when the request leaves or is aborted;
+  once at ``submit`` and dropped when the request leaves or is aborted; ``is_first``
+  tells the chunk that carries what the stages keep;
 - under a rank-0-decides policy (``follow_waves``), what the stages after the first learn
   from the waves instead of from rounds: each admitted prompt with its first chunk and each
   stage-side cleanup (``take_follow``).
@@ -195,6 +196,11 @@ class LeaderCore(Generic[O]):
                 if spec is not None:
                     self._followed.append(spec)
         return wave
+
+    def is_first(self, chunk: ScheduledChunk) -> bool:
+        """True when ``chunk`` is its request's first (while the request runs): what is sent
+        to the stages once goes with it."""
+        return self.scheduler.is_first(chunk)
 
     def is_last(self, chunk: ScheduledChunk) -> bool:
         """True when ``chunk`` ends its request's prompt (while the request runs)."""

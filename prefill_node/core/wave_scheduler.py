@@ -132,6 +132,11 @@ class WaveScheduler:
         self._waves[wave.wave_id] = wave
         return wave
 
+    def is_first(self, chunk: ScheduledChunk) -> bool:
+        """True when ``chunk`` starts its request's schedule, at its cached length (valid
+        while the request runs)."""
+        return chunk.start == self._progress[chunk.request_id].cached_len
+
     def is_last(self, chunk: ScheduledChunk) -> bool:
         """True when ``chunk`` ends its request's prompt (valid while the request runs)."""
         return chunk.end == self._progress[chunk.request_id].end

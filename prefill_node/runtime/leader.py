@@ -19,9 +19,9 @@ from prefill_node.core.planner import WavePlanner
 from prefill_node.core.policy import PolicyKind
 from prefill_node.core.request import RequestSpec
 from prefill_node.core.wave_scheduler import WaveScheduler
-from prefill_node.engine.types import KVPullDestination, KVPushDestination
 from prefill_node.errors import NeverFitsError, WaveppError
 from prefill_node.runtime.messages import (
+    RequestOptions,
     RoundKind,
     RoundMessage,
     WaveChunk,
@@ -33,9 +33,10 @@ from prefill_node.runtime.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
 
-# top-k, KV destination, W3C traceparent ("" untraced): what each chunk of a request carries
-ChunkOptions = tuple[int, KVPushDestination | KVPullDestination | None, str]
-_NO_OPTIONS: ChunkOptions = (1, None, "")  # a request whose options the core dropped (aborted)
+# what a request's chunks carry: its RequestOptions (with the first chunk only) and its
+# W3C traceparent ("" untraced; with every chunk)
+ChunkOptions = tuple[RequestOptions, str]
+_NO_OPTIONS: ChunkOptions = (RequestOptions(), "")  # the core dropped them (aborted)
 
 
 @dataclass(frozen=True)
@@ -93,24 +94,21 @@ def _verdicts(result: RoundResult) -> list[AdmissionVerdict]:
 
 
 def wave_header(core: LeaderCore[ChunkOptions]) -> WaveHeader | None:
-    """The core's next wave in wire form, or None. Each chunk carries its request's options
-    (every chunk: stages complete and ship on the last, and may stream push KV after
-    earlier ones), or the defaults once the core dropped them (the request was aborted)."""
+    """The core's next wave in wire form, or None. A request's ``RequestOptions`` go once,
+    with its first chunk (the stages keep them for its later chunks), or the defaults once
+    the core dropped them (the request was aborted); its traceparent goes with every chunk."""
     wave = core.next_wave()
     if wave is None:
         return None
-    chunks = tuple(
-        WaveChunk(
-            c.request_id,
-            c.start,
-            c.length,
-            core.is_last(c),
-            *(core.options(c.request_id) or _NO_OPTIONS),
+    chunks = []
+    for c in wave.chunks:
+        options, traceparent = core.options(c.request_id) or _NO_OPTIONS
+        first = options if core.is_first(c) else None
+        chunks.append(
+            WaveChunk(c.request_id, c.start, c.length, core.is_last(c), first, traceparent)
         )
-        for c in wave.chunks
-    )
     new_requests, forgets = core.take_follow()
-    return WaveHeader(wave.wave_id, chunks, new_requests=new_requests, forgets=forgets)
+    return WaveHeader(wave.wave_id, tuple(chunks), new_requests=new_requests, forgets=forgets)
 
 
 class Leader:
@@ -133,8 +131,9 @@ class Leader:
     ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
     ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
     is stage 0's own reply to a round. A request's top-k, KV destination and traceparent
-    are handed over once, at ``submit``; the core keeps them for the wave headers, so this
-    lock takes no other lock inside it.
+    are handed over once, at ``submit``; the core keeps them for the wave headers (the
+    first two go to the stages once, with the first chunk: ``wave_header``), so this lock
+    takes no other lock inside it.
     """
 
     def __init__(

@@ -63,7 +63,13 @@ from prefill_node.runtime.leader_request import (
     settle_future,
     trace_request,
 )
-from prefill_node.runtime.messages import RoundKind, RoundMessage, StageStats, WaveResult
+from prefill_node.runtime.messages import (
+    RequestOptions,
+    RoundKind,
+    RoundMessage,
+    StageStats,
+    WaveResult,
+)
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_worker import StageCompute, StageWorker
@@ -246,7 +252,10 @@ class LeaderEngine:
             return fut, None
         try:
             self._running_leader().submit(
-                rid, tokens, options.cache_salt, (req.top_k, req.destination, options.traceparent)
+                rid,
+                tokens,
+                options.cache_salt,
+                (RequestOptions(req.top_k, req.destination), options.traceparent),
             )
         except BaseException:
             self._requests.pop(rid)

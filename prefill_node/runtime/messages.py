@@ -23,22 +23,33 @@ StageEventBatch = tuple[int, tuple[KVEvent, ...]]
 
 
 @dataclass(frozen=True)
+class RequestOptions:
+    """What every stage needs of a request's options, sent once, with its first chunk: the
+    last stage's top-k, and where each stage hands its layers' KV (None: no hand-off),
+    after the last chunk, or, streaming a push, also after earlier ones. A stage keeps them
+    until the request's last chunk left it or the request is gone (``PipelineStageCompute``)."""
+
+    top_logprobs: int = 1
+    kv_destination: KVPushDestination | KVPullDestination | None = None
+
+
+@dataclass(frozen=True)
 class WaveChunk:
     """One scheduled chunk: tokens [start, start + length) of ``request_id``.
 
     ``is_last``: this chunk ends the prompt, so the last stage computes logits for its final
     row and every stage completes the request (index its new blocks, unpin) after it.
-    ``kv_destination`` (every chunk of a shipped request): where each stage ships its layers'
-    KV, after the last chunk, or, streaming a push, also after earlier ones.
+    ``options``: on the request's first chunk only (``RequestOptions``); later chunks use
+    what the stage kept. ``traceparent``: the request's leader span (W3C) on every chunk of
+    a traced request ("" while tracing is off), for each stage's span of the chunk.
     """
 
     request_id: str
     start: int
     length: int
     is_last: bool
-    top_logprobs: int = 0
-    kv_destination: KVPushDestination | KVPullDestination | None = None
-    traceparent: str = ""  # the request's leader span (W3C); "" while tracing is off
+    options: RequestOptions | None = None
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.core_share import CoreShare
 from prefill_node.runtime.messages import (
+    RequestOptions,
     RequestOutput,
     StageEventBatch,
     WaveChunk,
@@ -40,6 +41,7 @@ from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_worker import StepOutput
 
 log = logging.getLogger(__name__)
+_NO_OPTIONS = RequestOptions()  # a request whose first chunk carried none (aborted before)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -169,6 +171,8 @@ class PipelineStageCompute:
             model.device,
         )
         self._lock = threading.Lock()
+        self._options: dict[str, RequestOptions] = {}  # sent with a first chunk (_lock)
+        self._wave_options: dict[str, RequestOptions] = {}  # the running wave's (LOOP)
         self._captured: dict[str, CapturedKV] = {}
         self.cores = cores
         self.handoff: StageKVHandoff | None = None
@@ -215,7 +219,9 @@ class PipelineStageCompute:
         if self.handoff is not None:  # a reused id supersedes its predecessor's hand-off
             self.handoff.supersede(spec.request_id for spec in message.new_requests)
         with self._lock:
-            return self.admission.handle(message)
+            reply = self.admission.handle(message)
+            self._sweep_options()
+            return reply
 
     def check(self) -> None:
         with self._lock:
@@ -278,7 +284,46 @@ class PipelineStageCompute:
                 failed.append((rid, str(mismatch.to_error())))
         return failed
 
+    # -- each request's options: sent once, with its first chunk --------------------------------
+    def _sweep_options(self) -> None:
+        """Under ``_lock``: forget the options of requests that no longer run here."""
+        gone = [rid for rid in self._options if self.admission.reservation(rid) is None]
+        for rid in gone:
+            del self._options[rid]
+
+    def _request_options(self, request_id: str) -> RequestOptions:
+        """The options of a chunk of the running wave (LOOP thread)."""
+        return self._wave_options.get(request_id, _NO_OPTIONS)
+
+    @property
+    def options_held(self) -> int:
+        """Requests whose options this stage keeps (observability, tests)."""
+        with self._lock:
+            return len(self._options)
+
     def _run_wave(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
+        """Keep the options first chunks carry, run the wave, then forget the options of
+        requests that ended here (their last chunk ran, or they are gone). The wave reads
+        its own copy: the WAVE thread's sweep (``admit``) may drop a request's entry once
+        ``complete`` released its reservation, before its logits are computed."""
+        with self._lock:
+            for chunk in header.chunks:
+                if chunk.options is not None:
+                    self._options[chunk.request_id] = chunk.options
+            self._wave_options = {
+                c.request_id: self._options.get(c.request_id, _NO_OPTIONS) for c in header.chunks
+            }
+        try:
+            return self._run_chunks(header, hidden)
+        finally:
+            with self._lock:
+                for chunk in header.chunks:
+                    if chunk.is_last:
+                        self._options.pop(chunk.request_id, None)
+                self._sweep_options()
+            self._wave_options = {}
+
+    def _run_chunks(self, header: WaveHeader, hidden: torch.Tensor | None) -> StepOutput:
         already_failed = {rid for rid, _ in header.failed}
         failed: list[tuple[str, str]] = []
         if self.stage > 0 and (header.new_requests or header.forgets):
@@ -323,7 +368,7 @@ class PipelineStageCompute:
         computed_at = time.monotonic()
         # the KV is final: ship it before the logits, so the last WRITE overlaps the LM head
         if self.handoff is not None:
-            self.handoff.stream_chunks(_chunk_ranges(tables), before=self._kv_written)
+            self.handoff.stream_chunks(self._chunk_ranges(tables), before=self._kv_written)
         manifests = self._complete(tables, failed)
         if self.model.is_last:
             outputs = self._outputs(header, tables, hidden_ok, failed)
@@ -391,7 +436,8 @@ class PipelineStageCompute:
         handoff, cores = self.handoff, self.cores
         group = None
         if handoff is not None:
-            group = handoff.layer_hook(_chunk_ranges(tables), self.model.layer_range, self._fence)
+            ranges = self._chunk_ranges(tables)
+            group = handoff.layer_hook(ranges, self.model.layer_range, self._fence)
         if cores is None:
             return group
         cores.adjust()  # the first layer's
@@ -420,12 +466,26 @@ class PipelineStageCompute:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         outputs = []
         for i, chunk in enumerate(finals):
-            k = min(max(1, chunk.top_logprobs), logprobs.shape[-1])
+            top = self._request_options(chunk.request_id).top_logprobs
+            k = min(max(1, top), logprobs.shape[-1])
             values, ids = torch.topk(logprobs[i], k)
             pairs = tuple(zip(ids.tolist(), values.tolist(), strict=True))
             kept = logits[i].float() if self.keep_logits else None
             outputs.append(RequestOutput(chunk.request_id, pairs, kept))
         return tuple(outputs)
+
+    def _chunk_ranges(self, tables: list[tuple[int, WaveChunk, BlockTable]]) -> list[ChunkRange]:
+        """The wave's chunks as the KV hand-off sees them (with their requests' destinations)."""
+        return [
+            ChunkRange(
+                c.request_id,
+                c.start,
+                c.start + c.length,
+                self._request_options(c.request_id).kv_destination,
+                c.is_last,
+            )
+            for _, c, _ in tables
+        ]
 
     def _fence(self) -> Callable[[], object] | None:
         """At a layer group's end: what its WRITE waits for (on CUDA, that group's kernels)."""
@@ -451,7 +511,9 @@ class PipelineStageCompute:
                 continue
             if self.spec.capture_kv:
                 self._capture(chunk.request_id, table)
-            dest = chunk.kv_destination if self.handoff is not None else None
+            dest = None
+            if self.handoff is not None:
+                dest = self._request_options(chunk.request_id).kv_destination
             with self._lock:
                 done = self.admission.complete(chunk.request_id, keep_pinned=dest is not None)
             if isinstance(done, StageStateMismatch):
@@ -488,10 +550,3 @@ def build_stage_compute(
     torch.manual_seed(0)
     model = load_stage_model(spec, stage)
     return PipelineStageCompute(spec, stage, model, kv_handoff, cores=cores)
-
-
-def _chunk_ranges(tables: list[tuple[int, WaveChunk, BlockTable]]) -> list[ChunkRange]:
-    return [
-        ChunkRange(c.request_id, c.start, c.start + c.length, c.kv_destination, c.is_last)
-        for _, c, _ in tables
-    ]
