@@ -38,13 +38,13 @@ def measure(block_size: int, length: int, runs: int) -> dict[str, float]:
     for i in range(runs):
         fresh = rng.integers(0, 50_000, length).tolist()
         t = time.perf_counter()
-        port.submit(port.spec(f"cold-{i}", fresh))
+        port.enqueue(port.spec(f"cold-{i}", fresh))
         port.run_round()
         cold.append(time.perf_counter() - t)
         port.stages[0].abort(f"cold-{i}")
         prompt = prefix[: length - 4096] + fresh[:4096]
         t = time.perf_counter()
-        port.submit(port.spec(f"warm-{i}", prompt))
+        port.enqueue(port.spec(f"warm-{i}", prompt))
         port.run_round()
         warm.append(time.perf_counter() - t)
         port.stages[0].abort(f"warm-{i}")

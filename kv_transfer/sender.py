@@ -61,7 +61,7 @@ class _Push:
 
 class KVSender:
     """Ships one stage's layers. Owns no blocks: the stage pins them before ``push`` /
-    ``publish`` and unpins in ``on_complete`` / ``on_lease_end``."""
+    ``lease`` and unpins in ``on_complete`` / ``on_lease_end``."""
 
     def __init__(
         self,
@@ -441,7 +441,7 @@ class KVSender:
         )
 
     # ----------------------------------------------------------------- pull mode
-    def publish(
+    def lease(
         self,
         request_id: str,
         block_ids: Sequence[int],

@@ -224,7 +224,7 @@ class ClusterSim:
         pipe = next(p for p in self.pipelines if p.pid == placement.pid)
         pipe.placements[spec.request_id] = placement
         self._owner[spec.request_id] = (pipe, i, self.now, len(req.tokens))
-        rejected = pipe.core.submit(spec)
+        rejected = pipe.core.enqueue(spec)
         if rejected is not None:
             self._reject(spec.request_id)
             return

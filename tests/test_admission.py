@@ -172,7 +172,7 @@ def test_a_round_where_every_stage_leases_the_same_prefix_is_one_phase():
     coord, stages = make([10, 10])
     run_round(coord, stages, [spec("a", PREFIX + [1])])
     run_to_completion(stages, "a", 17)
-    coord.submit(spec("b", PREFIX + [2, 3]))
+    coord.enqueue(spec("b", PREFIX + [2, 3]))
     msg = coord.begin_round()
     assert msg.phase is Phase.RESERVE and msg.reserves == (ReserveOrder("b"),)
     assert [s.request_id for s in msg.new_requests] == ["b"]  # token ids travel here, once
@@ -192,7 +192,7 @@ def test_stages_that_lease_more_lower_to_the_common_boundary_in_a_commit_phase()
     run_to_completion(stages, "a", 17)
     pressure = stages[1].pool.allocate(6 + 2)  # stage 1 evicts 2 prefix blocks
     stages[1].pool.free(pressure)
-    coord.submit(spec("b", PREFIX + [2, 3]))
+    coord.enqueue(spec("b", PREFIX + [2, 3]))
     msg = coord.begin_round()
     replies = [st.handle(msg) for st in stages]
     assert [r.reserved[0].confirmed_blocks for r in replies] == [4, 2]
@@ -215,7 +215,7 @@ def test_a_stage_that_cannot_top_up_at_the_common_boundary_makes_the_request_wai
     stages[1].pool.free(stages[1].pool.allocate(4))  # stage 1 evicts prefix blocks 2, 3
     # stage 0: another request pins the whole prefix, so lowering b's lease frees nothing
     assert _reserve(stages[0], "c", PREFIX + [5], 80).status is ReserveStatus.OK
-    coord.submit(spec("b", PREFIX + [2, 3]))
+    coord.enqueue(spec("b", PREFIX + [2, 3]))
     msg = coord.begin_round()
     replies = [st.handle(msg) for st in stages]
     assert [r.reserved[0].confirmed_blocks for r in replies] == [4, 2]
@@ -357,7 +357,7 @@ def test_keep_pinned_until_unpin():
 
 def test_abort_through_the_coordinator_mid_round_and_after_admission():
     coord, stages = make([8, 8])
-    coord.submit(spec("a", range(9)))
+    coord.enqueue(spec("a", range(9)))
     msg = coord.begin_round()
     replies = [st.handle(msg) for st in stages]
     assert coord.abort("a") is True
@@ -430,9 +430,9 @@ def test_bad_input_and_protocol_misuse():
     with pytest.raises(InvalidStageConfigError):
         StageConfig(0, 4, B, headroom_blocks=4)
     coord, stages = make([8, 8])
-    coord.submit(spec("a", [1]))
+    coord.enqueue(spec("a", [1]))
     with pytest.raises(DuplicateRequestError):
-        coord.submit(spec("a", [2]))
+        coord.enqueue(spec("a", [2]))
     msg = coord.begin_round()
     with pytest.raises(InvariantError):
         coord.begin_round()
@@ -445,8 +445,8 @@ def test_bad_input_and_protocol_misuse():
 def test_every_round_message_survives_pickling_as_the_rounds_plane_sends_it():
     coord, stages = make([8, 8])
     _prime_cached_prefix(stages[0], PREFIX[:8] + [1])  # stage 0 alone: a COMMIT phase follows
-    coord.submit(spec("p", PREFIX[:8] + [2]))
-    coord.submit(spec("q", range(9), ExtraKeys("tiny", "salt")))
+    coord.enqueue(spec("p", PREFIX[:8] + [2]))
+    coord.enqueue(spec("q", range(9), ExtraKeys("tiny", "salt")))
     messages = [coord.begin_round()]
     while True:
         wire = pickle.loads(pickle.dumps(messages[-1]))

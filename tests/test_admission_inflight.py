@@ -106,10 +106,10 @@ def test_an_aborted_waiter_leaves_the_queue():
 
 
 def run_chunk(stages, rid, start, length):
-    """What every stage's loop does with a non-last chunk: run it, then publish it."""
+    """What every stage's loop does with a non-last chunk: run it, then cache its full blocks."""
     for st in stages:
         assert isinstance(st.materialise(rid, start, length), BlockTable)
-        st.publish(rid, start + length)
+        st.cache_computed(rid, start + length)
 
 
 def test_a_waiter_is_admitted_once_the_chunks_it_needs_passed_every_stage():
@@ -122,10 +122,10 @@ def test_a_waiter_is_admitted_once_the_chunks_it_needs_passed_every_stage():
     # b would compute the other 4 shared blocks itself; as they are half of its rest, it waits
     assert waits_for_prefix(run_round(coord, stages)[0], "b")
     assert isinstance(stages[0].materialise("a", 16, 16), BlockTable)
-    stages[0].publish("a", 32)  # stage 0 holds the whole prefix, stage 1 not yet
+    stages[0].cache_computed("a", 32)  # stage 0 holds the whole prefix, stage 1 not yet
     assert waits_for_prefix(run_round(coord, stages)[0], "b")
     assert isinstance(stages[1].materialise("a", 16, 16), BlockTable)
-    stages[1].publish("a", 32)
+    stages[1].cache_computed("a", 32)
     assert coord.computed("a", 32) is True and coord.computed("a", 32) is False
     (b2,) = run_round(coord, stages)
     assert isinstance(b2, Admitted) and b2.cached_len == len(SYSTEM)  # a is still running
@@ -163,19 +163,20 @@ def test_a_claim_dropped_while_a_round_runs_still_defers_its_waiters_in_that_rou
     check_all(stages)
 
 
-def test_publish_caches_only_full_blocks_below_the_computed_end_and_only_once():
+def test_cache_computed_caches_only_full_blocks_below_the_computed_end_and_only_once():
     coord, (st,) = make(capacities=(64,))
     (a,) = run_round(coord, [st], [spec("a", SYSTEM + [1, 2, 3])])  # 8 full blocks + 3
     assert isinstance(a, Admitted)
     assert isinstance(st.materialise("a", 0, 6), BlockTable)
-    assert st.publish("a", 6) == 1 and st.publish("a", 6) == 0  # [4, 6) is not full yet
+    assert st.cache_computed("a", 6) == 1  # [4, 6) is not full yet
+    assert st.cache_computed("a", 6) == 0
     assert st.pool.index.longest_prefix(st.prompt_blocks("a").hashes) == 1
     assert isinstance(st.materialise("a", 6, 26), BlockTable)
-    assert st.publish("a", 32) == 7
+    assert st.cache_computed("a", 32) == 7
     assert isinstance(st.materialise("a", 32, 3), BlockTable)
     done = st.complete("a")
     assert done.cached_blocks == 8 and st.pool.stats().cached == 8  # nothing cached twice
-    assert st.publish("a", 35) == 0 and st.publish("nobody", 4) == 0
+    assert st.cache_computed("a", 35) == 0 and st.cache_computed("nobody", 4) == 0
     st.check_integrity()
 
 
@@ -207,8 +208,8 @@ def test_the_simulators_leader_releases_a_waiter_chunk_by_chunk_in_real_tokens()
     )
     leader = LeaderCore(port.coordinator, WaveScheduler(policy, WavePlanner(cfg)), token_scale=2)
     ids = SYSTEM[:16]  # 16 ids of 2 tokens: 8 blocks of 4 tokens (2 ids each)
-    assert leader.submit(port.spec("a", ids + list(range(20)))) is None  # 72 tokens
-    assert leader.submit(port.spec("b", ids + [1])) is None  # 34 tokens
+    assert leader.enqueue(port.spec("a", ids + list(range(20)))) is None  # 72 tokens
+    assert leader.enqueue(port.spec("b", ids + [1])) is None  # 34 tokens
     a, b = run_round(leader, port.stages)
     assert isinstance(a, Admitted) and a.num_tokens == 72 and waits_for_prefix(b, "b")
     ends = []
@@ -219,10 +220,10 @@ def test_the_simulators_leader_releases_a_waiter_chunk_by_chunk_in_real_tokens()
         assert chunk.end <= 32 or chunk.start >= 32  # never across b's prefix end
         ends.append(chunk.end)
         port.materialise(0, chunk)
-        port.publish(0, chunk)
+        port.cache_computed(0, chunk)
         assert waits_for_prefix(run_round(leader, port.stages)[0], "b")  # stage 1: not yet
         port.materialise(1, chunk)
-        port.publish(1, chunk)
+        port.cache_computed(1, chunk)
         done = leader.wave_done(wave.wave_id)
         if chunk.end == 32:
             break

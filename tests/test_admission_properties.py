@@ -81,7 +81,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         rid = f"r{self.n}"
         tokens = FAMILIES[family][:shared] + [50_000 + self.n * 100 + i for i in range(own)]
         spec = RequestSpec(rid, tuple(tokens), EXTRA)
-        out = self.coord.submit(spec)
+        out = self.coord.enqueue(spec)
         if isinstance(out, Rejected):
             assert blocks_needed(len(tokens), B) > self.min_cap
         else:

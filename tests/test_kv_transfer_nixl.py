@@ -286,7 +286,7 @@ def test_pull_reads_exact_kv_then_releases_every_lease(decode, stages, pool):
     num_tokens, bs = 23, POOLS[pool][0]
     src = prefill_blocks(num_tokens, seed=5)
     request_id = f"pull-{pool}"
-    manifests = [s.publish(request_id, src, num_tokens).to_dict() for s in stages.senders]
+    manifests = [s.lease(request_id, src, num_tokens).to_dict() for s in stages.senders]
     num_blocks = -(-(num_tokens - bs) // bs)
     error, num_bytes, blocks = decode.call(
         "pull", pool, manifests, num_blocks, bs, pump=stages.poll
@@ -306,7 +306,7 @@ def test_a_stage_restarted_at_the_same_address_is_pulled_from_first_time(decode)
     src = prefill_blocks(num_tokens, seed=11)
 
     def pull(stages: Stages, request_id: str) -> tuple[str | None, tuple[int, ...]]:
-        manifests = [s.publish(request_id, src, num_tokens).to_dict() for s in stages.senders]
+        manifests = [s.lease(request_id, src, num_tokens).to_dict() for s in stages.senders]
         error, _, blocks = decode.call(
             "pull", "direct", manifests, -(-num_tokens // bs), 0, pump=stages.poll
         )
@@ -337,7 +337,7 @@ def test_pull_into_vllm_cpu_cache_layout_is_staged_and_exact(decode, stages, poo
     num_tokens, bs = 45, VLLM_POOLS[pool][0]  # spans several decode blocks
     src = prefill_blocks(num_tokens, seed=8)
     request_id = f"pull-{pool}"
-    manifests = [s.publish(request_id, src, num_tokens).to_dict() for s in stages.senders]
+    manifests = [s.lease(request_id, src, num_tokens).to_dict() for s in stages.senders]
     before = decode.call("changed", pool)
     error, num_bytes, blocks = decode.call(
         "pull", pool, manifests, -(-num_tokens // bs), 0, pump=stages.poll
@@ -496,7 +496,7 @@ def test_unread_lease_expires_and_releases_its_blocks():
         clock=clock,
     )
     try:
-        manifest = sender.publish("unread", (2, 0), 5)
+        manifest = sender.lease("unread", (2, 0), 5)
         assert StageManifest.from_dict(manifest.to_dict()) == manifest
         clock.now = 1.9
         sender.poll()

@@ -21,7 +21,7 @@ from prefill_node.runtime.spec import InvalidPipelineSpecError, ModelSource, Pip
 
 
 def _submit(core: LeaderCore, rid: str, tokens: Iterable[int], options=None):
-    return core.submit(RequestSpec(rid, tuple(tokens), ExtraKeys("m")), options)
+    return core.enqueue(RequestSpec(rid, tuple(tokens), ExtraKeys("m")), options)
 
 
 def _spec(policy: str = "wave", blocks=(16, 12)) -> PipelineSpec:
@@ -162,14 +162,14 @@ def test_on_loop_policies_keep_one_chunk_of_a_request_in_flight_wave_pipelines_t
 
 def _run_on_stages(stages: list[StageAdmission], header) -> None:
     """What each stage's LOOP does with a wave: materialise every chunk, then complete the
-    requests it ends and publish the full blocks of the others."""
+    requests it ends and cache the full blocks of the others."""
     for c in header.chunks:
         for s in stages:
             assert not hasattr(s.materialise(c.request_id, c.start, c.length), "reason")
             if c.is_last:
                 s.complete(c.request_id)
             else:
-                s.publish(c.request_id, c.start + c.length)
+                s.cache_computed(c.request_id, c.start + c.length)
 
 
 @pytest.mark.parametrize("policy", ["wave", "sync-admission"])

@@ -97,8 +97,8 @@ def test_trtllm_rounds_ask_stage0_alone_and_waves_carry_its_decisions() -> None:
     core = pipeline_leader_core(spec)
     stages = [StageAdmission(StageConfig(s, n, B)) for s, n in enumerate(spec.stage_blocks)]
     _run_whole(stages[0], _spec("warm", range(12)))  # 3 blocks cached on stage 0 only
-    core.submit(_spec("r", range(20)))  # shares those 3 blocks
-    core.submit(_spec("s", range(50, 70)))
+    core.enqueue(_spec("r", range(20)))  # shares those 3 blocks
+    core.enqueue(_spec("s", range(50, 70)))
     step = core.begin_round()
     step = core.finish_phase([stages[0].handle(step)])
     assert isinstance(step, RoundResult)  # one phase, on stage 0's reply alone
@@ -119,7 +119,7 @@ def test_trtllm_rounds_ask_stage0_alone_and_waves_carry_its_decisions() -> None:
     assert stages[1].follow(header.new_requests[1], 0) is ReserveStatus.OK
     core.abort("s")  # in flight: stage-side cleanup waits for its chunk to return
     assert set(core.wave_done(header.wave_id, failed=("r",)).dropped) == {"r", "s"}
-    core.submit(_spec("t", range(80, 84)))
+    core.enqueue(_spec("t", range(80, 84)))
     msg = core.begin_round()
     assert set(msg.forgets) == {"r", "s"}  # stage 0 drops both through its own round
     while not isinstance(msg, RoundResult):
@@ -134,7 +134,7 @@ def test_sync_admission_rounds_need_every_stage() -> None:
     spec = _pipeline_spec("sync-admission")
     core = pipeline_leader_core(spec)
     stages = [StageAdmission(StageConfig(s, n, B)) for s, n in enumerate(spec.stage_blocks)]
-    core.submit(_spec("r", range(20)))
+    core.enqueue(_spec("r", range(20)))
     msg = core.begin_round()
     with pytest.raises(InvariantError):
         core.finish_phase([stages[0].handle(msg)])

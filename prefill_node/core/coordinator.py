@@ -67,7 +67,7 @@ class _Round:
 class AdmissionCoordinator:
     """Runs admission rounds over P stages from the leader (sans-IO: it only makes messages).
 
-    Usage: ``submit`` requests; ``begin_round`` returns the first phase's ``RoundRequest``
+    Usage: ``enqueue`` requests; ``begin_round`` returns the first phase's ``RoundRequest``
     (None when there is nothing to do); broadcast it, gather one ``StageReply`` per stage,
     pass them to ``finish_phase``; repeat with the ``RoundRequest`` it returns until it
     returns a ``RoundResult``. One round at a time; ``run_round`` does this in-process.
@@ -128,7 +128,7 @@ class AdmissionCoordinator:
                 )
         return None
 
-    def submit(self, spec: RequestSpec) -> Rejected | None:
+    def enqueue(self, spec: RequestSpec) -> Rejected | None:
         """Queue a request (FCFS); returns Rejected at once if it can never fit."""
         if spec.request_id in self._queue:
             raise DuplicateRequestError(f"request id {spec.request_id!r} is already queued")

@@ -16,7 +16,7 @@ time, direct calls to the stages). What it owns:
   request, a completion, an abort, released blocks, or a round that admitted someone), so
   requests waiting for capacity do not spin the rounds;
 - each request's ``options`` (what its chunks carry to the stages; opaque here), given
-  once at ``submit`` and dropped when the request leaves or is aborted; ``is_first``
+  once at ``enqueue`` and dropped when the request leaves or is aborted; ``is_first``
   tells the chunk that carries what the stages keep;
 - under a rank-0-decides policy (``follow_waves``), what the stages after the first learn
   from the waves instead of from rounds: each admitted prompt with its first chunk and each
@@ -119,7 +119,7 @@ class LeaderCore(Generic[O]):
         """Rejected if a prompt of ``num_tokens`` exceeds some stage's whole cache."""
         return self.coordinator.check_fits("", num_tokens // self._scale)
 
-    def submit(self, spec: RequestSpec, options: O | None = None) -> Rejected | None:
+    def enqueue(self, spec: RequestSpec, options: O | None = None) -> Rejected | None:
         """Queue ``spec`` (FCFS); Rejected at once if it can never fit on some stage.
         DuplicateRequestError while its id is still known (queued, running, or aborted with
         its stage-side cleanup waiting for chunks in flight)."""
@@ -128,7 +128,7 @@ class LeaderCore(Generic[O]):
             raise DuplicateRequestError(
                 f"request id {rid!r} is still in the pipeline; use a fresh id"
             )
-        rejected = self.coordinator.submit(spec)
+        rejected = self.coordinator.enqueue(spec)
         if rejected is not None:
             return rejected
         if options is not None:
@@ -207,7 +207,7 @@ class LeaderCore(Generic[O]):
         return self.scheduler.is_last(chunk)
 
     def options(self, request_id: str) -> O | None:
-        """What ``submit`` was given for the request (None once it left or was aborted)."""
+        """What ``enqueue`` was given for the request (None once it left or was aborted)."""
         return self._options.get(request_id)
 
     def take_follow(self) -> tuple[tuple[RequestSpec, ...], tuple[str, ...]]:

@@ -45,7 +45,7 @@ class Reservation:
         self.committed = False
         self.completed = False
         self.next_token = 0
-        self.published = 0  # leading new full blocks cached before completion (``publish``)
+        self.cached_early = 0  # leading new full blocks cached before completion
 
     @property
     def request_id(self) -> str:
@@ -126,22 +126,22 @@ class Reservation:
         self.next_token = end
         return BlockTable(self.request_id, self.block_ids(), self.cached_len, start, end, copy)
 
-    def publish(self, pool: BlockPool, computed: int, snapshot_interval: int | None) -> int:
+    def cache_computed(self, pool: BlockPool, computed: int, snapshot_interval: int | None) -> int:
         """Chunks up to token ``computed`` ran on this stage: cache the new full blocks
         below it that are not cached yet, so other requests can reuse them while this one
         still runs (they stay pinned by it). Returns the number of blocks cached now."""
         if not self.committed or self.completed or computed > self.next_token:
             raise InvariantError(
-                f"{self.request_id!r}: publish up to {computed} of {self.next_token} tokens"
+                f"{self.request_id!r}: cache_computed up to {computed} of {self.next_token} tokens"
             )
         p, first = self.prompt, len(self.lease)
         upto = min(computed // p.block_size, p.num_full_blocks) - first
         return self._cache(pool, upto, snapshot_interval)
 
     def _cache(self, pool: BlockPool, upto: int, snapshot_interval: int | None) -> int:
-        """Cache ``new_blocks[published:upto]``: new block j holds prompt block
+        """Cache ``new_blocks[cached_early:upto]``: new block j holds prompt block
         ``len(lease) + j`` (with ``copies_last`` there is no full block after the lease)."""
-        p, lo = self.prompt, len(self.lease) + self.published
+        p, lo = self.prompt, len(self.lease) + self.cached_early
         hi = len(self.lease) + upto
         if hi <= lo:
             return 0
@@ -149,14 +149,14 @@ class Reservation:
         if snapshot_interval is not None:
             snaps = [(i + 1) % snapshot_interval == 0 for i in range(lo, hi)]
         pool.cache_blocks(
-            self.new_blocks[self.published : upto],
+            self.new_blocks[self.cached_early : upto],
             p.hashes[lo:hi],
             p.token_blocks[lo:hi],
             p.spec.extra,
             p.parent_of(lo),
             snaps,
         )
-        self.published = upto
+        self.cached_early = upto
         return hi - lo
 
     def complete(self, pool: BlockPool, stage: int, snapshot_interval: int | None, keep: bool):

@@ -20,7 +20,7 @@ class RoundLeader(Protocol):
     """What runs rounds: ``AdmissionCoordinator`` alone, or ``leader.LeaderCore`` (which
     also schedules what a round admits)."""
 
-    def submit(self, spec: RequestSpec) -> Rejected | None: ...
+    def enqueue(self, spec: RequestSpec) -> Rejected | None: ...
 
     def begin_round(self) -> RoundRequest | None: ...
 
@@ -41,7 +41,7 @@ def run_round(
     in-process ``LocalEngine``). Callers of this direct-call form: the simulator (its
     ``LeaderCore``), ``sim/core_port.py`` and tests.
     """
-    rejected = tuple(r for r in (coordinator.submit(spec) for spec in new_requests) if r)
+    rejected = tuple(r for r in (coordinator.enqueue(spec) for spec in new_requests) if r)
     msg = coordinator.begin_round()
     while msg is not None:
         step = coordinator.finish_phase([stage.handle(msg) for stage in stages])

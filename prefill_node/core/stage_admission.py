@@ -87,8 +87,8 @@ class StageAdmission:
 
     Two callers share it, and the owner serialises them (the stage's cache lock):
     - the admission side: ``handle`` answers every ``RoundRequest`` of the leader;
-    - the execution loop: ``materialise`` before running a chunk, ``complete`` after the
-      last chunk, ``abort`` at any time.
+    - the execution loop: ``materialise`` before running a chunk, ``cache_computed`` after
+      a non-last one, ``complete`` after the last chunk, ``abort`` at any time.
     A request reserved here holds its whole prompt's capacity (lease + escrow + blocks)
     until ``complete`` / ``abort`` / a release from the leader. Specs of requests that
     wait stay registered (token ids travel once) until admitted and finished or forgotten.
@@ -274,7 +274,7 @@ class StageAdmission:
             )
         return rsv.materialise(self.pool, self.stage, start, length)
 
-    def publish(self, request_id: str, computed: int) -> int:
+    def cache_computed(self, request_id: str, computed: int) -> int:
         """A chunk ending at token ``computed`` ran on this stage (its KV is final here):
         cache the request's full blocks below it now rather than at ``complete``, so a
         request sharing them can lease them while this one still runs. The coordinator
@@ -283,7 +283,7 @@ class StageAdmission:
         rsv = self._reservations.get(request_id)
         if rsv is None or rsv.completed:
             return 0
-        return rsv.publish(self.pool, computed, self.config.snapshot_interval_blocks)
+        return rsv.cache_computed(self.pool, computed, self.config.snapshot_interval_blocks)
 
     def complete(
         self, request_id: str, *, keep_pinned: bool = False

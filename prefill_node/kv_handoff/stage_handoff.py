@@ -500,7 +500,7 @@ class StageKVHandoff:
         if span is not None:
             self._spans[request_id] = span
         if isinstance(destination, KVPullDestination):
-            self._publish(request_id, blocks, manifest, destination.lease_ttl_s)
+            self._lease(request_id, blocks, manifest, destination.lease_ttl_s)
         else:
             self._push(request_id, blocks, manifest, destination)
             self._poll()  # its final push goes now, not after the commands queued behind it
@@ -695,7 +695,7 @@ class StageKVHandoff:
         for request_id in request_ids:  # admitted again: its new stream and push are live
             self._dead.pop(request_id, None)
 
-    def _publish(
+    def _lease(
         self,
         request_id: str,
         blocks: list[KVBlock],
@@ -709,7 +709,7 @@ class StageKVHandoff:
             self._unpin(request_id)
             return
         try:
-            wire = sender.publish(request_id, manifest.block_ids, manifest.num_tokens, lease_ttl_s)
+            wire = sender.lease(request_id, manifest.block_ids, manifest.num_tokens, lease_ttl_s)
         except KVTransferError as exc:
             self._unpin(request_id)
             self._done(request_id, None, exc)

@@ -127,11 +127,11 @@ class Leader:
     last stage. All core calls happen under ``self._lock``; no collective is ever made
     while holding it.
 
-    The engine reaches the core only through ``submit`` / ``abort`` / ``check_fits`` /
+    The engine reaches the core only through ``enqueue`` / ``abort`` / ``check_fits`` /
     ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
     ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
     is stage 0's own reply to a round. A request's top-k, KV destination and traceparent
-    are handed over once, at ``submit``; the core keeps them for the wave headers (the
+    are handed over once, at ``enqueue``; the core keeps them for the wave headers (the
     first two go to the stages once, with the first chunk: ``wave_header``), so this lock
     takes no other lock inside it.
     """
@@ -176,7 +176,7 @@ class Leader:
             self._lock.notify_all()
 
     # -- the engine's calls (any thread) -------------------------------------------------------
-    def submit(
+    def enqueue(
         self,
         request_id: str,
         token_ids: tuple[int, ...],
@@ -187,7 +187,7 @@ class Leader:
         DuplicateRequestError raise here)."""
         spec = RequestSpec(request_id, token_ids, ExtraKeys(self.config.model_id, salt))
         with self._lock:
-            rejected = self._core.submit(spec, options)
+            rejected = self._core.enqueue(spec, options)
             if rejected is not None:
                 raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
             self._lock.notify_all()

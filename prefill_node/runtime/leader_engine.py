@@ -251,7 +251,7 @@ class LeaderEngine:
             settle_future(fut, error=UnavailableError(f"pipeline unavailable: {reason}"))
             return fut, None
         try:
-            self._running_leader().submit(
+            self._running_leader().enqueue(
                 rid,
                 tokens,
                 options.cache_salt,

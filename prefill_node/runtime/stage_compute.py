@@ -507,7 +507,7 @@ class PipelineStageCompute:
         for _, chunk, table in tables:
             if not chunk.is_last:  # reusable before the prompt ends (waiting requests)
                 with self._lock:
-                    self.admission.publish(chunk.request_id, table.end)
+                    self.admission.cache_computed(chunk.request_id, table.end)
                 continue
             if self.spec.capture_kv:
                 self._capture(chunk.request_id, table)

@@ -4,7 +4,7 @@ Nothing here models the core: every call goes to ``AdmissionCoordinator``,
 ``StageAdmission`` and ``round_driver.run_round`` (the leader's admission round with direct
 calls instead of a rounds plane). The pipeline simulator drives the coordinator through
 the core's ``LeaderCore``, as both engines' leader does, and the stages through
-``materialise`` / ``publish`` / ``complete`` here; the cluster simulator, which runs whole
+``materialise`` / ``cache_computed`` / ``complete`` here; the cluster simulator, which runs whole
 requests instead of waves, uses ``run_round`` and ``finish``. The port only adds what a
 simulation needs: seeding prefixes into every stage's cache before the measured run, and turning a
 ``StageStateMismatch`` (which in the real runtime fails the request) into an
@@ -85,9 +85,9 @@ class CorePort:
     def spec(self, request_id: str, tokens: Sequence[int]) -> RequestSpec:
         return RequestSpec(request_id, tuple(tokens), self.extra)
 
-    def submit(self, spec: RequestSpec) -> Rejected | None:
+    def enqueue(self, spec: RequestSpec) -> Rejected | None:
         """Queue for admission (FCFS); Rejected at once if it can never fit on some stage."""
-        return self.coordinator.submit(spec)
+        return self.coordinator.enqueue(spec)
 
     def next_round_ids(self) -> list[str]:
         """Requests the next round will look at (the head of the coordinator's queue)."""
@@ -126,14 +126,14 @@ class CorePort:
         if stage == len(self.stages) - 1:  # cached on every stage now
             self.coordinator.finished(request_id)
 
-    def publish(self, stage: int, chunk: ScheduledChunk) -> None:
+    def cache_computed(self, stage: int, chunk: ScheduledChunk) -> None:
         """A non-last chunk left ``stage``: its full blocks become reusable there (the
         ``LeaderCore`` tells the coordinator once the wave has left the last stage)."""
-        self.stages[stage].publish(chunk.request_id, self._ids(chunk.end))
+        self.stages[stage].cache_computed(chunk.request_id, self._ids(chunk.end))
 
     def seed(self, request_id: str, tokens: Sequence[int]) -> None:
         """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned."""
-        outcomes = [o for o in (self.submit(self.spec(request_id, tokens)),) if o]
+        outcomes = [o for o in (self.enqueue(self.spec(request_id, tokens)),) if o]
         outcomes += self.run_round()
         if len(outcomes) != 1 or not isinstance(outcomes[0], Admitted):
             raise InvariantError(f"seeding {request_id!r} was not admitted: {outcomes}")

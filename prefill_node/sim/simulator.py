@@ -243,7 +243,7 @@ class Simulator(TrtllmIssue):
             if self.loops is not None and self._pending[0][1] > self._fetched_until:
                 break
             request, arrival = self._pending.popleft()
-            rejected = self.leader.submit(self.core.spec(request.request_id, request.tokens))
+            rejected = self.leader.enqueue(self.core.spec(request.request_id, request.tokens))
             if rejected is not None:
                 self._rejected += 1
                 self._send_next()
@@ -441,7 +441,7 @@ class Simulator(TrtllmIssue):
                 self._round_wanted = True  # capacity came back on this stage
                 retired += chunk.end
             else:
-                self.core.publish(stage, chunk)
+                self.core.cache_computed(stage, chunk)
         if self.hosts is not None and retired:
             self.hosts.retire(stage, self.now, retired)
         if last_stage:  # the leader: finished requests, blocks waiting requests may use
