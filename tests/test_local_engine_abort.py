@@ -23,7 +23,12 @@ def test_abort_stops_a_running_request_and_frees_its_blocks():
     engine = tiny_local_engine(stage_delay_s=0.1)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_run, engine, LONG, "victim")
-        wait_until(lambda: stage_used_blocks(engine) == [15, 15], what="admission")
+        # admitted: reserved on every stage AND the leader's verdict applied (the stages
+        # reserve during the round, before the leader knows; an abort then is "before")
+        wait_until(
+            lambda: stage_used_blocks(engine) == [15, 15] and engine.load().inflight_requests == 1,
+            what="admission",
+        )
         assert engine.abort("victim") is True
         with pytest.raises(RequestAbortedError, match="'victim' was aborted after"):
             pending.result(10)
