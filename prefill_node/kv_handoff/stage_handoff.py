@@ -177,6 +177,16 @@ class _Stream:
     stopped: bool = False  # its other ranges aborted, decode told
 
 
+def _take_one(counts: Counter[str], key: str) -> bool:
+    """Take one off ``counts[key]`` (forgetting the key at 0); False when it had none."""
+    if counts[key] <= 0:
+        return False
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
+    return True
+
+
 def _after(ready: Callable[[], object], work: Callable[[], object]) -> None:
     try:
         ready()
@@ -350,11 +360,8 @@ class StageKVHandoff:
         request_ids = tuple(request_ids)
         for request_id in request_ids:
             with self._pin_lock:
-                disowned = self._owned[request_id] > 0
+                disowned = _take_one(self._owned, request_id)
                 if disowned:
-                    self._owned[request_id] -= 1
-                    if not self._owned[request_id]:
-                        del self._owned[request_id]
                     self._absorb[request_id] += 1
             if disowned:
                 self._owner.release(request_id)
@@ -473,16 +480,10 @@ class StageKVHandoff:
     def _unpin(self, request_id: str) -> None:
         """A shipped request's pins end here: release them, unless it was disowned."""
         with self._pin_lock:  # the release under it: a concurrent supersede sees it done
-            if self._absorb[request_id] > 0:
-                self._absorb[request_id] -= 1
-                if not self._absorb[request_id]:
-                    del self._absorb[request_id]
+            if _take_one(self._absorb, request_id):
                 return
-            if self._owned[request_id] <= 0:
+            if not _take_one(self._owned, request_id):
                 raise InvariantError(f"stage {self.stage}: {request_id!r} unpinned, not shipped")
-            self._owned[request_id] -= 1
-            if not self._owned[request_id]:
-                del self._owned[request_id]
             self._owner.release(request_id)
 
     def _give_back_streamed(self, blocks: Sequence[KVBlock]) -> None:

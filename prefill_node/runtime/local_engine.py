@@ -35,7 +35,7 @@ from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.local_planes import local_planes
-from prefill_node.runtime.stage_compute import PipelineStageCompute
+from prefill_node.runtime.stage_compute import TORCH_DTYPES, PipelineStageCompute
 from prefill_node.runtime.stage_worker import StageWorker
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class LocalEngine(LeaderEngine):
     ) -> LocalEngine:
         """Build from one HF-named weight dict (e.g. ``random_weights`` in tests)."""
         models = []
-        dtype = getattr(torch, config.dtype)
+        dtype = TORCH_DTYPES[config.dtype]
         for layer_range in config.stage_layers(model_config.num_layers):
             model = StageModel(model_config, layer_range, dtype, config.device)
             model.load_weights(weights)
@@ -143,7 +143,7 @@ class LocalEngine(LeaderEngine):
         if path is None:
             raise InvalidRequestError("the engine needs a model directory (--model)")
         model_config = load_hf_config(path)
-        dtype = getattr(torch, config.dtype)
+        dtype = TORCH_DTYPES[config.dtype]
         models = [
             load_stage_model(path, layer_range, dtype, config.device)
             for layer_range in config.stage_layers(model_config.num_layers)

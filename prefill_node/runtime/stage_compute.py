@@ -43,7 +43,8 @@ from prefill_node.runtime.stage_worker import StepOutput
 log = logging.getLogger(__name__)
 _NO_OPTIONS = RequestOptions()  # a request whose first chunk carried none (aborted before)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a spec's / config's dtype name -> torch (``runtime.spec.DTYPES``)
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # trtllm: a stage short of capacity for rank 0's decision retries this often while its KV
 # hand-offs (the counterpart of TensorRT-LLM's disaggregated cache transfers) release blocks
@@ -99,7 +100,7 @@ def load_stage_model(spec: PipelineSpec, stage: int) -> StageModel:
         raise InvariantError("a spec without a model source cannot load a stage")
     a, b = spec.layer_ranges[stage]
     layer_range = LayerRange(a, b)
-    dtype = _DTYPES[spec.dtype]
+    dtype = TORCH_DTYPES[spec.dtype]
     device = stage_device(spec, stage)
     if spec.model.path is not None:
         from prefill_node.model.loader_hf import load_stage_model as load_hf
@@ -355,8 +356,9 @@ class PipelineStageCompute:
             return StepOutput(out, failed=tuple(failed), kv_events=self._drain_events())
         if self.spec.debug_wave_delay_s > 0:  # tests only: see PipelineSpec
             time.sleep(self.spec.debug_wave_delay_s)
+        ranges = self._chunk_ranges(tables)  # what the KV hand-off streams of this wave
         try:
-            hidden_ok = self._forward(tables, hidden)
+            hidden_ok = self._forward(tables, hidden, ranges)
         except Exception as exc:  # a bug in one wave must not take the stage down
             log.exception("stage %d: wave %d failed", self.stage, header.wave_id)
             with self._lock:
@@ -368,7 +370,7 @@ class PipelineStageCompute:
         computed_at = time.monotonic()
         # the KV is final: ship it before the logits, so the last WRITE overlaps the LM head
         if self.handoff is not None:
-            self.handoff.stream_chunks(self._chunk_ranges(tables), before=self._kv_written)
+            self.handoff.stream_chunks(ranges, before=self._kv_written)
         manifests = self._complete(tables, failed)
         if self.model.is_last:
             outputs = self._outputs(header, tables, hidden_ok, failed)
@@ -408,7 +410,10 @@ class PipelineStageCompute:
         return ((self.stage, events),) if events else ()
 
     def _forward(
-        self, tables: list[tuple[int, WaveChunk, BlockTable]], hidden: torch.Tensor | None
+        self,
+        tables: list[tuple[int, WaveChunk, BlockTable]],
+        hidden: torch.Tensor | None,
+        ranges: list[ChunkRange],
     ) -> torch.Tensor:
         batch = ChunkBatch(tuple(ChunkSpec(c.start, c.length, t.block_ids) for _, c, t in tables))
         if self.model.is_first:
@@ -426,17 +431,14 @@ class PipelineStageCompute:
                 inputs = hidden
             else:
                 inputs = torch.cat([hidden[r : r + c.length] for r, c, _ in tables])
-        return self.model(inputs, batch, self.kv, after_layer=self._layer_hook(tables))
+        return self.model(inputs, batch, self.kv, after_layer=self._layer_hook(ranges))
 
-    def _layer_hook(
-        self, tables: list[tuple[int, WaveChunk, BlockTable]]
-    ) -> Callable[[int], None] | None:
+    def _layer_hook(self, ranges: list[ChunkRange]) -> Callable[[int], None] | None:
         """The forward's per-layer hook: the KV hand-off's (``StageKVHandoff.layer_hook``),
         and with core sharing, the thread count for the next layer (``CoreShare.adjust``)."""
         handoff, cores = self.handoff, self.cores
         group = None
         if handoff is not None:
-            ranges = self._chunk_ranges(tables)
             group = handoff.layer_hook(ranges, self.model.layer_range, self._fence)
         if cores is None:
             return group
