@@ -3,14 +3,15 @@
 
 Per request (``prefill_async``, awaited on the server's event loop; ``submit`` runs it on a
 loop of the router's own for callers without one), the decision is ``RouterCore``'s, the
-sans-IO core the cluster simulator drives too: hash the prompt with the node's own code
-and the cluster's cache identity + the request's ``cache_salt``, look up
-every pipeline's leading cached blocks in the global index, score the ready candidates
-(``Scorer``), record the prompt's blocks as pending on the chosen pipeline; this shell
-keeps the links (membership comes from them) and the calls, and forwards the
-request there as a Prefill call: the bytes the router received, as they are (token ids; KV
-destinations pass through untouched, so the stages still ship straight to decode). The
-answer comes back as the pipeline's bytes; the router reads its cached tokens only.
+sans-IO core the cluster simulator drives too: hash the prompt with the node's own code and
+the cluster's cache identity + the request's ``cache_salt``, look up every pipeline's
+leading cached blocks in the global index, score the ready candidates (``Scorer``), record
+the prompt's blocks as pending on the chosen pipeline. Which pipelines there are, which are
+accepted and ready, and their links are ``Membership``'s (prefill_router/membership.py).
+This shell keeps the calls: it forwards the request to the chosen pipeline as a Prefill
+call, the bytes the router received as they are (token ids; KV destinations pass through
+untouched, so the stages still ship straight to decode). The answer comes back as the
+pipeline's bytes; the router reads its cached tokens only.
 
 Flow control (``_admit``, FlowControl): at most so many requests per ready pipeline are
 forwarded at once; the rest wait in a bounded queue by priority and tenant turns, and a
@@ -26,17 +27,17 @@ lasts (``failover_reason``: the connection was lost or never made; the pipeline 
 ready, a stage died, or a pull-mode KV hand-off failed, as the pipeline's ``wavepp-failover``
 trailer says); the reason goes to ``wavepp_router_failovers_total``. A lost connection also
 takes the pipeline out of routing at once. The caller gets UNAVAILABLE only when no pipeline
-could serve. Any other failure is the request's answer. ``abort`` (a client cancel, a deadline, or
-the Abort RPC) cancels the forwarded call, which makes the pipeline abort the request and
-free its blocks. Pipelines come and go through the discovery; a link that is not ready, or
-whose KV-event stream broke, has no entries in the index until its next snapshot.
+could serve. Any other failure is the request's answer. ``abort`` (a client cancel, a
+deadline, or the Abort RPC) cancels the forwarded call, which makes the pipeline abort the
+request and free its blocks.
 
 Threading: every link runs on ONE event loop: the loop ``start`` is called on (the serving
 loop in ``wavepp router``: serving, forwarding and pipeline monitoring share it, with no
-thread per pipeline), else the router's own loop thread. One lock guards the core (index,
-scorer, accounting) and the routed-request table (discovery, ``abort``, ``load`` and
-scrapes call in from other threads). Forwarded calls are grpc.aio calls on the requesting
-loop (the server's), so a request never changes threads on its way through the router.
+thread per pipeline), else the router's own loop thread. One lock, shared with
+``Membership``, guards the core (index, scorer, accounting), the links and the
+routed-request table (discovery, ``abort``, ``load`` and scrapes call in from other
+threads). Forwarded calls are grpc.aio calls on the requesting loop (the server's), so a
+request never changes threads on its way through the router.
 """
 
 from __future__ import annotations
@@ -54,10 +55,8 @@ from operator import attrgetter
 import grpc
 
 from prefill_node import tracing
-from prefill_node.client.prefill_client import RemoteServerInfo, build_request
+from prefill_node.client.prefill_client import build_request
 from prefill_node.core.cost_model import ChunkCostModel
-from prefill_node.core.hashing import model_cache_name
-from prefill_node.core.kv_events import KVEvent
 from prefill_node.engine.types import (
     CacheIdentity,
     EngineHealth,
@@ -76,11 +75,11 @@ from prefill_node.errors import (
 from prefill_node.wire.convert import ParsedRequest, Relayed, result_from_proto
 from prefill_node.wire.status import CONNECTION_LOST, error_from_rpc, failover_reason
 from prefill_router.calibration import CalibrationConfig
-from prefill_router.discovery import PipelineDiscovery, PipelineEndpoint
+from prefill_router.discovery import PipelineDiscovery
 from prefill_router.flow_control import FlowConfig, FlowControl, Verdict, Waiter
-from prefill_router.index import UnknownPipelineError
+from prefill_router.membership import Membership
 from prefill_router.pipeline_link import LinkConfig, PipelineLink, start_loop_thread
-from prefill_router.router_core import UNBOUNDED_BLOCKS, PipelineMember, Placement, RouterCore
+from prefill_router.router_core import Placement, RouterCore
 from prefill_router.router_metrics import RouterMetrics
 from prefill_router.scoring import (
     DEFAULT_AFFINITY_SLACK,
@@ -139,32 +138,26 @@ def _resolve(future: asyncio.Future) -> None:
 
 
 class RouterEngine:
-    """See the module contract. ``start`` begins discovery; ``shutdown`` stops every link."""
+    """See the module contract. ``start`` begins discovery; ``shutdown`` stops every link;
+    ``membership``: the pipelines behind it (their links, for tests and the CLI)."""
 
     def __init__(self, discovery: PipelineDiscovery, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics(config.policy.value, self.prediction_ratios)
-        self._discovery = discovery
         self._lock = threading.Lock()
         self._core = RouterCore(config.cost_model, config.policy,
                                 pending_ttl_s=config.pending_ttl_s,
                                 affinity_slack=config.affinity_slack,
                                 calibration=config.calibration)  # fmt: skip
         self._flow = FlowControl(config.flow)
-        self._identity: CacheIdentity | None = None
-        self._links: dict[str, PipelineLink] = {}
-        # left the discovery with calls still forwarded there: closed when the last one ends
-        self._leaving: dict[str, PipelineLink] = {}
+        self.membership = Membership(discovery, self._core, self._lock, config.link,
+                                     config.model_name, self.metrics,
+                                     self._capacity_changed)  # fmt: skip
         self._routed: dict[str, _Routed] = {}
         # answered pull-mode requests -> their pipeline, newest last (``abort``)
         self._leased: OrderedDict[str, str] = OrderedDict()
-        # per pipeline: (load, info, ready, its PipelineMember), made again only when the
-        # link's load, identity or readiness changed (see ``_member``)
-        self._members: dict[str, tuple] = {}
-        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # own loop thread, when needed
         self._link_loop: asyncio.AbstractEventLoop | None = None  # where the links run
-        self._vocab_size = self._max_model_len = 0  # over the pipelines accepted so far
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,12 +167,11 @@ class RouterEngine:
             self._link_loop = asyncio.get_running_loop()
         except RuntimeError:
             self._link_loop = self._own_loop()
-        self._discovery.start(self._on_endpoints)
+        self.membership.start(self._link_loop)
 
     def shutdown(self) -> None:
         """Stop discovery and every link (from any thread but the links' loop: ``aclose``)."""
-        self._discovery.stop()
-        for link in self._close():
+        for link in self.membership.close():
             link.stop()
         self._stop_own_loop()
 
@@ -188,15 +180,9 @@ class RouterEngine:
         if asyncio.get_running_loop() is not self._link_loop:
             await asyncio.to_thread(self.shutdown)
             return
-        await asyncio.to_thread(self._discovery.stop)
-        await asyncio.gather(*(link.aclose() for link in self._close()))
+        links = await asyncio.to_thread(self.membership.close)
+        await asyncio.gather(*(link.aclose() for link in links))
         self._stop_own_loop()
-
-    def _close(self) -> list[PipelineLink]:
-        with self._lock:
-            links = [*self._links.values(), *self._leaving.values()]
-            self._closed, self._links, self._leaving = True, {}, {}
-        return links
 
     def _stop_own_loop(self) -> None:
         with self._lock:
@@ -210,125 +196,21 @@ class RouterEngine:
                 self._loop = start_loop_thread("router-loop")
             return self._loop
 
-    def _on_endpoints(self, endpoints: frozenset[PipelineEndpoint]) -> None:
-        """Discovery's full set: start links for new endpoints, stop links for gone ones."""
-        wanted = {e.id: e for e in endpoints}
-        with self._lock:
-            if self._closed:
-                return
-            gone = [link for pid, link in self._links.items() if pid not in wanted]
-            stopping, draining = [], set()
-            for link in gone:
-                del self._links[link.pid]
-                self._members.pop(link.pid, None)
-                self._core.forget(link.pid)
-                if not self._core.placed_requests(link.pid):
-                    stopping.append(link)
-                    continue
-                # calls in flight there: the pod drains them; an older leaving link goes now
-                older = self._leaving.pop(link.pid, None)
-                if older is not None:
-                    stopping.append(older)
-                self._leaving[link.pid] = link
-                draining.add(link.pid)
-            new = [PipelineLink(e, self, self.config.link) for pid, e in wanted.items()
-                   if pid not in self._links]  # fmt: skip
-            for link in new:
-                self._links[link.pid] = link
-        for link in gone:
-            log.info("pipeline %s left the discovery%s", link.pid,
-                     "; its link closes when the calls on it end" if link.pid in draining
-                     else "")  # fmt: skip
-        for link in stopping:
-            link.stop()
-        for link in new:
-            log.info("pipeline %s (%s) found", link.pid, link.endpoint.address)
-            link.start(self._link_loop)
-
-    # -- LinkListener --------------------------------------------------------------------------
-    def link_identified(self, link: PipelineLink, info: RemoteServerInfo) -> str | None:
-        identity = CacheIdentity(
-            info.cache_model_id, info.block_size, info.snapshot_interval_blocks or None
-        )
-        with self._lock:
-            if info.router or not info.block_size or not info.kv_events:
-                why = "not a pipeline publishing KV events (a router, or a server without them)"
-            elif self.config.model_name not in (None, model_cache_name(identity.model_id)):
-                why = f"serves {identity.model_id!r}, this router routes {self.config.model_name!r}"
-            elif self._identity is not None and identity != self._identity:
-                why = (f"serves {identity.model_id!r} with {identity.block_size}-token blocks; "
-                       f"the cluster serves {self._identity.model_id!r} with "
-                       f"{self._identity.block_size}-token blocks")  # fmt: skip
-            else:
-                why = None
-                self._vocab_size = max(self._vocab_size, info.vocab_size)
-                self._max_model_len = max(self._max_model_len, info.max_model_len)
-                if self._identity is None:
-                    self._identity = identity
-                    self._core.start_scoring(identity.model_id, identity.block_size)
-                    log.info("cluster cache identity: %s, %d-token blocks", *(
-                        identity.model_id, identity.block_size))  # fmt: skip
-        if why is not None:
-            self.metrics.pipeline_refused(link.pid)
-        return why
-
-    def link_ready(self, link: PipelineLink, ready: bool, reason: str) -> None:
-        with self._lock:
-            if self._links.get(link.pid) is not link:
-                return
-            if ready:
-                if link.pid not in self._core.index:
-                    self._core.index.add_pipeline(link.pid)  # entries come with its snapshot
-            else:
-                self._drop_index(link.pid)
-            woken = self._flow.drain(self._ready_count())  # more room, or none ready
-        self._wake(woken)
-        if not ready:
-            self.metrics.pipeline_lost(link.pid)
-
-    def link_batch(self, link: PipelineLink, sequence: int, events: tuple[KVEvent, ...]) -> bool:
-        with self._lock:
-            if self._links.get(link.pid) is not link:
-                return False
-            try:
-                result = self._core.index.apply(link.pid, sequence, events)
-            except UnknownPipelineError:  # dropped while the batch was on its way
-                return False
-        if sequence == 1:
-            self.metrics.resync(link.pid)
-        return not result.needs_resubscribe
-
-    def link_stream_lost(self, link: PipelineLink, reason: str) -> None:
-        with self._lock:
-            index = self._core.index
-            if self._links.get(link.pid) is not link or link.pid not in index:
-                return
-            self._drop_index(link.pid)
-            if link.ready:
-                index.add_pipeline(link.pid)  # awaiting the next snapshot
-        log.info("pipeline %s: KV events %s; re-indexing from a new subscription", link.pid,
-                 reason)  # fmt: skip
-
-    def _drop_index(self, pid: str) -> None:
-        """Caller holds the lock."""
-        if pid in self._core.index:
-            self._core.index.drop_pipeline(pid)
-
     # -- Engine protocol -----------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         """The largest of the accepted pipelines' (0 before the first): read per request."""
-        return self._vocab_size
+        return self.membership.vocab_size
 
     @property
     def max_model_len(self) -> int:
         """The longest prompt any accepted pipeline took; scoring excludes the ones it
         does not fit."""
-        return self._max_model_len
+        return self.membership.max_model_len
 
     @property
     def cache_identity(self) -> CacheIdentity:
-        return self._identity or CacheIdentity("", 0)
+        return self.membership.identity or CacheIdentity("", 0)
 
     def submit(self, token_ids: Sequence[int], options: PrefillOptions) -> Future[PrefillResult]:
         """``prefill_async`` on the router's own event-loop thread (for callers without a
@@ -396,7 +278,8 @@ class RouterEngine:
         request_id = options.request_id or ""
         loop = asyncio.get_running_loop()
         with self._lock:
-            scores = [s for s in self._core.assess(len(tokens), hashes, self._members_now(), now)
+            members = self.membership.members()
+            scores = [s for s in self._core.assess(len(tokens), hashes, members, now)
                       if s.eligible]  # fmt: skip
             if not scores:
                 return False
@@ -405,7 +288,7 @@ class RouterEngine:
             waiter = Waiter(request_id, options.priority, tenant, chosen.prefill_s,
                             (loop, loop.create_future()))  # fmt: skip
             left = None if options.deadline_s is None else options.deadline_s - now
-            offer = self._flow.offer(waiter, chosen.score, left, self._ready_count())
+            offer = self._flow.offer(waiter, chosen.score, left, self.membership.ready_count())
             waiting = self._flow.num_waiting
         self.metrics.offered(offer.verdict.value, waiting)
         if offer.verdict is Verdict.ADMIT:
@@ -446,7 +329,13 @@ class RouterEngine:
 
     def _release_slot(self) -> None:
         with self._lock:
-            woken = self._flow.release(self._ready_count())
+            woken = self._flow.release(self.membership.ready_count())
+        self._wake(woken)
+
+    def _capacity_changed(self) -> None:
+        """A pipeline's readiness changed (Membership): flow control's slots follow."""
+        with self._lock:
+            woken = self._flow.drain(self.membership.ready_count())
         self._wake(woken)
 
     def _wake(self, woken: list[Waiter]) -> None:
@@ -456,10 +345,6 @@ class RouterEngine:
         for waiter in woken:
             loop, future = waiter.handle
             loop.call_soon_threadsafe(_resolve, future)
-
-    def _ready_count(self) -> int:
-        """Caller holds the lock."""
-        return sum(link.ready and link.refused is None for link in self._links.values())
 
     async def _forward_admitted(
         self,
@@ -595,7 +480,7 @@ class RouterEngine:
         only round-robin's rotation moves). No pipeline connected yet -> UnavailableError."""
         with self._lock:
             hashes = self._core.hashes(token_ids, cache_salt)
-            decision = self._core.decide(len(token_ids), hashes, self._members_now(),
+            decision = self._core.decide(len(token_ids), hashes, self.membership.members(),
                                          time.monotonic())  # fmt: skip
         chosen = next((c for c in decision.candidates if c.pid == decision.pipeline), None)
         return ScoreReport(
@@ -613,10 +498,11 @@ class RouterEngine:
         the typed error when none can take it."""
         now = time.monotonic()
         with self._lock:
-            decision, placement = self._core.route(len(tokens), hashes, self._members_now(), now,
+            members = self.membership.members()
+            decision, placement = self._core.route(len(tokens), hashes, members, now,
                                                    tried)  # fmt: skip
             if placement is not None:
-                link = self._links[placement.pid]
+                link = self.membership.link(placement.pid)
                 routed = _Routed(placement, (*tried, placement.pid))
                 self._routed[request_id] = routed
         self.metrics.decision(decision.reason.value)
@@ -625,40 +511,11 @@ class RouterEngine:
         return link, routed
 
     def _forget(self, request_id: str, routed: _Routed) -> None:
-        drained = None
         with self._lock:
             if self._routed.get(request_id) is routed:
                 del self._routed[request_id]
             self._core.finish(routed.placement)
-            pid = routed.pid
-            if pid in self._leaving and not self._core.placed_requests(pid):
-                drained = self._leaving.pop(pid)
-        if drained is not None:  # its last call ended: close it on its loop, not blocking ours
-            log.info("pipeline %s: the calls on it ended; closing its link", drained.pid)
-            loop = self._link_loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(drained.stop)
-
-    def _members_now(self) -> list[PipelineMember]:
-        """The links routing may choose from, as members. Caller holds the lock."""
-        return [self._member(link) for link in self._links.values()
-                if link.refused is None and link.info is not None]  # fmt: skip
-
-    def _member(self, link: PipelineLink) -> PipelineMember:
-        """``link`` as a member, made again only when its load, identity or readiness
-        changed. Caller holds the lock."""
-        load, info, ready = link.load, link.info, link.ready
-        cached = self._members.get(link.pid)
-        if cached is None or cached[0] is not load or cached[1] is not info or cached[2] != ready:
-            stages = load.stages if load is not None else ()
-            member = PipelineMember(
-                link.pid, ready, info.max_model_len if info is not None else 0,
-                min((st.total_blocks for st in stages), default=UNBOUNDED_BLOCKS),
-                (info.snapshot_interval_blocks or None) if info is not None else None,
-                load.inflight_tokens if load is not None else 0,
-            )  # fmt: skip
-            cached = self._members[link.pid] = (load, info, ready, member)
-        return cached[3]
+        self.membership.close_if_drained(routed.pid)
 
     def _no_pipeline(self, decision: RoutingDecision) -> Exception:
         if decision.reason is RouteReason.NEVER_FITS:
@@ -675,7 +532,7 @@ class RouterEngine:
         with self._lock:
             routed = self._routed.get(request_id)
             if routed is None or routed.call is None or routed.loop is None:
-                link = self._links.get(self._leased.pop(request_id, ""))
+                link = self.membership.link(self._leased.pop(request_id, ""))
                 if link is None:
                     return False
                 link.abort(request_id)
@@ -686,7 +543,7 @@ class RouterEngine:
 
     def load(self) -> EngineLoad:
         with self._lock:
-            links = list(self._links.values())
+            links = self.membership.current()
             inflight = self._core.placed_by_pipeline()
             index = self._core.index
             indexed = {pid: index.num_blocks(pid) for pid in index.pipelines}
@@ -702,26 +559,6 @@ class RouterEngine:
         )
 
     def health(self) -> EngineHealth:
-        ready = any(link.ready for link in self._accepted())
+        ready = self.membership.any_ready()
         detail = "" if ready else "no pipeline behind the router is ready"
         return EngineHealth(live=True, ready=ready, detail=detail)
-
-    def _accepted(self) -> list[PipelineLink]:
-        with self._lock:
-            return [link for link in self._links.values() if link.refused is None]
-
-    def links(self) -> dict[str, PipelineLink]:
-        """The current links by pipeline id (a copy; for tests and the CLI)."""
-        with self._lock:
-            return dict(self._links)
-
-    def leaving(self) -> dict[str, PipelineLink]:
-        """Links that left the discovery and still carry forwarded calls (a copy)."""
-        with self._lock:
-            return dict(self._leaving)
-
-    def index_snapshot(self, pid: str) -> int:
-        """Confirmed blocks the index holds for ``pid`` (0 when it has none)."""
-        with self._lock:
-            index = self._core.index
-            return index.num_blocks(pid) if pid in index else 0

@@ -28,10 +28,10 @@ def link(pid: str):
 
 def test_the_first_pipeline_defines_the_identity_and_others_must_match():
     engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig(model_name="tiny"))
-    assert engine.link_identified(link("a"), info()) is None
+    assert engine.membership.link_identified(link("a"), info()) is None
     assert engine.cache_identity.model_id == "tiny|float32"
     assert engine.cache_identity.block_size == 16
-    assert engine.link_identified(link("b"), info()) is None
+    assert engine.membership.link_identified(link("b"), info()) is None
     refusals = {
         "c": (info(block_size=32), "with 32-token blocks; the cluster serves"),
         "d": (info(model_id="tiny|bfloat16"), "'tiny|bfloat16'"),
@@ -40,7 +40,7 @@ def test_the_first_pipeline_defines_the_identity_and_others_must_match():
         "g": (info(kv_events=False), "not a pipeline publishing KV events"),
     }
     for pid, (remote, why) in refusals.items():
-        refused = engine.link_identified(link(pid), remote)
+        refused = engine.membership.link_identified(link(pid), remote)
         assert refused is not None and why in refused, (pid, refused)
     assert dict(engine.metrics.refused) == dict.fromkeys(refusals, 1)
     assert engine.cache_identity.block_size == 16  # refusals never change the identity
@@ -48,7 +48,7 @@ def test_the_first_pipeline_defines_the_identity_and_others_must_match():
 
 def test_without_a_model_name_any_first_model_is_accepted():
     engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
-    assert engine.link_identified(link("a"), info(model_id="other|float32")) is None
+    assert engine.membership.link_identified(link("a"), info(model_id="other|float32")) is None
     assert engine.cache_identity.model_id == "other|float32"
 
 
@@ -56,10 +56,10 @@ def test_a_recurrent_models_snapshot_interval_reaches_the_identity():
     """Pipelines of a model with recurrent layers report their snapshot interval; the
     router's identity (and so its own ServerInfo and reuse predictions) carries it."""
     engine = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
-    assert engine.link_identified(link("a"), info(snap=1)) is None
+    assert engine.membership.link_identified(link("a"), info(snap=1)) is None
     assert engine.cache_identity.snapshot_interval_blocks == 1
     plain = RouterEngine(StaticDiscovery(["127.0.0.1:1"]), RouterConfig())
-    assert plain.link_identified(link("a"), info()) is None
+    assert plain.membership.link_identified(link("a"), info()) is None
     assert plain.cache_identity.snapshot_interval_blocks is None
 
 
@@ -72,7 +72,7 @@ async def test_started_on_a_loop_the_links_run_there_and_aclose_ends_them():
     before = {t.ident for t in threading.enumerate()}
     engine = RouterEngine(StaticDiscovery(["127.0.0.1:1", "127.0.0.1:2"]), RouterConfig())
     engine.start()
-    links = engine.links()
+    links = engine.membership.links()
     assert sorted(links) == ["127.0.0.1:1", "127.0.0.1:2"]
     loop = asyncio.get_running_loop()
     await asyncio.sleep(0.2)  # the links try their (closed) ports
@@ -81,7 +81,7 @@ async def test_started_on_a_loop_the_links_run_there_and_aclose_ends_them():
         assert not link.ready  # nothing listens there
     assert [t.name for t in threading.enumerate() if t.ident not in before] == []
     await engine.aclose()
-    assert engine.links() == {}
+    assert engine.membership.links() == {}
     for link in links.values():
         assert link._tasks == [] and link._clients == {}
     await keep.close()

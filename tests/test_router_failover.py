@@ -122,7 +122,7 @@ def test_a_pipeline_that_dies_mid_request_fails_over_and_the_request_answers_ok(
         assert dict(engine.metrics.failovers) == {(victim, reason): 1}
         assert dict(engine.metrics.answered_requests) == {survivor: 1}
         # the dead pipeline is out of routing (its connection or its readiness said so)
-        wait_until(lambda: not engine.links()[victim].ready, 10, "the victim dropped")
+        wait_until(lambda: not engine.membership.links()[victim].ready, 10, "the victim dropped")
         again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
         assert again.served_by == survivor
         # with the other pipeline gone too, nothing can serve: UNAVAILABLE
@@ -143,17 +143,17 @@ def test_a_dead_pipeline_leaves_polled_routing_at_once_and_its_new_instance_retu
     engine.start()
     try:
         wait_until(lambda: all(p.ready for p in engine.load().pipelines), 30, "both ready")
-        before = engine.links()[dead].info.instance_id
+        before = engine.membership.links()[dead].info.instance_id
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         # the link's flag drops first, then its owner counts the loss: wait for the count
         wait_until(lambda: engine.metrics.lost[dead] >= 1, 10, "the dead pipeline dropped")
-        assert not engine.links()[dead].ready and engine.links()[alive].ready
+        assert not engine.membership.links()[dead].ready and engine.membership.links()[alive].ready
         assert engine.metrics.lost[dead] == 1
         restarted, _ = serve(model_dir, port=int(dead.rsplit(":", 1)[1]))
         try:
-            wait_until(lambda: engine.links()[dead].ready, 60, "the new instance back")
-            assert engine.links()[dead].info.instance_id != before
+            wait_until(lambda: engine.membership.links()[dead].ready, 60, "the new instance back")
+            assert engine.membership.links()[dead].info.instance_id != before
         finally:
             stop(restarted)
     finally:
@@ -271,10 +271,10 @@ def test_a_pipeline_leaving_discovery_mid_request_finishes_it_then_its_link_clos
         leaving = wait_routed_mid_flight(engine)
         (staying,) = set(addresses) - {leaving}
         discovery.set([staying])
-        assert set(engine.links()) == {staying}  # out of routing at once
+        assert set(engine.membership.links()) == {staying}  # out of routing at once
         again = client.prefill(PROMPT[:40], request_id="r1", timeout_s=60).result
         assert again.served_by == staying
         result = pending.result(timeout=60).result
         assert (result.request_id, result.served_by) == ("r0", leaving)
         assert not engine.metrics.failovers
-        wait_until(lambda: not engine.leaving(), 10, "the drained link closed")
+        wait_until(lambda: not engine.membership.leaving(), 10, "the drained link closed")

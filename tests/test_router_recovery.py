@@ -63,24 +63,25 @@ def test_a_dropped_stream_resyncs_and_a_restart_starts_empty(pipeline):
         truth = residency(address)
         want = [sum(1 for h in hs if h in truth) for hs in hashes]
         assert want == [len(p) // BS for p in PROMPTS]  # every full block resident
-        wait_until(lambda: engine.index_snapshot(address) == len(truth), 10, "indexed")
+        members = engine.membership
+        wait_until(lambda: members.indexed_blocks(address) == len(truth), 10, "indexed")
         assert indexed(engine, address, hashes) == want
 
         # the stream drops (a network blip): entries go, a new snapshot rebuilds them
         resyncs = engine.metrics.resyncs[address]
-        engine.links()[address]._cancel_stream()
+        engine.membership.links()[address]._cancel_stream()
         wait_until(lambda: engine.metrics.resyncs[address] > resyncs, 10, "a resync")
-        wait_until(lambda: engine.index_snapshot(address) == len(truth), 10, "re-indexed")
+        wait_until(lambda: members.indexed_blocks(address) == len(truth), 10, "re-indexed")
         assert indexed(engine, address, hashes) == want
 
         # a restart at the same address: a new instance, an empty cache
-        old = engine.links()[address].info.instance_id
+        old = engine.membership.links()[address].info.instance_id
         stop(proc)
         wait_until(lambda: not engine.health().ready, 5, "the stopped pipeline dropped")
-        assert engine.index_snapshot(address) == 0
+        assert engine.membership.indexed_blocks(address) == 0
         proc, _ = serve(model_dir, port)
         wait_until(lambda: engine.health().ready, 30, "the restarted pipeline ready")
-        assert engine.links()[address].info.instance_id != old
+        assert engine.membership.links()[address].info.instance_id != old
         assert indexed(engine, address, hashes) == [0, 0, 0]
         result = engine.submit(PROMPTS[0], _options("after-restart")).result(30)
         assert (result.prompt_tokens, result.cached_tokens) == (len(PROMPTS[0]), 0)
@@ -123,15 +124,15 @@ async def test_kubernetes_discovery_adds_and_removes_pipelines_in_the_router(kmo
     await asyncio.to_thread(engine.start)
     try:
         await eventually(lambda: watch_subscribed(kmock))
-        assert engine.links() == {}
+        assert engine.membership.links() == {}
         slice_ = endpoint_slice("wavepp-0", SERVICE, [endpoint("127.0.0.1", "pipeline-0")],
                                 ports=(("grpc", port),))  # fmt: skip
         await cluster.create(slice_)
         await eventually(lambda: engine.health().ready, 30)
-        assert list(engine.links()) == ["pipeline-0"]
-        assert engine.links()["pipeline-0"].endpoint.address == f"127.0.0.1:{port}"
+        assert list(engine.membership.links()) == ["pipeline-0"]
+        assert engine.membership.links()["pipeline-0"].endpoint.address == f"127.0.0.1:{port}"
         await cluster.delete("wavepp-0")
-        await eventually(lambda: engine.links() == {}, 10)
+        await eventually(lambda: engine.membership.links() == {}, 10)
         assert not engine.health().ready
     finally:
         await asyncio.to_thread(engine.shutdown)
