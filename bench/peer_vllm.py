@@ -4,7 +4,10 @@ SYSTEMS (all on the same N cores: this process's affinity, or the first --cores 
 - wavepp-pipeline: `wavepp serve --stages N` (one stage process and one torch thread per core),
   driven over gRPC by an asyncio client in this process, every prompt of a case in flight;
 - wavepp-router: `wavepp router` (prefix policy) in front of --router-pipelines pipelines of
-  N / --router-pipelines stages, each pipeline on its own share of the cores (taskset);
+  N / --router-pipelines stages; --router-cores board (default): every pipeline may run on
+  all N cores and they share one host core board (`wavepp serve --core-board`: a pipeline
+  computing alone borrows the idle ones' cores); split: each pipeline on its own share of
+  the cores (taskset), as if each had its own host;
 - vllm-eager / vllm-compiled: vLLM's offline ``LLM`` (prefix caching on; enforce_eager, or its
   default torch.compile), ``generate(prompts, max_tokens=1)`` on token ids, run by
   bench/peer_vllm_driver.py in the PEER environment (scripts/setup_vllm_peer.sh; vLLM must not
@@ -137,10 +140,12 @@ class OursTier:
         extra = ("--dtype", dtype, *args.serve_arg)
         k = 1 if system == "wavepp-pipeline" else args.router_pipelines
         n = len(args.cpus) // k  # stages per pipeline: one core each
+        shares = [args.cpus[i * n : (i + 1) * n] for i in range(k)]
+        if k > 1 and args.router_cores == "board":  # one board for the host's pipelines
+            extra += ("--core-board", str(args.json.with_suffix(".logs") / f"cores-{dtype}"))
+            shares = [args.cpus] * k
         self._pipelines = [
-            cluster.serve(
-                f"{system}-{dtype}-p{i}", blocks // k, args.cpus[i * n : (i + 1) * n], n, extra
-            )
+            cluster.serve(f"{system}-{dtype}-p{i}", blocks // k, shares[i], n, extra)
             for i in range(k)
         ]
 
@@ -185,6 +190,13 @@ def main() -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--cores", type=int, help="use the first N allowed cores (default all)")
     ap.add_argument("--router-pipelines", type=int, default=2, help="pipelines behind the router")
+    ap.add_argument(
+        "--router-cores",
+        choices=("board", "split"),
+        default="board",
+        help="the router's pipelines: board = all on every core, sharing idle cores through "
+        "one host core board (default); split = each on its own share of the cores",
+    )
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB per system (whole GiB)")
     ap.add_argument(
         "--serve-arg",
@@ -311,7 +323,8 @@ def write(per_run: list[dict], args, final: bool = True) -> tuple[list[dict], li
     rows = [{k: v for k, v in r.items() if k not in ("first_tokens", "first_top")}
             for r in per_run]  # fmt: skip
     serve_args = " ".join(args.serve_arg)
-    rows = [r | {"serve_args": serve_args} | provenance() for r in rows + summary]
+    rows = [r | {"serve_args": serve_args, "router_cores": args.router_cores} | provenance()
+            for r in rows + summary]  # fmt: skip
     args.json.write_text(json.dumps(rows, indent=1))
     if final and summary:
         args.json.with_suffix(".md").write_text(markdown_table(summary) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from prefill_node.cli.options import (
@@ -65,6 +66,17 @@ def register(subparsers: Any) -> None:
         "to the stages that compute (more torch threads for them until it has work again), "
         "so a lone prompt's first and last chunks, and a short burst's fill and drain, run "
         "on every core; --no-core-share pins each stage to its own core (default on)",
+    )
+    m.add_argument(
+        "--core-board",
+        type=Path,
+        metavar="PATH",
+        help="share idle cores with the other pipelines on this host started with the same "
+        "PATH too (e.g. /dev/shm/wavepp-cores; created on first use, up to 64 stages): a "
+        "pipeline computing alone uses the cores the others leave idle, so several "
+        "pipelines behind a router on one host are not each held to their own share; give "
+        "them all the host's cores (no taskset split). Linux, processes of one host "
+        "(default: cores are shared within this pipeline only)",
     )
     m.add_argument(
         "--debug-wave-delay",
@@ -194,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         kv_handoff=_kv_handoff(args),
         debug_wave_delay_s=args.debug_wave_delay,
         core_share=args.core_share,
+        core_board=args.core_board,
         stage_wait_s=args.stage_wait,
     )
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None

@@ -37,7 +37,9 @@ class EngineConfig:
     ``layer_ranges``: (start, end) per stage (None: an even split). ``kv_handoff``: every
     stage gets a NIXL agent and hands the KV of requests with a ``kv_destination`` to decode
     (None: such requests are refused). ``core_share``: locally launched CPU stages lend
-    their cores to the stages computing while they idle (runtime/core_share.py).
+    their cores to the stages computing while they idle (runtime/core_share.py);
+    ``core_board``: the host board file every pipeline on this host started with the same
+    path joins, so their stages lend cores across pipelines (None: within this one).
     ``stage_wait_s``: how long the leader waits for every stage to join.
     ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
 
@@ -54,6 +56,7 @@ class EngineConfig:
     layer_ranges: tuple[tuple[int, int], ...] | None = None
     kv_handoff: KVHandoffConfig | None = None
     core_share: bool = True
+    core_board: Path | None = None
     stage_wait_s: float = 600.0
     debug_wave_delay_s: float = 0.0
 
@@ -76,6 +79,11 @@ class EngineConfig:
         check_min_wave_tokens(self.min_wave_tokens, budget, self.block_size)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.core_board is not None and not self.core_share:
+            raise InvalidRequestError(
+                "--core-board shares cores with the host's other pipelines: it needs core "
+                "sharing on (drop --no-core-share)"
+            )
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -79,4 +79,5 @@ def start_pipeline_engine(
         kv_handoff=config.kv_handoff,
         kv_events=kv_events,
         core_share=config.core_share,
+        core_board=config.core_board,
     )

@@ -90,7 +90,7 @@ class LocalLauncher:
             env.pop(FD_ENV, None)
             fds: tuple[int, ...] = ()
             if self._board is not None:
-                env[FD_ENV], fds = str(self._board.fd), (self._board.fd,)
+                env[FD_ENV], fds = self._board.seat(rank), (self._board.fd,)
             self._procs[rank] = subprocess.Popen(
                 [sys.executable, "-m", "prefill_node.runtime.stage_main"], env=env, pass_fds=fds
             )

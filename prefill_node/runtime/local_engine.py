@@ -32,6 +32,7 @@ from prefill_node.errors import (
     NeverFitsError,
 )
 from prefill_node.model.stage_model import StageModel
+from prefill_node.runtime.core_share import CoreBoard, CoreShare
 from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.leader_engine import LeaderEngine
 from prefill_node.runtime.local_planes import local_planes
@@ -67,11 +68,13 @@ class LocalEngine(LeaderEngine):
         config: EngineConfig,
         *,
         kv_events: KVEventSink | None = None,
+        board: CoreBoard | None = None,
     ) -> None:
         """``stages``: built on one spec (``config.pipeline_spec``), stage s at index s;
         the last one keeps its logits. They hand each request's KV to its
         ``PrefillOptions.kv_destination`` when ``config.kv_handoff`` is set. ``kv_events``:
-        receives the pipeline's KV events (the spec must have ``kv_events``)."""
+        receives the pipeline's KV events (the spec must have ``kv_events``). ``board``: the
+        core board stage 0's ``cores`` use, closed by ``shutdown``."""
         if len(stages) != config.stages or not stages:
             raise InvariantError(f"{len(stages)} stage computes for {config.stages} stages")
         spec = stages[0].spec
@@ -80,6 +83,7 @@ class LocalEngine(LeaderEngine):
         super().__init__(spec, config.kv_handoff, kv_events)
         self.stages = tuple(stages)
         self.config = config
+        self._board = board
         self.model_config = stages[0].model_config
         self.model_id = model_cache_id(self.model_config.name, spec.dtype)
         planes = local_planes(config.stages)
@@ -101,14 +105,31 @@ class LocalEngine(LeaderEngine):
         *,
         kv_events: KVEventSink | None = None,
     ) -> LocalEngine:
-        """From the stages' models, stage s at index s (their layer ranges are the split)."""
+        """From the stages' models, stage s at index s (their layer ranges are the split).
+        With ``config.core_board`` (one stage only: torch's threads are the process's) the
+        stage joins the host's core board and borrows the cores other pipelines leave idle."""
         layers = tuple(m.layer_range for m in models)
         spec = config.pipeline_spec(layers, kv_events=kv_events is not None)
-        stages = [
-            PipelineStageCompute(spec, s, m, config.kv_handoff, keep_logits=m.is_last)
-            for s, m in enumerate(models)
-        ]
-        return cls(stages, config, kv_events=kv_events)
+        board = None
+        if config.core_board is not None and config.device == "cpu":
+            if len(models) != 1:
+                raise InvalidRequestError(
+                    "--core-board with every stage in one process (--engine local) needs "
+                    "--stages 1: the stages would share one process's torch threads"
+                )
+            board = CoreBoard.host(config.core_board, 1)
+        try:
+            cores = CoreShare(board, board.slots[0]) if board is not None else None
+            stages = [
+                PipelineStageCompute(spec, s, m, config.kv_handoff, keep_logits=m.is_last,
+                                     cores=cores if s == 0 else None)
+                for s, m in enumerate(models)
+            ]  # fmt: skip
+            return cls(stages, config, kv_events=kv_events, board=board)
+        except BaseException:
+            if board is not None:
+                board.close()
+            raise
 
     @classmethod
     def from_weights(
@@ -181,6 +202,8 @@ class LocalEngine(LeaderEngine):
             stage.close()
         for worker in self._followers:  # after the last outcome: the leader's receivers end
             worker.close_reports()
+        if self._board is not None:
+            self._board.close()
 
     # ---- the prefill ---------------------------------------------------------------
 

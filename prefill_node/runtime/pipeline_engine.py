@@ -7,6 +7,7 @@ import logging
 import pickle
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +53,7 @@ class PipelineEngine(LeaderEngine):
         kv_handoff: KVHandoffConfig | None = None,
         kv_events: KVEventSink | None = None,
         core_share: bool = True,
+        core_board: Path | None = None,
     ):
         if kv_events is not None and not spec.kv_events:
             spec = replace(spec, kv_events=True)
@@ -59,8 +61,11 @@ class PipelineEngine(LeaderEngine):
         self._compute: PipelineStageCompute | None = None
         self._env = env
         self._board: CoreBoard | None = None
-        if launch and core_share and spec.device == "cpu" and spec.num_stages > 1:
-            self._board = CoreBoard.create(spec.num_stages)
+        if launch and core_share and spec.device == "cpu":
+            if core_board is not None:  # shared with the host's other pipelines
+                self._board = CoreBoard.host(core_board, spec.num_stages)
+            elif spec.num_stages > 1:
+                self._board = CoreBoard.create(spec.num_stages)
         self._launcher = (
             LocalLauncher(env, self._on_stage_exit, board=self._board) if launch else None
         )
@@ -78,8 +83,9 @@ class PipelineEngine(LeaderEngine):
         kv_handoff: KVHandoffConfig | None = None,
         kv_events: KVEventSink | None = None,
         core_share: bool = True,
+        core_board: Path | None = None,
     ) -> PipelineEngine:
-        engine = cls(spec, env, launch, kv_handoff, kv_events, core_share)
+        engine = cls(spec, env, launch, kv_handoff, kv_events, core_share, core_board)
         try:
             engine._start(startup_timeout_s)
         except BaseException:
@@ -103,7 +109,7 @@ class PipelineEngine(LeaderEngine):
         self._store.set(SPEC_KEY, self.spec.to_json())
         if self._launcher is not None:
             self._launcher.start()
-        cores = CoreShare(self._board, 0) if self._board is not None else None
+        cores = CoreShare(self._board, self._board.slots[0]) if self._board is not None else None
         self._compute = compute = build_stage_compute(self.spec, 0, self._kv_handoff, cores)
         self.model_config = compute.model_config
         self._wait_ready(startup_timeout_s)

@@ -87,10 +87,8 @@ def run_stage(
     from prefill_node.runtime.stage_compute import build_stage_compute
 
     kv_handoff = pickle.loads(store.get(KV_HANDOFF_KEY))  # the leader's trusted store
-    board_fd = os.environ.get(FD_ENV)  # the local launcher's core-sharing board
-    cores = None
-    if board_fd:
-        cores = CoreShare(CoreBoard.attach(int(board_fd), spec.num_stages), env.rank)
+    seat = os.environ.get(FD_ENV)  # the local launcher's core-sharing board
+    cores = CoreShare(*CoreBoard.attach(seat)) if seat else None
     compute = build_stage_compute(spec, env.rank, kv_handoff, cores)
     store.set(ready_key(env.rank), "1")
     planes = Planes.join_stage(env.rank, env.world_size, store, compute.model, spec.max_wave_tokens)
