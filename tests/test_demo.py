@@ -34,6 +34,8 @@ def test_demo_routes_by_prefix_decodes_and_fails_over(default_model_cache):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
+    served = [line for line in out.splitlines() if " serve " in line and line.startswith("$ ")]
+    assert len(served) == 2 and all("--core-board" in line for line in served)  # one board
     asked = [m.groupdict() for m in map(ASKED.match, out.splitlines()) if m]
     assert len(asked) == 7  # 5 questions of two tenants, then 2 after the failover
     assert all(a["prefill"] == "remote" for a in asked)  # long prompts: on the tier

@@ -1,7 +1,8 @@
 """`wavepp demo`: the whole local stack in one command, driven by the openai SDK.
 
 Starts ``--pipelines`` pipelines (``wavepp serve``, each a multi-process pipeline of
-``--stages`` stage processes with KV hand-off on), ``wavepp router`` in front of them, a
+``--stages`` stage processes with KV hand-off on, all sharing this host's idle cores through
+one core board, ``--core-board``), ``wavepp router`` in front of them, a
 reference decode server (``wavepp decode --serve``, OpenAI-compatible as ``vllm serve``) and
 ``wavepp gateway`` in front of both, all as child processes on loopback. Then, as a client
 of the gateway (the ``openai`` SDK):
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -121,12 +123,15 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     started = time.monotonic()
     children: list[subprocess.Popen] = []
+    # one core board for every pipeline's stages: a pipeline computing alone borrows the
+    # others' idle cores, and busy stages of two pipelines never oversubscribe the host
+    board = Path(tempfile.gettempdir()) / f"wavepp-demo-cores-{os.getpid()}"
     try:
         pipelines = []
         for i in range(args.pipelines):  # all load their models at once
             cmd = [*cli, "serve", *model, "--stages", str(args.stages), "--host", "127.0.0.1",
                    "--port", "0", "--metrics-port", "-1", "--pipeline-id", f"pipeline-{i}",
-                   "--log-level", "WARNING"]  # fmt: skip
+                   "--core-board", str(board), "--log-level", "WARNING"]  # fmt: skip
             children.append(_start(cmd, env))
             pipelines.append(children[-1])
         cmd = [*cli, "decode", "--serve", *model, "--served-model-name", SERVED,
@@ -161,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for child in reversed(children):
             terminate(child)
+        board.unlink(missing_ok=True)
     print(f"\ndemo done in {time.monotonic() - started:.0f}s", flush=True)
     return 0
 
