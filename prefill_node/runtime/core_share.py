@@ -65,12 +65,13 @@ def share_threads(slot: int, busy: Sequence[bool], budget: int, base: int = 1) -
     return base + extra + (1 if working.index(slot) < left else 0)
 
 
-def _lock_slot(fd: int, slot: int, lock: bool) -> bool:
-    """Take (or drop) the open-file-description lock on ``slot``'s byte; False when another
-    open of the file holds it (in any process, this one included)."""
-    kind = fcntl.F_WRLCK if lock else fcntl.F_UNLCK
+def _claim_slot(fd: int, slot: int) -> bool:
+    """Take the open-file-description lock on ``slot``'s byte (held until every descriptor
+    of this open file is closed); False when another open of the file holds it (in any
+    process, this one included)."""
+    lock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0)
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, slot, 1, 0))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
     except OSError:
         return False
     return True
@@ -115,7 +116,7 @@ class CoreBoard:
             for slot in range(HOST_SLOTS):
                 if len(slots) == num_stages:
                     break
-                if _lock_slot(fd, slot, True):
+                if _claim_slot(fd, slot):
                     slots.append(slot)
             if len(slots) < num_stages:
                 raise InvalidRequestError(
