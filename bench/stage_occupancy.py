@@ -1,11 +1,14 @@
 """Benchmark: where a pipeline's wall time goes on bench/peer_vllm.py's cases, with core
-sharing on and off side by side.
+sharing and the planner's drain bound each turned off beside the default.
 
-Two pipelines of --stages stage processes on the default model (SmolLM2-135M-Instruct), one
-with core sharing (runtime/core_share.py: an idle stage lends its core to the stages that
-compute) and one without (each stage pinned to its own core), both up for the whole run. In
-each run every case of bench/peer_vllm_cases.py runs on both back to back, the order
-alternating case by case and run by run, each after a quiet-machine wait (bench/quiet.py).
+Three pipelines of --stages stage processes on the default model (SmolLM2-135M-Instruct),
+all up for the whole run: ``default`` (``wavepp serve``'s defaults: core sharing on,
+runtime/core_share.py, an idle stage lends its core to the stages that compute; the drain
+bound on, core/planner.py, shallow work gets waves small enough that fill and drain stay
+short), ``pinned`` (no core sharing: each stage pinned to its own core) and
+``no-drain-bound`` (``--wave-overhead-tokens 0``: MPU's wave sizes alone). In each run every
+case of bench/peer_vllm_cases.py runs on all three back to back, the order rotating case by
+case and run by run, each after a quiet-machine wait (bench/quiet.py).
 All prompts of a case are submitted at once, in this process (no gRPC: this bench looks at
 the pipeline, bench/peer_vllm.py at the served tier).
 
@@ -15,9 +18,10 @@ it spent running waves (``busy``), the CPU time its executing thread got meanwhi
 waves, and the share of the layers it ran with borrowed cores (``wide``). A pipeline's
 wall time is at least its busiest stage's busy time; the rest is fill, drain and waiting
 (a stage idles while its neighbour computes, and the leader admits between waves).
-Medians over --runs runs; ``on/off`` is each run's computed tok/s ratio, then the median.
+Medians over --runs runs; ``default / this`` is each run's computed tok/s ratio of the
+default pipeline to this one, then the median (above 1: what turning the setting off costs).
 
-    .venv/bin/python bench/stage_occupancy.py --json out/occupancy.json   # ~1 min on 2 cores
+    .venv/bin/python bench/stage_occupancy.py --json out/occupancy.json   # ~3 min on 2 cores
     .venv/bin/python bench/stage_occupancy.py --json /tmp/o.json --quick --runs 1
 
 Writes every row (flat: kind run / median / ratio) to PATH and the table to PATH with .md.
@@ -36,13 +40,20 @@ from pipeline_workers import PipelineDriver, serve_commands
 from quiet import wait_quiet
 from tqdm import tqdm
 
+from prefill_node.core.planner import CPU_WAVE_OVERHEAD_TOKENS
 from prefill_node.mkl_vendor import reexec_with_shim
 
-SETTINGS = {"core-share": True, "pinned": False}
+SETTINGS = {  # name -> EngineConfig fields it changes from the defaults
+    "default": {},
+    "drain-bound": {"wave_overhead_tokens": CPU_WAVE_OVERHEAD_TOKENS},
+    "pinned": {"core_share": False},
+    "pinned-no-drain-bound": {"core_share": False, "wave_overhead_tokens": 0},
+}
+BASE = "default"  # the setting every other one is compared with
 BLOCK, WAVE_TOKENS = 16, 512  # what `wavepp serve` and bench/peer_vllm.py use
 
 
-def _driver_main(core_share: bool, stages: int, dtype: str, blocks: int, conn) -> None:
+def _driver_main(setting: dict, stages: int, dtype: str, blocks: int, conn) -> None:
     """One pipeline led from this child process (``PipelineDriver``, ``serve_commands``):
     "measure" (case, run) replies a row."""
     from prefill_node.model.default_model import default_model_dir
@@ -56,7 +67,7 @@ def _driver_main(core_share: bool, stages: int, dtype: str, blocks: int, conn) -
     layers = [len(r) for r in split_layers(config.num_layers, stages)]
     engine = start_pipeline_engine(EngineConfig(
         model_dir=model_dir, stages=stages, num_blocks=blocks, block_size=BLOCK,
-        max_wave_tokens=WAVE_TOKENS, dtype=dtype, core_share=core_share))  # fmt: skip
+        max_wave_tokens=WAVE_TOKENS, dtype=dtype, **setting))  # fmt: skip
     warm = Case("warm", 2, 512)  # first forwards build oneDNN's primitives
     serve_commands(
         conn,
@@ -93,7 +104,8 @@ def measure(engine, case: Case, run: int, vocab: int, layers: list[int]) -> dict
 
 
 def summarise(per_run: list[dict]) -> list[dict]:
-    """Median rows per (setting, case) and the paired on/off ratio per case."""
+    """Median rows per (setting, case) and per case and setting the paired ratio of the
+    default's computed tok/s to the setting's."""
     out: list[dict] = []
     cases = list(dict.fromkeys(r["case"] for r in per_run))
     for case in cases:
@@ -103,21 +115,27 @@ def summarise(per_run: list[dict]) -> list[dict]:
             med = {k: round(statistics.median(r[k] for r in rows), 3) for k in keys}
             out.append({"kind": "median", "setting": setting, "case": case,
                         "runs": len(rows)} | med)  # fmt: skip
-        pairs = {}
+        pairs: dict[int, dict[str, float]] = {}
         for r in per_run:
             if r["case"] == case:
                 pairs.setdefault(r["run"], {})[r["setting"]] = r["computed_tok_s"]
-        ratios = [p["core-share"] / p["pinned"] for p in pairs.values() if len(p) == 2]
-        out.append({"kind": "ratio", "case": case, "runs": len(ratios),
-                    "computed_tok_s": round(statistics.median(ratios), 3)})  # fmt: skip
+        for setting in SETTINGS:
+            if setting == BASE:
+                continue
+            ratios = [p[BASE] / p[setting] for p in pairs.values() if {BASE, setting} <= set(p)]
+            out.append({"kind": "ratio", "case": case, "setting": setting, "runs": len(ratios),
+                        "computed_tok_s": round(statistics.median(ratios), 3)})  # fmt: skip
     return out
 
 
 def table(summary: list[dict], stages: int) -> str:
     head = ["case", "setting", "computed tok/s", "wall s"]
-    head += [f"stage {s} busy / cpu / waves / wide" for s in range(stages)] + ["on/off"]
+    head += [f"stage {s} busy / cpu / waves / wide" for s in range(stages)]
+    head.append("default / this")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ratio = {r["case"]: r["computed_tok_s"] for r in summary if r["kind"] == "ratio"}
+    ratio = {
+        (r["case"], r["setting"]): r["computed_tok_s"] for r in summary if r["kind"] == "ratio"
+    }
     for r in summary:
         if r["kind"] != "median":
             continue
@@ -125,7 +143,8 @@ def table(summary: list[dict], stages: int) -> str:
         cells += [f"{r[f'stage{s}_busy']:.2f} / {r[f'stage{s}_cpu']:.2f} / "
                   f"{r[f'stage{s}_waves']:.0f} / {r[f'stage{s}_wide']:.2f}"
                   for s in range(stages)]  # fmt: skip
-        cells.append(f"{ratio[r['case']]:.2f}x" if r["setting"] == "core-share" else "")
+        key = (r["case"], r["setting"])
+        cells.append(f"{ratio[key]:.2f}x" if key in ratio else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -142,8 +161,8 @@ def main() -> None:
 
     cases = make_cases(**(QUICK if args.quick else DEFAULT))
     blocks = 2 * max(c.input_tokens + c.prompt_tokens for c in cases) // BLOCK
-    drivers = {name: PipelineDriver(name, _driver_main, share, args.stages, args.dtype, blocks)
-               for name, share in SETTINGS.items()}  # fmt: skip
+    drivers = {name: PipelineDriver(name, _driver_main, fields, args.stages, args.dtype, blocks)
+               for name, fields in SETTINGS.items()}  # fmt: skip
     per_run: list[dict] = []
     try:
         for d in drivers.values():  # both load their models at once
@@ -151,7 +170,8 @@ def main() -> None:
         with tqdm(total=args.runs * len(cases) * len(drivers), desc="occupancy") as bar:
             for run in range(args.runs):
                 for i, case in enumerate(cases):
-                    order = list(drivers) if (run + i) % 2 == 0 else list(drivers)[::-1]
+                    shift = (run + i) % len(drivers)
+                    order = list(drivers)[shift:] + list(drivers)[:shift]
                     for name in order:
                         bar.set_description(f"run {run} {case.name}: {name}")
                         settle = wait_quiet()

@@ -18,6 +18,7 @@ SHARED = (
     "block_size",
     "max_wave_tokens",
     "min_wave_tokens",
+    "wave_overhead_tokens",
     "max_model_len",
     "dtype",
     "device",
@@ -48,6 +49,8 @@ def test_flags_reach_the_spec() -> None:
         "64",
         "--min-wave-tokens",
         "16",
+        "--wave-overhead-tokens",
+        "24",
         "--dtype",
         "bfloat16",
         "--policy",
@@ -59,6 +62,8 @@ def test_flags_reach_the_spec() -> None:
         spec = _spec(command + argv)
         assert spec.num_blocks == (64, 32) and spec.block_size == 8
         assert (spec.max_wave_tokens, spec.min_wave_tokens) == (64, 16)
+        assert spec.wave_overhead_tokens == 24
+        assert spec.pipeline_spec(spec.stage_layers(4)).wave_overhead_tokens == 24
         assert (spec.dtype, spec.policy) == ("bfloat16", "trtllm")
         assert build_parser().parse_args(command + argv).engine == "local"  # the transport
 
@@ -68,6 +73,8 @@ def test_bad_values_are_typed_errors() -> None:
         _spec(["serve", "--num-blocks", "a,b"])
     with pytest.raises(InvalidRequestError, match="--num-blocks"):
         _spec(["prefill", "x", "--stages", "3", "--num-blocks", "8,8"])
+    with pytest.raises(InvalidRequestError, match="--wave-overhead-tokens must be >= 0"):
+        _spec(["serve", "--wave-overhead-tokens", "-1"])
 
 
 def test_help_shows_the_spec_defaults() -> None:

@@ -85,6 +85,7 @@ def test_leader_flags_match_its_ports_service_and_values() -> None:
             "maxModelLen": 1048576,  # Helm reads it as a float: it must not print 1.048576e+06
             "maxChunkTokens": 2097152,
             "minWaveTokens": 1048576,
+            "waveOverheadTokens": 24,
             "threads": 4,
             "port": 7001,
             "metricsPort": 7002,
@@ -96,7 +97,7 @@ def test_leader_flags_match_its_ports_service_and_values() -> None:
     args = parse(leader.container(), leader.name)
     assert args.command == "serve" and args.stages == 3 and args.num_blocks == "64,32,32"
     assert (args.max_model_len, args.max_chunk_tokens, args.threads) == (1048576, 2097152, 4)
-    assert args.min_wave_tokens == 1048576
+    assert (args.min_wave_tokens, args.wave_overhead_tokens) == (1048576, 24)
     assert args.port == port_number(leader.container(), "grpc") == 7001
     assert args.metrics_port == port_number(leader.container(), "metrics") == 7002
     assert leader.template["metadata"]["annotations"]["prometheus.io/port"] == "7002"

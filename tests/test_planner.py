@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from prefill_node.core.planner import (
     PlannerConfig,
     PlannerMode,
     WavePlanner,
+    drain_bound,
     target_budget,
 )
 from prefill_node.core.wave import ScheduledChunk, UnscheduledWork, Wave
@@ -107,6 +110,53 @@ def test_no_hysteresis_and_fixed_modes():
 def chunks(wave: Wave | None) -> list[tuple[str, int, int]]:
     assert wave is not None
     return [(c.request_id, c.start, c.length) for c in wave.chunks]
+
+
+# P = 2, M = 512, b_min = 256, B = 16 (what `wavepp serve` runs), drain bound k = 16.
+DRAIN = PlannerConfig(
+    num_stages=2, max_wave_tokens=512, min_wave_tokens=256, block_size=16, wave_overhead_tokens=16
+)
+
+
+def test_drain_bound_is_the_square_root_rule_in_whole_blocks():
+    assert drain_bound(DRAIN, 1024) == 128  # sqrt(1024 * 16 / 1)
+    assert drain_bound(DRAIN, 1000) == 128  # sqrt(16000) = 126.5, aligned up
+    assert drain_bound(DRAIN, 1) == 16  # at least one block
+    assert drain_bound(DRAIN, 1 << 20) == 512  # never above M
+    four = PlannerConfig(4, 512, 256, 16, wave_overhead_tokens=48)
+    assert drain_bound(four, 1024) == 128  # sqrt(1024 * 48 / 3)
+    off = PlannerConfig(2, 512, 256, 16)
+    one_stage = PlannerConfig(1, 512, 256, 16, wave_overhead_tokens=16)
+    assert drain_bound(off, 16) == drain_bound(one_stage, 16) == 512  # no bound
+
+
+def test_drain_bound_caps_shallow_work_below_b_min_and_leaves_deep_work_at_m():
+    assert target_budget(DRAIN, work(128 * 8)) == 128  # MPU alone: b_min = 256
+    assert target_budget(replace(DRAIN, wave_overhead_tokens=None), work(1024)) == 256
+    assert target_budget(DRAIN, work(*[4096] * 4)) == 512  # deep: sqrt(16384 * 16) > M
+
+
+def test_an_idle_pipeline_takes_the_target_at_once_only_with_a_drain_bound():
+    planner = WavePlanner(DRAIN)  # budget M from the start, as after a deep burst
+    assert planner.budget == 512
+    assert planner.decide_budget(work(1024), idle=False) == 512  # one lower decision of P
+    assert planner.decide_budget(work(1024), idle=True) == 128
+    plain = WavePlanner(replace(DRAIN, wave_overhead_tokens=None))
+    assert plain.decide_budget(work(1024), idle=True) == 512  # MPU's hysteresis as before
+
+
+def test_a_lone_prompt_runs_in_waves_that_shrink_as_it_drains():
+    """Planned one wave at a time, the first on an idle pipeline: every wave follows the
+    drain bound of what is left, so the last waves are the smallest."""
+    planner, start, sizes = WavePlanner(DRAIN), 0, []
+    while start < 2048:
+        wave = planner.plan([UnscheduledWork("p", start, 2048)], idle=start == 0)
+        (chunk,) = wave.chunks
+        sizes.append(chunk.length)
+        start = chunk.end
+    assert sizes[0] == 192  # sqrt(2048 * 16) = 181, in whole blocks
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+    assert sum(sizes) == 2048 and max(sizes) < 256  # all below b_min
 
 
 def test_packing_fcfs_with_fragment_of_the_room():

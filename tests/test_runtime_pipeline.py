@@ -209,6 +209,20 @@ def test_pipeline_matches_reference_under_reuse_and_eviction(
     assert engine.health().ready
 
 
+def test_drain_bound_reaches_the_planner_and_keeps_results_exact(start) -> None:
+    """``wave_overhead_tokens`` (``wavepp serve --wave-overhead-tokens``) reaches the leader's
+    planner: a lone 64-token prompt on an idle pipeline (M = 32, b_min = 8) runs in waves of
+    at most sqrt(64 x 4) = 16 tokens, not MPU's two waves of 32, and its logits and every
+    stage's KV still equal the reference's."""
+    engine = start(_spec(((0, 2), (2, 4)), (48, 40), "wave", wave_overhead_tokens=4))
+    prompt = [random.Random(5).randrange(VOCAB) for _ in range(64)]
+    result = engine.submit(prompt, PrefillOptions(top_logprobs=VOCAB)).result(timeout=60)
+    _check_against_reference(engine, [prompt], [result])
+    for stage in engine.stage_stats():
+        assert stage.tokens == 64 and stage.waves >= 4, stage
+    engine.debug_check_integrity()
+
+
 # ---- trtllm: rank 0 decides alone, the other stages follow (docs/wavepp.md) ----------
 
 

@@ -193,6 +193,17 @@ def add_engine_arguments(
         "big; whole blocks (default: half of --max-chunk-tokens)",
     )
     group.add_argument(
+        "--wave-overhead-tokens",
+        type=int,
+        default=d["wave_overhead_tokens"],
+        help="a wave's fixed cost (weight reads, dispatch, the hop between stages) in tokens "
+        "of compute: when little work is queued the planner makes waves about "
+        "sqrt(queued tokens x this / (stages - 1)) tokens, so a lone prompt or a short burst "
+        "keeps every stage busy instead of waiting through a big first and last wave "
+        f"(default {d['wave_overhead_tokens']}: off; on CPU smaller waves cost more than the "
+        "fill and drain they save, see docs/wavepp.md)",
+    )
+    group.add_argument(
         "--max-model-len", type=int, help="longest prompt accepted (default: model's)"
     )
     group.add_argument(
@@ -230,6 +241,7 @@ def engine_spec(args: argparse.Namespace, model_dir: Path, **extra: Any) -> Any:
         block_size=args.block_size,
         max_wave_tokens=args.max_chunk_tokens,
         min_wave_tokens=args.min_wave_tokens,
+        wave_overhead_tokens=args.wave_overhead_tokens,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device,

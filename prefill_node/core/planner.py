@@ -14,6 +14,21 @@ WAVEPP.md section 4, with these readings of the places where the text is terse:
   when raising, the largest when lowering), so a budget moves only as far as every decision
   of the streak agreed. With ``R = 2P`` both thresholds equal ``P``; they stay separate
   settings (``raise_after`` / ``lower_after``).
+- Drain bound (``wave_overhead_tokens`` k set, P > 1; not in the paper): a wave that holds
+  work nothing else is queued behind keeps the other stages idle while it fills the
+  pipeline and again while it drains. Chunks of one request pass P stages in order, so ``n``
+  equal waves of ``W`` tokens take about ``(n + P - 1) * (k + W/n)`` token-times (the
+  slowest wave is paid P - 1 extra times: once per stage it must cross while nothing follows
+  it), least at ``b = W/n = sqrt(W * k / (P - 1))``. The target is therefore never above
+  that size (block-aligned up, at least one block), even below ``b_min``: a lone prompt or a
+  shallow burst gets waves small enough that fill and drain stay short, a deep queue (``W``
+  large) still gets ``M``. k is a wave's fixed cost (weight reads, dispatch, the hop between
+  stages) in tokens of compute: on a CPU a few tens of tokens, on a GPU thousands, where the
+  bound stays above the MPU target and changes nothing. Without k (None) the target is MPU's.
+- With a drain bound, hysteresis applies only while waves are in flight: a wave planned on
+  an idle pipeline (``plan(..., idle=True)``) takes the target at once, since no running
+  wave's size can leave stages waiting behind it (a lone prompt's first waves would
+  otherwise run at the budget the last burst left, M after a deep one).
 - Packing: requests in FCFS order, at most one chunk per request per wave. A request whose
   whole remainder fits the room left takes it all: a request's FINAL remainder is always
   allowed, however small. Otherwise it takes a block-aligned fragment of the room, but only
@@ -40,6 +55,7 @@ schedulable work each time and advances it by the returned chunks.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,6 +92,15 @@ but drowns mid-load work in per-wave weight reads. ``PlannerConfig`` itself defa
 plain MPU, which needs no cost model."""
 
 
+CPU_WAVE_OVERHEAD_TOKENS = 16
+"""The drain bound's k for the CPU runtime (``wavepp serve --wave-overhead-tokens``): a wave's
+fixed cost in tokens of compute. bench/wave_forward.py on the bundled model, one thread,
+float32 (Intel Xeon guest, 2026-12-07): a cold chunk of 32 tokens takes 94 ms and of 64
+tokens 157 ms (about 2 ms per token), so a wave costs ~30 ms, ~15 tokens, before its first
+token; the hop between stages and the leader's dispatch add a few ms. The simulator sets
+none: its roofline has no per-wave fixed cost yet."""
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     """Planner settings, validated once. Token counts must be multiples of ``block_size``."""
@@ -88,6 +113,7 @@ class PlannerConfig:
     max_wave_requests: int = 128
     mode: PlannerMode = PlannerMode.MPU
     fragment_rule: bool = True  # False: fill every wave to the brim (TRT-LLM chunking)
+    wave_overhead_tokens: int | None = None  # k of the drain bound; None: no drain bound
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidPlannerConfigError:
@@ -109,6 +135,8 @@ class PlannerConfig:
             raise bad(f"fill_factor must be >= 1, got {self.fill_factor}")
         if self.max_wave_requests < 1:
             raise bad(f"max_wave_requests must be >= 1, got {self.max_wave_requests}")
+        if self.wave_overhead_tokens is not None and self.wave_overhead_tokens < 1:
+            raise bad(f"wave_overhead_tokens must be >= 1 or None, got {self.wave_overhead_tokens}")
 
     @property
     def ring_size(self) -> int:
@@ -169,13 +197,27 @@ def check_min_wave_tokens(
 
 
 def target_budget(config: PlannerConfig, work: Sequence[UnscheduledWork]) -> int:
-    """The MPU decision without hysteresis: largest b with n(b) >= S, else b_min."""
+    """The decision without hysteresis: the largest b with n(b) >= S (else b_min), capped by
+    the drain bound when k is set (module docstring)."""
     total = sum(w.remaining for w in work)
     s = config.target_waves
+    target = config.min_wave_tokens
     for b in config.candidate_budgets():
         if total >= s * b or sum(1 for w in work if 2 * w.remaining > b) >= s:
-            return b
-    return config.min_wave_tokens
+            target = b
+            break
+    return min(target, drain_bound(config, total))
+
+
+def drain_bound(config: PlannerConfig, total_tokens: int) -> int:
+    """The wave size that keeps fill and drain shortest for ``total_tokens`` of work with
+    nothing behind it: ``sqrt(W * k / (P - 1))`` aligned up to whole blocks, at least one
+    block; ``M`` when there is no bound (k None, or one stage: nothing to fill)."""
+    k, p, bs = config.wave_overhead_tokens, config.num_stages, config.block_size
+    if k is None or p == 1:
+        return config.max_wave_tokens
+    best = math.ceil(math.sqrt(total_tokens * k / (p - 1)))
+    return min(config.max_wave_tokens, max(bs, -(-best // bs) * bs))
 
 
 class WavePlanner:
@@ -196,14 +238,16 @@ class WavePlanner:
         """The token budget the next wave will be packed with (before the next decision)."""
         return self._budget
 
-    def decide_budget(self, work: Sequence[UnscheduledWork]) -> int:
-        """Make one budget decision for ``work`` and return the budget to pack with."""
+    def decide_budget(self, work: Sequence[UnscheduledWork], idle: bool = False) -> int:
+        """Make one budget decision for ``work`` and return the budget to pack with; ``idle``:
+        no wave is in flight, so the target applies at once (module docstring)."""
         cfg = self.config
         if cfg.mode is PlannerMode.FIXED:
             return self._budget
         target = target_budget(cfg, work)
-        if cfg.mode is PlannerMode.MPU_NO_HYSTERESIS:
-            self._budget = target
+        idle = idle and cfg.wave_overhead_tokens is not None
+        if cfg.mode is PlannerMode.MPU_NO_HYSTERESIS or idle:
+            self._budget, self._streak = target, 0
             return target
         if target == self._budget:
             self._streak = 0
@@ -223,11 +267,12 @@ class WavePlanner:
                 self._budget, self._streak = self._streak_bound, 0
         return self._budget
 
-    def plan(self, work: Sequence[UnscheduledWork]) -> Wave | None:
-        """Decide the budget and pack the next wave from ``work`` (FCFS); None if no work."""
+    def plan(self, work: Sequence[UnscheduledWork], idle: bool = False) -> Wave | None:
+        """Decide the budget and pack the next wave from ``work`` (FCFS); None if no work.
+        ``idle``: no wave of this pipeline is in flight (``decide_budget``)."""
         if not work:
             return None
-        budget = self.decide_budget(work)
+        budget = self.decide_budget(work, idle)
         if self.config.mode is PlannerMode.COST_AWARE:
             chunks = self._pack_by_time(work, budget)
         else:

@@ -119,7 +119,7 @@ class WaveScheduler:
         if self.ring_full:
             return None
         work = self.schedulable()
-        wave = self.planner.plan(work) if work else None
+        wave = self.planner.plan(work, idle=not self._waves) if work else None
         if wave is None or not wave.chunks:
             return None
         for c in wave.chunks:

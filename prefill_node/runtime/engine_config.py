@@ -29,19 +29,21 @@ TRANSPORTS = ("pipeline", "local")  # one process per stage / every stage in thi
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """``model_dir``: a Hugging Face checkpoint directory (config.json + safetensors; None
-    for an engine built from weights in memory). ``num_blocks``: KV blocks per stage, one
-    value for every stage or one per stage (an int is one value). ``max_wave_tokens``: the
-    wave budget M (the fixed chunk budget under ``trtllm`` and ``sync-admission``), rounded
-    up here to whole blocks; ``min_wave_tokens``: the planner's b_min, whole blocks up to M
-    (None: M/2). ``max_model_len`` None: the model's ``max_position_embeddings``.
-    ``layer_ranges``: (start, end) per stage (None: an even split). ``kv_handoff``: every
-    stage gets a NIXL agent and hands the KV of requests with a ``kv_destination`` to decode
-    (None: such requests are refused). ``core_share``: locally launched CPU stages lend
-    their cores to the stages computing while they idle (runtime/core_share.py);
-    ``core_board``: the host board file every pipeline on this host started with the same
-    path joins, so their stages lend cores across pipelines (None: within this one).
-    ``stage_wait_s``: how long the leader waits for every stage to join.
-    ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
+        for an engine built from weights in memory). ``num_blocks``: KV blocks per stage, one
+        value for every stage or one per stage (an int is one value). ``max_wave_tokens``: the
+        wave budget M (the fixed chunk budget under ``trtllm`` and ``sync-admission``), rounded
+        up here to whole blocks; ``min_wave_tokens``: the planner's b_min, whole blocks up to M
+        (None: M/2); ``wave_overhead_tokens``: a wave's fixed cost in tokens, from which the planner
+    sizes the waves of a shallow queue so that fill and drain stay short (core/planner.py's drain
+    bound; 0: off). ``max_model_len`` None: the model's ``max_position_embeddings``.
+        ``layer_ranges``: (start, end) per stage (None: an even split). ``kv_handoff``: every
+        stage gets a NIXL agent and hands the KV of requests with a ``kv_destination`` to decode
+        (None: such requests are refused). ``core_share``: locally launched CPU stages lend
+        their cores to the stages computing while they idle (runtime/core_share.py);
+        ``core_board``: the host board file every pipeline on this host started with the same
+        path joins, so their stages lend cores across pipelines (None: within this one).
+        ``stage_wait_s``: how long the leader waits for every stage to join.
+        ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
 
     model_dir: Path | None = None
     stages: int = 2
@@ -50,6 +52,7 @@ class EngineConfig:
     block_size: int = 16
     max_wave_tokens: int = 512
     min_wave_tokens: int | None = None
+    wave_overhead_tokens: int = 0
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -77,6 +80,11 @@ class EngineConfig:
         budget = wave_budget(self.max_wave_tokens, self.block_size)
         object.__setattr__(self, "max_wave_tokens", budget)
         check_min_wave_tokens(self.min_wave_tokens, budget, self.block_size)
+        if self.wave_overhead_tokens < 0:
+            raise InvalidRequestError(
+                f"--wave-overhead-tokens must be >= 0 (0: no drain bound), got "
+                f"{self.wave_overhead_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.core_board is not None and not self.core_share:
@@ -141,6 +149,7 @@ class EngineConfig:
             policy=self.policy,
             max_wave_tokens=m,
             min_wave_tokens=self.min_wave_tokens or default_min_wave_tokens(m, bs),
+            wave_overhead_tokens=self.wave_overhead_tokens,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,

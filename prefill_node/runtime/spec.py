@@ -49,7 +49,8 @@ class PipelineSpec:
 
     ``layer_ranges``: (start, end) per stage, contiguous, covering the model (uneven allowed).
     ``stage_blocks``: KV blocks per stage (uneven allowed: stages can diverge). ``max_wave_tokens``
-    is M, ``min_wave_tokens`` b_min. ``capture_kv`` keeps a copy of each finished request's KV
+    is M, ``min_wave_tokens`` b_min, ``wave_overhead_tokens`` the planner's drain bound k (0:
+    none). ``capture_kv`` keeps a copy of each finished request's KV
     per stage for ``debug_dump_kv`` (tests only: it costs memory). ``kv_events``: stages
     report their block pools' stored / removed events to the leader with every wave.
     ``debug_wave_delay_s`` (tests only, 0 = off): every stage sleeps this long before each
@@ -64,6 +65,7 @@ class PipelineSpec:
     policy: str = "wave"
     max_wave_tokens: int = 512
     min_wave_tokens: int = 64
+    wave_overhead_tokens: int = 0  # the drain bound's k; 0: off
     max_batch: int = 128
     max_requests_per_round: int = 32
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -108,6 +110,10 @@ class PipelineSpec:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidPipelineSpecError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.wave_overhead_tokens < 0:
+            raise InvalidPipelineSpecError(
+                f"wave_overhead_tokens must be >= 0, got {self.wave_overhead_tokens}"
+            )
         if not 0.0 <= self.debug_wave_delay_s <= 10.0:
             raise InvalidPipelineSpecError(
                 f"debug_wave_delay_s must be in [0, 10], got {self.debug_wave_delay_s}"

@@ -22,6 +22,9 @@ args:
   {{- with $p.minWaveTokens }}
   - --min-wave-tokens={{ int . }}
   {{- end }}
+  {{- with $p.waveOverheadTokens }}
+  - --wave-overhead-tokens={{ int . }}
+  {{- end }}
   {{- with $p.maxModelLen }}
   - --max-model-len={{ int . }}
   {{- end }}
