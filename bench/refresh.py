@@ -216,7 +216,7 @@ FIGURES = (
     ),
     Figure(
         "stage_occupancy",
-        "bench/stage_occupancy.py: stage busy / idle, core sharing on vs off",
+        "bench/stage_occupancy.py: stage busy / idle, core sharing and the drain bound on vs off",
         _bench("stage_occupancy"),
         _bench("stage_occupancy", "--runs", "1", "--quick"),
     ),

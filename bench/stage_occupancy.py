@@ -1,14 +1,15 @@
 """Benchmark: where a pipeline's wall time goes on bench/peer_vllm.py's cases, with core
 sharing and the planner's drain bound each turned off beside the default.
 
-Three pipelines of --stages stage processes on the default model (SmolLM2-135M-Instruct),
+Four pipelines of --stages stage processes on the default model (SmolLM2-135M-Instruct),
 all up for the whole run: ``default`` (``wavepp serve``'s defaults: core sharing on,
-runtime/core_share.py, an idle stage lends its core to the stages that compute; the drain
-bound on, core/planner.py, shallow work gets waves small enough that fill and drain stay
+runtime/core_share.py, an idle stage lends its core to the stages that compute; MPU's wave
+sizes), ``drain-bound`` (the planner's drain bound on, core/planner.py,
+``--wave-overhead-tokens 16``: shallow work gets waves small enough that fill and drain stay
 short), ``pinned`` (no core sharing: each stage pinned to its own core) and
-``no-drain-bound`` (``--wave-overhead-tokens 0``: MPU's wave sizes alone). In each run every
-case of bench/peer_vllm_cases.py runs on all three back to back, the order rotating case by
-case and run by run, each after a quiet-machine wait (bench/quiet.py).
+``pinned-drain-bound`` (both changes). In each run every case of bench/peer_vllm_cases.py
+runs on all four back to back, the order rotating case by case and run by run, each after a
+quiet-machine wait (bench/quiet.py).
 All prompts of a case are submitted at once, in this process (no gRPC: this bench looks at
 the pipeline, bench/peer_vllm.py at the served tier).
 
@@ -19,9 +20,9 @@ waves, and the share of the layers it ran with borrowed cores (``wide``). A pipe
 wall time is at least its busiest stage's busy time; the rest is fill, drain and waiting
 (a stage idles while its neighbour computes, and the leader admits between waves).
 Medians over --runs runs; ``default / this`` is each run's computed tok/s ratio of the
-default pipeline to this one, then the median (above 1: what turning the setting off costs).
+default pipeline to this one, then the median (above 1: the default computes faster).
 
-    .venv/bin/python bench/stage_occupancy.py --json out/occupancy.json   # ~3 min on 2 cores
+    .venv/bin/python bench/stage_occupancy.py --json out/occupancy.json   # ~6 min on 2 cores
     .venv/bin/python bench/stage_occupancy.py --json /tmp/o.json --quick --runs 1
 
 Writes every row (flat: kind run / median / ratio) to PATH and the table to PATH with .md.
@@ -47,7 +48,7 @@ SETTINGS = {  # name -> EngineConfig fields it changes from the defaults
     "default": {},
     "drain-bound": {"wave_overhead_tokens": CPU_WAVE_OVERHEAD_TOKENS},
     "pinned": {"core_share": False},
-    "pinned-no-drain-bound": {"core_share": False, "wave_overhead_tokens": 0},
+    "pinned-drain-bound": {"core_share": False, "wave_overhead_tokens": CPU_WAVE_OVERHEAD_TOKENS},
 }
 BASE = "default"  # the setting every other one is compared with
 BLOCK, WAVE_TOKENS = 16, 512  # what `wavepp serve` and bench/peer_vllm.py use
