@@ -93,12 +93,15 @@ plain MPU, which needs no cost model."""
 
 
 CPU_WAVE_OVERHEAD_TOKENS = 16
-"""The drain bound's k for the CPU runtime (``wavepp serve --wave-overhead-tokens``): a wave's
-fixed cost in tokens of compute. bench/wave_forward.py on the bundled model, one thread,
-float32 (Intel Xeon guest, 2026-12-07): a cold chunk of 32 tokens takes 94 ms and of 64
-tokens 157 ms (about 2 ms per token), so a wave costs ~30 ms, ~15 tokens, before its first
-token; the hop between stages and the leader's dispatch add a few ms. The simulator sets
-none: its roofline has no per-wave fixed cost yet."""
+"""A wave's fixed cost in tokens of compute on this project's CPU runtime, the drain bound's
+k that bench/stage_occupancy.py tries (``wavepp serve --wave-overhead-tokens``; the default
+is 0, off). bench/wave_forward.py on the bundled model, one thread, float32 (Intel Xeon
+guest, 2026-12-07): a cold chunk of 32 tokens takes 94 ms and of 64 tokens 157 ms (about
+2 ms per token), so a forward costs ~30 ms, ~15 tokens, before its first token. Measured
+whole, the bound still loses on that CPU (4-18% fewer tokens per second on the peer cases,
+docs/vllm.md): smaller chunks also cost more per token (a 64-token chunk after 1,024 cached
+tokens runs 5% slower per token than a 512-token one), which this model of the cost leaves
+out. The simulator sets no k: its roofline has no per-wave fixed cost term yet."""
 
 
 @dataclass(frozen=True)
