@@ -112,6 +112,8 @@ def summarise(per_run: list[dict]) -> list[dict]:
     for case in cases:
         for setting in SETTINGS:
             rows = [r for r in per_run if r["case"] == case and r["setting"] == setting]
+            if not rows:
+                continue
             keys = [k for k in rows[0] if k.startswith(("stage", "wall", "computed"))]
             med = {k: round(statistics.median(r[k] for r in rows), 3) for k in keys}
             out.append({"kind": "median", "setting": setting, "case": case,
@@ -124,6 +126,8 @@ def summarise(per_run: list[dict]) -> list[dict]:
             if setting == BASE:
                 continue
             ratios = [p[BASE] / p[setting] for p in pairs.values() if {BASE, setting} <= set(p)]
+            if not ratios:
+                continue
             out.append({"kind": "ratio", "case": case, "setting": setting, "runs": len(ratios),
                         "computed_tok_s": round(statistics.median(ratios), 3)})  # fmt: skip
     return out

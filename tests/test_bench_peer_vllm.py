@@ -154,7 +154,7 @@ def test_wait_quiet_waits_while_a_process_keeps_a_core_busy():
         child.wait()
 
 
-def test_stage_occupancy_pairs_core_share_with_the_same_runs_pinned_pipeline():
+def test_stage_occupancy_pairs_each_setting_with_the_same_runs_default_pipeline():
     import stage_occupancy
 
     def row(setting, run, tok_s):
@@ -163,12 +163,16 @@ def test_stage_occupancy_pairs_core_share_with_the_same_runs_pinned_pipeline():
                 "stage0_busy": 0.9, "stage0_cpu": 0.8, "stage0_waves": 4,
                 "stage0_wide": 0.1}  # fmt: skip
 
-    per_run = [row("core-share", 0, 1200.0), row("pinned", 0, 1000.0),
-               row("core-share", 1, 900.0), row("pinned", 1, 1000.0),
-               row("core-share", 2, 1050.0), row("pinned", 2, 1000.0)]  # fmt: skip
+    per_run = [row("default", 0, 1200.0), row("pinned", 0, 1000.0),
+               row("default", 1, 900.0), row("pinned", 1, 1000.0),
+               row("default", 2, 1050.0), row("pinned", 2, 1000.0),
+               row("drain-bound", 2, 700.0)]  # fmt: skip
     summary = stage_occupancy.summarise(per_run)
-    ratio = next(r for r in summary if r["kind"] == "ratio")
-    assert ratio["computed_tok_s"] == pytest.approx(1.05)  # median of 1.2, 0.9, 1.05
+    ratios = {r["setting"]: r for r in summary if r["kind"] == "ratio"}
+    assert ratios["pinned"]["computed_tok_s"] == pytest.approx(1.05)  # median of 1.2, 0.9, 1.05
+    assert ratios["drain-bound"]["computed_tok_s"] == pytest.approx(1.5)  # its one paired run
+    assert ratios["drain-bound"]["runs"] == 1 and "pinned-drain-bound" not in ratios  # no rows
     medians = {r["setting"]: r for r in summary if r["kind"] == "median"}
-    assert medians["core-share"]["computed_tok_s"] == 1050.0
-    assert "| cold | core-share | 1,050 |" in stage_occupancy.table(summary, 1)
+    assert medians["default"]["computed_tok_s"] == 1050.0
+    table = stage_occupancy.table(summary, 1)
+    assert "| cold | default | 1,050 |" in table and "| 1.05x |" in table

@@ -23,8 +23,10 @@ WAVEPP.md section 4, with these readings of the places where the text is terse:
   that size (block-aligned up, at least one block), even below ``b_min``: a lone prompt or a
   shallow burst gets waves small enough that fill and drain stay short, a deep queue (``W``
   large) still gets ``M``. k is a wave's fixed cost (weight reads, dispatch, the hop between
-  stages) in tokens of compute: on a CPU a few tens of tokens, on a GPU thousands, where the
-  bound stays above the MPU target and changes nothing. Without k (None) the target is MPU's.
+  stages) in tokens of compute: on a CPU a few tens of tokens, on a GPU that reads its
+  weights every wave likely thousands, where the bound would bind on short work only. Without
+  k (None) the target is MPU's. The runtime leaves it off by default: measured on CPU it
+  loses (``CPU_WAVE_OVERHEAD_TOKENS``).
 - With a drain bound, hysteresis applies only while waves are in flight: a wave planned on
   an idle pipeline (``plan(..., idle=True)``) takes the target at once, since no running
   wave's size can leave stages waiting behind it (a lone prompt's first waves would
