@@ -25,8 +25,9 @@ def provenance(command: list[str] | None = None) -> dict[str, object]:
     """``commit`` (with ``+dirty`` when the work tree differs from it outside bench/results/,
     which the benchmark being stamped may itself have just rewritten), ``date_utc``,
     ``command`` (as typed, relative to the repo; or ``command`` for a row another program
-    wrote, as bench/refresh.py stamps them), ``cpus`` this process may use and ``load_1m``,
-    the 1-minute load average when the row was taken."""
+    wrote, as bench/refresh.py stamps them), ``cpus`` this process may use, ``cpu_model`` (the
+    processor the kernel reports: figures from two CPUs do not compare) and ``load_1m``, the
+    1-minute load average when the row was taken."""
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"):
         commit += "+dirty"
@@ -35,5 +36,19 @@ def provenance(command: list[str] | None = None) -> dict[str, object]:
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": shlex.join(command or [Path(sys.executable).name, *sys.argv]),
         "cpus": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model(),
         "load_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def cpu_model() -> str:
+    """The first ``model name`` in /proc/cpuinfo (a VM's host CPU can change between boots;
+    "unknown" where the file or the field is missing)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

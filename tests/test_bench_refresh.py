@@ -34,6 +34,7 @@ def test_stamp_adds_provenance_and_the_load_around_the_run(tmp_path: Path) -> No
     first, second = json.loads(path.read_text())
     assert first["command"] == "wavepp sim --json x.json" and first["commit"]
     assert (first["load_1m_before"], first["load_1m_after"]) == (0.5, 1.5)
+    assert first["cpu_model"] not in ("", "unknown")  # the processor this ran on (Linux)
     assert second["commit"] == "abc123"  # the benchmark's own stamp stays
     path.write_text(json.dumps({"table": []}))
     refresh.stamp(path, ["x"], 0.0, 0.0)

@@ -97,7 +97,7 @@ plain MPU, which needs no cost model."""
 CPU_WAVE_OVERHEAD_TOKENS = 16
 """A wave's fixed cost in tokens of compute on this project's CPU runtime, the drain bound's
 k that bench/stage_occupancy.py tries (``wavepp serve --wave-overhead-tokens``; the default
-is 0, off). bench/wave_forward.py on the bundled model, one thread, float32 (Intel Xeon
+is 0, off). bench/wave_forward.py on the bundled model, one thread, float32 (AMD EPYC
 guest, 2026-12-07): a cold chunk of 32 tokens takes 94 ms and of 64 tokens 157 ms (about
 2 ms per token), so a forward costs ~30 ms, ~15 tokens, before its first token. Measured
 whole, the bound still loses on that CPU (4-18% fewer tokens per second on the peer cases,
