@@ -132,7 +132,7 @@ def test_drain_bound_is_the_square_root_rule_in_whole_blocks():
 
 def test_drain_bound_caps_shallow_work_below_b_min_and_leaves_deep_work_at_m():
     assert target_budget(DRAIN, work(128 * 8)) == 128  # MPU alone: b_min = 256
-    assert target_budget(replace(DRAIN, wave_overhead_tokens=None), work(1024)) == 256
+    assert target_budget(replace(DRAIN, wave_overhead_tokens=0), work(1024)) == 256
     assert target_budget(DRAIN, work(*[4096] * 4)) == 512  # deep: sqrt(16384 * 16) > M
 
 
@@ -141,7 +141,7 @@ def test_an_idle_pipeline_takes_the_target_at_once_only_with_a_drain_bound():
     assert planner.budget == 512
     assert planner.decide_budget(work(1024), idle=False) == 512  # one lower decision of P
     assert planner.decide_budget(work(1024), idle=True) == 128
-    plain = WavePlanner(replace(DRAIN, wave_overhead_tokens=None))
+    plain = WavePlanner(replace(DRAIN, wave_overhead_tokens=0))
     assert plain.decide_budget(work(1024), idle=True) == 512  # MPU's hysteresis as before
 
 

@@ -14,7 +14,7 @@ WAVEPP.md section 4, with these readings of the places where the text is terse:
   when raising, the largest when lowering), so a budget moves only as far as every decision
   of the streak agreed. With ``R = 2P`` both thresholds equal ``P``; they stay separate
   settings (``raise_after`` / ``lower_after``).
-- Drain bound (``wave_overhead_tokens`` k set, P > 1; not in the paper): a wave that holds
+- Drain bound (``wave_overhead_tokens`` k > 0, P > 1; not in the paper): a wave that holds
   work nothing else is queued behind keeps the other stages idle while it fills the
   pipeline and again while it drains. Chunks of one request pass P stages in order, so ``n``
   equal waves of ``W`` tokens take about ``(n + P - 1) * (k + W/n)`` token-times (the
@@ -24,8 +24,8 @@ WAVEPP.md section 4, with these readings of the places where the text is terse:
   shallow burst gets waves small enough that fill and drain stay short, a deep queue (``W``
   large) still gets ``M``. k is a wave's fixed cost (weight reads, dispatch, the hop between
   stages) in tokens of compute: on a CPU a few tens of tokens, on a GPU that reads its
-  weights every wave likely thousands, where the bound would bind on short work only. Without
-  k (None) the target is MPU's. The runtime leaves it off by default: measured on CPU it
+  weights every wave likely thousands, where the bound would bind on short work only. With
+  k = 0 the target is MPU's. The runtime leaves it off by default: measured on CPU it
   loses (``CPU_WAVE_OVERHEAD_TOKENS``).
 - With a drain bound, hysteresis applies only while waves are in flight: a wave planned on
   an idle pipeline (``plan(..., idle=True)``) takes the target at once, since no running
@@ -118,7 +118,7 @@ class PlannerConfig:
     max_wave_requests: int = 128
     mode: PlannerMode = PlannerMode.MPU
     fragment_rule: bool = True  # False: fill every wave to the brim (TRT-LLM chunking)
-    wave_overhead_tokens: int | None = None  # k of the drain bound; None: no drain bound
+    wave_overhead_tokens: int = 0  # k of the drain bound; 0: no drain bound
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidPlannerConfigError:
@@ -140,8 +140,8 @@ class PlannerConfig:
             raise bad(f"fill_factor must be >= 1, got {self.fill_factor}")
         if self.max_wave_requests < 1:
             raise bad(f"max_wave_requests must be >= 1, got {self.max_wave_requests}")
-        if self.wave_overhead_tokens is not None and self.wave_overhead_tokens < 1:
-            raise bad(f"wave_overhead_tokens must be >= 1 or None, got {self.wave_overhead_tokens}")
+        if self.wave_overhead_tokens < 0:
+            raise bad(f"wave_overhead_tokens must be >= 0, got {self.wave_overhead_tokens}")
 
     @property
     def ring_size(self) -> int:
@@ -217,9 +217,9 @@ def target_budget(config: PlannerConfig, work: Sequence[UnscheduledWork]) -> int
 def drain_bound(config: PlannerConfig, total_tokens: int) -> int:
     """The wave size that keeps fill and drain shortest for ``total_tokens`` of work with
     nothing behind it: ``sqrt(W * k / (P - 1))`` aligned up to whole blocks, at least one
-    block; ``M`` when there is no bound (k None, or one stage: nothing to fill)."""
+    block; ``M`` when there is no bound (k = 0, or one stage: nothing to fill)."""
     k, p, bs = config.wave_overhead_tokens, config.num_stages, config.block_size
-    if k is None or p == 1:
+    if k == 0 or p == 1:
         return config.max_wave_tokens
     best = math.ceil(math.sqrt(total_tokens * k / (p - 1)))
     return min(config.max_wave_tokens, max(bs, -(-best // bs) * bs))
@@ -250,7 +250,7 @@ class WavePlanner:
         if cfg.mode is PlannerMode.FIXED:
             return self._budget
         target = target_budget(cfg, work)
-        idle = idle and cfg.wave_overhead_tokens is not None
+        idle = idle and cfg.wave_overhead_tokens > 0
         if cfg.mode is PlannerMode.MPU_NO_HYSTERESIS or idle:
             self._budget, self._streak = target, 0
             return target

@@ -114,7 +114,7 @@ class Policy:
         block_size: int,
         max_wave_requests: int,
         fill_factor: int = 2,
-        wave_overhead_tokens: int | None = None,
+        wave_overhead_tokens: int = 0,
     ) -> PlannerConfig:
         """The planner's settings under this policy (mode and fragment rule from here)."""
         return PlannerConfig(
@@ -126,7 +126,7 @@ class Policy:
             max_wave_requests=max_wave_requests,
             mode=self.planner_mode,
             fragment_rule=self.fragment_rule,
-            wave_overhead_tokens=wave_overhead_tokens if self.pipelined_chunks else None,
+            wave_overhead_tokens=wave_overhead_tokens if self.pipelined_chunks else 0,
         )
 
 

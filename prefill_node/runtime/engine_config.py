@@ -29,21 +29,21 @@ TRANSPORTS = ("pipeline", "local")  # one process per stage / every stage in thi
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """``model_dir``: a Hugging Face checkpoint directory (config.json + safetensors; None
-        for an engine built from weights in memory). ``num_blocks``: KV blocks per stage, one
-        value for every stage or one per stage (an int is one value). ``max_wave_tokens``: the
-        wave budget M (the fixed chunk budget under ``trtllm`` and ``sync-admission``), rounded
-        up here to whole blocks; ``min_wave_tokens``: the planner's b_min, whole blocks up to M
-        (None: M/2); ``wave_overhead_tokens``: a wave's fixed cost in tokens, from which the planner
-    sizes the waves of a shallow queue so that fill and drain stay short (core/planner.py's drain
-    bound; 0: off). ``max_model_len`` None: the model's ``max_position_embeddings``.
-        ``layer_ranges``: (start, end) per stage (None: an even split). ``kv_handoff``: every
-        stage gets a NIXL agent and hands the KV of requests with a ``kv_destination`` to decode
-        (None: such requests are refused). ``core_share``: locally launched CPU stages lend
-        their cores to the stages computing while they idle (runtime/core_share.py);
-        ``core_board``: the host board file every pipeline on this host started with the same
-        path joins, so their stages lend cores across pipelines (None: within this one).
-        ``stage_wait_s``: how long the leader waits for every stage to join.
-        ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
+    for an engine built from weights in memory). ``num_blocks``: KV blocks per stage, one
+    value for every stage or one per stage (an int is one value). ``max_wave_tokens``: the
+    wave budget M (the fixed chunk budget under ``trtllm`` and ``sync-admission``), rounded
+    up here to whole blocks; ``min_wave_tokens``: the planner's b_min, whole blocks up to M
+    (None: M/2); ``wave_overhead_tokens``: a wave's fixed cost in tokens, from which the
+    planner sizes the waves of a shallow queue so that fill and drain stay short
+    (core/planner.py's drain bound; 0: off). ``max_model_len`` None: the model's
+    ``max_position_embeddings``. ``layer_ranges``: (start, end) per stage (None: an even
+    split). ``kv_handoff``: every stage gets a NIXL agent and hands the KV of requests with a
+    ``kv_destination`` to decode (None: such requests are refused). ``core_share``: locally
+    launched CPU stages lend their cores to the stages computing while they idle
+    (runtime/core_share.py); ``core_board``: the host board file every pipeline on this host
+    started with the same path joins, so their stages lend cores across pipelines (None:
+    within this one). ``stage_wait_s``: how long the leader waits for every stage to join.
+    ``debug_wave_delay_s`` (tests only): every stage sleeps this long per wave."""
 
     model_dir: Path | None = None
     stages: int = 2

@@ -77,7 +77,7 @@ def pipeline_leader_core(spec: PipelineSpec) -> LeaderCore[ChunkOptions]:
             min_wave_tokens=spec.min_wave_tokens,
             block_size=spec.block_size,
             max_wave_requests=spec.max_batch,
-            wave_overhead_tokens=spec.wave_overhead_tokens or None,
+            wave_overhead_tokens=spec.wave_overhead_tokens,
         )
     )
     return LeaderCore(coordinator, WaveScheduler(policy, planner), follow_waves=rank0)
