@@ -7,14 +7,14 @@ of ``--capacity-concurrency`` clients), then offers ``--levels`` times that capa
 a fresh prompt (no prefix reuse) with a deadline of ``--deadline-s`` (the request's
 ``timeout``; the call's own deadline a little later), tenants drawn from ``--tenants``.
 
-Each level runs once per router ``--max-wait`` setting (``--max-waits``, default ``0,1``: no
-wait bound, only deadlines shed; then a 1 s bound), each setting its own router in front of the
-same pipelines, the capacity measured once through the first. One row per setting and level,
-each after a quiet machine (bench/quiet.py), with provenance (bench/provenance.py):
-``max_wait_s``, ``offered_x``, ``offered_per_s``, ``requests``, ``goodput_per_s``
-(answered OK within the deadline, per second from the level's first arrival to its last
-answer, ``wall_s``), ``rejected_share``
-(RESOURCE_EXHAUSTED: shed by the router), ``deadline_share`` (DEADLINE_EXCEEDED),
+Each level runs once per router ``--max-wait`` setting (``--max-waits``, default ``0,0.5,1``:
+no wait bound, only deadlines shed; then a 0.5 s and a 1 s bound), each setting its own
+router in front of the same pipelines, the capacity measured once through the first. One row
+per setting and level, each after a quiet machine (bench/quiet.py), with provenance
+(bench/provenance.py): ``max_wait_s``, ``offered_x``, ``offered_per_s``, ``requests``,
+``goodput_per_s`` (answered OK within the deadline, per second from the level's first
+arrival to its last answer, ``wall_s``), ``rejected_share`` (RESOURCE_EXHAUSTED: shed by the
+router), ``deadline_share`` (DEADLINE_EXCEEDED),
 ``other_share``, and ``p50_s`` / ``p95_s`` over the admitted requests that were answered.
 
     .venv/bin/python bench/overload.py --json /tmp/overload.json
@@ -59,9 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=60.0, help="per level (default 60)")
     p.add_argument(
         "--max-waits",
-        default="0,1",
+        default="0,0.5,1",
         help="the router's --max-wait settings, seconds, each its own set of rows (0: no "
-        "bound; default 0,1)",
+        "bound; default 0,0.5,1)",
     )
     p.add_argument(
         "--runs",
