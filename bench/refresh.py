@@ -69,6 +69,8 @@ _PD_LOAD = ("--rates", "c1,1", "--num-prompts", "12", "--input-len", "1024",
             "--output-len", "32")  # fmt: skip
 _PD_SMOKE = ("--rates", "c1", "--num-prompts", "2", "--input-len", "64", "--output-len", "2",
              "--num-prefixes", "1")  # fmt: skip
+_WAVE_SMOKE = ("--random-weights", "--runs", "1", "--wave", "2", "--chunk", "16", "--prefix", "32",
+               "--cold", "32")  # fmt: skip
 
 FIGURES = (
     Figure(
@@ -213,6 +215,16 @@ FIGURES = (
             "peer_vllm", "--quick", "--dtypes", "float32", "--systems", "wavepp-pipeline,vllm-eager"
         ),
         needs="vllm",
+    ),
+    *(
+        Figure(
+            f"wave_forward_{short}",
+            f"docs/models.md: a stage's forward on a shared-prefix wave and the attention kernel's "
+            f"rate against the GEMM's, {dtype}",
+            _bench("wave_forward", "--dtype", dtype, "--kernels"),
+            _bench("wave_forward", "--dtype", dtype, "--kernels", *_WAVE_SMOKE),
+        )
+        for short, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))
     ),
     Figure(
         "stage_occupancy",

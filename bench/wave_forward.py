@@ -16,8 +16,17 @@ wall time. ``--profile N`` then profiles one more run of each case and prints it
 costliest ops by self time, and how much of the profiled wall time no op accounts for
 (Python between ops, and the profiler's own cost).
 
+``--kernels`` adds per-kernel rates on the same core, GFLOP/s from CPU time: the wave's
+attention in one layer as the model runs it (``paged_attention``: the K/V write, the context
+gather, both fused-kernel calls and the merge), torch's fused kernel alone on the wave's
+context part (its queries over the cached prefix, no gather), and the model's MLP
+up-projection as a matmul (``tensor_ops.linear``, the wave's rows): the GEMM rate of this core
+and dtype, the most an attention built on the same GEMMs could reach. Attention FLOPs count
+QK^T and PV, 4 x heads x head_dim per (query, key) pair a query sees (causal: itself and
+the keys before it).
+
     python bench/wave_forward.py --json out/wave.json --dtype bfloat16 [--matmul both]
-        [--profile 15]
+        [--profile 15] [--kernels]
 """
 
 from __future__ import annotations
@@ -32,11 +41,12 @@ from pathlib import Path
 import torch
 from forward import load_model, use_mkl_shim  # bench/ is on sys.path: this runs as a script
 
+from prefill_node.model.attention import AttentionPlan, paged_attention
 from prefill_node.model.batch import ChunkBatch, ChunkSpec
 from prefill_node.model.latent_cache import stage_cache
 from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
-from prefill_node.model.tensor_ops import set_onednn_matmul
+from prefill_node.model.tensor_ops import linear, set_onednn_matmul
 
 BLOCK = 16
 
@@ -81,6 +91,78 @@ def build_cases(
     return cases
 
 
+def kernel_rows(model: StageModel, args: argparse.Namespace) -> list[dict]:
+    """The ``--kernels`` rows: GFLOP/s of the wave's attention (as the model runs it, and the
+    fused kernel alone on its context part) and of the MLP up-projection, medians of
+    ``--runs`` from the calling thread's CPU time."""
+    config, dtype = model.config, model.dtype
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+    rows_n, prefix = args.wave * args.chunk, args.prefix
+    pre_blocks, own_blocks = -(-prefix // BLOCK), -(-args.chunk // BLOCK)
+    kv = stage_cache(config, LayerRange(0, 1), pre_blocks + args.wave * own_blocks, BLOCK, dtype)
+    g = torch.Generator().manual_seed(1)
+    shared = tuple(range(pre_blocks))
+    own = iter(range(pre_blocks, pre_blocks + args.wave * own_blocks))
+    pk, pv = (torch.randn(prefix, kv_heads, d, generator=g).to(dtype) for _ in "kv")
+    pre_plan = AttentionPlan.build(ChunkBatch((ChunkSpec(0, prefix, shared),)), kv, dtype)
+    kv.write_slots(0, pre_plan.k_slots, pk, pv)
+    specs = [
+        ChunkSpec(prefix, args.chunk, shared + tuple(next(own) for _ in range(own_blocks)))
+        for _ in range(args.wave)
+    ]
+    batch = ChunkBatch(tuple(specs))
+    plan = AttentionPlan.build(batch, kv, dtype)
+    q = torch.randn(rows_n, heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(rows_n, kv_heads, d, generator=g).to(dtype) for _ in "kv")
+    group = heads // kv_heads
+    grouped_q = q.transpose(0, 1).unflatten(0, (kv_heads, group))
+    ctx_k, ctx_v = (t.transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1) for t in (pk, pv))
+    x = torch.randn(rows_n, config.hidden_size, generator=g).to(dtype)
+    w = torch.nn.Parameter(
+        torch.randn(config.intermediate_size, config.hidden_size, generator=g).to(dtype),
+        requires_grad=False,
+    )
+    pairs_ctx = rows_n * prefix
+    pairs_own = args.wave * args.chunk * (args.chunk + 1) // 2
+    kernels = {
+        "attention-wave": (
+            lambda: paged_attention(q, k, v, plan, kv, 0),
+            4 * heads * d * (pairs_ctx + pairs_own),
+        ),
+        "attention-context-fused": (
+            lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                grouped_q, ctx_k, ctx_v, 0.0, False
+            ),
+            4 * heads * d * pairs_ctx,
+        ),
+        "gemm-mlp-up": (lambda: linear(x, w), 2 * rows_n * config.hidden_size * w.shape[0]),
+    }
+    out = []
+    for name, (fn, flops) in kernels.items():
+        fn()  # warm-up
+        cpu = []
+        for _ in range(args.runs):
+            c0 = time.thread_time()
+            fn()
+            cpu.append(time.thread_time() - c0)
+        t = statistics.median(cpu)
+        out.append(
+            {"case": name, "dtype": args.dtype, "threads": args.threads, "runs": args.runs,
+             "gflop": round(flops / 1e9, 3), "cpu_ms": round(t * 1e3, 2),
+             "gflops": round(flops / t / 1e9, 1)}
+        )  # fmt: skip
+    gemm = out[-1]["gflops"]
+    print(f"\nkernels, one layer, medians of {args.runs} runs (CPU time)")
+    print(f"{'kernel':<24} {'GFLOP':>7} {'ms':>8} {'GFLOP/s':>8} {'of GEMM':>8}")
+    for r in out:
+        r["share_of_gemm"] = round(r["gflops"] / gemm, 3)
+        print(
+            f"{r['case']:<24} {r['gflop']:>7.3f} {r['cpu_ms']:>8.2f} {r['gflops']:>8.1f} "
+            f"{r['share_of_gemm']:>8.2f}"
+        )
+    return out
+
+
 def profile(name: str, run: Callable[[], torch.Tensor], rows: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -114,6 +196,11 @@ def main() -> None:
     ap.add_argument("--matmul", choices=["onednn", "f-linear", "both"], default="onednn")
     ap.add_argument("--random-weights", action="store_true", help="skip the real default model")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="top N ops per case")
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also rate the wave's attention, the fused kernel alone and a GEMM (GFLOP/s)",
+    )
     args = ap.parse_args()
     use_mkl_shim(True)  # may restart this process
     torch.set_num_threads(args.threads)
@@ -151,6 +238,9 @@ def main() -> None:
              "tokens": tokens, "runs": args.runs, "cpu_tok_s": round(tokens / cpu, 1),
              "wall_tok_s": round(tokens / wall, 1)}
         )  # fmt: skip
+    if args.kernels:
+        set_onednn_matmul(matmuls[0] == "onednn")
+        rows += kernel_rows(model, args)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     for name, matmul in cells if args.profile else ():
