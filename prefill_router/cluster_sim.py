@@ -20,6 +20,20 @@ when it completes. KV events reach the index at once.
 The ORACLE is one pooled cache of all pipelines' capacity, shared by every pipeline
 (least-loaded placement): the cached share no routing can beat with these caches.
 
+FETCH routes with the router's FETCH policy: a request may go to a pipeline that copies
+its prefix from another pipeline holding it. The copy is modelled as the runtime would do
+it: every stage reads its own layers' blocks from the source's matching stage over its own
+link (``ClusterSpec.fetch_link``, one per stage), so a fetch of ``n`` blocks takes the link's
+latency plus ``n`` blocks of the busiest stage's KV over one link; fetches that share a
+source's or a target's links queue behind each other (the router does not see that queue;
+it learns it from the fetch times it observes, ``RouterCore.observe_fetch``). The request
+joins its pipeline's admission queue when the copy is done; the copied blocks enter the
+target's cache as if computed (a prefill of the prefix costing no compute: cached, KV
+events, LRU as usual), and its admission leases them like any cached prefix. If the source
+no longer holds the blocks when the copy would end (evicted), the request computes them.
+Not modelled: the lease that would pin the source's blocks during the copy (a copy here
+never fails half-way instead).
+
 Closed loop: ``clients`` clients, each sending its next request when the last completes.
 Figures exclude the first ``warmup`` completions (the caches start empty).
 """
@@ -41,10 +55,17 @@ from prefill_node.sim.core_port import CorePort
 from prefill_node.sim.presets import Preset
 from prefill_node.sim.results import percentile
 from prefill_node.sim.roofline import PipelineRoofline
+from prefill_node.sim.specs import LinkSpec
 from prefill_node.sim.tenants import TenantRequest, TenantWorkload
 from prefill_router.calibration import CalibrationConfig
 from prefill_router.router_core import PipelineMember, Placement, RouterCore
 from prefill_router.scoring import RoutingPolicy
+from prefill_router.transfer import TransferModel
+
+# A pipeline's stage to the same stage of another pipeline: one 400 Gb/s RDMA NIC per GPU
+# (50 GB/s line rate, 40 GB/s assumed achieved by a NIXL READ) and 1 ms per fetch (est.: the
+# lease RPC on the source and the transfer's setup). Estimates, not measurements.
+RDMA_400G = LinkSpec(bytes_per_s=40e9, latency_s=1e-3)
 
 
 class ClusterPolicy(enum.Enum):
@@ -54,6 +75,7 @@ class ClusterPolicy(enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
     PREFIX_ONLY = "prefix_only"
+    FETCH = "fetch"
     ORACLE = "oracle"
 
     @property
@@ -77,6 +99,7 @@ class ClusterSpec:
     block_ids: int = 4
     warmup: int = 0
     cache_blocks: int | None = None
+    fetch_link: LinkSpec = RDMA_400G
 
     def __post_init__(self) -> None:
         if self.num_pipelines < 1 or self.clients < 1 or self.token_scale < 1:
@@ -107,6 +130,10 @@ class ClusterResult:
     p95_s: float
     busiest_share: float  # the busiest pipeline's share of the measured requests
     rejected: int
+    fetched_share: float = 0.0  # prompt tokens copied from another pipeline (FETCH)
+    fetch_gb_per_request: float = 0.0  # KV bytes copied, all stages, per measured request
+    fetch_mean_s: float = 0.0  # per fetch: routing decision to the blocks being usable
+    recompute_mean_s: float = 0.0  # per fetch: the bottleneck-stage time it replaced
 
 
 class _Pipeline:
@@ -119,6 +146,7 @@ class _Pipeline:
         self.placements: dict[str, Placement] = {}  # routed, unfinished
         self.sequence = 0
         self.served = 0
+        self.links_free_at = 0.0  # its stages' fetch links (FETCH)
 
 
 class ClusterSim:
@@ -133,6 +161,15 @@ class ClusterSim:
         # costs per id: a chunk of n ids is n * s tokens attending s times as many positions
         self.cost = ChunkCostModel(real.per_token_s * s, real.per_token_context_s * s * s)
         self.stages = p.num_stages
+        # one block's KV on the stage with the most layers: what its link carries per block
+        block_tokens = spec.block_tokens
+        kv_token = p.model.kv_bytes_per_token_layer()
+        self.stage_block_bytes = max(st.num_layers for st in roof.stages) * kv_token * block_tokens
+        self.block_bytes = p.model.num_layers * kv_token * block_tokens  # all stages
+        link = spec.fetch_link
+        self.fetch_model = TransferModel.for_link(
+            self.stage_block_bytes, link.bytes_per_s, link.latency_s
+        )
         cap = spec.cache_blocks or min(st.capacity_blocks for st in roof.stages)
         self.capacity = cap
         self.model_id = p.model.name
@@ -144,8 +181,10 @@ class ClusterSim:
             _Pipeline(f"p{i:02d}", pooled or self._core(cap, events=True)) for i in range(n)
         ]
         # no calibration: the simulated pipelines run exactly at the cost model's speed
+        fetch = self.fetch_model if policy is ClusterPolicy.FETCH else None
         self.router = RouterCore(self.cost, policy.routing,
-                                 calibration=CalibrationConfig(alpha=0.0))  # fmt: skip
+                                 calibration=CalibrationConfig(alpha=0.0),
+                                 transfer=fetch)  # fmt: skip
         self.router.start_scoring(self.model_id, spec.block_ids)
         self._members = [PipelineMember(p.pid, True, 1 << 40, cap) for p in self.pipelines]
         for pipe in self.pipelines:
@@ -157,7 +196,11 @@ class ClusterSim:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = self._issued = self._rejected = 0
         self.now = 0.0
-        self._done: list[tuple[float, float, int, int, str]] = []
+        # (arrival, completion, prompt ids, cached ids, pipeline, its fetch or None)
+        self._done: list[tuple[float, float, int, int, str, tuple[int, float, float] | None]] = []
+        # FETCH: pseudo-request id of a copy -> the request that waits for it
+        self._copies: dict[str, RequestSpec] = {}
+        self._fetches: dict[str, tuple[int, float, float]] = {}  # rid -> ids, seconds, saved
 
     def _core(self, blocks: int, *, events: bool) -> CorePort:
         return CorePort(
@@ -196,6 +239,8 @@ class ClusterSim:
                 self._route(payload)  # type: ignore[arg-type]
             elif kind == 1:
                 self._free(payload)  # type: ignore[arg-type]
+            elif kind == 3:
+                self._fetched(*payload)  # type: ignore[misc]
             else:
                 self._complete(*payload)  # type: ignore[misc]
         for pipe in self.pipelines:
@@ -224,11 +269,52 @@ class ClusterSim:
         pipe = next(p for p in self.pipelines if p.pid == placement.pid)
         pipe.placements[spec.request_id] = placement
         self._owner[spec.request_id] = (pipe, i, self.now, len(req.tokens))
+        if placement.fetch_from is not None:
+            self._fetch(pipe, spec, placement)
+            return
+        self._join(pipe, spec)
+
+    def _join(self, pipe: _Pipeline, spec: RequestSpec) -> None:
+        """The request joins ``pipe``'s admission queue."""
         rejected = pipe.core.enqueue(spec)
         if rejected is not None:
+            waiting = self._copies.pop(spec.request_id, None)
+            if waiting is not None:  # never: a copy is a prefix of a prompt that fits
+                self._join(pipe, waiting)
+                return
             self._reject(spec.request_id)
             return
         self._admit(pipe)
+
+    def _fetch(self, pipe: _Pipeline, spec: RequestSpec, placement: Placement) -> None:
+        """Start copying the placement's prefix blocks to ``pipe`` (after the copies already
+        using the source's or the target's links)."""
+        source = next(p for p in self.pipelines if p.pid == placement.fetch_from)
+        start = max(self.now, source.links_free_at, pipe.links_free_at)
+        done = start + self.fetch_model.fetch_s(placement.fetch_blocks)
+        source.links_free_at = pipe.links_free_at = done
+        self._push(done, 3, (pipe, source, spec, placement, self.now))
+
+    def _fetched(
+        self, pipe: _Pipeline, source: _Pipeline, spec: RequestSpec, placement: Placement,
+        began: float,
+    ) -> None:  # fmt: skip
+        """The copy ended: its blocks enter ``pipe``'s cache (when the source still held
+        them), then the request joins the queue."""
+        bs = self.spec.block_ids
+        end = -(-placement.cached_tokens // bs)  # blocks through the copied prefix
+        hashes = self.router.hashes(spec.token_ids[: end * bs], spec.extra.cache_salt)
+        held = self.router.index.match(hashes, self.now, pending=False).get(source.pid, 0)
+        self.router.observe_fetch(placement.fetch_blocks, self.now - began)
+        if held < end:  # evicted at the source: the request computes it
+            self._join(pipe, spec)
+            return
+        copy = RequestSpec(f"{spec.request_id}/copy", spec.token_ids[: end * bs], spec.extra)
+        self._copies[copy.request_id] = spec
+        before = placement.cached_tokens - placement.fetch_blocks * bs
+        saved = self.cost.chunk_cost(before, placement.fetch_blocks * bs)
+        self._fetches[spec.request_id] = (placement.fetch_blocks * bs, self.now - began, saved)
+        self._join(pipe, copy)
 
     def _admit(self, pipe: _Pipeline) -> None:
         """Run admission rounds on ``pipe``'s core while they admit someone (FCFS)."""
@@ -236,7 +322,13 @@ class ClusterSim:
             outcomes = pipe.core.run_round()
             progress = False
             for o in outcomes:
-                if isinstance(o, Admitted):
+                waiting = self._copies.pop(o.request_id, None)
+                if waiting is not None:  # a copy: its blocks are there now, unpinned
+                    if isinstance(o, Admitted):
+                        self._copied(pipe, o)
+                    self._join(pipe, waiting)
+                    progress = True
+                elif isinstance(o, Admitted):
                     owner = self._owner[o.request_id][0]
                     self._cached[o.request_id] = o.cached_len
                     owner.queue.append((o.request_id, o.cached_len))
@@ -247,6 +339,16 @@ class ClusterSim:
                     progress = True
             if not progress:
                 return
+
+    def _copied(self, pipe: _Pipeline, copy: Admitted) -> None:
+        """A copy was admitted on ``pipe``: its uncached blocks arrive (computed by nobody)
+        and it completes at once, leaving them cached, unpinned and published."""
+        if copy.num_tokens > copy.cached_len:
+            chunk = ScheduledChunk(copy.request_id, copy.cached_len,
+                                   copy.num_tokens - copy.cached_len)  # fmt: skip
+            pipe.core.materialise(0, chunk)
+        pipe.core.finish(0, copy.request_id)
+        self._publish(pipe)
 
     def _reject(self, rid: str) -> None:
         pipe = self._owner.pop(rid)[0]
@@ -277,7 +379,7 @@ class ClusterSim:
         self.router.finish(owner.placements.pop(rid))
         owner.served += 1
         self._publish(owner)
-        self._done.append((arrival, self.now, n, cached, owner.pid))
+        self._done.append((arrival, self.now, n, cached, owner.pid, self._fetches.pop(rid, None)))
         self._admit(owner)
         self._send_next()
 
@@ -292,6 +394,8 @@ class ClusterSim:
         for d in done:
             per_pipe[d[4]] = per_pipe.get(d[4], 0) + 1
         lat = [d[1] - d[0] for d in done]
+        fetches = [d[5] for d in done if d[5] is not None]
+        fetched = sum(f[0] for f in fetches)
         return ClusterResult(
             preset=s.preset.name,
             pipelines=s.num_pipelines,
@@ -307,4 +411,10 @@ class ClusterSim:
             p95_s=percentile(lat, 95),
             busiest_share=max(per_pipe.values()) / len(done) if done else 0.0,
             rejected=self._rejected,
+            fetched_share=fetched * s.token_scale / prompt if prompt else 0.0,
+            fetch_gb_per_request=fetched / s.block_ids * self.block_bytes / 1e9 / len(done)
+            if done
+            else 0.0,
+            fetch_mean_s=sum(f[1] for f in fetches) / len(fetches) if fetches else 0.0,
+            recompute_mean_s=sum(f[2] for f in fetches) / len(fetches) if fetches else 0.0,
         )

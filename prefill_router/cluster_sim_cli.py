@@ -6,6 +6,10 @@ robin cannot keep them all; partitioning tenants across pipelines can), and the 
 ranking rotates by an eighth of the tenants every quarter of the run. Then a Zipf sweep
 finds where prefix-aware routing stops paying: as one tenant's share of the traffic grows,
 keeping its prefix on one pipeline loads that pipeline more than the cache saves.
+
+The ``fetch`` policy (a pipeline may copy a prefix from another pipeline that holds it,
+``cluster_sim.py``) is measured against the pooled-cache ``oracle``: ``fetch_gains`` says
+what share of the oracle's gain over round-robin it reaches at each N.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ def run_policies(spec: ClusterSpec, bar: tqdm | None = None) -> list[ClusterResu
 def format_table(rows: list[ClusterResult]) -> str:
     head = (
         f"{'preset':<12} {'N':>3} {'zipf':>4} {'policy':<13} {'input tok/s':>13} {'vs rr':>6} "
-        f"{'cached':>6} {'p50 s':>7} {'p95 s':>7} {'busiest':>7}"
+        f"{'cached':>6} {'fetched':>7} {'p50 s':>7} {'p95 s':>7} {'busiest':>7}"
     )
     lines = [head, "-" * len(head)]
     rr = {(r.preset, r.pipelines, r.zipf): r.input_tok_s for r in rows if r.policy == "round_robin"}
@@ -85,10 +89,37 @@ def format_table(rows: list[ClusterResult]) -> str:
         vs = f"{r.input_tok_s / base:.2f}x" if base else "-"
         lines.append(
             f"{r.preset:<12} {r.pipelines:>3} {r.zipf:>4.1f} {r.policy:<13} "
-            f"{r.input_tok_s:>13,.0f} {vs:>6} {r.cached_share:>6.2f} {r.p50_s:>7.2f} "
-            f"{r.p95_s:>7.2f} {r.busiest_share:>7.2f}"
+            f"{r.input_tok_s:>13,.0f} {vs:>6} {r.cached_share:>6.2f} {r.fetched_share:>7.2f} "
+            f"{r.p50_s:>7.2f} {r.p95_s:>7.2f} {r.busiest_share:>7.2f}"
         )
     return "\n".join(lines)
+
+
+def fetch_gains(rows: list[ClusterResult]) -> list[str]:
+    """Per (preset, N, Zipf exponent) with fetch, oracle and round-robin rows: the share of
+    the oracle's gain over round-robin that fetch reaches, fetch against the prefix policy,
+    and the copies' size and time against the recompute they replaced."""
+    out = []
+    by = {(r.preset, r.pipelines, r.zipf, r.policy): r for r in rows}
+    for preset, n, zipf, policy in by:
+        if policy != "fetch":
+            continue
+        key = (preset, n, zipf)
+        rr, oracle, prefix = (by.get((*key, p)) for p in ("round_robin", "oracle", "prefix"))
+        if rr is None or oracle is None or rr.input_tok_s <= 0:
+            continue
+        f = by[(*key, "fetch")]
+        gain, best = f.input_tok_s / rr.input_tok_s - 1, oracle.input_tok_s / rr.input_tok_s - 1
+        share = f"{gain / best:.2f}" if best > 0 else "-"
+        vs_prefix = f"{f.input_tok_s / prefix.input_tok_s:.2f}x" if prefix else "-"
+        out.append(
+            f"{preset} N={n} zipf {zipf}: fetch {1 + gain:.2f}x round-robin, oracle "
+            f"{1 + best:.2f}x (fetch reaches {share} of the oracle's gain), fetch / prefix "
+            f"{vs_prefix}; {f.fetch_gb_per_request:.2f} GB copied per request, "
+            f"{f.fetch_mean_s * 1e3:.0f} ms per copy against {f.recompute_mean_s * 1e3:.0f} ms "
+            f"of recompute replaced"
+        )
+    return out
 
 
 def stops_paying(rows: list[ClusterResult], margin: float = 0.05) -> list[str]:
@@ -163,7 +194,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         for spec in specs:
             rows += run_policies(spec, bar)
     print(format_table(rows))
-    for line in stops_paying(rows):
+    for line in stops_paying(rows) + fetch_gains(rows):
         print(line)
     if args.json:
         with open(args.json, "w") as f:

@@ -219,18 +219,21 @@ class GlobalPrefixIndex:
         _withdraw(self._pending_holders, p.pending, p.bit)
         p.blocks, p.pending = set(), {}
 
-    def match(self, hashes: Sequence[BlockHash], now: float) -> dict[PipelineId, int]:
+    def match(
+        self, hashes: Sequence[BlockHash], now: float, *, pending: bool = True
+    ) -> dict[PipelineId, int]:
         """For every pipeline, how many LEADING blocks of ``hashes`` it holds (confirmed or
-        live pending): block i counts only if blocks 0..i-1 count too."""
+        live pending; confirmed only with ``pending`` False: blocks that exist there now):
+        block i counts only if blocks 0..i-1 count too."""
         self.expire(now)
         result = dict.fromkeys(self._pipelines, 0)
         mask = self._live_mask
         confirmed = self._holders.get
-        pending = self._pending_holders.get if self._pending_holders else None
+        pend = self._pending_holders.get if pending and self._pending_holders else None
         for i, h in enumerate(hashes):
             held = confirmed(h, 0)
-            if pending is not None:
-                held |= pending(h, 0)
+            if pend is not None:
+                held |= pend(h, 0)
             held &= mask
             if held != mask:
                 self._settle(result, mask & ~held, i)

@@ -9,8 +9,10 @@ that have not finished: per pipeline, their cost-model seconds, computed tokens 
 
 Per request: ``hashes`` (the prompt's block hashes for the cluster and the request's salt),
 then ``route`` (decide among the ``members`` the caller passes, record the prompt as pending
-on the chosen pipeline, count it there: a ``Placement``), ``observe`` when the answer came
-(a calibration sample), ``finish`` when it ended either way. ``decide`` and ``assess`` score
+on the chosen pipeline, count it there: a ``Placement``, which names the pipeline to fetch
+the prefix from under the FETCH policy), ``observe`` when the answer came (a calibration
+sample), ``observe_fetch`` when a fetch it asked for ended (a transfer-model sample),
+``finish`` when it ended either way. ``decide`` and ``assess`` score
 without recording anything (the Score RPC, flow control). Membership is the caller's: each
 call takes the pipelines as ``PipelineMember`` values (readiness, limits, the load a pipeline
 last reported), and a pipeline's index entries come and go through ``index`` and ``forget``.
@@ -36,6 +38,7 @@ from prefill_router.scoring import (
     RoutingPolicy,
     Scorer,
 )
+from prefill_router.transfer import TransferFit, TransferModel
 
 UNBOUNDED_BLOCKS = 1 << 40  # a pipeline's capacity before it reported one
 _MAX_SALTS = 4096  # ExtraKeys kept per cache_salt (tenants); beyond it the table starts over
@@ -59,7 +62,9 @@ class PipelineMember:
 class Placement:
     """One request placed on ``pid`` (``RouterCore.route``). ``cost_s``: its prefill's
     cost-model seconds (what it adds to the pipeline's queue); ``predicted_cost_s``: queued +
-    prefill cost-model seconds there when it was placed (the calibration's prediction)."""
+    prefill cost-model seconds there when it was placed (the calibration's prediction).
+    ``fetch_from``: the pipeline to copy ``fetch_blocks`` blocks of the prefix from before
+    computing the rest (FETCH only; ``cached_tokens`` counts them)."""
 
     pid: PipelineId
     cost_s: float
@@ -68,6 +73,8 @@ class Placement:
     predicted_cost_s: float
     reason: str
     finished: bool = False
+    fetch_from: PipelineId | None = None
+    fetch_blocks: int = 0
 
 
 _NO_PLACEMENTS = (0.0, 0, 0)  # (cost_s, computed_tokens, requests)
@@ -84,8 +91,12 @@ class RouterCore:
         pending_ttl_s: float = 2.0,
         affinity_slack: float = DEFAULT_AFFINITY_SLACK,
         calibration: CalibrationConfig | None = None,
+        transfer: TransferModel | None = None,
     ) -> None:
+        """``transfer``: the FETCH policy's prior transfer model (refitted by
+        ``observe_fetch``)."""
         self.cost_model, self.policy, self.affinity_slack = cost_model, policy, affinity_slack
+        self.transfer = TransferFit(transfer) if transfer is not None else None
         self.index = GlobalPrefixIndex(pending_ttl_s)
         self.calibration = PredictionCalibration(calibration or CalibrationConfig())
         self.scorer: Scorer | None = None
@@ -98,7 +109,8 @@ class RouterCore:
         """Fix the cluster's cache identity (the first pipeline's); routing starts here."""
         self._model_id, self._block_size = model_id, block_size
         self._extra.clear()
-        self.scorer = Scorer(self.cost_model, block_size, self.policy, self.affinity_slack)
+        self.scorer = Scorer(self.cost_model, block_size, self.policy, self.affinity_slack,
+                             self.transfer.model if self.transfer else None)  # fmt: skip
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
         """The prompt's full-block hashes, as every pipeline of the cluster computes them
@@ -159,7 +171,8 @@ class RouterCore:
         placement = Placement(pid, chosen.prefill_cost_s, prompt_tokens - decision.cached_tokens,
                               decision.cached_tokens,
                               chosen.queued_cost_s + chosen.prefill_cost_s,
-                              decision.reason.value)  # fmt: skip
+                              decision.reason.value, fetch_from=chosen.fetch_from,
+                              fetch_blocks=chosen.fetch_blocks)  # fmt: skip
         self._count(placement, 1)
         return decision, placement
 
@@ -174,6 +187,15 @@ class RouterCore:
         """The placed request was answered ``seconds`` after it was forwarded: a calibration
         sample for its pipeline."""
         self.calibration.observe(placement.pid, placement.predicted_cost_s, seconds, now)
+
+    def observe_fetch(self, blocks: int, seconds: float) -> None:
+        """A fetch of ``blocks`` blocks that a placement asked for took ``seconds`` from the
+        routing decision to the blocks being usable: refit the transfer model."""
+        if self.transfer is None:
+            return
+        model = self.transfer.observe(blocks, seconds)
+        if self.scorer is not None:
+            self.scorer.transfer = model
 
     def forget(self, pid: PipelineId) -> None:
         """``pid`` left: its index entries and calibration go; its unfinished placements stay
@@ -212,10 +234,11 @@ class RouterCore:
         members: Iterable[PipelineMember],
         now: float,
         tried: Sequence[PipelineId],
-    ) -> tuple[dict[PipelineId, int], list[PipelineView]]:
-        """The index's matches and a view per member not in ``tried``: queued work is this
+    ) -> tuple[dict[PipelineId, int], list[PipelineView], dict[PipelineId, int] | None]:
+        """The index's matches, a view per member not in ``tried`` (queued work is this
         core's own placements there plus what the pipeline reports beyond them, at the
-        cost model's per-token rate."""
+        cost model's per-token rate) and, under FETCH, the confirmed matches (what a
+        pipeline could serve a fetch from)."""
         index, per_token_s = self.index, self.cost_model.per_token_s
         views = []
         for m in members:
@@ -229,4 +252,7 @@ class RouterCore:
                                       m.snapshot_interval_blocks,
                                       index.num_blocks(m.pid) if indexed else 0,
                                       self.calibration.ratio(m.pid, now)))  # fmt: skip
-        return index.match(hashes, now), views
+        fetchable = None
+        if self.policy is RoutingPolicy.FETCH:
+            fetchable = index.match(hashes, now, pending=False)
+        return index.match(hashes, now), views, fetchable

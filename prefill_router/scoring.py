@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from operator import attrgetter
 
@@ -12,6 +12,7 @@ from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.request import blocks_needed, max_reusable_blocks, reused_tokens
 from prefill_node.errors import InvalidRequestError
 from prefill_router.index import PipelineId
+from prefill_router.transfer import TransferModel
 
 # PREFIX's cache-affinity slack. Measured with bench/router.py (8 tenants, Zipf, 2 pipelines
 # whose caches hold the tenants' prefixes only together): 0.1 kept 0.89x of prefix-only's
@@ -30,12 +31,16 @@ class RoutingPolicy(Enum):
     ROUND_ROBIN = "round_robin"  # rotate over eligible pipelines
     LEAST_LOADED = "least_loaded"  # least queued seconds
     PREFIX_ONLY = "prefix_only"  # longest cached prefix, ties by load
+    # PREFIX, where a pipeline may also fetch the prefix from another pipeline that holds it
+    # (needs a ``TransferModel``; the cluster simulator's, until pipelines can fetch)
+    FETCH = "fetch"
 
 
 class RouteReason(Enum):
     """Why a ``RoutingDecision`` chose its pipeline, or chose none."""
 
     PREFIX_HIT = "prefix_hit"  # chosen holds the longest prefix, and some candidate holds less
+    FETCH = "fetch"  # chosen fetches (part of) the prefix from another pipeline first
     LOAD = "load"  # no prefix difference among candidates, or load outweighed it
     ONLY_CANDIDATE = "only_candidate"  # a single eligible pipeline
     ROUND_ROBIN = "round_robin"  # its turn in the rotation
@@ -97,7 +102,13 @@ class CandidateScore:
     ``time_ratio``: predicted seconds on that pipeline. ``score`` (seconds until this
     prompt's prefill would finish there: queued work plus the uncached suffix) is what PREFIX
     minimises, and what the router's flow control checks deadlines against; every policy
-    reports it. ``excluded`` says why the candidate could not be chosen (None: eligible)."""
+    reports it. ``excluded`` says why the candidate could not be chosen (None: eligible).
+
+    FETCH only: ``fetch_from`` names the pipeline this candidate would copy ``fetch_blocks``
+    blocks of the prefix from (in ``fetch_s`` seconds, the transfer model's), after the
+    ``cached_tokens`` it would then hold; None when it computes what it does not hold. The
+    fetch runs while the queued work does (admission runs ahead of execution), so the
+    suffix starts after whichever ends last."""
 
     pid: PipelineId
     cached_tokens: int
@@ -107,9 +118,14 @@ class CandidateScore:
     excluded: Exclusion | None
     resident_blocks: int = 0
     time_ratio: float = 1.0
+    fetch_from: PipelineId | None = None
+    fetch_blocks: int = 0
+    fetch_s: float = 0.0
 
     @property
     def score(self) -> float:
+        if self.fetch_s > self.queued_s:  # the suffix waits for the fetch, not the queue
+            return self.fetch_s + self.prefill_s
         return self.time_ratio * (self.queued_cost_s + self.prefill_cost_s)
 
     @property
@@ -128,7 +144,8 @@ class CandidateScore:
 @dataclass(frozen=True, slots=True)
 class RoutingDecision:
     """The chosen pipeline (None: see ``reason``), the cached tokens predicted there (what
-    the node will report: 0 when none), and every candidate's numbers in pid order."""
+    the node will report: 0 when none; with a fetch, after it), and every candidate's
+    numbers in pid order."""
 
     pipeline: PipelineId | None
     reason: RouteReason
@@ -141,6 +158,10 @@ class RoutingDecision:
     def routed(self) -> bool:
         return self.pipeline is not None
 
+    @property
+    def chosen(self) -> CandidateScore | None:
+        return next((c for c in self.candidates if c.pid == self.pipeline), None)
+
 
 def predicted_cached_tokens(
     prompt_tokens: int,
@@ -152,12 +173,24 @@ def predicted_cached_tokens(
     resident on every stage. The node's rule (``prefill_node.core.request``): every full
     block (at most the prompt minus its last token on stages with recurrent state, cut down
     to a snapshot boundary), and the last token always recomputed."""
+    blocks = usable_blocks(prompt_tokens, block_size, matched_blocks, snapshot_interval_blocks)
+    return reused_tokens(prompt_tokens, block_size, blocks)
+
+
+def usable_blocks(
+    prompt_tokens: int,
+    block_size: int,
+    matched_blocks: int,
+    snapshot_interval_blocks: int | None = None,
+) -> int:
+    """The leading blocks of ``matched_blocks`` the node resumes from
+    (``predicted_cached_tokens``' rule)."""
     recurrent = snapshot_interval_blocks is not None
     limit = max_reusable_blocks(prompt_tokens, block_size, needs_snapshot=recurrent)
     blocks = min(matched_blocks, limit)
     if snapshot_interval_blocks is not None:
         blocks -= blocks % snapshot_interval_blocks
-    return reused_tokens(prompt_tokens, block_size, blocks)
+    return blocks
 
 
 class Scorer:
@@ -179,6 +212,13 @@ class Scorer:
     with the longest cached prefix wins. A burst sharing a new prefix (pending entries) thus
     stays on one pipeline until its queue is clearly longer than another's, instead of
     computing the prefix on every pipeline. 0 = pure score (ties to lower load).
+
+    FETCH scores each candidate twice, computing what it lacks and fetching the prefix from
+    the ready pipeline holding the most of it (its confirmed blocks, ``fetchable``: pending
+    entries are blocks not computed yet) with ``transfer``, keeps the lower score of the two,
+    and then picks as PREFIX does. So a request goes (a) to a pipeline holding its prefix,
+    (b) to one without it that computes it, or (c) to one without it that fetches it,
+    whichever the cost model, the queues and the transfer model say finishes first.
     """
 
     def __init__(
@@ -187,9 +227,13 @@ class Scorer:
         block_size: int,
         policy: RoutingPolicy = RoutingPolicy.PREFIX,
         affinity_slack: float = DEFAULT_AFFINITY_SLACK,
+        transfer: TransferModel | None = None,
     ) -> None:
         if block_size < 1:
             raise InvalidRoutingInputError(f"block_size must be >= 1, got {block_size}")
+        if policy is RoutingPolicy.FETCH and transfer is None:
+            raise InvalidRoutingInputError("the fetch policy needs a transfer model")
+        self.transfer = transfer  # FETCH's; the router core refits it as fetches complete
         if not (math.isfinite(affinity_slack) and affinity_slack >= 0):
             raise InvalidRoutingInputError(f"affinity_slack must be >= 0, got {affinity_slack}")
         self.affinity_slack = affinity_slack
@@ -203,10 +247,12 @@ class Scorer:
         prompt_tokens: int,
         matched_blocks: Mapping[PipelineId, int],
         candidates: Sequence[PipelineView],
+        fetchable: Mapping[PipelineId, int] | None = None,
     ) -> RoutingDecision:
         """Pick a pipeline for a prompt of ``prompt_tokens`` tokens, given each pipeline's
-        leading blocks held (``GlobalPrefixIndex.match``; a missing pid counts 0)."""
-        scores = self.assess(prompt_tokens, matched_blocks, candidates)
+        leading blocks held (``GlobalPrefixIndex.match``; a missing pid counts 0) and, for
+        FETCH, those it could serve a fetch from (confirmed only)."""
+        scores = self.assess(prompt_tokens, matched_blocks, candidates, fetchable)
         eligible = [s for s in scores if s.excluded is None]
         if not eligible:
             fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
@@ -222,6 +268,7 @@ class Scorer:
         prompt_tokens: int,
         matched_blocks: Mapping[PipelineId, int],
         candidates: Sequence[PipelineView],
+        fetchable: Mapping[PipelineId, int] | None = None,
     ) -> tuple[CandidateScore, ...]:
         """Every candidate's score for the prompt, in pid order, choosing nothing (no
         policy state moves): what ``choose`` picks from, and what a router's flow control
@@ -243,7 +290,48 @@ class Scorer:
             raise InvalidRoutingInputError("candidate pipelines must have distinct pids")
         needed = blocks_needed(prompt_tokens, self.block_size)  # the same for every view
         get = matched_blocks.get
-        return tuple([self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views])
+        scores = [self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views]
+        if self.policy is RoutingPolicy.FETCH and fetchable and self.transfer is not None:
+            scores = self._fetch_options(prompt_tokens, scores, views, fetchable, self.transfer)
+        return tuple(scores)
+
+    def _fetch_options(
+        self,
+        prompt_tokens: int,
+        scores: list[CandidateScore],
+        views: list[PipelineView],
+        fetchable: Mapping[PipelineId, int],
+        transfer: TransferModel,
+    ) -> list[CandidateScore]:
+        """Each candidate's score with the prefix fetched from the ready pipeline holding
+        the most of it (not itself), where that scores better than computing."""
+        full = prompt_tokens // self.block_size
+        sources = sorted(
+            ((min(fetchable.get(v.pid, 0), full), v.pid) for v in views if v.ready),
+            key=lambda s: (-s[0], s[1]),
+        )[:2]
+        if not sources or sources[0][0] == 0:
+            return scores
+        out = []
+        for score, view in zip(scores, views, strict=True):
+            blocks, source = next((b, p) for b, p in (*sources, (0, "")) if p != view.pid)
+            snap = view.snapshot_interval_blocks
+            after = usable_blocks(prompt_tokens, self.block_size, blocks, snap)
+            have = -(-score.cached_tokens // self.block_size)  # the blocks it resumes from
+            if after <= have:
+                out.append(score)
+                continue
+            cached = reused_tokens(prompt_tokens, self.block_size, after)
+            fetched = replace(
+                score,
+                cached_tokens=cached,
+                prefill_cost_s=self.cost_model.chunk_cost(cached, prompt_tokens - cached),
+                fetch_from=source,
+                fetch_blocks=after - have,
+                fetch_s=transfer.fetch_s(after - have),
+            )
+            out.append(fetched if fetched.score < score.score else score)
+        return out
 
     def _score(
         self, prompt_tokens: int, needed: int, matched: int, view: PipelineView
@@ -282,16 +370,18 @@ class Scorer:
             return chosen, reason
         if len(eligible) == 1:  # every other policy's minimum over one candidate
             return eligible[0], RouteReason.ONLY_CANDIDATE
-        if policy is RoutingPolicy.PREFIX and self.affinity_slack > 0:
+        if policy in _PREFIX_LIKE and self.affinity_slack > 0:
             limit = min(s.score for s in eligible) * (1 + self.affinity_slack)
             near = [s for s in eligible if s.score <= limit]
             chosen = min(near, key=lambda s: (-s.cached_tokens, s.score, *_load(s)))
-        elif policy is RoutingPolicy.PREFIX:
+        elif policy in _PREFIX_LIKE:
             chosen = min(eligible, key=lambda s: (s.score, *_load(s)))
         elif policy is RoutingPolicy.PREFIX_ONLY:
             chosen = min(eligible, key=lambda s: (-s.cached_tokens, *_load(s)))
         else:
             chosen = min(eligible, key=_load)
+        if chosen.fetch_from is not None:
+            return chosen, RouteReason.FETCH
         most = max(s.cached_tokens for s in eligible)
         least = min(s.cached_tokens for s in eligible)
         if policy is not RoutingPolicy.LEAST_LOADED and chosen.cached_tokens == most > least:
@@ -300,6 +390,7 @@ class Scorer:
 
 
 _PID = attrgetter("pid")
+_PREFIX_LIKE = (RoutingPolicy.PREFIX, RoutingPolicy.FETCH)
 
 
 def _load(s: CandidateScore) -> tuple[float, int, int, str]:

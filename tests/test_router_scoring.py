@@ -27,6 +27,7 @@ from prefill_router.scoring import (
     Scorer,
     predicted_cached_tokens,
 )
+from prefill_router.transfer import TransferModel
 
 BS = 16
 LINEAR = ChunkCostModel(per_token_s=1.0, per_token_context_s=0.0)  # 1 "second" per token
@@ -276,3 +277,59 @@ def test_idle_pipelines_share_new_prefixes_out_by_resident_blocks():
     assert (d.pipeline, d.reason) == ("b", RouteReason.LOAD)
     with pytest.raises(InvalidRoutingInputError):
         PipelineView("c", True, 0.0, 4096, 256, 0, None, resident_blocks=-1)
+
+
+# ---- FETCH: a pipeline may copy the prefix from another pipeline that holds it ------------
+
+
+def test_fetch_needs_a_transfer_model():
+    with pytest.raises(InvalidRoutingInputError, match="transfer model"):
+        Scorer(LINEAR, BS, RoutingPolicy.FETCH)
+
+
+def test_fetch_sends_the_prompt_to_an_idle_pipeline_that_copies_the_prefix():
+    # a holds 8 of the 10 blocks and has 100 s queued; b is idle. Computing on b: 160;
+    # staying on a: 100 + 32 = 132; copying the 8 blocks to b (2 + 8 x 0.5 = 6 s, while b's
+    # empty queue waits for nothing) and computing the 32-token suffix there: 6 + 32 = 38.
+    scorer = Scorer(LINEAR, BS, RoutingPolicy.FETCH, affinity_slack=0.0,
+                    transfer=TransferModel(fixed_s=2.0, per_block_s=0.5))  # fmt: skip
+    views = [view("a", queued=100.0), view("b")]
+    d = scorer.choose(160, {"a": 8}, views, fetchable={"a": 8})
+    assert (d.pipeline, d.reason, d.cached_tokens) == ("b", RouteReason.FETCH, 128)
+    b = d.chosen
+    assert (b.fetch_from, b.fetch_blocks, b.fetch_s, b.prefill_cost_s) == ("a", 8, 6.0, 32.0)
+    assert b.score == 38.0
+    # a's own option stays its cache hit (it cannot fetch from itself, nobody holds more)
+    assert d.candidates[0].fetch_from is None and d.candidates[0].score == 132.0
+    # the copy overlaps b's queue: with 20 s queued there the copy costs nothing extra
+    d = scorer.choose(160, {"a": 8}, [view("a", queued=100.0), view("b", queued=20.0)],
+                      fetchable={"a": 8})  # fmt: skip
+    assert d.chosen.score == 20.0 + 32.0 and d.chosen.fetch_from == "a"
+
+
+def test_fetch_copies_only_what_the_target_lacks_and_only_when_it_pays():
+    fast = Scorer(LINEAR, BS, RoutingPolicy.FETCH, affinity_slack=0.0,
+                  transfer=TransferModel(0.0, 1.0))  # fmt: skip
+    views = [view("a", queued=100.0), view("b", queued=30.0)]
+    d = fast.choose(160, {"a": 8, "b": 3}, views, fetchable={"a": 8, "b": 3})
+    assert (d.pipeline, d.chosen.fetch_blocks, d.cached_tokens) == ("b", 5, 128)
+    slow = Scorer(LINEAR, BS, RoutingPolicy.FETCH, affinity_slack=0.0,
+                  transfer=TransferModel(0.0, 200.0))  # fmt: skip
+    d = slow.choose(160, {"a": 8, "b": 3}, views, fetchable={"a": 8, "b": 3})
+    assert (d.pipeline, d.reason, d.chosen.fetch_from) == ("a", RouteReason.PREFIX_HIT, None)
+    assert all(c.fetch_from is None for c in d.candidates)  # computing beat copying everywhere
+
+
+def test_fetch_reads_only_confirmed_blocks_of_ready_pipelines():
+    scorer = Scorer(LINEAR, BS, RoutingPolicy.FETCH, affinity_slack=0.0,
+                    transfer=TransferModel(0.0, 0.1))  # fmt: skip
+    views = [view("a", queued=100.0), view("b")]
+    # a's 8 blocks are pending only (routed there, not computed yet): nothing to copy
+    d = scorer.choose(160, {"a": 8}, views, fetchable={"a": 0})
+    assert all(c.fetch_from is None for c in d.candidates)
+    # a holds them but is not ready (restarting): nothing to copy either
+    d = scorer.choose(160, {"a": 8}, [view("a", ready=False), view("b")], fetchable={"a": 8})
+    assert (d.pipeline, d.chosen.fetch_from) == ("b", None)
+    # PREFIX never fetches, whatever it is told
+    d = Scorer(LINEAR, BS, affinity_slack=0.0).choose(160, {"a": 8}, views, fetchable={"a": 8})
+    assert (d.pipeline, d.chosen.fetch_from) == ("a", None)  # 132 against b computing: 160

@@ -7,6 +7,10 @@ import json
 import pytest
 
 from prefill_node.cli.main import main
+from prefill_node.core.admission_messages import Admitted
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.request import RequestSpec
+from prefill_node.core.wave import ScheduledChunk
 from prefill_node.sim.presets import get_preset
 from prefill_node.sim.tenants import TenantWorkload
 from prefill_router.cluster_sim import ClusterPolicy, ClusterSim, ClusterSpec
@@ -102,3 +106,68 @@ def test_stops_paying_reads_the_sweep():
     (line,) = stops_paying(rows)
     assert "within 5% of least-loaded from zipf 1.4" in line
     assert "prefix-only behind least-loaded from zipf 1.4" in line
+
+
+# ---- FETCH: copying a prefix from the pipeline that holds it ------------------------------
+
+# one tenant: a 32-id system prompt (8 blocks) and a long 64-id suffix per request
+ONE_TENANT = TenantWorkload(
+    tenants=1,
+    requests=4,
+    zipf=50.0,
+    system_tokens=(32, 32),
+    suffix_tokens=(64, 64),
+    vocab=1000,
+)
+
+
+def _seed_prefix(sim: ClusterSim, pipe: int, ids: int) -> None:
+    """Leave the first request's first ``ids`` ids cached on one pipeline (and published)."""
+    req = sim.requests[0]
+    core = sim.pipelines[pipe].core
+    spec = RequestSpec("seed", req.tokens[:ids], ExtraKeys(sim.model_id, cache_salt=req.salt))
+    assert core.enqueue(spec) is None and isinstance(core.run_round()[0], Admitted)
+    core.materialise(0, ScheduledChunk("seed", 0, ids))
+    core.finish(0, "seed")
+    sim._publish(sim.pipelines[pipe])
+
+
+def test_fetch_copies_a_busy_holders_prefix_to_the_idle_pipeline():
+    """p00 holds the tenant's prefix; two clients: the first request goes to p00 (a hit),
+    the second would wait there behind it, so p01 copies the prefix (8 blocks, the link's
+    time) and computes only the suffix; from then on both pipelines hold it."""
+    spec = ClusterSpec(get_preset("minimax-pp4"), 2, ONE_TENANT, clients=2, cache_blocks=64)
+    sim = ClusterSim(spec, ClusterPolicy.FETCH)
+    _seed_prefix(sim, 0, 32)
+    res = sim.run()  # checks every core's and the index's integrity at the end
+    assert (res.requests, res.rejected) == (4, 0)
+    assert res.fetched_share * 4 * 96 == pytest.approx(32)  # one copy of the 8 blocks
+    assert res.cached_share == pytest.approx(1 / 3)  # every request reused the prefix
+    assert res.fetch_mean_s == pytest.approx(sim.fetch_model.fetch_s(8))
+    assert res.recompute_mean_s == pytest.approx(sim.cost.chunk_cost(0, 32))
+    assert res.fetch_gb_per_request == pytest.approx(8 * sim.block_bytes / 1e9 / 4)
+    assert sim.router.transfer is not None and sim.router.transfer.num_samples == 1
+    system = sim.router.hashes(sim.requests[0].tokens[:32], sim.requests[0].salt)
+    assert sim.router.index.match(system, sim.now, pending=False) == {"p00": 8, "p01": 8}
+    prefix = ClusterSim(spec, ClusterPolicy.PREFIX)
+    _seed_prefix(prefix, 0, 32)
+    assert prefix.run().fetched_share == 0.0  # only FETCH copies
+
+
+def test_a_copy_whose_source_lost_the_blocks_computes_them_instead():
+    from prefill_router.router_core import Placement
+
+    spec = ClusterSpec(get_preset("minimax-pp4"), 2, ONE_TENANT, clients=1, cache_blocks=64)
+    sim = ClusterSim(spec, ClusterPolicy.FETCH)
+    p00, p01 = sim.pipelines
+    req = sim.requests[0]
+    request = sim._spec(0, req)
+    # routed to p00 with a copy from p01, which holds nothing (evicted since the decision)
+    placement = Placement("p00", 1.0, 64, 32, 1.0, "fetch", fetch_from="p01", fetch_blocks=8)
+    p00.placements[request.request_id] = placement
+    sim._owner[request.request_id] = (p00, 0, 0.0, len(req.tokens))
+    sim._fetched(p00, p01, request, placement, 0.0)
+    assert sim._cached[request.request_id] == 0 and p00.busy  # admitted, computing it all
+    assert not sim._copies and request.request_id not in sim._fetches
+    assert sim.router.transfer.num_samples == 1  # the failed copy still timed the link
+    p00.core.check_integrity()
