@@ -134,8 +134,8 @@ FIGURES = (
     ),
     Figure(
         "sim_cluster",
-        "wavepp sim --cluster 8 32: routing policies over N pipelines",
-        (WAVEPP, "sim", "--cluster", "8", "32", "--json", "{json}"),
+        "wavepp sim --cluster 8 32: routing policies over N pipelines, fetch against the oracle",
+        (WAVEPP, "sim", "--cluster", "8", "32", "--cluster-seeds", "3", "--json", "{json}"),
         (WAVEPP, "sim", "--cluster", "2", "--requests", "8", "--json", "{json}"),
     ),
     Figure(

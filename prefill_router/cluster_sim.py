@@ -25,8 +25,9 @@ its prefix from another pipeline holding it. The copy is modelled as the runtime
 it: every stage reads its own layers' blocks from the source's matching stage over its own
 link (``ClusterSpec.fetch_link``, one per stage), so a fetch of ``n`` blocks takes the link's
 latency plus ``n`` blocks of the busiest stage's KV over one link; fetches that share a
-source's or a target's links queue behind each other (the router does not see that queue;
-it learns it from the fetch times it observes, ``RouterCore.observe_fetch``). The request
+source's or a target's links queue behind each other (the router predicts that queue from
+the fetches it placed, and refits the transfer model from each fetch's time on the links,
+``RouterCore.observe_fetch``). The request
 joins its pipeline's admission queue when the copy is done; the copied blocks enter the
 target's cache as if computed (a prefill of the prefix costing no compute: cached, KV
 events, LRU as usual), and its admission leases them like any cached prefix. If the source
@@ -134,6 +135,7 @@ class ClusterResult:
     fetch_gb_per_request: float = 0.0  # KV bytes copied, all stages, per measured request
     fetch_mean_s: float = 0.0  # per fetch: routing decision to the blocks being usable
     recompute_mean_s: float = 0.0  # per fetch: the bottleneck-stage time it replaced
+    seed: int = 0  # the workload's
 
 
 class _Pipeline:
@@ -293,11 +295,11 @@ class ClusterSim:
         start = max(self.now, source.links_free_at, pipe.links_free_at)
         done = start + self.fetch_model.fetch_s(placement.fetch_blocks)
         source.links_free_at = pipe.links_free_at = done
-        self._push(done, 3, (pipe, source, spec, placement, self.now))
+        self._push(done, 3, (pipe, source, spec, placement, self.now, start))
 
     def _fetched(
         self, pipe: _Pipeline, source: _Pipeline, spec: RequestSpec, placement: Placement,
-        began: float,
+        began: float, start: float,
     ) -> None:  # fmt: skip
         """The copy ended: its blocks enter ``pipe``'s cache (when the source still held
         them), then the request joins the queue."""
@@ -305,7 +307,7 @@ class ClusterSim:
         end = -(-placement.cached_tokens // bs)  # blocks through the copied prefix
         hashes = self.router.hashes(spec.token_ids[: end * bs], spec.extra.cache_salt)
         held = self.router.index.match(hashes, self.now, pending=False).get(source.pid, 0)
-        self.router.observe_fetch(placement.fetch_blocks, self.now - began)
+        self.router.observe_fetch(placement.fetch_blocks, self.now - start)
         if held < end:  # evicted at the source: the request computes it
             self._join(pipe, spec)
             return
@@ -417,4 +419,5 @@ class ClusterSim:
             else 0.0,
             fetch_mean_s=sum(f[1] for f in fetches) / len(fetches) if fetches else 0.0,
             recompute_mean_s=sum(f[2] for f in fetches) / len(fetches) if fetches else 0.0,
+            seed=s.workload.seed,
         )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, replace
+import statistics
+from dataclasses import asdict, fields, replace
 
 from tqdm import tqdm
 
@@ -74,6 +75,26 @@ def run_policies(spec: ClusterSpec, bar: tqdm | None = None) -> list[ClusterResu
         out.append(ClusterSim(spec, policy).run())
         if bar is not None:
             bar.update()
+    return out
+
+
+def medians(rows: list[ClusterResult]) -> list[ClusterResult]:
+    """One row per (preset, N, Zipf exponent, policy): each figure the median over the
+    seeds that ran it (in first-seen order; ``seed`` is the number of seeds)."""
+    groups: dict[tuple, list[ClusterResult]] = {}
+    for r in rows:
+        groups.setdefault((r.preset, r.pipelines, r.zipf, r.policy), []).append(r)
+    keep = {"preset", "pipelines", "policy", "zipf", "tenants", "clients"}
+    out = []
+    for group in groups.values():
+        values = {
+            f.name: getattr(group[0], f.name)
+            if f.name in keep
+            else statistics.median(getattr(r, f.name) for r in group)
+            for f in fields(ClusterResult)
+        }
+        values["seed"] = len(group)
+        out.append(ClusterResult(**values))
     return out
 
 
@@ -182,23 +203,28 @@ def run_cluster(args: argparse.Namespace) -> int:
     if any(n < 1 for n in sizes):
         print("wavepp sim: error: --cluster needs N >= 1", flush=True)
         return 2
+    seeds = range(args.seed, args.seed + max(1, getattr(args, "cluster_seeds", 1)))
     specs = []
-    for name in names:
-        preset = get_preset(name)
-        specs += [cluster_spec(preset, n, seed=args.seed) for n in sizes]
-        specs += [
-            cluster_spec(preset, sizes[0], zipf=z, seed=args.seed) for z in ZIPF_SWEEP if z != 1.0
-        ]
+    for seed in seeds:
+        for name in names:
+            preset = get_preset(name)
+            specs += [cluster_spec(preset, n, seed=seed) for n in sizes]
+            specs += [
+                cluster_spec(preset, sizes[0], zipf=z, seed=seed) for z in ZIPF_SWEEP if z != 1.0
+            ]
     rows: list[ClusterResult] = []
     with tqdm(total=len(specs) * len(ClusterPolicy), desc="cluster", unit="run") as bar:
         for spec in specs:
             rows += run_policies(spec, bar)
-    print(format_table(rows))
-    for line in stops_paying(rows) + fetch_gains(rows):
+    table = medians(rows) if len(seeds) > 1 else rows
+    if len(seeds) > 1:
+        print(f"medians over {len(seeds)} workload seeds ({seeds[0]}-{seeds[-1]})")
+    print(format_table(table))
+    for line in stops_paying(table) + fetch_gains(table):
         print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
     if args.plot:
-        plot([r for r in rows if r.pipelines == sizes[0]], args.plot)
+        plot([r for r in table if r.pipelines == sizes[0]], args.plot)
     return 0

@@ -97,6 +97,7 @@ class RouterCore:
         ``observe_fetch``)."""
         self.cost_model, self.policy, self.affinity_slack = cost_model, policy, affinity_slack
         self.transfer = TransferFit(transfer) if transfer is not None else None
+        self._links_free: dict[PipelineId, float] = {}  # FETCH: when placed fetches end
         self.index = GlobalPrefixIndex(pending_ttl_s)
         self.calibration = PredictionCalibration(calibration or CalibrationConfig())
         self.scorer: Scorer | None = None
@@ -168,6 +169,9 @@ class RouterCore:
         chosen = next(c for c in decision.candidates if c.pid == pid)
         if record_pending:
             self.index.record_pending(pid, hashes, now)
+        if chosen.fetch_from is not None:  # both pipelines' links carry it until it ends
+            for p in (chosen.fetch_from, pid):
+                self._links_free[p] = max(self._links_free.get(p, now), now + chosen.fetch_s)
         placement = Placement(pid, chosen.prefill_cost_s, prompt_tokens - decision.cached_tokens,
                               decision.cached_tokens,
                               chosen.queued_cost_s + chosen.prefill_cost_s,
@@ -189,8 +193,9 @@ class RouterCore:
         self.calibration.observe(placement.pid, placement.predicted_cost_s, seconds, now)
 
     def observe_fetch(self, blocks: int, seconds: float) -> None:
-        """A fetch of ``blocks`` blocks that a placement asked for took ``seconds`` from the
-        routing decision to the blocks being usable: refit the transfer model."""
+        """A fetch of ``blocks`` blocks that a placement asked for took ``seconds`` on the
+        links (from its start, after the fetches ahead of it, to the blocks being usable):
+        refit the transfer model."""
         if self.transfer is None:
             return
         model = self.transfer.observe(blocks, seconds)
@@ -203,6 +208,7 @@ class RouterCore:
         if pid in self.index:
             self.index.drop_pipeline(pid)
         self.calibration.forget(pid)
+        self._links_free.pop(pid, None)
 
     def placed_requests(self, pid: PipelineId) -> int:
         """Unfinished requests placed on ``pid``."""
@@ -234,11 +240,17 @@ class RouterCore:
         members: Iterable[PipelineMember],
         now: float,
         tried: Sequence[PipelineId],
-    ) -> tuple[dict[PipelineId, int], list[PipelineView], dict[PipelineId, int] | None]:
+    ) -> tuple[
+        dict[PipelineId, int],
+        list[PipelineView],
+        dict[PipelineId, int] | None,
+        dict[PipelineId, float] | None,
+    ]:
         """The index's matches, a view per member not in ``tried`` (queued work is this
         core's own placements there plus what the pipeline reports beyond them, at the
         cost model's per-token rate) and, under FETCH, the confirmed matches (what a
-        pipeline could serve a fetch from)."""
+        pipeline could serve a fetch from) and how long each pipeline's links stay busy with
+        the fetches this core placed."""
         index, per_token_s = self.index, self.cost_model.per_token_s
         views = []
         for m in members:
@@ -252,7 +264,8 @@ class RouterCore:
                                       m.snapshot_interval_blocks,
                                       index.num_blocks(m.pid) if indexed else 0,
                                       self.calibration.ratio(m.pid, now)))  # fmt: skip
-        fetchable = None
+        fetchable = busy = None
         if self.policy is RoutingPolicy.FETCH:
             fetchable = index.match(hashes, now, pending=False)
-        return index.match(hashes, now), views, fetchable
+            busy = {p: t - now for p, t in self._links_free.items() if t > now}
+        return index.match(hashes, now), views, fetchable, busy

@@ -248,11 +248,13 @@ class Scorer:
         matched_blocks: Mapping[PipelineId, int],
         candidates: Sequence[PipelineView],
         fetchable: Mapping[PipelineId, int] | None = None,
+        links_busy_s: Mapping[PipelineId, float] | None = None,
     ) -> RoutingDecision:
         """Pick a pipeline for a prompt of ``prompt_tokens`` tokens, given each pipeline's
         leading blocks held (``GlobalPrefixIndex.match``; a missing pid counts 0) and, for
-        FETCH, those it could serve a fetch from (confirmed only)."""
-        scores = self.assess(prompt_tokens, matched_blocks, candidates, fetchable)
+        FETCH, those it could serve a fetch from (confirmed only) and how long each
+        pipeline's links stay busy with fetches already placed (a missing pid: 0)."""
+        scores = self.assess(prompt_tokens, matched_blocks, candidates, fetchable, links_busy_s)
         eligible = [s for s in scores if s.excluded is None]
         if not eligible:
             fits = any(s.excluded is Exclusion.NOT_READY for s in scores)
@@ -269,6 +271,7 @@ class Scorer:
         matched_blocks: Mapping[PipelineId, int],
         candidates: Sequence[PipelineView],
         fetchable: Mapping[PipelineId, int] | None = None,
+        links_busy_s: Mapping[PipelineId, float] | None = None,
     ) -> tuple[CandidateScore, ...]:
         """Every candidate's score for the prompt, in pid order, choosing nothing (no
         policy state moves): what ``choose`` picks from, and what a router's flow control
@@ -292,7 +295,8 @@ class Scorer:
         get = matched_blocks.get
         scores = [self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views]
         if self.policy is RoutingPolicy.FETCH and fetchable and self.transfer is not None:
-            scores = self._fetch_options(prompt_tokens, scores, views, fetchable, self.transfer)
+            busy = links_busy_s or {}
+            scores = self._fetch_options(prompt_tokens, scores, views, fetchable, busy)
         return tuple(scores)
 
     def _fetch_options(
@@ -301,14 +305,18 @@ class Scorer:
         scores: list[CandidateScore],
         views: list[PipelineView],
         fetchable: Mapping[PipelineId, int],
-        transfer: TransferModel,
+        busy: Mapping[PipelineId, float],
     ) -> list[CandidateScore]:
         """Each candidate's score with the prefix fetched from the ready pipeline holding
-        the most of it (not itself), where that scores better than computing."""
+        the most of it (not itself; ties to the one whose links free first), where that
+        scores better than computing. The fetch starts when both pipelines' links are free
+        of the fetches already placed."""
+        transfer = self.transfer
+        assert transfer is not None
         full = prompt_tokens // self.block_size
         sources = sorted(
             ((min(fetchable.get(v.pid, 0), full), v.pid) for v in views if v.ready),
-            key=lambda s: (-s[0], s[1]),
+            key=lambda s: (-s[0], busy.get(s[1], 0.0), s[1]),
         )[:2]
         if not sources or sources[0][0] == 0:
             return scores
@@ -328,7 +336,8 @@ class Scorer:
                 prefill_cost_s=self.cost_model.chunk_cost(cached, prompt_tokens - cached),
                 fetch_from=source,
                 fetch_blocks=after - have,
-                fetch_s=transfer.fetch_s(after - have),
+                fetch_s=max(busy.get(source, 0.0), busy.get(view.pid, 0.0))
+                + transfer.fetch_s(after - have),
             )
             out.append(fetched if fetched.score < score.score else score)
         return out
@@ -373,7 +382,10 @@ class Scorer:
         if policy in _PREFIX_LIKE and self.affinity_slack > 0:
             limit = min(s.score for s in eligible) * (1 + self.affinity_slack)
             near = [s for s in eligible if s.score <= limit]
-            chosen = min(near, key=lambda s: (-s.cached_tokens, s.score, *_load(s)))
+            # a holder before a pipeline that would fetch the same prefix: copies fill caches
+            chosen = min(
+                near, key=lambda s: (-s.cached_tokens, s.fetch_from is not None, s.score, *_load(s))
+            )
         elif policy in _PREFIX_LIKE:
             chosen = min(eligible, key=lambda s: (s.score, *_load(s)))
         elif policy is RoutingPolicy.PREFIX_ONLY:

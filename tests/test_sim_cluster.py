@@ -166,8 +166,23 @@ def test_a_copy_whose_source_lost_the_blocks_computes_them_instead():
     placement = Placement("p00", 1.0, 64, 32, 1.0, "fetch", fetch_from="p01", fetch_blocks=8)
     p00.placements[request.request_id] = placement
     sim._owner[request.request_id] = (p00, 0, 0.0, len(req.tokens))
-    sim._fetched(p00, p01, request, placement, 0.0)
+    sim._fetched(p00, p01, request, placement, 0.0, 0.0)
     assert sim._cached[request.request_id] == 0 and p00.busy  # admitted, computing it all
     assert not sim._copies and request.request_id not in sim._fetches
     assert sim.router.transfer.num_samples == 1  # the failed copy still timed the link
     p00.core.check_integrity()
+
+
+def test_medians_take_every_figure_over_the_seeds_of_a_cell():
+    from prefill_router.cluster_sim import ClusterResult
+    from prefill_router.cluster_sim_cli import medians
+
+    def r(policy, tok, seed):
+        return ClusterResult("p", 8, policy, 1.0, 10, 8, 100, tok, tok / 2, 0.5, 1, 2, 0.2, 0,
+                             fetched_share=tok / 1000, seed=seed)  # fmt: skip
+
+    rows = [r("prefix", 100, 0), r("fetch", 50, 0), r("prefix", 130, 1), r("prefix", 90, 2)]
+    prefix, fetch = medians(rows)
+    assert (prefix.policy, prefix.input_tok_s, prefix.computed_tok_s) == ("prefix", 100, 50)
+    assert (prefix.seed, prefix.fetched_share) == (3, 0.1)  # seed: how many seeds ran
+    assert (fetch.policy, fetch.input_tok_s, fetch.seed) == ("fetch", 50, 1)

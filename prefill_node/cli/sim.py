@@ -132,6 +132,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="simulate N pipelines behind the router (real index and scoring), every policy; "
         "several N run each (e.g. --cluster 8 32); a Zipf sweep runs at the first",
     )
+    p.add_argument(
+        "--cluster-seeds",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --cluster: run every cell with K workload seeds (--seed, --seed + 1, ...); "
+        "the table is their median, the JSON has every run (default 1)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write a list of flat rows")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the runs")
     p.add_argument(
