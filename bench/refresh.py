@@ -219,7 +219,7 @@ FIGURES = (
     *(
         Figure(
             f"wave_forward_{short}",
-            f"docs/models.md: a stage's forward on a shared-prefix wave and the attention kernel's "
+            f"docs/vllm.md: a stage's forward on a shared-prefix wave and the attention kernel's "
             f"rate against the GEMM's, {dtype}",
             _bench("wave_forward", "--dtype", dtype, "--kernels"),
             _bench("wave_forward", "--dtype", dtype, "--kernels", *_WAVE_SMOKE),
