@@ -26,7 +26,8 @@ def provenance(command: list[str] | None = None) -> dict[str, object]:
     which the benchmark being stamped may itself have just rewritten), ``date_utc``,
     ``command`` (as typed, relative to the repo; or ``command`` for a row another program
     wrote, as bench/refresh.py stamps them), ``cpus`` this process may use, ``cpu_model`` (the
-    processor the kernel reports: figures from two CPUs do not compare) and ``load_1m``, the
+    processor the kernel reports, with its family and model numbers: figures from two CPUs
+    do not compare) and ``load_1m``, the
     1-minute load average when the row was taken."""
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"):
@@ -42,13 +43,25 @@ def provenance(command: list[str] | None = None) -> dict[str, object]:
 
 
 def cpu_model() -> str:
-    """The first ``model name`` in /proc/cpuinfo (a VM's host CPU can change between boots;
-    "unknown" where the file or the field is missing)."""
+    """The first ``model name`` in /proc/cpuinfo, with the x86 family and model numbers when
+    the name alone does not tell two generations apart (a VM's guest may say just "AMD
+    EPYC"; a VM's host CPU can change between boots): e.g. "AMD EPYC (family 25, model
+    17)". "unknown" where the file or the name is missing."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return "unknown"
+    name = fields.get("model name")
+    if name is None:
+        return "unknown"
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
