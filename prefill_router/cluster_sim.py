@@ -36,11 +36,7 @@ Not modelled: the lease that would pin the source's blocks during the copy (a co
 never fails half-way instead).
 
 Closed loop: ``clients`` clients, each sending its next request when the last completes.
-Figures are taken while every client is still sending: from the ``warmup``-th completion
-(the caches start empty) to the one after which fewer requests than clients remain
-(completion ``requests - clients + 1``). The drain after it runs at falling concurrency
-and ends with whichever request landed last on a loaded pipeline: counted in, it made one
-straggler set a run's throughput.
+Figures exclude the first ``warmup`` completions (the caches start empty).
 """
 
 from __future__ import annotations
@@ -391,10 +387,8 @@ class ClusterSim:
 
     def _summary(self) -> ClusterResult:
         s = self.spec
-        ordered = sorted(self._done, key=lambda d: d[1])
-        end = min(len(ordered), max(s.warmup + 1, len(ordered) - s.clients + 1))
-        done = ordered[s.warmup : end]  # every client still sending (module docstring)
-        start = ordered[s.warmup - 1][1] if s.warmup else 0.0
+        done = sorted(self._done, key=lambda d: d[1])[s.warmup :]
+        start = sorted(self._done, key=lambda d: d[1])[s.warmup - 1][1] if s.warmup else 0.0
         span = (done[-1][1] - start) if done else 0.0
         prompt = sum(d[2] for d in done) * s.token_scale
         cached = sum(d[3] for d in done) * s.token_scale
