@@ -36,7 +36,13 @@ Not modelled: the lease that would pin the source's blocks during the copy (a co
 never fails half-way instead).
 
 Closed loop: ``clients`` clients, each sending its next request when the last completes.
-Figures exclude the first ``warmup`` completions (the caches start empty).
+Figures exclude the first ``warmup`` completions (the caches start empty) and run to the
+last completion, the closed loop's drain included (concurrency falling as fewer requests
+than clients remain): a policy that leaves long queues behind pays for them there, and
+one straggler can set a run's throughput. ``steady_input_tok_s`` is the throughput while
+every client is still sending (up to completion ``requests - clients + 1``), which in turn
+favours a policy that keeps some clients waiting in long queues (their requests end after
+the window); the two bracket the truth, neither is a latency-bound goodput.
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ class ClusterResult:
     fetch_mean_s: float = 0.0  # per fetch: routing decision to the blocks being usable
     recompute_mean_s: float = 0.0  # per fetch: the bottleneck-stage time it replaced
     seed: int = 0  # the workload's
+    steady_input_tok_s: float = 0.0  # while every client is still sending (module docstring)
 
 
 class _Pipeline:
@@ -396,6 +403,8 @@ class ClusterSim:
         for d in done:
             per_pipe[d[4]] = per_pipe.get(d[4], 0) + 1
         lat = [d[1] - d[0] for d in done]
+        steady = done[: max(1, len(done) - s.clients + 1)]  # completions up to R - C + 1
+        steady_span = (steady[-1][1] - start) if steady else 0.0
         fetches = [d[5] for d in done if d[5] is not None]
         fetched = sum(f[0] for f in fetches)
         return ClusterResult(
@@ -420,4 +429,7 @@ class ClusterSim:
             fetch_mean_s=sum(f[1] for f in fetches) / len(fetches) if fetches else 0.0,
             recompute_mean_s=sum(f[2] for f in fetches) / len(fetches) if fetches else 0.0,
             seed=s.workload.seed,
+            steady_input_tok_s=sum(d[2] for d in steady) * s.token_scale / steady_span
+            if steady_span
+            else 0.0,
         )

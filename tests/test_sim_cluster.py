@@ -186,3 +186,16 @@ def test_medians_take_every_figure_over_the_seeds_of_a_cell():
     assert (prefix.policy, prefix.input_tok_s, prefix.computed_tok_s) == ("prefix", 100, 50)
     assert (prefix.seed, prefix.fetched_share) == (3, 0.1)  # seed: how many seeds ran
     assert (fetch.policy, fetch.input_tok_s, fetch.seed) == ("fetch", 50, 1)
+
+
+def test_steady_throughput_stops_when_fewer_requests_than_clients_remain():
+    """``steady_input_tok_s`` leaves out the closed loop's drain (fewer requests left than
+    clients): with 4 requests and 2 clients it ends at the 3rd completion; the headline
+    figure runs to the last."""
+    spec = ClusterSpec(get_preset("minimax-pp4"), 2, TWO_TENANTS, clients=2, cache_blocks=64)
+    sim = ClusterSim(spec, ClusterPolicy.PREFIX)
+    res = sim.run()
+    done = sorted(sim._done, key=lambda d: d[1])
+    assert len(done) == 4 and res.requests == 4
+    assert res.steady_input_tok_s == pytest.approx(sum(d[2] for d in done[:3]) * 256 / done[2][1])
+    assert res.input_tok_s == pytest.approx(sum(d[2] for d in done) * 256 / done[3][1])
