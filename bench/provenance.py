@@ -27,8 +27,7 @@ def provenance(command: list[str] | None = None) -> dict[str, object]:
     ``command`` (as typed, relative to the repo; or ``command`` for a row another program
     wrote, as bench/refresh.py stamps them), ``cpus`` this process may use, ``cpu_model`` (the
     processor the kernel reports, with its family and model numbers: figures from two CPUs
-    do not compare) and ``load_1m``, the
-    1-minute load average when the row was taken."""
+    do not compare) and ``load_1m``, the 1-minute load average when the row was taken."""
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"):
         commit += "+dirty"

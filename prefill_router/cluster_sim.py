@@ -312,13 +312,14 @@ class ClusterSim:
         them), then the request joins the queue."""
         bs = self.spec.block_ids
         end = -(-placement.cached_tokens // bs)  # blocks through the copied prefix
-        hashes = self.router.hashes(spec.token_ids[: end * bs], spec.extra.cache_salt)
+        prefix = spec.token_ids[: end * bs]
+        hashes = self.router.hashes(prefix, spec.extra.cache_salt)
         held = self.router.index.match(hashes, self.now, pending=False).get(source.pid, 0)
         self.router.observe_fetch(placement.fetch_blocks, self.now - start)
         if held < end:  # evicted at the source: the request computes it
             self._join(pipe, spec)
             return
-        copy = RequestSpec(f"{spec.request_id}/copy", spec.token_ids[: end * bs], spec.extra)
+        copy = RequestSpec(f"{spec.request_id}/copy", prefix, spec.extra)
         self._copies[copy.request_id] = spec
         before = placement.cached_tokens - placement.fetch_blocks * bs
         saved = self.cost.chunk_cost(before, placement.fetch_blocks * bs)
@@ -332,9 +333,9 @@ class ClusterSim:
             progress = False
             for o in outcomes:
                 waiting = self._copies.pop(o.request_id, None)
-                if waiting is not None:  # a copy: its blocks are there now, unpinned
+                if waiting is not None:  # a copy: its blocks arrive, computed by nobody
                     if isinstance(o, Admitted):
-                        self._copied(pipe, o)
+                        self._settle(pipe, o.request_id, o.cached_len, o.num_tokens)
                     self._join(pipe, waiting)
                     progress = True
                 elif isinstance(o, Admitted):
@@ -349,14 +350,12 @@ class ClusterSim:
             if not progress:
                 return
 
-    def _copied(self, pipe: _Pipeline, copy: Admitted) -> None:
-        """A copy was admitted on ``pipe``: its uncached blocks arrive (computed by nobody)
-        and it completes at once, leaving them cached, unpinned and published."""
-        if copy.num_tokens > copy.cached_len:
-            chunk = ScheduledChunk(copy.request_id, copy.cached_len,
-                                   copy.num_tokens - copy.cached_len)  # fmt: skip
-            pipe.core.materialise(0, chunk)
-        pipe.core.finish(0, copy.request_id)
+    def _settle(self, pipe: _Pipeline, rid: str, cached: int, num_tokens: int) -> None:
+        """``rid``'s ids past ``cached`` are in ``pipe``'s cache now (computed, or copied
+        there): it completes, leaving its blocks cached, unpinned and published."""
+        if num_tokens > cached:
+            pipe.core.materialise(0, ScheduledChunk(rid, cached, num_tokens - cached))
+        pipe.core.finish(0, rid)
         self._publish(pipe)
 
     def _reject(self, rid: str) -> None:
@@ -381,13 +380,9 @@ class ClusterSim:
 
     def _complete(self, pipe: _Pipeline, rid: str, cached: int) -> None:
         owner, i, arrival, n = self._owner.pop(rid)
-        core = owner.core
-        if n > cached:
-            core.materialise(0, ScheduledChunk(rid, cached, n - cached))
-        core.finish(0, rid)
+        self._settle(owner, rid, cached, n)
         self.router.finish(owner.placements.pop(rid))
         owner.served += 1
-        self._publish(owner)
         self._done.append((arrival, self.now, n, cached, owner.pid, self._fetches.pop(rid, None)))
         self._admit(owner)
         self._send_next()

@@ -203,7 +203,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     if any(n < 1 for n in sizes):
         print("wavepp sim: error: --cluster needs N >= 1", flush=True)
         return 2
-    seeds = range(args.seed, args.seed + max(1, getattr(args, "cluster_seeds", 1)))
+    seeds = range(args.seed, args.seed + max(1, args.cluster_seeds))
     specs = []
     for seed in seeds:
         for name in names:

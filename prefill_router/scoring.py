@@ -296,7 +296,9 @@ class Scorer:
         scores = [self._score(prompt_tokens, needed, get(v.pid, 0), v) for v in views]
         if self.policy is RoutingPolicy.FETCH and fetchable and self.transfer is not None:
             busy = links_busy_s or {}
-            scores = self._fetch_options(prompt_tokens, scores, views, fetchable, busy)
+            scores = self._fetch_options(
+                prompt_tokens, scores, views, fetchable, busy, self.transfer
+            )
         return tuple(scores)
 
     def _fetch_options(
@@ -306,13 +308,12 @@ class Scorer:
         views: list[PipelineView],
         fetchable: Mapping[PipelineId, int],
         busy: Mapping[PipelineId, float],
+        transfer: TransferModel,
     ) -> list[CandidateScore]:
         """Each candidate's score with the prefix fetched from the ready pipeline holding
         the most of it (not itself; ties to the one whose links free first), where that
         scores better than computing. The fetch starts when both pipelines' links are free
         of the fetches already placed."""
-        transfer = self.transfer
-        assert transfer is not None
         full = prompt_tokens // self.block_size
         sources = sorted(
             ((min(fetchable.get(v.pid, 0), full), v.pid) for v in views if v.ready),

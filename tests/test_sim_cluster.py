@@ -7,10 +7,7 @@ import json
 import pytest
 
 from prefill_node.cli.main import main
-from prefill_node.core.admission_messages import Admitted
 from prefill_node.core.hashing import ExtraKeys
-from prefill_node.core.request import RequestSpec
-from prefill_node.core.wave import ScheduledChunk
 from prefill_node.sim.presets import get_preset
 from prefill_node.sim.tenants import TenantWorkload
 from prefill_router.cluster_sim import ClusterPolicy, ClusterSim, ClusterSpec
@@ -124,11 +121,8 @@ ONE_TENANT = TenantWorkload(
 def _seed_prefix(sim: ClusterSim, pipe: int, ids: int) -> None:
     """Leave the first request's first ``ids`` ids cached on one pipeline (and published)."""
     req = sim.requests[0]
-    core = sim.pipelines[pipe].core
-    spec = RequestSpec("seed", req.tokens[:ids], ExtraKeys(sim.model_id, cache_salt=req.salt))
-    assert core.enqueue(spec) is None and isinstance(core.run_round()[0], Admitted)
-    core.materialise(0, ScheduledChunk("seed", 0, ids))
-    core.finish(0, "seed")
+    extra = ExtraKeys(sim.model_id, cache_salt=req.salt)
+    sim.pipelines[pipe].core.seed("seed", req.tokens[:ids], extra)
     sim._publish(sim.pipelines[pipe])
 
 

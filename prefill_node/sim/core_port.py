@@ -131,9 +131,11 @@ class CorePort:
         ``LeaderCore`` tells the coordinator once the wave has left the last stage)."""
         self.stages[stage].cache_computed(chunk.request_id, self._ids(chunk.end))
 
-    def seed(self, request_id: str, tokens: Sequence[int]) -> None:
-        """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned."""
-        outcomes = [o for o in (self.enqueue(self.spec(request_id, tokens)),) if o]
+    def seed(self, request_id: str, tokens: Sequence[int], extra: ExtraKeys | None = None) -> None:
+        """Prefill ``tokens`` (ids) instantly on every stage, leaving them cached, unpinned;
+        ``extra``: their cache identity (None: the port's, no salt)."""
+        spec = RequestSpec(request_id, tuple(tokens), extra or self.extra)
+        outcomes = [o for o in (self.enqueue(spec),) if o]
         outcomes += self.run_round()
         if len(outcomes) != 1 or not isinstance(outcomes[0], Admitted):
             raise InvariantError(f"seeding {request_id!r} was not admitted: {outcomes}")
