@@ -302,7 +302,11 @@ def test_abort_in_flight_frees_blocks_on_every_stage(start) -> None:
 
 
 def test_killing_a_stage_fails_in_flight_requests_within_seconds(start) -> None:
-    engine = start(_spec(((0, 1), (1, 2), (2, 4)), (80, 80, 80), "wave", max_wave_tokens=8))
+    # every stage sleeps 50 ms per wave: each 150-token request needs about 19 waves, so none
+    # can have finished when the kill lands (on a loaded machine one sometimes had)
+    spec = _spec(((0, 1), (1, 2), (2, 4)), (80, 80, 80), "wave", max_wave_tokens=8,
+                 debug_wave_delay_s=0.05)  # fmt: skip
+    engine = start(spec)
     rng = random.Random(2)
     futures = [
         engine.submit([rng.randrange(VOCAB) for _ in range(150)], PrefillOptions())
