@@ -1,4 +1,5 @@
-"""Random interleavings of admit / evict pressure / materialise / complete / abort on 2-4 stages."""
+"""Random interleavings of admit / evict pressure / materialise / complete / abort on 2-4 stages,
+with and without in-flight prefix sharing (promised blocks, kept or broken)."""
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -13,7 +14,12 @@ from prefill_node.core.admission_messages import (
     Wait,
 )
 from prefill_node.core.coordinator import AdmissionCoordinator, CoordinatorConfig
-from prefill_node.core.execution_results import BlockTable, Completion
+from prefill_node.core.execution_results import (
+    BlockTable,
+    Completion,
+    MismatchReason,
+    StageStateMismatch,
+)
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import PromptBlocks, RequestSpec, blocks_needed
 from prefill_node.core.stage_admission import StageAdmission, StageConfig
@@ -43,12 +49,16 @@ def real_hit(stage, rid):
 
 class AdmissionMachine(RuleBasedStateMachine):
     @initialize(
-        caps=st.lists(st.integers(5, 16), min_size=2, max_size=4),
+        caps=st.lists(st.integers(5, 24), min_size=2, max_size=4),
         recurrent_last=st.booleans(),
         headroom=st.integers(0, 3),
         per_round=st.integers(1, 4),
+        share=st.booleans(),
     )
-    def setup(self, caps, recurrent_last, headroom, per_round):
+    def setup(self, caps, recurrent_last, headroom, per_round, share):
+        self._build(caps, recurrent_last, headroom, per_round, share)
+
+    def _build(self, caps, recurrent_last, headroom, per_round, share):
         self.stages = []
         for s, n in enumerate(caps):
             interval = 2 if recurrent_last and s == len(caps) - 1 else None
@@ -61,12 +71,15 @@ class AdmissionMachine(RuleBasedStateMachine):
                 snapshot_interval_blocks=interval,
             )
             self.stages.append(StageAdmission(cfg))
-        self.coord = AdmissionCoordinator(CoordinatorConfig(B, tuple(caps), per_round))
+        self.share = share
+        config = CoordinatorConfig(B, tuple(caps), per_round, share_inflight_prefix=share)
+        self.coord = AdmissionCoordinator(config)
         self.min_cap = min(caps)
         self.specs: dict[str, RequestSpec] = {}
         self.queued: set[str] = set()
         self.admitted: dict[str, Admitted] = {}
         self.pos: dict[str, list[int]] = {}  # next token per stage
+        self.first: dict[str, list[int | None]] = {}  # where the first chunk started, per stage
         self.tables: dict[str, list[tuple[int, ...]]] = {}
         self.completed: dict[str, set[int]] = {}
         self.n = 0
@@ -88,6 +101,17 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert blocks_needed(len(tokens), B) <= self.min_cap
             self.specs[rid] = spec
             self.queued.add(rid)
+
+    @rule(
+        family=st.integers(0, 2),
+        shared=st.sampled_from([16, 24, 40]),
+        n=st.integers(2, 3),
+        own=st.integers(1, 6),
+    )
+    def burst(self, family, shared, n, own):
+        """Requests that arrive together sharing a long prefix (in-flight sharing's case)."""
+        for _ in range(n):
+            self.submit(family, shared, own)
 
     @rule(
         pressure_at=st.sampled_from([None, Phase.RESERVE, Phase.COMMIT]),
@@ -137,18 +161,56 @@ class AdmissionMachine(RuleBasedStateMachine):
         rid = out.request_id
         self.queued.remove(rid)
         boundary = out.cached_len // B
+        lease = boundary if out.promise is None else out.promise.leased_len // B
         event("admitted with reuse" if boundary else "admitted cold")
+        if out.promise is not None:
+            event("admitted with a promised prefix")
+            assert self.share and lease < boundary
         assert out.cached_len % B == 0 and out.cached_len < out.num_tokens
         for stage in self.stages:
-            assert boundary <= real_hit(stage, rid)  # never more than any stage really has
-            assert stage.reservation(rid).boundary_blocks == boundary
+            assert lease <= real_hit(stage, rid)  # never more than any stage really has
+            assert lease <= stage.reservation(rid).boundary_blocks <= boundary
         self.admitted[rid] = out
         self.pos[rid] = [out.cached_len] * len(self.stages)
+        self.first[rid] = [None] * len(self.stages)
         self.tables[rid] = [()] * len(self.stages)
         self.completed[rid] = set()
 
     def _running(self):
         return sorted(self.admitted)
+
+    def _chunk(self, rid, s, length=None, at_promise=True):
+        """Run the next chunk of ``rid`` on stage ``s`` (to the prompt's end without
+        ``length``) as a stage's loop does: materialise, then cache its full blocks. A
+        promised request's first chunk starts at the promise (refused while the stage does
+        not hold the promised blocks: then the leader's fallback, the lease) or, without
+        ``at_promise``, at the lease."""
+        stage, out = self.stages[s], self.admitted[rid]
+        start, total = self.pos[rid][s], out.num_tokens
+        rsv = stage.reservation(rid)
+        promised = rsv is not None and rsv.promised > 0
+        if promised and not at_promise:
+            start = out.promise.leased_len
+        n = total - start if length is None else length
+        table = stage.materialise(rid, start, n)
+        if isinstance(table, StageStateMismatch):
+            assert at_promise and table.reason is MismatchReason.PROMISE_BROKEN, table
+            event("a broken promise is refused")
+            self._chunk(rid, s, length, at_promise=False)
+            return
+        assert isinstance(table, BlockTable), table
+        if promised:
+            event("promise kept" if at_promise else "promise dropped for the lease")
+        prev = self.tables[rid][s]
+        assert table.block_ids[: len(prev)] == prev  # earlier blocks never move
+        assert len(table.block_ids) == blocks_needed(start + n, B)
+        self.tables[rid][s] = table.block_ids
+        self.pos[rid][s] = start + n
+        if self.first[rid][s] is None:
+            self.first[rid][s] = start
+        if self.share and start + n < total:
+            stage.cache_computed(rid, start + n)
+            self.coord.computed(rid, min(self.pos[rid]))
 
     @precondition(lambda self: self.admitted)
     @rule(data=st.data())
@@ -159,13 +221,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         if start == total:
             return
         length = data.draw(st.integers(1, total - start))
-        table = self.stages[s].materialise(rid, start, length)
-        assert isinstance(table, BlockTable), table
-        prev = self.tables[rid][s]
-        assert table.block_ids[: len(prev)] == prev  # earlier blocks never move
-        assert len(table.block_ids) == blocks_needed(start + length, B)
-        self.tables[rid][s] = table.block_ids
-        self.pos[rid][s] = start + length
+        self._chunk(rid, s, length, at_promise=data.draw(st.booleans()))
 
     @precondition(lambda self: self.admitted)
     @rule(data=st.data(), finish=st.booleans())
@@ -174,14 +230,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._running()))
         total = self.admitted[rid].num_tokens
         for s, stage in enumerate(self.stages):
-            start = self.pos[rid][s]
-            if finish and start < total:
-                assert isinstance(stage.materialise(rid, start, total - start), BlockTable)
-                self.pos[rid][s] = total
+            if finish and self.pos[rid][s] < total:
+                self._chunk(rid, s)
             if self.pos[rid][s] == total and s not in self.completed[rid]:
                 assert isinstance(stage.complete(rid), Completion)
                 self.completed[rid].add(s)
         if len(self.completed[rid]) == len(self.stages):
+            self.coord.finished(rid)
             self._forget(rid)
 
     @precondition(lambda self: self.admitted or self.queued)
@@ -191,13 +246,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         if rid in self.admitted and direct:
             for stage in self.stages:  # the runtime's path: every stage drops it at once
                 stage.abort(rid)
+            self.coord.finished(rid)  # (a failure) nothing more of it will be cached
         else:
             self.coord.abort(rid)  # the leader's path: dropped with the next message
         self.queued.discard(rid)
         self._forget(rid)
 
     def _forget(self, rid):
-        for d in (self.admitted, self.pos, self.tables, self.completed):
+        for d in (self.admitted, self.pos, self.first, self.tables, self.completed):
             d.pop(rid, None)
 
     @rule(s=st.integers(0, 3), n=st.integers(1, 6))
@@ -223,8 +279,13 @@ class AdmissionMachine(RuleBasedStateMachine):
                 rsv = stage.reservation(rid)
                 if rsv is None:  # only after a leader abort not yet broadcast
                     continue
-                assert rsv.committed and rsv.boundary_blocks * B == out.cached_len
-                assert rsv.escrow.held == rsv.escrow.target
+                assert rsv.committed and rsv.escrow.held == rsv.escrow.target
+                if rsv.promised:  # before its first chunk here
+                    assert rsv.promised * B == out.cached_len
+                    assert rsv.leased * B == out.promise.leased_len
+                else:
+                    start = self.first[rid][s]
+                    assert rsv.boundary_blocks * B == (out.cached_len if start is None else start)
 
     def teardown(self):
         """Every admitted request runs to the end; every queued one is admitted in time."""
@@ -233,13 +294,12 @@ class AdmissionMachine(RuleBasedStateMachine):
         for _ in range(4 * (len(self.queued) + len(self.admitted)) + 4):
             for rid in list(self.admitted):
                 for s, stage in enumerate(self.stages):
-                    start, total = self.pos[rid][s], self.admitted[rid].num_tokens
-                    if start < total:
-                        assert isinstance(stage.materialise(rid, start, total - start), BlockTable)
-                        self.pos[rid][s] = total
+                    if self.pos[rid][s] < self.admitted[rid].num_tokens:
+                        self._chunk(rid, s)
                     if s not in self.completed[rid]:
                         assert isinstance(stage.complete(rid), Completion)
                         self.completed[rid].add(s)
+                self.coord.finished(rid)
                 self._forget(rid)
             if not self.queued and not self.coord.has_work():
                 break
@@ -252,4 +312,22 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 TestAdmission = AdmissionMachine.TestCase
-TestAdmission.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestAdmission.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+class PromiseMachine(AdmissionMachine):
+    """The same rules where in-flight sharing is always on and can always promise (no
+    recurrent-state stage, caches that hold a burst): promises made, kept, dropped for the
+    lease and refused when broken, under eviction, aborts and failures."""
+
+    @initialize(
+        caps=st.lists(st.integers(16, 32), min_size=2, max_size=4),
+        headroom=st.integers(0, 3),
+        per_round=st.integers(2, 4),
+    )
+    def setup(self, caps, headroom, per_round):
+        self._build(caps, False, headroom, per_round, True)
+
+
+TestPromises = PromiseMachine.TestCase
+TestPromises.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from prefill_node.core.admission_messages import Admitted
+from prefill_node.core.admission_messages import Admitted, Promise
 from prefill_node.core.coordinator import DuplicateRequestError
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.leader import LeaderCore
@@ -173,33 +173,39 @@ def _run_on_stages(stages: list[StageAdmission], header) -> None:
 
 
 @pytest.mark.parametrize("policy", ["wave", "sync-admission"])
-def test_a_prefix_waiter_is_admitted_as_soon_as_the_producers_chunks_passed(policy) -> None:
-    """b waits for the prefix a computes; a's chunks are cut where that prefix ends, and b
-    is admitted once a's chunks holding it have returned from the last stage, while a
-    still runs, and reuses exactly that prefix."""
+def test_a_prefix_being_computed_is_promised_and_its_waiter_runs_behind_the_chunk(policy) -> None:
+    """b shares the prefix a computes: it is admitted at once with that prefix promised, a's
+    chunks are cut where the prefix ends, and b's first chunk is taken into a wave after a's
+    chunk that ends it while that chunk is still in flight (it no longer waits for it to
+    return from the last stage); b reuses exactly that prefix and no stage leaks."""
     spec = _spec(policy, blocks=(32, 32))
     core, stages = pipeline_leader_core(spec), _stages(spec)
     system = tuple(range(100, 120))  # 5 blocks
-    _submit(core, "a", system + tuple(range(40)))  # 60 tokens: chunks of <= 16
+    _submit(core, "a", system + (9, 9, 9, 9))  # 24 tokens: chunks of <= 16
     _submit(core, "b", system + (1, 2))
-    admitted: dict[str, tuple[int, bool]] = {"a": (0, True)}  # -> (cached, a still running)
-    assert [(o.request_id, o.cached_len) for o in _admit_all(core, stages)] == [("a", 0)]
-    assert _admit_all(core, stages) == [] and not core.has_round_work()  # b waits, idle
-    pending, ends = [], []
+    outs = [(o.request_id, o.cached_len, o.promise) for o in _admit_all(core, stages)]
+    assert outs == [("a", 0, None), ("b", 20, Promise("a", 0))]
+    pending, returned = [], set()
+    taken: dict[tuple[str, int], tuple[int, int]] = {}  # (request, start) -> (wave, end)
+    b_first = None
     while True:
-        for o in _admit_all(core, stages):
-            running = stages[-1].reservation("a") is not None
-            admitted[o.request_id] = (o.cached_len, running)
+        _admit_all(core, stages)
         while (header := wave_header(core)) is not None:
             pending.append(header)
+            for c in header.chunks:
+                taken[c.request_id, c.start] = (header.wave_id, c.start + c.length)
+                if c.request_id == "b" and b_first is None:
+                    b_first = (header.wave_id, c.start, set(returned))
         if not pending:
             break
         header = pending.pop(0)  # the oldest wave passes every stage and returns
-        ends += [c.start + c.length for c in header.chunks if c.request_id == "a"]
         _run_on_stages(stages, header)
         core.wave_done(header.wave_id)
-    assert admitted == {"a": (0, True), "b": (20, True)}
-    assert 20 in ends and ends[-1] == 60
+        returned.add(header.wave_id)
+    cut_wave = next(w for (r, _), (w, end) in taken.items() if r == "a" and end == 20)
+    assert b_first is not None and b_first[1] == 20 and b_first[0] > cut_wave
+    assert cut_wave not in b_first[2]  # a's chunk had not returned when b's was taken
+    assert max(end for (r, _), (_, end) in taken.items() if r == "a") == 24
     assert core.idle
     for s in stages:
         s.check_integrity()

@@ -11,9 +11,11 @@ Phases (``AdmissionCoordinator`` drives them, ``StageAdmission.handle`` answers)
    the longest prefix it really holds (the authoritative walk, cut back to a snapshot
    boundary on recurrent-state stages), escrows victims for the rest of the prompt and
    commits there at once. Its reply says how far its lease reaches.
-2. COMMIT - only when the stages' leases end at different blocks: at the common boundary
-   (the highest one valid on every stage, <= every lease) the stages above it shrink their
-   lease and top up their escrow (which may fail: that stage cleans up and says so).
+2. COMMIT - only when the stages' leases end at different blocks, or when the request is
+   promised blocks another admitted request is computing: at the common boundary (the
+   highest one valid on every stage, <= every lease) the stages above it shrink their
+   lease and top up their escrow (which may fail: that stage cleans up and says so), and
+   each stage notes the promise (``CommitOrder``).
 3. RELEASE - when a request reserved on some stages but not all (or failed a COMMIT on
    some), or the coordinator defers it: the others drop that reservation.
 
@@ -47,7 +49,9 @@ class ReserveStatus(Enum):
     ADMISSION_CAP = "admission_cap"  # would eat into the stage's lease headroom
     FCFS_BLOCKED = "fcfs_blocked"  # an earlier request of the round is waiting
     # (coordinator only, never a stage's answer) the next blocks it needs are being computed
-    # by an admitted request: it waits for them to be cached instead of computing them again
+    # by a request it cannot be promised them from (one still being committed in this
+    # round, or a pipeline with recurrent-state snapshots): it waits for them to be cached
+    # instead of computing them again
     PREFIX_IN_FLIGHT = "prefix_in_flight"
     # (``StageAdmission.follow`` only, under ``trtllm``) this stage's cache lacks part of the
     # prefix rank 0 decided to reuse: the request cannot run here
@@ -64,10 +68,19 @@ class ReserveOrder:
 @dataclass(frozen=True)
 class CommitOrder:
     """Settle the reservation at ``boundary_blocks`` (<= what this stage leased): shrink the
-    lease to it and top up the escrow for the longer suffix."""
+    lease to it and top up the escrow for the longer suffix.
+
+    ``promised_blocks`` > ``boundary_blocks``: the request will also reuse prompt blocks
+    ``[boundary_blocks, promised_blocks)``, which request ``producer`` is computing now (an
+    in-flight prefix). The stage keeps the escrow for the whole rest of the prompt and
+    extends the lease to ``promised_blocks`` once the producer's chunk has cached those
+    blocks here (``StageAdmission`` keeps the promise; ``Reservation`` says the invariant).
+    """
 
     request_id: str
     boundary_blocks: int
+    promised_blocks: int = 0
+    producer: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,11 +116,15 @@ class Reserved:
 
 @dataclass(frozen=True)
 class Committed:
-    """A stage's answer to a CommitOrder; ``ok`` False means it already cleaned up."""
+    """A stage's answer to a CommitOrder; ``ok`` False means it already cleaned up.
+    ``promise_lapsed``: the promised blocks are neither cached here nor still being
+    computed by their producer here (it finished and they were evicted), so the request
+    must start at its lease."""
 
     request_id: str
     ok: bool
     escrow_blocks: int
+    promise_lapsed: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,16 +151,30 @@ class StageReservation:
 
 
 @dataclass(frozen=True)
+class Promise:
+    """Part of an admitted request's prefix is still being computed by ``producer``: the
+    request reuses tokens ``[leased_len, Admitted.cached_len)`` once the producer's chunk
+    that ends there has run on every stage, so its first chunk must run in a later wave.
+    If the producer is dropped before that chunk was scheduled, the request starts at
+    ``leased_len`` instead and computes those tokens itself (``WaveScheduler``)."""
+
+    producer: str
+    leased_len: int  # tokens leased (really cached) on every stage at admission
+
+
+@dataclass(frozen=True)
 class Admitted:
     """Reserved on every stage: the first ``cached_len`` tokens are reused, the rest computed.
 
     Capacity for the whole prompt is held on every stage until ``complete`` or ``abort``.
+    With a ``promise`` some of the reused tokens are not cached yet (``Promise``).
     """
 
     request_id: str
     num_tokens: int
     cached_len: int
     reservations: tuple[StageReservation, ...]
+    promise: Promise | None = None
 
 
 @dataclass(frozen=True)

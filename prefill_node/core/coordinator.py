@@ -11,6 +11,7 @@ from prefill_node.core.admission_messages import (
     Admitted,
     CommitOrder,
     Phase,
+    Promise,
     Rejected,
     Reserved,
     ReserveOrder,
@@ -37,9 +38,10 @@ class CoordinatorConfig:
     block_size: int
     stage_num_blocks: tuple[int, ...]
     max_requests_per_round: int = 16
-    # wait for a prefix an admitted request is computing (``AdmissionCoordinator``); a
-    # driver that turns this on calls ``finished`` when each admitted request completes
-    # (and ``computed`` as its chunks pass every stage, to release waiters chunk by chunk)
+    # share a prefix an admitted request is computing (``AdmissionCoordinator``): be
+    # promised it, or wait for it. A driver that turns this on calls ``finished`` when each
+    # admitted request completes (and ``computed`` as its chunks pass every stage), and
+    # schedules a promised request behind its producer (``Admitted.promise``)
     share_inflight_prefix: bool = False
 
     def __post_init__(self) -> None:
@@ -61,6 +63,7 @@ class _Round:
     phase: Phase
     request_ids: list[str]
     committing: dict[str, int] = field(default_factory=dict)  # request id -> boundary
+    promises: dict[str, tuple[int, str]] = field(default_factory=dict)  # -> (blocks, producer)
     outcomes: dict[str, AdmissionOutcome] = field(default_factory=dict)
 
 
@@ -82,6 +85,12 @@ class AdmissionCoordinator:
     in every stage's cache is admitted once the running requests have completed. After a
     Wait, run the next round when capacity may have changed (a completion, an abort, a new
     request), not in a busy loop. Request ids must be unique among live requests.
+
+    In-flight prefixes (``share_inflight_prefix``): a request whose next blocks an admitted
+    request is computing is admitted with a PROMISE of them (``_share_inflight``), so it
+    runs right behind the producer's chunk instead of waiting for the blocks to be cached
+    on every stage; where a promise cannot be made it waits, and rounds after the
+    producer's ``computed`` / ``finished`` admit it.
     """
 
     def __init__(self, config: CoordinatorConfig) -> None:
@@ -100,6 +109,7 @@ class AdmissionCoordinator:
         # claims dropped while a round runs: its RESERVE replies may predate those blocks'
         # caching, so the round still treats them as being computed (``_released``)
         self._released: dict[BlockHash, str] = {}
+        self._dropped: set[str] = set()  # admitted requests aborted while this round runs
 
     @property
     def num_queued(self) -> int:
@@ -186,6 +196,8 @@ class AdmissionCoordinator:
         self._hashes.pop(request_id, None)
         self._sent.discard(request_id)
         self._forgets.append(request_id)
+        if self._round is not None:
+            self._dropped.add(request_id)  # no promise on its blocks from this round
         self.finished(request_id)
         return queued
 
@@ -201,6 +213,7 @@ class AdmissionCoordinator:
         new = tuple(self._queue[r] for r in ids if r not in self._sent)
         self._sent.update(ids)
         self._released = {}  # this round's RESERVE comes after their caching
+        self._dropped = set()
         self._round = _Round(self._next_round_id, Phase.RESERVE, ids)
         self._next_round_id += 1
         if not ids:
@@ -250,48 +263,78 @@ class AdmissionCoordinator:
                     releases.append(rid)
             else:
                 reserved[rid] = _common_boundary(items)
-        if self.config.share_inflight_prefix:
-            for rid in self._defer_inflight_prefixes(reserved):
-                rnd.outcomes[rid] = Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
-                del reserved[rid]
-                releases.append(rid)
-        for rid, boundary in reserved.items():
+        # block hash -> who computes it. Blocks whose claim was dropped since this round
+        # began count as claimed: a stage may have answered the RESERVE before caching them
+        # (a promise on them is fulfilled at once; a waiter finds them cached next round).
+        claimed = {**self._released, **self._producer}
+        for rid, boundary in reserved.items():  # FCFS: a producer before its waiters
             items = by_request[rid]
-            if all(i.confirmed_blocks == boundary for i in items):  # committed there already
+            start = boundary
+            if self.config.share_inflight_prefix:
+                shared = self._share_inflight(rnd, rid, boundary, items, claimed)
+                if shared is None:
+                    rnd.outcomes[rid] = Wait(rid, ReserveStatus.PREFIX_IN_FLIGHT, -1)
+                    releases.append(rid)
+                    continue
+                start = shared
+                for h in self._hashes_of(rid)[start:]:
+                    claimed.setdefault(h, rid)
+            if start == boundary and all(i.confirmed_blocks == boundary for i in items):
+                # committed there already
                 self._admit(rnd, rid, boundary, [(s, i.escrow_blocks) for s, i in enumerate(items)])
             else:
                 rnd.committing[rid] = boundary
-        commits = tuple(CommitOrder(rid, b) for rid, b in rnd.committing.items())
+        commits = tuple(
+            CommitOrder(rid, b, *rnd.promises.get(rid, (0, "")))
+            for rid, b in rnd.committing.items()
+        )
         if commits:
             return self._message(Phase.COMMIT, commits=commits, releases=tuple(releases))
         if releases:
             return self._message(Phase.RELEASE, releases=tuple(releases))
         return self._finish(rnd)
 
-    def _defer_inflight_prefixes(self, reserved: dict[str, int]) -> list[str]:
-        """The requests of ``reserved`` (request -> common boundary, FCFS) to take out of the
-        round (``Wait(PREFIX_IN_FLIGHT)``): each whose next uncached blocks an admitted
-        request, or an earlier one of this round, computes; and note where the producer's
-        blocks it waits for end (``take_cuts``). Blocks whose claim was dropped since this
-        round began count as claimed: a stage may have answered the RESERVE before caching
-        them, and admitting now would compute them again; the round that the drop asked for
-        (``computed`` / ``finished`` return True) finds them cached."""
-        claimed = {**self._released, **self._producer}  # block hash -> who computes it
+    def _share_inflight(
+        self,
+        rnd: _Round,
+        rid: str,
+        boundary: int,
+        items: Sequence[Reserved],
+        claimed: dict[BlockHash, str],
+    ) -> int | None:
+        """Where ``rid`` starts (in blocks) given the prefix blocks others are computing
+        (``claimed``: block hash -> its producer), or None when it waits for them.
+
+        A run of claimed blocks right after its lease is worth sharing when it is at least
+        half of what the request would otherwise compute (a short shared head is not worth
+        a dependency). Then it is PROMISED those blocks (``CommitOrder``; its first chunk
+        runs in a wave after the producer's chunk that ends them, which the cut asks for)
+        when the producer is admitted (in an earlier round, or earlier in this one without a
+        COMMIT) and no stage resumes only at recurrent-state snapshots; otherwise it waits
+        (``Wait(PREFIX_IN_FLIGHT)``), and the round that follows the producer's chunk finds
+        the blocks cached. A promise stops before the block holding the prompt's last token
+        (that block is computed, never copied). A stage that can no longer keep it (the
+        producer finished there and the blocks were evicted) says so in its COMMIT reply,
+        and the request is admitted at its lease."""
+        hashes = self._hashes_of(rid)
         bs = self.config.block_size
-        deferred: list[str] = []
-        for rid, start in reserved.items():
-            hashes = self._hashes_of(rid)
-            run = 0
-            while start + run < len(hashes) and hashes[start + run] in claimed:
-                run += 1
-            if run and 2 * run * bs >= self._queue[rid].num_tokens - start * bs:
-                deferred.append(rid)
-                producer = claimed[hashes[start + run - 1]]  # chained: same position there
-                self._cuts.setdefault(producer, set()).add((start + run) * bs)
-            else:
-                for h in hashes[start:]:
-                    claimed.setdefault(h, rid)
-        return deferred
+        num_tokens = self._queue[rid].num_tokens
+        run = 0
+        while boundary + run < len(hashes) and hashes[boundary + run] in claimed:
+            run += 1
+        if not run or 2 * run * bs < num_tokens - boundary * bs:
+            return boundary
+        end = boundary + run
+        producer = claimed[hashes[end - 1]]  # chained: the same position there
+        self._cuts.setdefault(producer, set()).add(end * bs)
+        promised = min(end, (num_tokens - 1) // bs)
+        # admitted: in an earlier round or earlier in this one (claiming), or done with them
+        admitted = producer in self._produces or producer in self._released.values()
+        snapshots = any(i.boundaries is not None for i in items)
+        if promised <= boundary or not admitted or snapshots:
+            return None
+        rnd.promises[rid] = (promised, producer)
+        return promised
 
     def take_cuts(self) -> dict[str, set[int]]:
         """Per producer, the token positions where requests waiting for its blocks could
@@ -324,6 +367,8 @@ class AdmissionCoordinator:
                 if len(failed) < len(items):
                     releases.append(rid)
                 continue
+            if any(c.promise_lapsed for _, c in items):  # the stages drop it at its first chunk
+                rnd.promises.pop(rid, None)
             self._admit(rnd, rid, rnd.committing[rid], [(s, c.escrow_blocks) for s, c in items])
         if releases:
             return self._message(Phase.RELEASE, releases=tuple(releases))
@@ -334,11 +379,22 @@ class AdmissionCoordinator:
     ) -> None:
         """Committed at ``boundary`` on every stage ((stage, escrowed blocks) each)."""
         spec = self._queue[request_id]
-        cached = reused_tokens(spec.num_tokens, self.config.block_size, boundary)
+        bs = self.config.block_size
+        promised, producer = rnd.promises.get(request_id, (0, ""))
+        if producer in self._dropped:  # the stages' promise lapses at the first chunk
+            promised = 0
+            producer = ""
+        start = max(boundary, promised)
+        cached = reused_tokens(spec.num_tokens, bs, start)
+        promise = None
+        if promised:
+            promise = Promise(producer, reused_tokens(spec.num_tokens, bs, boundary))
         reservations = tuple(StageReservation(s, boundary, e) for s, e in escrows)
-        rnd.outcomes[request_id] = Admitted(request_id, spec.num_tokens, cached, reservations)
+        rnd.outcomes[request_id] = Admitted(
+            request_id, spec.num_tokens, cached, reservations, promise
+        )
         if self.config.share_inflight_prefix:
-            self._claim(request_id, boundary)
+            self._claim(request_id, start)
 
     def _claim(self, request_id: str, boundary: int) -> None:
         """Record the full blocks an admitted request computes (those nobody else does),

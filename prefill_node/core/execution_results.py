@@ -39,6 +39,7 @@ class MismatchReason(Enum):
     OUT_OF_RANGE = "out_of_range"  # empty chunk or past the end of the prompt
     INCOMPLETE = "incomplete"  # completion before every token was materialised
     CANNOT_FOLLOW = "cannot_follow"  # (trtllm) this stage's cache cannot take rank 0's decision
+    PROMISE_BROKEN = "promise_broken"  # an in-flight prefix's producer never cached it here
 
 
 @dataclass(frozen=True)

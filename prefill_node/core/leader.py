@@ -4,9 +4,9 @@ Every driver of a pipeline's schedule goes through ``LeaderCore``: the runtime's
 (threads, planes, the wire header), both engines through it, and the simulator (simulated
 time, direct calls to the stages). What it owns:
 
-- admission verdicts -> the scheduler: an admitted request starts at its cached length;
-  the coordinator's cuts (where a waiter's prefix ends inside a producer's prompt) become
-  chunk ends;
+- admission verdicts -> the scheduler: an admitted request starts at its cached length,
+  a promised one behind its producer's chunk (``WaveScheduler``); the coordinator's cuts
+  (where a waiter's prefix ends inside a producer's prompt) become chunk ends;
 - a returned wave -> the coordinator: finished requests leave its in-flight prefixes,
   dropped ones (aborted or failed, nothing left in flight) are forgotten on every stage,
   the other chunks' full blocks release the requests waiting for them;
@@ -59,7 +59,12 @@ def in_tokens(
     if token_scale == 1:
         return tuple(outcomes)
     return tuple(
-        replace(o, num_tokens=o.num_tokens * token_scale, cached_len=o.cached_len * token_scale)
+        replace(
+            o,
+            num_tokens=o.num_tokens * token_scale,
+            cached_len=o.cached_len * token_scale,
+            promise=o.promise and replace(o.promise, leased_len=o.promise.leased_len * token_scale),
+        )
         if isinstance(o, Admitted)
         else o
         for o in outcomes
@@ -156,7 +161,14 @@ class LeaderCore(Generic[O]):
         outcomes = in_tokens(step.outcomes, self._scale)
         for out in outcomes:
             if isinstance(out, Admitted):
-                self.scheduler.admit(out.request_id, out.cached_len, out.num_tokens)
+                promise = out.promise
+                self.scheduler.admit(
+                    out.request_id,
+                    out.cached_len,
+                    out.num_tokens,
+                    after=promise.producer if promise else None,
+                    fallback=promise.leased_len if promise else out.cached_len,
+                )
                 self._dirty = True  # progress: the next queued requests may fit
             elif isinstance(out, Rejected):
                 self._options.pop(out.request_id, None)

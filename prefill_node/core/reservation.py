@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prefill_node.core.block import KVBlock
 from prefill_node.core.block_pool import BlockPool
 from prefill_node.core.escrow import Escrow
@@ -35,6 +37,19 @@ class Reservation:
     the lease covers the whole prompt (``copies_last``): its last block stays pinned in the
     lease and a private copy of it (the first new block) takes its place in the table, so
     the last token is recomputed without writing into a cached block.
+
+    A promised in-flight prefix (``promise``): the request was admitted to reuse blocks
+    ``[leased, promised)`` that another request (the producer) is still computing. Until
+    its first chunk the reservation holds the lease (``leased`` blocks, really cached), an
+    escrow for EVERY block after it, promised ones included, and, once the producer's
+    chunk cached them here, the promised blocks too (``fulfil`` extends the lease, all or
+    nothing; ``promise_surplus`` counts them), so the invariant reads ``... == num_blocks
+    + c + promise_surplus``. The first chunk settles it: starting at ``promised`` it
+    needs the extension (a broken promise is a mismatch: nothing runs on KV that was never
+    computed) and gives the surplus escrow back; starting at ``leased`` (the leader's
+    fallback when the producer was dropped) it drops the extension and computes the
+    blocks itself with the escrow it kept. A promise never covers the block holding the
+    prompt's last token, so it never needs the copied last block.
     """
 
     def __init__(self, prompt: PromptBlocks) -> None:
@@ -46,6 +61,8 @@ class Reservation:
         self.completed = False
         self.next_token = 0
         self.cached_early = 0  # leading new full blocks cached before completion
+        self.promised = 0  # the lease's length once a promise is fulfilled; 0: no promise
+        self.leased = 0  # the lease's length when the promise was made
 
     @property
     def request_id(self) -> str:
@@ -71,6 +88,16 @@ class Reservation:
         return len(self.lease) + self.escrow.target + len(self.new_blocks)
 
     @property
+    def promise_pending(self) -> bool:
+        """A promise whose blocks are not all leased yet."""
+        return len(self.lease) < self.promised
+
+    @property
+    def promise_surplus(self) -> int:
+        """Promised blocks leased while the escrow still covers them (before the first chunk)."""
+        return len(self.lease) - self.leased if self.promised else 0
+
+    @property
     def needed_blocks(self) -> int:
         """``held_blocks`` once reserved: the prompt's blocks, plus the copy of a wholly
         cached prompt's last block."""
@@ -88,7 +115,7 @@ class Reservation:
         A committed reservation may commit again at a lower boundary until its first chunk
         materialises (the round's COMMIT phase, when the stages' leases differ)."""
         started = self.committed and self.next_token != self.cached_len
-        if self.new_blocks or self.completed or started:
+        if self.new_blocks or self.completed or started or self.promised:
             raise InvariantError(f"{self.request_id!r} committed after it started")
         self.lease.shrink(pool, boundary_blocks)
         if not self.reserve_suffix(pool):
@@ -96,6 +123,48 @@ class Reservation:
         self.committed = True
         self.next_token = self.cached_len
         return True
+
+    def promise(self, promised_blocks: int) -> None:
+        """Reuse prompt blocks up to ``promised_blocks`` once they are cached here (class
+        docstring); the caller committed the reservation at its lease just before."""
+        p = self.prompt
+        if not self.committed or self.new_blocks or self.promised or self.completed:
+            raise InvariantError(f"{self.request_id!r}: a promise after it started")
+        if not len(self.lease) < promised_blocks <= (p.num_tokens - 1) // p.block_size:
+            raise InvariantError(
+                f"{self.request_id!r}: promise of {promised_blocks} blocks past a lease of "
+                f"{len(self.lease)} in a prompt of {p.num_tokens} tokens"
+            )
+        self.promised, self.leased = promised_blocks, len(self.lease)
+
+    def fulfil(self, pool: BlockPool, may_pin: Callable[[KVBlock], bool]) -> bool:
+        """Lease the promised blocks if all of them are cached now; True once they are."""
+        if not self.promise_pending:
+            return True
+        if not self.lease.extend(pool, self.prompt, self.promised, may_pin):
+            return False
+        self.next_token = self.cached_len
+        return True
+
+    def _settle_promise(self, pool: BlockPool, stage: int, start: int):
+        """The first chunk decides a promise (class docstring); a mismatch or None."""
+        bs = self.prompt.block_size
+        if start == self.promised * bs and not self.promise_pending:
+            self.escrow.settle(pool, self.needed_blocks - len(self.lease))  # gives back only
+        elif start == self.leased * bs:
+            self.lease.shrink(pool, self.leased)
+            self.next_token = self.cached_len
+        elif start == self.promised * bs:
+            return self._mismatch(
+                stage,
+                MismatchReason.PROMISE_BROKEN,
+                f"blocks [{len(self.lease)}, {self.promised}) were promised by a request that "
+                "never cached them here",
+            )
+        else:
+            return None  # the position check reports it
+        self.promised = self.leased = 0
+        return None
 
     def materialise(self, pool: BlockPool, stage: int, start: int, length: int):
         """Real blocks for chunk [start, start + length): BlockTable or StageStateMismatch."""
@@ -109,6 +178,10 @@ class Reservation:
                 MismatchReason.OUT_OF_RANGE,
                 f"chunk [{start}, {end}) outside prompt of {self.prompt.num_tokens} tokens",
             )
+        if self.promised:
+            broken = self._settle_promise(pool, stage, start)
+            if broken is not None:
+                return broken
         if start != self.next_token:
             return self._mismatch(
                 stage,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from prefill_node.core.admission_messages import (
@@ -103,6 +103,7 @@ class StageAdmission:
         self._prompts: dict[str, PromptBlocks] = {}
         self._reservations: dict[str, Reservation] = {}
         self._transfer_pins: dict[int, int] = {}  # block id -> references a KV WRITE holds
+        self._waiters: dict[str, list[str]] = {}  # producer -> requests promised its blocks
 
     # ---- rounds plane ----------------------------------------------------------------
 
@@ -213,10 +214,38 @@ class StageAdmission:
             *rsv.lease.snapshot_boundaries(),
         ):
             raise InvariantError(f"stage {self.stage}: {order} is not a snapshot boundary")
-        if rsv.commit(self.pool, order.boundary_blocks):
-            return Committed(rid, True, rsv.escrow.target)
-        self._release(rid)
-        return Committed(rid, False, 0)
+        if not rsv.commit(self.pool, order.boundary_blocks):
+            self._release(rid)
+            return Committed(rid, False, 0)
+        if order.promised_blocks > order.boundary_blocks:
+            if self._needs_snapshot:
+                raise InvariantError(f"stage {self.stage}: a promise where snapshots rule reuse")
+            rsv.promise(order.promised_blocks)
+            if not self._fulfil(rsv):
+                producer = self._reservations.get(order.producer)
+                if producer is None or producer.completed:  # it will cache nothing more
+                    return Committed(rid, True, rsv.escrow.target, promise_lapsed=True)
+                self._waiters.setdefault(order.producer, []).append(rid)
+        return Committed(rid, True, rsv.escrow.target)
+
+    def _fulfil(self, rsv: Reservation) -> bool:
+        return rsv.fulfil(self.pool, self._may_take_over)
+
+    def _fulfil_waiters(self, producer: str, *, last: bool) -> None:
+        """``producer`` cached blocks here: lease them for the requests they were promised
+        to (before the producer unpins them, so nothing can evict them in between). With
+        ``last`` the producer caches nothing more here: forget its waiters (one whose
+        promise is still short fails at its first chunk, or starts where its lease ends)."""
+        waiting = self._waiters.pop(producer, [])
+        left = [
+            rid
+            for rid in waiting
+            if (rsv := self._reservations.get(rid)) is not None
+            and rsv.promise_pending
+            and not self._fulfil(rsv)
+        ]
+        if left and not last:
+            self._waiters[producer] = left
 
     def _release(self, request_id: str) -> None:
         rsv = self._reservations.pop(request_id, None)
@@ -272,6 +301,8 @@ class StageAdmission:
             return StageStateMismatch(
                 request_id, self.stage, MismatchReason.UNKNOWN_REQUEST, "no reservation here"
             )
+        if rsv.promise_pending:
+            self._fulfil(rsv)  # cached by other means than the producer's chunks
         return rsv.materialise(self.pool, self.stage, start, length)
 
     def cache_computed(self, request_id: str, computed: int) -> int:
@@ -283,7 +314,10 @@ class StageAdmission:
         rsv = self._reservations.get(request_id)
         if rsv is None or rsv.completed:
             return 0
-        return rsv.cache_computed(self.pool, computed, self.config.snapshot_interval_blocks)
+        cached = rsv.cache_computed(self.pool, computed, self.config.snapshot_interval_blocks)
+        if cached and request_id in self._waiters:
+            self._fulfil_waiters(request_id, last=False)
+        return cached
 
     def complete(
         self, request_id: str, *, keep_pinned: bool = False
@@ -295,13 +329,13 @@ class StageAdmission:
             return StageStateMismatch(
                 request_id, self.stage, MismatchReason.UNKNOWN_REQUEST, "no reservation here"
             )
-        done = rsv.complete(
-            self.pool, self.stage, self.config.snapshot_interval_blocks, keep_pinned
-        )
+        done = rsv.complete(self.pool, self.stage, self.config.snapshot_interval_blocks, True)
         if isinstance(done, Completion):
+            self._fulfil_waiters(request_id, last=True)
             self._prompts.pop(request_id, None)
             if not keep_pinned:
-                del self._reservations[request_id]
+                self._release(request_id)
+                done = replace(done, kept_pinned=False)
         return done
 
     def unpin(self, request_id: str) -> bool:
@@ -365,6 +399,7 @@ class StageAdmission:
     def abort(self, request_id: str) -> bool:
         """Drop whatever this stage holds for the request (any state); False if nothing."""
         known = self._prompts.pop(request_id, None) is not None
+        self._waiters.pop(request_id, None)
         rsv = self._reservations.pop(request_id, None)
         if rsv is not None:
             rsv.release(self.pool)
@@ -389,8 +424,9 @@ class StageAdmission:
 
     def check_integrity(self) -> None:
         """The pool's own checks plus: every claim and pin belongs to exactly one reservation,
-        every reservation is committed with its escrow full and covers its prompt, and every
-        lease block really holds its prompt block."""
+        every reservation is committed with its escrow full and covers its prompt (a
+        promised prefix's leased blocks on top, until the first chunk), and every lease
+        block really holds its prompt block."""
         self.pool.check_integrity()
         claims: dict[int, str] = {}
         pins: dict[int, int] = {}
@@ -403,8 +439,12 @@ class StageAdmission:
                 raise InvariantError(f"reservation of {rid!r} is held but not committed")
             if rsv.escrow.held != rsv.escrow.target:
                 raise InvariantError(f"committed escrow of {rid!r} is short")
-            if not rsv.completed and rsv.held_blocks != rsv.needed_blocks:
+            if not rsv.completed and rsv.held_blocks != rsv.needed_blocks + rsv.promise_surplus:
                 raise InvariantError(f"reservation of {rid!r} does not cover its prompt")
+            if rsv.promised and (
+                rsv.new_blocks or not rsv.leased <= len(rsv.lease) <= rsv.promised
+            ):
+                raise InvariantError(f"promise of {rid!r} outlived its first chunk or overran")
             p = rsv.prompt
             for i, block in enumerate(rsv.lease.blocks):
                 if not block.matches(p.parent_of(i), p.token_blocks[i], p.spec.extra):

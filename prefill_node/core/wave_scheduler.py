@@ -13,6 +13,12 @@ Contracts:
   Under a policy without pipelined chunks a request with a chunk in flight is skipped until
   that chunk returns (TensorRT-LLM's ``inflight_req_ids``). ``cut`` asks that a chunk of a
   request end at a given position (requests waiting for its blocks below it start sooner).
+- A request promised blocks another one is computing (admitted ``after`` its producer) is
+  held back until the producer's chunk that ends them has been taken into a wave, so its
+  first chunk runs in a later wave and every stage has cached them by then (stages run
+  waves in order). If the producer is aborted before that chunk was taken, or fails, while
+  the request's first chunk is not taken yet, the request starts at its ``fallback`` (its
+  lease) instead and computes them itself.
 - ``wave_done`` accounts a wave that left the last stage. A request FINISHES when its last
   chunk has returned; one whose earlier chunk returned has COMPUTED the prompt up to that
   chunk's end on every stage; a request that was aborted (``abort``) or failed (named in
@@ -46,6 +52,8 @@ class RequestProgress:
     chunks_in_flight: int = 0
     aborted: bool = False
     cuts: set[int] = field(default_factory=set)  # positions a chunk should end at (``cut``)
+    after: str | None = None  # a promise's producer, until the first chunk is taken
+    fallback: int = 0  # where it starts if the producer is dropped first (its lease)
 
 
 @dataclass(frozen=True)
@@ -71,15 +79,42 @@ class WaveScheduler:
         self._waves: dict[int, Wave] = {}
 
     # -- admission ---------------------------------------------------------------------------
-    def admit(self, request_id: str, cached_len: int, num_tokens: int) -> None:
-        """Start scheduling an admitted request at ``cached_len`` (FCFS after the others)."""
+    def admit(
+        self,
+        request_id: str,
+        cached_len: int,
+        num_tokens: int,
+        after: str | None = None,
+        fallback: int = 0,
+    ) -> None:
+        """Start scheduling an admitted request at ``cached_len`` (FCFS after the others);
+        with a promise, not before ``after``'s chunk reaching ``cached_len`` is taken, or at
+        ``fallback`` if that producer goes first (module docstring)."""
         if request_id in self._progress:
             raise InvariantError(f"request {request_id!r} admitted twice")
-        if not 0 <= cached_len < num_tokens:
+        if not 0 <= cached_len < num_tokens or not 0 <= fallback <= cached_len:
             raise InvariantError(
                 f"request {request_id!r}: cached {cached_len} of {num_tokens} tokens"
             )
-        self._progress[request_id] = RequestProgress(request_id, cached_len, cached_len, num_tokens)
+        self._progress[request_id] = RequestProgress(
+            request_id, cached_len, cached_len, num_tokens, after=after, fallback=fallback
+        )
+        if after is not None and after in self._progress and self._progress[after].aborted:
+            self._orphan(after, failed=True)  # dropped while this one was being admitted
+
+    def _waits(self, p: RequestProgress) -> bool:
+        """A promised request whose producer's chunk ending its prefix is not taken yet."""
+        producer = self._progress.get(p.after) if p.after is not None else None
+        return producer is not None and producer.next_start < p.cached_len
+
+    def _orphan(self, producer: str, *, failed: bool) -> None:
+        """``producer`` was aborted (its chunks in flight still run) or failed: the requests
+        promised its blocks whose first chunk is not taken fall back to their lease, unless
+        an aborted producer's chunk that ends their prefix is already running."""
+        for p in self._progress.values():
+            if p.after == producer and (failed or self._waits(p)):
+                p.cached_len = p.next_start = p.fallback
+                p.after = None
 
     def cut(self, request_id: str, position: int) -> None:
         """End a chunk of ``request_id`` at token ``position`` (not beyond it), when the
@@ -95,6 +130,7 @@ class WaveScheduler:
         if p is None:
             return True
         p.aborted = True
+        self._orphan(request_id, failed=False)
         if p.chunks_in_flight:
             return False
         del self._progress[request_id]
@@ -111,7 +147,10 @@ class WaveScheduler:
         return [
             UnscheduledWork(rid, p.next_start, min(p.cuts, default=p.end), p.cached_len)
             for rid, p in self._progress.items()
-            if not p.aborted and p.next_start < p.end and not (one_at_a_time and p.chunks_in_flight)
+            if not p.aborted
+            and p.next_start < p.end
+            and not (one_at_a_time and p.chunks_in_flight)
+            and not self._waits(p)
         ]
 
     def next_wave(self) -> Wave | None:
@@ -128,6 +167,7 @@ class WaveScheduler:
                 raise InvariantError(f"planner scheduled {c} out of order")
             p.next_start = c.end
             p.chunks_in_flight += 1
+            p.after = None  # the stages now need the promised blocks: no fallback
             p.cuts = {x for x in p.cuts if x > c.end}
         self._waves[wave.wave_id] = wave
         return wave
@@ -156,6 +196,7 @@ class WaveScheduler:
             p.chunks_in_flight -= 1
             if c.request_id in failed:
                 p.aborted = True
+                self._orphan(c.request_id, failed=True)
             if not p.aborted and c.end < p.end:
                 computed.append((c.request_id, c.end))
             if p.chunks_in_flight > 0:

@@ -130,7 +130,8 @@ class Leader:
 
     The engine reaches the core only through ``enqueue`` / ``abort`` / ``check_fits`` /
     ``counts``, which take the lock and wake the threads. ``on_result`` / ``on_verdicts`` /
-    ``on_dead`` are the engine's callbacks (called without the lock held); ``answer_local``
+    ``on_started`` (each first chunk's start: the tokens really reused) / ``on_dead`` are the
+    engine's callbacks (called without the lock held); ``answer_local``
     is stage 0's own reply to a round. A request's top-k, KV destination and traceparent
     are handed over once, at ``enqueue``; the core keeps them for the wave headers (the
     first two go to the stages once, with the first chunk: ``wave_header``), so this lock
@@ -146,6 +147,7 @@ class Leader:
         on_result: Callable[[WaveResult], None],
         on_verdicts: Callable[[list[AdmissionVerdict], float], None],
         on_dead: Callable[[str], None],
+        on_started: Callable[[list[tuple[str, int]]], None],
     ):
         self.config = config
         self._core = core
@@ -155,6 +157,7 @@ class Leader:
         self._on_result = on_result
         self._on_verdicts = on_verdicts
         self._on_dead = on_dead
+        self._on_started = on_started
         self._controls: queue.SimpleQueue[tuple[RoundMessage, Future[list[Any]]]] = (
             queue.SimpleQueue()
         )
@@ -303,6 +306,7 @@ class Leader:
         runs one admission round itself, so admission and execution alternate on this thread."""
         on_loop = self.config.policy is not PolicyKind.WAVE
         last_round = time.monotonic()
+        header = None
         while True:
             if on_loop:
                 self._serve_controls()
@@ -317,10 +321,15 @@ class Leader:
                 if not self._stopping:  # the core keeps the ring (policy.ring_size)
                     header = wave_header(self._core)
                     if header is not None:
-                        return header
+                        break
                 if on_loop and self._core.has_round_work():
                     continue
                 self._lock.wait(timeout=0.05 if on_loop else self.config.tick_s)
+        if header is not None:
+            starts = [(c.request_id, c.start) for c in header.chunks if c.options is not None]
+            if starts:  # where each request really starts (a promise may have fallen back)
+                self._on_started(starts)
+            return header
         if on_loop and not self._dead:
             self._serve_controls()
             self._round(RoundMessage(RoundKind.STOP))

@@ -140,6 +140,7 @@ class LeaderEngine:
             on_result=self._on_result,
             on_verdicts=self._on_verdicts,
             on_dead=self._on_dead,
+            on_started=self._on_started,
         )
         wait_limit = self._kv_handoff.wait_limit_s + 2.0 if self._kv_handoff else 60.0
         self._handoffs = LeaderHandoffs(
@@ -389,10 +390,19 @@ class LeaderEngine:
                 elif (req := self._requests.get(out.request_id)) is not None:
                     req.t_admitted = now
                     req.admission_s = round_s
-                    req.cached_tokens = out.cached_tokens
+                    if not req.started:  # else its first chunk said where it starts
+                        req.cached_tokens = out.cached_tokens
         for req, error in refused:
             if req is not None:
                 settle_future(req.future, error=error)
+
+    def _on_started(self, starts: list[tuple[str, int]]) -> None:
+        """Requests whose first chunk went into a wave, with where it starts: the tokens they
+        reuse (their admission's figure, unless a promised prefix fell back to the lease)."""
+        with self._requests.cond:
+            for rid, start in starts:
+                if (req := self._requests.get(rid)) is not None:
+                    req.cached_tokens, req.started = start, True
 
     def _on_result(self, result: WaveResult) -> None:
         now = time.monotonic()

@@ -56,6 +56,7 @@ class LeaderRequest:
     t_admitted: float = 0.0
     admission_s: float = 0.0
     cached_tokens: int = 0
+    started: bool = False  # its first chunk is in a wave (``cached_tokens`` is final)
     # what the waves brought back
     manifests: dict[int, StageKVManifest] = field(default_factory=dict)
     output: RequestOutput | None = None
