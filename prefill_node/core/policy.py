@@ -68,8 +68,8 @@ class Policy:
     pipelined_chunks: bool  # may a request have chunks in several in-flight waves
     fragment_rule: bool
     max_round_requests: int = 32
-    # admission waits for a prefix an admitted request is computing (CoordinatorConfig);
-    # an admission mechanism, not WavePP's: both policies have it
+    # admission shares a prefix an admitted request is computing, promised or waited for
+    # (CoordinatorConfig); an admission mechanism, not WavePP's: every policy has it
     share_inflight_prefix: bool = True
 
     def __post_init__(self) -> None:
