@@ -35,14 +35,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(PIPELINE_HF["vocab_size"]) for _ in range(n)]
 
 
-def _local() -> LocalEngine:
+def _local(policy: str = "sync-admission", num_blocks: tuple[int, ...] = BLOCKS) -> LocalEngine:
     model = ModelConfig.from_hf_config(PIPELINE_HF, name="tiny-grpc-pipeline")
     config = EngineConfig(
         stages=2,
-        num_blocks=BLOCKS,
+        num_blocks=num_blocks,
         block_size=4,
         max_wave_tokens=CHUNK,
-        policy="sync-admission",
+        policy=policy,
         debug_wave_delay_s=DELAY_S,
     )
     return LocalEngine.from_weights(model, random_weights(model, seed=11), config)
@@ -149,7 +149,7 @@ def test_a_burst_sharing_a_prefix_being_computed_matches_cold_runs_on_both_engin
     """The promised prefix's KV is the producer's, read by the waiters on every stage: their
     first tokens and top tokens equal each prompt's cold run, the prefix counts as cached,
     and both engines agree block for block."""
-    local = _local_wave()
+    local = _local("wave")
     try:
         expected = _burst(local)
         cold = _burst(local, salt="cold")
@@ -171,33 +171,12 @@ def test_a_burst_sharing_a_prefix_being_computed_matches_cold_runs_on_both_engin
     assert all(_same_top(g[2], e[2]) for g, e in zip(got, expected, strict=True))
 
 
-def _local_wave() -> LocalEngine:
-    model = ModelConfig.from_hf_config(PIPELINE_HF, name="tiny-grpc-pipeline")
-    config = EngineConfig(
-        stages=2,
-        num_blocks=BLOCKS,
-        block_size=4,
-        max_wave_tokens=CHUNK,
-        debug_wave_delay_s=DELAY_S,
-    )
-    return LocalEngine.from_weights(model, random_weights(model, seed=11), config)
-
-
 def test_a_waiter_whose_producer_is_aborted_computes_the_prefix_and_reports_it() -> None:
     """a computes a 40-token prefix one chunk at a time (``sync-admission``: one chunk of a
     request in flight); b is promised it; a is aborted before its chunk ending the prefix
     was scheduled, so b starts at its lease instead: it computes the rest of the prefix
     itself, answers as its cold run does and reports only its lease as cached."""
-    model = ModelConfig.from_hf_config(PIPELINE_HF, name="tiny-grpc-pipeline")
-    config = EngineConfig(
-        stages=2,
-        num_blocks=(64, 64),
-        block_size=4,
-        max_wave_tokens=CHUNK,
-        policy="sync-admission",
-        debug_wave_delay_s=DELAY_S,
-    )
-    engine = LocalEngine.from_weights(model, random_weights(model, seed=11), config)
+    engine = _local(num_blocks=(64, 64))
     try:
         shared = _prompt(40, 8)
         fa = engine.submit(shared + _prompt(8, 30), PrefillOptions("a"))
