@@ -13,11 +13,22 @@ import json
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
-from kv_transfer.errors import DecodeUnreachable, InvalidTransferRequest, TransferTimeout
+from kv_transfer.errors import (
+    DecodeUnreachable,
+    InvalidTransferRequest,
+    TransferFailed,
+    TransferTimeout,
+)
 from kv_transfer.layout import KVLayout
+from kv_transfer.messages import Notification, StageManifest
+
+if TYPE_CHECKING:
+    from kv_transfer.agent import KVAgent
 
 PATH = "/kv/v1/agent"
 
@@ -162,3 +173,47 @@ def fetch_peer(endpoint: str, timeout_s: float) -> PeerInfo:
     if response.status != 200:
         raise DecodeUnreachable(f"peer {endpoint} answered HTTP {response.status}")
     return PeerInfo.from_json(body)
+
+
+class LeasePeers:
+    """The stage agents a pulling side READs from, by metadata endpoint, and the
+    notifications it sends to their leases ("hb", "rel").
+
+    ``peer`` handshakes when the agent known at an endpoint is another one: a stage
+    restarted at the same address is a new agent (names are unique per start), and the old
+    one's metadata is forgotten, so the first pull after a restart succeeds."""
+
+    def __init__(self, agent: KVAgent, handshake_timeout_s: float) -> None:
+        self.agent = agent
+        self.handshake_timeout_s = handshake_timeout_s
+        self._peers: dict[str, PeerInfo] = {}
+
+    def peer(self, endpoint: str, agent_name: str) -> PeerInfo:
+        """The peer agent ``agent_name`` at ``endpoint`` (loaded into the agent);
+        TransferFailed when the endpoint serves another agent."""
+        peer = self._peers.get(endpoint)
+        if peer is not None and peer.agent_name == agent_name:
+            return peer
+        fresh = fetch_peer(endpoint, self.handshake_timeout_s)
+        if peer is not None:
+            del self._peers[endpoint]
+            if peer.agent_name != fresh.agent_name:
+                self.agent.forget_remote(peer.agent_name)
+        if fresh.agent_name != agent_name:
+            raise TransferFailed(f"{endpoint} is {fresh.agent_name}, not {agent_name}")
+        self.agent.load_remote(fresh.agent_name, fresh.metadata)
+        self._peers[endpoint] = fresh
+        return fresh
+
+    def notify(self, manifests: Sequence[StageManifest], kind: str) -> None:
+        """Send ``kind`` to each manifest's lease whose agent is known here; best effort
+        (an unsent "rel" or "hb" ends in the lease's expiry)."""
+        for m in manifests:
+            peer = self._peers.get(m.endpoint)
+            if peer is not None and peer.agent_name == m.agent_name:
+                try:
+                    self.agent.nixl.send_notif(
+                        m.agent_name, Notification(kind, lease_id=m.lease_id).encode()
+                    )
+                except Exception:  # noqa: BLE001 - best effort: the lease expires anyway
+                    self._peers.pop(m.endpoint, None)

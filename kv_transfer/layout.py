@@ -199,6 +199,21 @@ class KVLayout:
             return self.regions[layer - self.layer_start]
         return self.regions[self.paged_layers.index(layer)]
 
+    def restrict(self, layer_start: int, layer_end: int) -> KVLayout:
+        """This pool's layers ``[layer_start, layer_end)`` only (a pool without recurrent
+        layers): a transfer between pools whose layer ranges only overlap moves the
+        overlap."""
+        if self.hybrid:
+            raise InvalidTransferRequest("a pool with recurrent layers cannot be restricted")
+        if not self.covers(layer_start, layer_end) or layer_start >= layer_end:
+            raise InvalidTransferRequest(
+                f"[{layer_start}, {layer_end}) is not a layer range inside "
+                f"[{self.layer_start}, {self.layer_end})"
+            )
+        first = layer_start - self.layer_start
+        regions = self.regions[first : first + layer_end - layer_start] if self.regions else ()
+        return replace(self, layer_start=layer_start, layer_end=layer_end, regions=regions)
+
     def states_of(self, layer_start: int, layer_end: int) -> tuple[StateRegion, ...]:
         return tuple(s for s in self.states if layer_start <= s.layer < layer_end)
 

@@ -29,7 +29,7 @@ from kv_transfer.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from kv_transfer.handshake import MetadataServer, PeerInfo, fetch_peer
+from kv_transfer.handshake import LeasePeers, MetadataServer, PeerInfo
 from kv_transfer.layout import HybridPool
 from kv_transfer.messages import Notification, PushDestination, StageManifest, TransferOutcome
 from kv_transfer.plan import PageMap, last_token_blocks
@@ -113,7 +113,7 @@ class KVReceiver:
         self._by_request: dict[str, str] = {}  # request id -> transfer id
         # by metadata endpoint: the agent answering there now (a restarted stage comes back
         # at the same address under a new agent name; see ``_peer``)
-        self._peers: dict[str, PeerInfo] = {}
+        self._peers = LeasePeers(agent, config.handshake_timeout_s)
         self._unclaimed: list[TransferOutcome] = []
         self._ids = itertools.count()
         self.ignored_notifications = 0
@@ -331,7 +331,7 @@ class KVReceiver:
         local_pages = PageMap(pending.block_ids, self.layout.block_size, skip_tokens)
         try:
             for m in manifests:
-                peer = self._peer(m.endpoint, m.agent_name)
+                peer = self._peers.peer(m.endpoint, m.agent_name)
                 read = start_transfer(
                     self.agent,
                     "READ",
@@ -348,40 +348,10 @@ class KVReceiver:
                 )
                 pending.reads[m.stage] = (read, m)
                 if read.num_bytes == 0:  # nothing to read rode no notification: release now
-                    self._send_to_leases([m], "rel")
+                    self._peers.notify([m], "rel")
                 pending.layers[m.stage] = (m.layout.layer_start, m.layout.layer_end)
         except KVTransferError as exc:
             self._end(pending, exc, self._unclaimed, manifests)
-
-    def _peer(self, endpoint: str, agent_name: str) -> PeerInfo:
-        """The peer agent ``agent_name`` at ``endpoint``, handshaking when the agent known
-        there is another one: a stage restarted at the same address is a new agent (names
-        are unique per start), and the old one's metadata is forgotten, so the first pull
-        after a restart succeeds. TransferFailed when the endpoint serves another agent."""
-        peer = self._peers.get(endpoint)
-        if peer is not None and peer.agent_name == agent_name:
-            return peer
-        fresh = fetch_peer(endpoint, self.config.handshake_timeout_s)
-        if peer is not None:
-            del self._peers[endpoint]
-            if peer.agent_name != fresh.agent_name:
-                self.agent.forget_remote(peer.agent_name)
-        if fresh.agent_name != agent_name:
-            raise TransferFailed(f"{endpoint} is {fresh.agent_name}, not {agent_name}")
-        self.agent.load_remote(fresh.agent_name, fresh.metadata)
-        self._peers[endpoint] = fresh
-        return fresh
-
-    def _send_to_leases(self, manifests: Sequence[StageManifest], kind: str) -> None:
-        for m in manifests:
-            peer = self._peers.get(m.endpoint)
-            if peer is not None and peer.agent_name == m.agent_name:
-                try:
-                    self.agent.nixl.send_notif(
-                        m.agent_name, Notification(kind, lease_id=m.lease_id).encode()
-                    )
-                except Exception:  # noqa: BLE001 - best effort: the lease expires anyway
-                    self._peers.pop(m.endpoint, None)
 
     # ----------------------------------------------------------------- driving
     def poll(self) -> list[TransferOutcome]:
@@ -409,7 +379,7 @@ class KVReceiver:
                 if error is None and now - pending.last_heartbeat >= pending.heartbeat_every:
                     pending.last_heartbeat = now
                     live = [m for read, m in pending.reads.values() if not read.done]
-                    self._send_to_leases(live, "hb")
+                    self._peers.notify(live, "hb")
             if error is None and now >= pending.deadline:
                 error = TransferTimeout(
                     f"KV of {pending.request_id} incomplete after "
@@ -455,7 +425,7 @@ class KVReceiver:
             read.abort()
         if error is not None:
             unread = list(manifests) or [m for read, m in pending.reads.values() if not read.done]
-            self._send_to_leases(unread, "rel")
+            self._peers.notify(unread, "rel")
         outcomes.append(
             TransferOutcome(
                 pending.request_id, -1, num_bytes, self._clock() - pending.started, error

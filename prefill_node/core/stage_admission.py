@@ -396,6 +396,47 @@ class StageAdmission:
         """Block references streamed KV WRITEs hold now."""
         return sum(self._transfer_pins.values())
 
+    # ---- prefix fetch: blocks copied from another pipeline -------------------------
+
+    def begin_fetch(self, spec: RequestSpec) -> BlockTable | None:
+        """Hold room for a prefix another pipeline holds (``spec``: whole blocks of it, under
+        an id of its own) as a request of its own: lease what this stage holds of it, escrow
+        the rest and materialise the blocks after the lease for the copy to land in (their
+        KV is garbage until then; nothing else can lease them). None when this stage holds
+        the whole prefix already, has no room under its admission cap, or resumes only at
+        recurrent-state snapshots (a copy does not carry them): nothing is held then.
+        ``end_fetch`` caches the blocks or gives them back."""
+        size = self.config.block_size
+        if spec.num_tokens % size or self._needs_snapshot:
+            return None
+        prompt = PromptBlocks(spec, size)
+        if prompt.num_blocks > self.config.num_blocks:
+            return None
+        self._register(prompt)
+        reserved = self._reserve(ReserveOrder(spec.request_id), blocked=False)
+        start = reserved.confirmed_blocks * size
+        if reserved.status is not ReserveStatus.OK or start >= spec.num_tokens:
+            self.abort(spec.request_id)
+            return None
+        self._commit(CommitOrder(spec.request_id, reserved.confirmed_blocks))
+        table = self.materialise(spec.request_id, start, spec.num_tokens - start)
+        if isinstance(table, StageStateMismatch):
+            self.abort(spec.request_id)
+            raise InvariantError(f"stage {self.stage}: fetch of {spec.request_id!r}: {table}")
+        return table
+
+    def end_fetch(self, request_id: str, landed: bool) -> int:
+        """The copy ``begin_fetch`` made room for ended: ``landed`` caches its blocks as if
+        this stage had computed them (KV events, reuse and eviction as usual), else they go
+        back unhashed. Returns the blocks cached."""
+        if not landed:
+            self.abort(request_id)
+            return 0
+        done = self.complete(request_id)
+        if isinstance(done, StageStateMismatch):
+            raise InvariantError(f"stage {self.stage}: fetch of {request_id!r}: {done}")
+        return done.cached_blocks
+
     def abort(self, request_id: str) -> bool:
         """Drop whatever this stage holds for the request (any state); False if nothing."""
         known = self._prompts.pop(request_id, None) is not None

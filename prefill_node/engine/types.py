@@ -149,6 +149,27 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class PrefixFetchResult:
+    """A prefix copied from another pipeline's stages (``Engine.fetch_prefix``).
+
+    ``copied_blocks``: per stage, the blocks it READ and cached (0: it held them all, had no
+    room, or its copy failed); ``bytes_read`` over all stages; ``read_s``: the slowest
+    stage's copy; ``errors``: each failed stage's cause (empty: none failed). Whatever a
+    stage copied is cached like computed blocks; a request then reuses what every stage
+    holds.
+    """
+
+    copied_blocks: tuple[int, ...]
+    bytes_read: int
+    read_s: float
+    errors: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+@dataclass(frozen=True)
 class StageLoad:
     """Cache occupancy of one stage, in blocks, as GetLoad and the router see it:
     ``free + cached + used == total``, where ``used`` counts blocks referenced or escrowed

@@ -64,12 +64,21 @@ from functools import partial
 from typing import NamedTuple, Protocol
 
 from kv_transfer.agent import KVAgent
-from kv_transfer.errors import InvalidTransferRequest, KVInvariantError, KVTransferError
+from kv_transfer.errors import (
+    InvalidTransferRequest,
+    KVInvariantError,
+    KVTransferError,
+    TransferTimeout,
+)
+from kv_transfer.fetch import start_fetch, wait_fetch
+from kv_transfer.handshake import LeasePeers, split_endpoint
 from kv_transfer.lease import PullLease, ReleaseReason
-from kv_transfer.messages import PushDestination, TransferOutcome
+from kv_transfer.messages import PushDestination, StageManifest, TransferOutcome
+from kv_transfer.plan import PageMap
 from kv_transfer.sender import KVSender
 from prefill_node import tracing
 from prefill_node.core.block import KVBlock
+from prefill_node.core.execution_results import BlockTable
 from prefill_node.core.stage_admission import FinalBlocks
 from prefill_node.engine.types import KVPullDestination, KVPushDestination, StageKVManifest
 from prefill_node.errors import InvalidKVDestinationError, InvariantError
@@ -81,6 +90,9 @@ from prefill_node.wire.kv_handoff import engine_manifest, hybrid_pool, stage_pus
 
 log = logging.getLogger(__name__)
 Destination = KVPushDestination | KVPullDestination
+# a prefix fetch's READs land at least this long before the source's leases expire (clock
+# skew between hosts, the release's own trip)
+LEASE_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -220,6 +232,7 @@ class StageKVHandoff:
         self._agent_name = agent_name
         # -- the hand-off thread's state ---------------------------------------------------
         self.sender: KVSender | None = None
+        self._sources: LeasePeers | None = None  # other pipelines' stages it fetched from
         self._pushing: dict[str, _Held] = {}  # request id -> blocks of an in-flight WRITE
         self._leased: dict[str, tuple[str, list[KVBlock]]] = {}  # lease id -> (request, blocks)
         self._outcomes: dict[str, HandoffOutcome] = {}  # not yet reported
@@ -349,6 +362,26 @@ class StageKVHandoff:
 
         return after_layer
 
+    def fetch(
+        self, manifests: Sequence[StageManifest], table: BlockTable, lease_expiry_unix_s: float
+    ) -> Future:
+        """READ this stage's layers of tokens ``[table.start, table.end)`` of a prefix another
+        pipeline's stages hold under pull leases (``manifests``, one per stage there) into
+        ``table``'s blocks. Runs on the hand-off thread, which it holds until every READ
+        landed or was aborted (at most ``transfer_timeout_s``), so no READ is left writing
+        into the blocks once the future is done. Every READ must land ``LEASE_MARGIN_S``
+        before the leases expire (wall clock, ``lease_expiry_unix_s``): after that the
+        source may reuse the blocks. Result: the bytes read; a KVTransferError (e.g.
+        DestinationNotAllowed for a source outside ``allow``, TransferTimeout) when they
+        did not land in time. The leases stay held: ``release_sources`` once every stage is
+        done."""
+        return self._call(partial(self._fetch, tuple(manifests), table, lease_expiry_unix_s))
+
+    def release_sources(self, manifests: Sequence[StageManifest]) -> Future:
+        """Release the other pipeline's leases of a fetch (best effort: an unsent release
+        ends in the lease's expiry)."""
+        return self._call(partial(self._release_sources, tuple(manifests)))
+
     def cancel(self, request_id: str) -> None:
         """Abort the request's WRITE or revoke its lease here (no-op when none); async."""
         self._call(partial(self._cancel, request_id))
@@ -433,6 +466,42 @@ class StageKVHandoff:
             on_part_end=self._on_part_end,
             hybrid=hybrid_pool(kv),  # a hybrid model's recurrent layers ship their state
         )
+        self._sources = LeasePeers(self.sender.agent, config.handshake_timeout_s)
+
+    def _fetch(
+        self, manifests: tuple[StageManifest, ...], table: BlockTable, lease_expiry_unix_s: float
+    ) -> int:
+        left = lease_expiry_unix_s - time.time() - LEASE_MARGIN_S
+        if left <= 0:
+            raise TransferTimeout("the source's leases expire before a copy could land")
+        sender, sources = self._sender(), self._sources
+        if sources is None:
+            raise InvariantError(f"stage {self.stage}: the KV hand-off is not running")
+        allow = self.config.allow
+        for m in manifests:
+            host_ok = allow.check_host(split_endpoint(m.endpoint)[0])
+            allow.check_agent(host_ok, m.agent_name)
+        reads = start_fetch(
+            sender.agent,
+            sources,
+            self._kv.tensors,
+            sender.layout,
+            PageMap(table.block_ids, sender.layout.block_size),
+            manifests,
+            table.start,
+            table.end,
+        )
+        wait_fetch(reads, min(self.config.transfer_timeout_s, left))
+        return sum(read.num_bytes for read in reads)
+
+    def _release_sources(self, manifests: tuple[StageManifest, ...]) -> None:
+        if self._sources is not None:
+            for m in manifests:  # a source this stage did not read from is known now
+                try:
+                    self._sources.peer(m.endpoint, m.agent_name)
+                except KVTransferError:
+                    continue  # gone or restarted: its lease went with it
+            self._sources.notify(manifests, "rel")
 
     def _sender(self) -> KVSender:
         if self.sender is None:

@@ -189,12 +189,18 @@ class Leader:
     ) -> None:
         """Queue a request for admission with what its chunks carry (NeverFitsError or
         DuplicateRequestError raise here)."""
-        spec = RequestSpec(request_id, token_ids, ExtraKeys(self.config.model_id, salt))
+        spec = self.request_spec(request_id, token_ids, salt)
         with self._lock:
             rejected = self._core.enqueue(spec, options)
             if rejected is not None:
                 raise NeverFitsError(f"the prompt can never fit: {rejected.reason}")
             self._lock.notify_all()
+
+    def request_spec(
+        self, request_id: str, token_ids: tuple[int, ...], salt: str | None
+    ) -> RequestSpec:
+        """The stages' view of a prompt: its tokens and what it may share blocks with."""
+        return RequestSpec(request_id, token_ids, ExtraKeys(self.config.model_id, salt))
 
     def abort(self, request_id: str) -> bool:
         """Drop the request from the schedule (deferred while a chunk of it is in flight);

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kv_transfer.errors import KVTransferError
 from prefill_node.core.hashing import model_cache_id
 from prefill_node.core.kv_event_aggregator import StageEvents
 from prefill_node.engine.types import (
@@ -34,6 +35,7 @@ from prefill_node.engine.types import (
     EngineLoad,
     PrefillOptions,
     PrefillResult,
+    PrefixFetchResult,
     StageKVManifest,
     StageLoad,
 )
@@ -64,6 +66,8 @@ from prefill_node.runtime.leader_request import (
     trace_request,
 )
 from prefill_node.runtime.messages import (
+    FetchOrder,
+    FetchReply,
     RequestOptions,
     RoundKind,
     RoundMessage,
@@ -73,6 +77,7 @@ from prefill_node.runtime.messages import (
 from prefill_node.runtime.planes import Planes
 from prefill_node.runtime.spec import PipelineSpec
 from prefill_node.runtime.stage_worker import StageCompute, StageWorker
+from prefill_node.wire.kv_handoff import wire_manifest
 
 if TYPE_CHECKING:
     from prefill_node.kv_handoff.config import KVHandoffConfig
@@ -120,6 +125,7 @@ class LeaderEngine:
         self._closed = False
         self._leader: Leader | None = None
         self._worker: StageWorker | None = None
+        self._compute: Any = None  # stage 0's PipelineStageCompute (its KV agent fetches)
         self._last_stats: list[StageStats] = []
         self.model_config: Any = None
 
@@ -152,6 +158,7 @@ class LeaderEngine:
             on_deadline=self._expire,
             receive=planes.reports.recv,
         )
+        self._compute = compute
         self._worker = StageWorker(
             0,
             world_size,
@@ -363,6 +370,54 @@ class LeaderEngine:
         if self._dead is not None or self._closed or self._leader is None:
             raise UnavailableError(f"pipeline unavailable: {self._dead or 'shut down'}")
         return self._leader.control(RoundMessage(kind, payload)).result(timeout=timeout_s)
+
+    def fetch_prefix(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        manifests: Sequence[StageKVManifest],
+        timeout_s: float = 60.0,
+    ) -> PrefixFetchResult:
+        """Copy the prefix ``token_ids`` (whole blocks) from another pipeline, whose stages
+        hold it under pull leases (``manifests``: the stage manifests of a pull prefill of
+        exactly these tokens there, same model and ``cache_salt``). Every stage READs its
+        layers of the blocks it lacks from the stages there holding them, at once, and
+        caches them as if computed; a stage whose copy fails gives its blocks back (the
+        request then computes what it lacks). Admission rounds wait while it runs; waves go
+        on. The leases there are released at the end, whatever happened."""
+        if not manifests:
+            raise InvalidRequestError("a prefix fetch needs the source's stage manifests")
+        try:
+            wire = [wire_manifest(m, "fetch", len(manifests)) for m in manifests]
+        except KVTransferError as exc:
+            raise InvalidRequestError(f"bad source manifests: {exc}") from exc
+        try:
+            tokens = tuple(int(t) for t in token_ids)
+            size = self.spec.block_size
+            if not tokens or len(tokens) % size:
+                raise InvalidRequestError(
+                    f"a fetched prefix is whole {size}-token blocks, got {len(tokens)} tokens"
+                )
+            if any(m.num_tokens < len(tokens) for m in wire):
+                raise InvalidRequestError(
+                    "the source's manifests hold fewer tokens than the prefix"
+                )
+            leader = self._running_leader()
+            spec = leader.request_spec(f"fetch-{uuid.uuid4().hex}", tokens, cache_salt)
+            expiry = min(m.lease_expiry_unix_s for m in manifests)
+            replies: list[FetchReply] = self._control(
+                RoundKind.FETCH, FetchOrder(spec, tuple(wire), expiry), timeout_s
+            )
+        finally:  # the leases there end now, whatever happened here
+            if self._compute is not None and self._compute.handoff is not None:
+                self._compute.handoff.release_sources(wire)
+        replies.sort(key=operator.attrgetter("stage"))
+        return PrefixFetchResult(
+            tuple(r.cached_blocks for r in replies),
+            sum(r.bytes_read for r in replies),
+            max(r.read_s for r in replies),
+            tuple(f"stage {r.stage}: {r.error}" for r in replies if r.error),
+        )
 
     def stage_stats(self, timeout_s: float = 30.0) -> list[StageStats]:
         """Busy time, wave count and cache occupancy of every stage."""

@@ -118,7 +118,32 @@ class RoundKind(enum.Enum):
     CHECK = "check"  # run check_integrity(); reply: None or the error text
     DUMP_KV = "dump_kv"  # payload: request id; reply: captured KV (tests only)
     KV_CANCEL = "kv_cancel"  # payload: request ids; abort their WRITEs / revoke their leases
+    FETCH = "fetch"  # payload: FetchOrder; reply: FetchReply
     STOP = "stop"  # leave the WAVE loop
+
+
+@dataclass(frozen=True)
+class FetchOrder:
+    """Copy a prefix another pipeline holds: ``spec`` is the prefix (whole blocks, under an
+    id of its own), ``manifests`` its stages' pull leases of it (one per stage there), the
+    first of which expires at ``lease_expiry_unix_s`` (wall clock)."""
+
+    spec: RequestSpec
+    manifests: tuple[Any, ...]  # kv_transfer.messages.StageManifest
+    lease_expiry_unix_s: float
+
+
+@dataclass(frozen=True)
+class FetchReply:
+    """One stage's part of a fetch: ``cached_blocks`` of the prefix it now holds (0 when it
+    held them all, had no room or the copy failed: ``error``), from ``start_token`` on."""
+
+    stage: int
+    start_token: int = 0
+    cached_blocks: int = 0
+    bytes_read: int = 0
+    read_s: float = 0.0
+    error: str = ""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from prefill_node.core.block_pool import BlockPool, PoolStats
 from prefill_node.core.execution_results import BlockTable, MismatchReason, StageStateMismatch
 from prefill_node.core.stage_admission import FinalBlocks, StageAdmission, StageConfig
 from prefill_node.engine.types import StageKVManifest
-from prefill_node.errors import InvariantError
+from prefill_node.errors import InvalidRequestError, InvariantError
 from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.kv_handoff.stage_handoff import (
     ChunkRange,
@@ -31,6 +31,8 @@ from prefill_node.model.partition import LayerRange
 from prefill_node.model.stage_model import StageModel
 from prefill_node.runtime.core_share import CoreShare
 from prefill_node.runtime.messages import (
+    FetchOrder,
+    FetchReply,
     RequestOptions,
     RequestOutput,
     StageEventBatch,
@@ -223,6 +225,29 @@ class PipelineStageCompute:
             reply = self.admission.handle(message)
             self._sweep_options()
             return reply
+
+    def fetch(self, order: FetchOrder) -> FetchReply:
+        """This stage's part of a prefix fetch (WAVE thread): hold room for the blocks it
+        lacks (``StageAdmission.begin_fetch``), READ its layers of them from the other
+        pipeline's stages (the hand-off thread), then cache them as if computed, or give
+        them back when the READ failed. Waves keep running meanwhile."""
+        rid = order.spec.request_id
+        with self._lock:
+            table = self.admission.begin_fetch(order.spec)
+        if table is None:
+            return FetchReply(self.stage)
+        landed, error, read, began = False, "", 0, time.perf_counter()
+        try:
+            if self.handoff is None:
+                raise InvalidRequestError("this stage has no KV agent (no --kv-handoff)")
+            read = self.handoff.fetch(order.manifests, table, order.lease_expiry_unix_s).result()
+            landed = True
+        except Exception as exc:  # the blocks go back; the request computes the prefix
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            with self._lock:
+                cached = self.admission.end_fetch(rid, landed)
+        return FetchReply(self.stage, table.start, cached, read, time.perf_counter() - began, error)
 
     def check(self) -> None:
         with self._lock:

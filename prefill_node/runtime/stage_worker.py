@@ -74,6 +74,8 @@ class StageCompute(Protocol):
 
     def kv_held(self) -> KVHeld: ...
 
+    def fetch(self, order: Any) -> Any: ...
+
 
 class StageWorker:
     """Runs a stage's LOOP and WAVE threads over its planes until a STOP arrives.
@@ -266,6 +268,8 @@ class StageWorker:
             return None
         if kind is RoundKind.DUMP_KV:
             return self._compute.dump_kv(message.payload)
+        if kind is RoundKind.FETCH:
+            return self._compute.fetch(message.payload)
         if kind is RoundKind.KV_CANCEL:
             self._compute.kv_cancel(tuple(message.payload))
             return None

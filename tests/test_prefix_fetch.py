@@ -1,0 +1,214 @@
+"""A pipeline fetches a prefix another pipeline holds, stage by stage over NIXL.
+
+Two in-process pipelines, each stage with its own NIXL agent. Pipeline A computes a prefix
+and holds it under pull leases (a pull prefill of the prefix and one more token); pipeline
+B's stages READ their layers of it (``LocalEngine.fetch_prefix``) and cache the blocks as if
+computed.
+Checked: the fetched KV is bit-identical to A's, B's next request on that prefix reuses it
+and its logits equal a cold prefill's (fp32 within 1e-4); block sizes and layer splits may
+differ; a source gone or a lease expired before the copy leaves B holding nothing of it
+(the request computes the prefix, exactly); A's leases end, and both pipelines' integrity
+checks pass, after every test.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from prefill_node.core.hashing import ExtraKeys
+from prefill_node.core.request import PromptBlocks, RequestSpec
+from prefill_node.engine.types import KVPullDestination, PrefillOptions
+from prefill_node.errors import InvalidRequestError
+from prefill_node.kv_handoff.config import KVHandoffConfig
+from prefill_node.model.reference import reference_forward
+from prefill_node.model.weights import random_weights
+from prefill_node.runtime.engine_config import EngineConfig
+from prefill_node.runtime.local_engine import LocalEngine
+from tests.tiny_models import tiny_llama
+
+pytestmark = pytest.mark.slow
+
+CONFIG = tiny_llama("tiny-llama")
+WEIGHTS = random_weights(CONFIG, seed=0)
+HANDOFF = KVHandoffConfig(transfer_timeout_s=5.0, handshake_timeout_s=1.0, lease_ttl_s=5.0)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
+
+
+def engine(block_size: int, layers: tuple[tuple[int, int], ...], num_blocks: int = 40):
+    config = EngineConfig(
+        stages=len(layers),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_wave_tokens=16,
+        layer_ranges=layers,
+        kv_handoff=HANDOFF,
+    )
+    return LocalEngine.from_weights(CONFIG, WEIGHTS, config)
+
+
+def used_blocks(e: LocalEngine) -> list[int]:
+    return [stage.used_blocks for stage in e.load().stages]
+
+
+def wait_idle(e: LocalEngine, timeout_s: float = 5.0) -> None:
+    """No block pinned and no lease held anywhere (leases end asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while any(used_blocks(e)) or any(e.kv_held_blocks()):
+        assert time.monotonic() < deadline, (used_blocks(e), e.kv_held_blocks())
+        time.sleep(0.01)
+    e.check_integrity()
+
+
+def cached_kv(e: LocalEngine, tokens: list[int], salt: str | None = None) -> torch.Tensor | None:
+    """The KV of every layer of ``tokens`` (whole blocks) as the pipeline's caches hold it,
+    ``[layers, 2, tokens, heads, dim]``, or None when a block is not cached on every stage."""
+    layers = []
+    for stage in e.stages:
+        size = stage.spec.block_size
+        extra = ExtraKeys(e.model_id, salt)
+        prompt = PromptBlocks(RequestSpec("probe", tuple(tokens), extra), size)
+        ids, parent = [], None
+        for block_hash, block_tokens in zip(prompt.hashes, prompt.token_blocks, strict=True):
+            block = stage.admission.pool.lookup(block_hash, parent, block_tokens, extra)
+            if block is None:
+                return None
+            ids.append(block.block_id)
+            parent = block_hash
+        for tensor in stage.kv.tensors:
+            blocks = tensor[torch.tensor(ids)]  # [blocks, 2, size, heads, dim]
+            layers.append(blocks.transpose(0, 1).reshape(2, -1, *blocks.shape[3:]))
+    return torch.stack(layers)
+
+
+def lease_prefix(source: LocalEngine, prefix: list[int], ttl_s: float | None = None):
+    """What a fetching pipeline gets from the source: a pull prefill of the prefix and one
+    more token (the prefix's blocks are then the cached ones, leased as they are; the
+    source computes one token)."""
+    options = PrefillOptions(kv_destination=KVPullDestination(lease_ttl_s=ttl_s))
+    return source.submit([*prefix, 0], options).result(timeout=30).stage_manifests
+
+
+@pytest.mark.parametrize(
+    "source_shape, target_shape",
+    [
+        ((4, ((0, 2), (2, 4))), (4, ((0, 2), (2, 4)))),  # the same pipeline shape
+        ((4, ((0, 2), (2, 4))), (8, ((0, 1), (1, 4)))),  # other block size, other split
+        ((8, ((0, 3), (3, 4))), (4, ((0, 4),))),  # one stage reading from two
+    ],
+    ids=["same", "block-size-and-split", "one-stage"],
+)
+def test_fetched_prefix_is_the_sources_kv_and_is_reused(source_shape, target_shape):
+    prefix, suffix = prompt_of(48, seed=1), prompt_of(7, seed=2)
+    a, b = engine(*source_shape), engine(*target_shape)
+    try:
+        a.submit(prefix + suffix, PrefillOptions()).result(timeout=30)  # A computed it
+        manifests = lease_prefix(a, prefix)
+        assert all(m.lease_id for m in manifests)
+
+        fetched = b.fetch_prefix(prefix, None, manifests)
+
+        assert fetched.ok, fetched.errors
+        size = target_shape[0]
+        assert fetched.copied_blocks == (len(prefix) // size,) * len(target_shape[1])
+        assert fetched.bytes_read > 0
+        assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))  # bit-identical
+        wait_idle(a)  # B released A's leases
+        wait_idle(b)
+
+        got = b.prefill(prefix + suffix, PrefillOptions())
+        want, _ = reference_forward(CONFIG, WEIGHTS, prefix + suffix)
+        assert got.result.cached_tokens == len(prefix)
+        assert got.result.computed_tokens == len(suffix)
+        torch.testing.assert_close(got.logits, want.float(), atol=1e-4, rtol=1e-4)
+        wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+    a.check_integrity()
+    b.check_integrity()
+
+
+def test_a_stage_fetches_only_what_it_lacks():
+    prefix = prompt_of(32, seed=3)
+    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
+    try:
+        b.submit(prefix[:16] + [1], PrefillOptions()).result(timeout=30)  # B holds 4 blocks
+        fetched = b.fetch_prefix(prefix, None, lease_prefix(a, prefix))
+        assert fetched.copied_blocks == (4, 4)
+        assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))
+        again = b.fetch_prefix(prefix, None, lease_prefix(a, prefix))  # B holds it all
+        assert again.copied_blocks == (0, 0) and again.bytes_read == 0 and again.ok
+        wait_idle(a)
+        wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_source_gone_before_the_copy_caches_nothing_and_the_request_computes():
+    prefix, suffix = prompt_of(32, seed=4), prompt_of(5, seed=5)
+    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
+    try:
+        manifests = lease_prefix(a, prefix)
+        a.shutdown()  # its agents and leases are gone
+        fetched = b.fetch_prefix(prefix, None, manifests)
+        assert not fetched.ok and len(fetched.errors) == 2
+        assert fetched.copied_blocks == (0, 0)
+        assert cached_kv(b, prefix) is None
+        wait_idle(b)
+        got = b.prefill(prefix + suffix, PrefillOptions())
+        want, _ = reference_forward(CONFIG, WEIGHTS, prefix + suffix)
+        assert got.result.cached_tokens == 0
+        torch.testing.assert_close(got.logits, want.float(), atol=1e-4, rtol=1e-4)
+        wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+    a.check_integrity()
+    b.check_integrity()
+
+
+def test_an_expired_lease_is_never_read():
+    """After its lease expired the source may reuse the blocks: B must not read them."""
+    prefix = prompt_of(32, seed=6)
+    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
+    try:
+        manifests = lease_prefix(a, prefix, ttl_s=0.3)
+        wait_idle(a)  # expired: A unpinned the blocks
+        fetched = b.fetch_prefix(prefix, None, manifests)
+        assert not fetched.ok and all("expire" in e for e in fetched.errors)
+        assert fetched.copied_blocks == (0, 0) and fetched.bytes_read == 0
+        assert cached_kv(b, prefix) is None
+        wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_bad_fetches_are_refused_before_any_stage_moves():
+    prefix = prompt_of(32, seed=7)
+    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
+    try:
+        manifests = lease_prefix(a, prefix)
+        with pytest.raises(InvalidRequestError, match="whole 4-token blocks"):
+            b.fetch_prefix(prefix[:30], None, manifests)
+        with pytest.raises(InvalidRequestError, match="fewer tokens"):
+            b.fetch_prefix(prefix + prompt_of(8, seed=8), None, manifests)
+        # a prefix under another tenant's salt is cached under that salt only
+        fetched = b.fetch_prefix(prefix, "tenant-b", manifests)
+        assert fetched.ok
+        assert cached_kv(b, prefix) is None
+        assert torch.equal(cached_kv(b, prefix, "tenant-b"), cached_kv(a, prefix))
+        wait_idle(a)
+        wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
