@@ -13,12 +13,15 @@ checks pass, after every test.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
+import grpc
 import pytest
 import torch
 
+from prefill_node.client.prefill_client import build_request
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import PromptBlocks, RequestSpec
 from prefill_node.engine.types import KVPullDestination, PrefillOptions
@@ -26,9 +29,12 @@ from prefill_node.errors import InvalidRequestError
 from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
+from prefill_node.runtime.dist_env import free_local_port as free_port
 from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.local_engine import LocalEngine
+from tests.grpc_harness import ServerThread
 from tests.tiny_models import tiny_llama
+from wavepp_proto.prefill.v1 import prefill_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -212,3 +218,84 @@ def test_bad_fetches_are_refused_before_any_stage_moves():
     finally:
         a.shutdown()
         b.shutdown()
+
+
+# ---- over the prefill API: a request's prefix_source ------------------------------------
+
+
+def fetch_request(prompt: list[int], source: str, count: int, **kw):
+    request = build_request(prompt, top_logprobs=3, **kw)
+    request.prefix_source.address = source
+    request.prefix_source.num_tokens = count
+    return request
+
+
+@contextlib.contextmanager
+def channel(target: str):
+    with grpc.insecure_channel(target) as chan:
+        yield prefill_pb2_grpc.PrefillServiceStub(chan)
+
+
+def fetch_counts(server: ServerThread) -> dict[str, int]:
+    return dict(server.server.metrics.fetches)
+
+
+def test_prefix_source_copies_the_prefix_before_the_prefill():
+    prefix, suffix = prompt_of(40, seed=9), prompt_of(6, seed=10)
+    a, b = engine(4, ((0, 2), (2, 4))), engine(8, ((0, 1), (1, 4)))
+    try:
+        with ServerThread(a) as sa, ServerThread(b) as sb, channel(sb.target) as client:
+            a.submit(prefix + [3], PrefillOptions()).result(timeout=30)  # A holds the prefix
+            cold = a.prefill(prefix + suffix, PrefillOptions(cache_salt="cold"))
+
+            answer = client.Prefill(fetch_request(prefix + suffix, sa.target, 40))
+
+            assert answer.fetched_tokens == 40 and answer.timings.fetch_seconds > 0
+            assert answer.cached_tokens == 40 and answer.computed_tokens == len(suffix)
+            assert answer.first_token_id == int(cold.logits.argmax())
+            assert fetch_counts(sb)["copied"] == 1
+            assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))
+
+            again = client.Prefill(fetch_request(prefix + suffix, sa.target, 40))
+            assert again.fetched_tokens == 0 and again.cached_tokens == 40
+            assert fetch_counts(sb)["held"] == 1
+
+            # a source that is gone: counted, logged, and the request computes its prefix
+            other = prompt_of(24, seed=11)
+            lost = client.Prefill(fetch_request(other, f"127.0.0.1:{free_port()}", 16))
+            assert lost.fetched_tokens == 0 and lost.cached_tokens == 0
+            assert fetch_counts(sb)["failed"] == 1
+
+            # the caller's mistakes are INVALID_ARGUMENT, and nothing was asked of A
+            for count in (12, len(other), 0):
+                with pytest.raises(grpc.RpcError) as err:
+                    client.Prefill(fetch_request(other, sa.target, count))
+                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "prefix_source" in err.value.details()
+            wait_idle(a)
+            wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_source_serving_another_model_is_never_read():
+    prefix = prompt_of(32, seed=12)
+    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
+    other = LocalEngine.from_weights(
+        tiny_llama("another-model"),
+        WEIGHTS,
+        EngineConfig(stages=1, num_blocks=40, block_size=4, kv_handoff=HANDOFF),
+    )
+    try:
+        with ServerThread(other) as so, ServerThread(b) as sb, channel(sb.target) as client:
+            other.submit(prefix + [1], PrefillOptions()).result(timeout=30)
+            answer = client.Prefill(fetch_request(prefix + [2, 3], so.target, 32))
+            assert answer.fetched_tokens == 0 and answer.cached_tokens == 0
+            assert fetch_counts(sb) == {"copied": 0, "held": 0, "failed": 1}
+            assert other.kv_held_blocks() == (0,)  # not even a lease was taken there
+            wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+        other.shutdown()

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kv_transfer.allowlist import AllowList
 from kv_transfer.errors import KVTransferError
 from prefill_node.core.hashing import model_cache_id
 from prefill_node.core.kv_event_aggregator import StageEvents
@@ -226,6 +227,11 @@ class LeaderEngine:
     def max_model_len(self) -> int:
         limit = int(self.model_config.max_position_embeddings)
         return limit if self.spec.max_model_len is None else min(limit, self.spec.max_model_len)
+
+    @property
+    def kv_allow(self) -> AllowList | None:
+        """Hosts and agents this pipeline's stages exchange KV with (None: no KV agents)."""
+        return self._kv_handoff.allow if self._kv_handoff is not None else None
 
     @property
     def cache_identity(self) -> CacheIdentity:

@@ -32,6 +32,7 @@ OUTCOMES = (
     "cancelled",
     "internal",
 )
+FETCH_OUTCOMES = ("copied", "held", "failed")
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
@@ -156,7 +157,21 @@ class _RequestCollector(Collector):
         tokens.add_metric(["cached"], m.cached_tokens)
         tokens.add_metric(["computed"], m.computed_tokens)
         yield tokens
-        for histogram in (m.ttft, m.admission, m.queue):
+        fetches = CounterMetricFamily(
+            "wavepp_prefix_fetches",
+            "Prefixes asked to be copied from another pipeline (prefix_source), by outcome: "
+            "copied, held (every stage held it already), failed (computed instead)",
+            labels=["outcome"],
+        )
+        for outcome, count in list(m.fetches.items()):
+            fetches.add_metric([outcome], count)
+        yield fetches
+        fetched = CounterMetricFamily(
+            "wavepp_prefix_fetch_bytes", "KV bytes the stages READ from other pipelines"
+        )
+        fetched.add_metric([], m.fetch_bytes)
+        yield fetched
+        for histogram in (m.ttft, m.admission, m.queue, m.fetch):
             yield histogram.family()
 
 
@@ -182,6 +197,13 @@ class ServerMetrics:
         self.queue = _Histogram(
             "wavepp_queue_seconds", "Submit -> admitted per request", _LATENCY_BUCKETS
         )
+        self.fetches: dict[str, int] = dict.fromkeys(FETCH_OUTCOMES, 0)
+        self.fetch_bytes = 0
+        self.fetch = _Histogram(
+            "wavepp_prefix_fetch_seconds",
+            "Per prefix_source: asking the source pipeline and copying its blocks",
+            _LATENCY_BUCKETS,
+        )
         self.registry.register(_RequestCollector(self))
         if load is not None:
             self.registry.register(_EngineLoadCollector(load))
@@ -205,6 +227,11 @@ class ServerMetrics:
         self.ttft.observe(server_s)
         self.admission.observe(admission_s)
         self.queue.observe(queue_s)
+
+    def observe_fetch(self, outcome: str, bytes_read: int, seconds: float) -> None:
+        self.fetches[outcome] = self.fetches.get(outcome, 0) + 1
+        self.fetch_bytes += bytes_read
+        self.fetch.observe(seconds)
 
     def observe_failure(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

@@ -172,6 +172,7 @@ class PrefillServer:
         if self._server is not None:
             await self._server.stop(self._config.grace_s if grace_s is None else grace_s)
             self._server = None
+        await self.servicer.close_sources()
         self.servicer.close()
         self.metrics.close()
 

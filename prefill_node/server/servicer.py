@@ -33,12 +33,14 @@ from prefill_node import __version__, tracing
 from prefill_node.engine.types import Engine, PrefillOptions, PrefillResult, ScoreReport
 from prefill_node.errors import (
     DeadlineExceededError,
+    InvalidRequestError,
     RequestAbortedError,
 )
 from prefill_node.model.tokenizer import PromptTokenizer
 from prefill_node.server.kv_event_hub import KVEventHub
 from prefill_node.server.loop_bridge import LoopBridge
 from prefill_node.server.metrics import ServerMetrics
+from prefill_node.server.prefix_fetch import FetchOutcome, PrefixFetcher, PrefixFetching
 from prefill_node.wire.convert import (
     ModelLimits,
     ParsedRequest,
@@ -169,6 +171,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._kv_events = kv_events
         self._max_stream_inflight = max_stream_inflight
         self._bridge: LoopBridge | None = None  # engine futures -> the serving loop
+        self._fetcher = None  # a request's prefix_source (pipelines with KV agents only)
+        if self._forward is None and isinstance(engine, PrefixFetching):
+            self._fetcher = PrefixFetcher(engine, self._metrics, self._submit_pool)
         self._last_limits = ModelLimits(0, 0)
         self.ready = True
         self.not_ready_detail = ""
@@ -371,6 +376,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         return await self._bridge.watch(future)
 
+    async def close_sources(self) -> None:
+        """Close the channels to the pipelines prefixes were fetched from."""
+        if self._fetcher is not None:
+            await self._fetcher.close()
+
     def close(self) -> None:
         """Stop the submit pool; submits not yet started are dropped."""
         if self._submit_pool is not None:
@@ -441,6 +451,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if self._forward is not None:  # a router: the pipeline's response, passed on
                 relayed = await self._await_engine(parsed, self._forward(req, parsed, raw))
             else:
+                fetched = FetchOutcome(0, 0.0)
+                if parsed.prefix_source is not None and self._fetcher is not None:
+                    try:
+                        fetched = await self._fetcher.fetch(parsed)
+                    except InvalidRequestError as exc:
+                        raise _failure(request_id, exc) from exc
                 result = await self._await_engine(
                     parsed, self._run_engine(parsed.token_ids, parsed.options)
                 )
@@ -454,7 +470,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         echo = parsed.token_ids if parsed.from_text else ()
         if self._forward is None:
             self._metrics.observe_success(result, server_s)
-            return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
+            response = response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
+            if fetched.seconds:
+                response.fetched_tokens = fetched.tokens
+                response.timings.fetch_seconds = fetched.seconds
+            return response
         self._metrics.observe_response(relayed.response, server_s)
         tail = prefill_pb2.PrefillResponse(served_by=relayed.served_by, prompt_token_ids=echo)
         tail.timings.server_seconds = server_s

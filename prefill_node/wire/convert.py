@@ -60,6 +60,7 @@ class ParsedRequest:
     options: PrefillOptions  # deadline_s: monotonic, the earlier of timeout and call deadline
     from_text: bool  # True: echo token_ids in the response
     timeout_s: float | None  # relative: the earlier of the request's timeout and the call's
+    prefix_source: tuple[str, int] | None = None  # (address, tokens) to copy the prefix from
 
 
 def parse_request(
@@ -98,7 +99,16 @@ def parse_request(
         priority=req.priority,
         tenant=req.tenant_id or None,
     )
-    return ParsedRequest(token_ids, options, from_text, timeout_s)
+    source = None
+    if req.HasField("prefix_source"):
+        address, count = req.prefix_source.address, req.prefix_source.num_tokens
+        if not address or not 0 < count < len(token_ids):
+            raise InvalidRequestError(
+                "prefix_source needs an address and 0 < num_tokens < the prompt's "
+                f"{len(token_ids)} tokens, got {address!r} and {count}"
+            )
+        source = (address, count)
+    return ParsedRequest(token_ids, options, from_text, timeout_s, source)
 
 
 def _prompt_tokens(

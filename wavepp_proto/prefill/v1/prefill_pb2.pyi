@@ -28,7 +28,7 @@ class TextPrompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., system_prompt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "cache_salt", "top_logprobs", "kv_destination", "timeout", "priority", "tenant_id")
+    __slots__ = ("request_id", "token_ids", "text", "cache_salt", "top_logprobs", "kv_destination", "timeout", "priority", "tenant_id", "prefix_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class PrefillRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: TextPrompt
@@ -47,7 +48,16 @@ class PrefillRequest(_message.Message):
     timeout: _duration_pb2.Duration
     priority: int
     tenant_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[_Union[TextPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., kv_destination: _Optional[_Union[_kv_layout_pb2.KvDestination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[int] = ..., tenant_id: _Optional[str] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[_Union[TextPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., kv_destination: _Optional[_Union[_kv_layout_pb2.KvDestination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[int] = ..., tenant_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("address", "num_tokens")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    num_tokens: int
+    def __init__(self, address: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -58,21 +68,23 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
-    __slots__ = ("queue_seconds", "admission_seconds", "compute_seconds", "engine_seconds", "server_seconds")
+    __slots__ = ("queue_seconds", "admission_seconds", "compute_seconds", "engine_seconds", "server_seconds", "fetch_seconds")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     admission_seconds: float
     compute_seconds: float
     engine_seconds: float
     server_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., admission_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., engine_seconds: _Optional[float] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+    fetch_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., admission_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., engine_seconds: _Optional[float] = ..., server_seconds: _Optional[float] = ..., fetch_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "top_logprobs", "prompt_tokens", "cached_tokens", "computed_tokens", "stage_manifests", "timings", "prompt_token_ids", "served_by")
+    __slots__ = ("request_id", "first_token_id", "top_logprobs", "prompt_tokens", "cached_tokens", "computed_tokens", "stage_manifests", "timings", "prompt_token_ids", "served_by", "fetched_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +95,7 @@ class PrefillResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -93,7 +106,8 @@ class PrefillResponse(_message.Message):
     timings: PrefillTimings
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     served_by: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., served_by: _Optional[str] = ...) -> None: ...
+    fetched_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., served_by: _Optional[str] = ..., fetched_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillError(_message.Message):
     __slots__ = ("code", "message")

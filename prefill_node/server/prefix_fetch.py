@@ -1,0 +1,155 @@
+"""A request's ``prefix_source``: copy its prefix from the pipeline that holds it, then prefill.
+
+A router that finds a prompt's prefix cached on a busy pipeline may send the request to
+another one with ``prefix_source`` (that pipeline's address, the prefix's length in whole
+blocks). Before submitting the request, this server:
+
+1. checks the source: its host on the KV allow-list (the stages READ from its agents,
+   whose names and hosts the stages check too), the same cache identity (model, dtype:
+   ``GetServerInfo``'s ``cache_model_id``, asked once per source address), a prefix of
+   whole blocks of this pipeline's block size;
+2. asks the source for a pull prefill of the prefix and the prompt's next token (the
+   source computes that one token; the prefix's blocks are leased as cached there);
+3. has every stage READ its layers of the blocks it lacks from the source's stages
+   (``Engine.fetch_prefix``), which release the leases at the end.
+
+Then the request is submitted as usual: admission finds the copied blocks cached on every
+stage. Whatever fails (source unreachable or another model, lease expired, a READ
+failed) is logged and counted (``wavepp_prefix_fetches{outcome="failed"}``) and the request
+computes what this pipeline lacks: a fetch never fails a request, and nothing runs on KV
+that did not land whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kv_transfer.allowlist import AllowList
+from kv_transfer.handshake import split_endpoint
+from prefill_node.client.prefill_client import AsyncPrefillClient
+from prefill_node.engine.types import (
+    CacheIdentity,
+    KVPullDestination,
+    PrefixFetchResult,
+    StageKVManifest,
+)
+from prefill_node.errors import InvalidRequestError
+from prefill_node.server.metrics import ServerMetrics
+from prefill_node.wire.convert import ParsedRequest
+
+log = logging.getLogger(__name__)
+
+SOURCE_TIMEOUT_S = 10.0  # the most a source's pull prefill may take (or the request's deadline)
+
+
+@runtime_checkable
+class PrefixFetching(Protocol):
+    """An engine whose stages can copy a prefix from another pipeline (``LeaderEngine``)."""
+
+    kv_allow: AllowList | None  # hosts and agents its stages exchange KV with
+
+    cache_identity: CacheIdentity
+
+    def fetch_prefix(
+        self,
+        token_ids: tuple[int, ...],
+        cache_salt: str | None,
+        manifests: tuple[StageKVManifest, ...],
+    ) -> PrefixFetchResult: ...
+
+
+@dataclass(frozen=True)
+class FetchOutcome:
+    """What one ``prefix_source`` gave: ``tokens`` copied (the prefix's length when every
+    stage now holds it from the copy, else 0) in ``seconds``."""
+
+    tokens: int
+    seconds: float
+
+
+class PrefixFetcher:
+    """Copies requests' prefixes from their sources for one server (its event loop)."""
+
+    def __init__(
+        self, engine: PrefixFetching, metrics: ServerMetrics, pool: Executor | None
+    ) -> None:
+        """``pool``: where the blocking calls run (None: the loop's default executor)."""
+        self._engine = engine
+        self._metrics = metrics
+        self._pool = pool
+        self._clients: dict[str, AsyncPrefillClient] = {}
+        self._identity: dict[str, str] = {}  # address -> the cache model id it serves
+
+    async def fetch(self, parsed: ParsedRequest) -> FetchOutcome:
+        """Copy ``parsed``'s prefix from its ``prefix_source`` (see the module contract).
+        InvalidRequestError for a prefix that is not whole blocks here (the caller's
+        fault); never raises for the source's or the copy's failures."""
+        if parsed.prefix_source is None:
+            return FetchOutcome(0, 0.0)
+        address, count = parsed.prefix_source
+        size = self._engine.cache_identity.block_size
+        if count % size:
+            raise InvalidRequestError(
+                f"prefix_source.num_tokens={count} is not a multiple of this pipeline's "
+                f"block size ({size})"
+            )
+        started = time.perf_counter()
+        outcome, copied, read = "failed", 0, 0
+        try:
+            result = await self._copy(parsed, address, count)
+            read = result.bytes_read
+            if not result.ok:
+                log.warning("prefix fetch from %s failed: %s", address, "; ".join(result.errors))
+            elif any(result.copied_blocks):
+                outcome, copied = "copied", count
+            else:
+                outcome = "held"
+        except Exception as exc:  # noqa: BLE001 - the request computes the prefix instead
+            log.warning("prefix fetch from %s failed: %s: %s", address, type(exc).__name__, exc)
+        seconds = time.perf_counter() - started
+        self._metrics.observe_fetch(outcome, read, seconds)
+        return FetchOutcome(copied, seconds)
+
+    async def _copy(self, parsed: ParsedRequest, address: str, count: int) -> PrefixFetchResult:
+        loop = asyncio.get_running_loop()
+        allow = self._engine.kv_allow
+        if allow is None:
+            raise ValueError("this pipeline has no KV agents (--kv-handoff)")
+        host = split_endpoint(address)[0]
+        if not await loop.run_in_executor(self._pool, allow.host_allowed, host):
+            raise ValueError(f"source host {host!r} is outside the KV allow-list")
+        identity = self._engine.cache_identity
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = AsyncPrefillClient(address)
+        timeout = SOURCE_TIMEOUT_S
+        if parsed.timeout_s is not None:
+            timeout = min(timeout, max(0.001, parsed.options.deadline_s - time.monotonic()))
+        served = self._identity.get(address)
+        if served is None:
+            served = (await client.server_info(timeout_s=timeout)).cache_model_id
+            self._identity[address] = served
+        if served != identity.model_id:
+            raise ValueError(f"the source serves {served!r}, this pipeline {identity.model_id!r}")
+        salt = parsed.options.cache_salt
+        remote = await client.prefill(
+            parsed.token_ids[: count + 1],
+            cache_salt=salt or "",
+            top_logprobs=0,
+            kv_destination=KVPullDestination(),
+            deadline_s=timeout,
+        )
+        manifests = remote.result.stage_manifests
+        return await loop.run_in_executor(
+            self._pool, self._engine.fetch_prefix, parsed.token_ids[:count], salt, manifests
+        )
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
