@@ -106,6 +106,11 @@ class RouterCore:
         self._extra: dict[str | None, ExtraKeys] = {}
         self._placed: dict[PipelineId, tuple[float, int, int]] = {}
 
+    @property
+    def block_size(self) -> int:
+        """The cluster's block size (0 before ``start_scoring``)."""
+        return self._block_size
+
     def start_scoring(self, model_id: str, block_size: int) -> None:
         """Fix the cluster's cache identity (the first pipeline's); routing starts here."""
         self._model_id, self._block_size = model_id, block_size

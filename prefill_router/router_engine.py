@@ -87,6 +87,7 @@ from prefill_router.scoring import (
     RoutingDecision,
     RoutingPolicy,
 )
+from prefill_router.transfer import TransferModel
 from wavepp_proto.prefill.v1 import prefill_pb2
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class RouterConfig:
     model_name: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # the fetch policy's prior transfer model (refitted from the fetches pipelines report)
+    transfer: TransferModel = field(default_factory=lambda: TransferModel(5e-3, 20e-6))
 
 
 @dataclass(slots=True)
@@ -143,12 +146,15 @@ class RouterEngine:
 
     def __init__(self, discovery: PipelineDiscovery, config: RouterConfig) -> None:
         self.config = config
-        self.metrics = RouterMetrics(config.policy.value, self.prediction_ratios)
+        self.metrics = RouterMetrics(config.policy.value, self.prediction_ratios,
+                                     self._transfer_model)  # fmt: skip
         self._lock = threading.Lock()
         self._core = RouterCore(config.cost_model, config.policy,
                                 pending_ttl_s=config.pending_ttl_s,
                                 affinity_slack=config.affinity_slack,
-                                calibration=config.calibration)  # fmt: skip
+                                calibration=config.calibration,
+                                transfer=config.transfer
+                                if config.policy is RoutingPolicy.FETCH else None)  # fmt: skip
         self._flow = FlowControl(config.flow)
         self.membership = Membership(discovery, self._core, self._lock, config.link,
                                      config.model_name, self.metrics,
@@ -377,7 +383,8 @@ class RouterEngine:
                 span = self._trace_route(options.traceparent, request_id, routed, len(tokens),
                                          t_route)  # fmt: skip
                 metadata = tracing.headers(span)
-            call = link.aio_prefill()(request, timeout=timeout, metadata=metadata)
+            sent = request + self._prefix_source(routed.placement, len(tokens))
+            call = link.aio_prefill()(sent, timeout=timeout, metadata=metadata)
             routed.call, routed.loop = call, asyncio.get_running_loop()
             started = time.monotonic()
             try:
@@ -403,6 +410,8 @@ class RouterEngine:
                 continue
             self._calibrate(routed, started)
             response = prefill_pb2.PrefillResponse.FromString(data)
+            if routed.placement.fetch_from is not None:
+                self._observe_fetch(routed.placement, response)
             self.metrics.answered(routed.pid, routed.placement.cached_tokens,
                                   response.cached_tokens)  # fmt: skip
             if request_id and any(m.lease_id for m in response.stage_manifests):
@@ -462,11 +471,44 @@ class RouterEngine:
         tracing.record("wavepp.router.route", parent, t_route, time.time_ns(), attributes)
         return tracing.start_span("wavepp.router.forward", parent, attributes, kind="client")
 
+    def _prefix_source(self, placement: Placement, prompt_tokens: int) -> bytes:
+        """The ``prefix_source`` field a placement that fetches adds to the forwarded
+        request (protobuf merges a field appended to a message's bytes): the source
+        pipeline's address and the prefix the chosen one reuses after the copy, in whole
+        blocks short of the prompt's last token. Empty when it does not fetch or the
+        source left."""
+        if placement.fetch_from is None:
+            return b""
+        with self._lock:
+            source = self.membership.link(placement.fetch_from)
+            size = self._core.block_size
+        count = min(placement.cached_tokens, prompt_tokens - 1) // size * size
+        if source is None or count <= 0:
+            return b""
+        tail = prefill_pb2.PrefillRequest()
+        tail.prefix_source.address = source.endpoint.address
+        tail.prefix_source.num_tokens = count
+        return tail.SerializeToString()
+
+    def _observe_fetch(self, placement: Placement, response: prefill_pb2.PrefillResponse) -> None:
+        """A fetching placement's answer: what the copy cost, a transfer-model sample when
+        it copied (a failed or unneeded one says nothing about the links)."""
+        copied = response.fetched_tokens > 0
+        self.metrics.fetched(placement.pid, copied, response.timings.fetch_seconds)
+        if copied:
+            with self._lock:
+                self._core.observe_fetch(placement.fetch_blocks, response.timings.fetch_seconds)
+
     def _calibrate(self, routed: _Routed, started: float) -> None:
         """An answer from ``routed.pid``, forwarded at ``started``: a calibration sample."""
         now = time.monotonic()
         with self._lock:
             self._core.observe(routed.placement, now - started, now)
+
+    def _transfer_model(self) -> TransferModel | None:
+        with self._lock:
+            fit = self._core.transfer
+            return fit.model if fit is not None else None
 
     def prediction_ratios(self) -> dict[str, float]:
         """Each pipeline's measured / predicted time ratio now (``PredictionCalibration``;

@@ -15,17 +15,24 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from prefill_router.transfer import TransferModel
+
 
 class RouterMetrics:
     """Counters; every method is thread-safe and O(1)."""
 
     def __init__(
-        self, policy: str, prediction_ratios: Callable[[], Mapping[str, float]] = dict
+        self,
+        policy: str,
+        prediction_ratios: Callable[[], Mapping[str, float]] = dict,
+        transfer_model: Callable[[], TransferModel | None] = lambda: None,
     ) -> None:
         """``prediction_ratios``: each pipeline's measured / predicted time ratio, read at
-        scrape time (it drifts between answers)."""
+        scrape time (it drifts between answers); ``transfer_model``: the fetch policy's
+        model now (None: another policy)."""
         self.policy = policy
         self.prediction_ratios = prediction_ratios
+        self.transfer_model = transfer_model
         self._lock = threading.Lock()
         self.decisions: Counter[str] = Counter()  # by reason
         self.predicted_cached: Counter[str] = Counter()  # by pipeline, answered requests
@@ -39,6 +46,8 @@ class RouterMetrics:
         # at once),
         # dequeued (a waiter got its slot), withdrawn (a waiter gave up)
         self.admission: Counter[str] = Counter()
+        self.fetches: Counter[tuple[str, str]] = Counter()  # by (pipeline, copied / failed)
+        self.fetch_seconds: Counter[str] = Counter()  # by pipeline, as the pipelines report
         self.waiting = 0  # requests waiting in the router's queue now
         self.queue_wait_s = 0.0  # summed over the waiters that got a slot
 
@@ -51,6 +60,13 @@ class RouterMetrics:
             self.answered_requests[pid] += 1
             self.predicted_cached[pid] += predicted_cached
             self.actual_cached[pid] += actual_cached
+
+    def fetched(self, pid: str, copied: bool, seconds: float) -> None:
+        """A request sent to ``pid`` with a prefix to fetch was answered: whether the copy
+        happened (else it computed the prefix) and what the fetch took there."""
+        with self._lock:
+            self.fetches[pid, "copied" if copied else "failed"] += 1
+            self.fetch_seconds[pid] += seconds
 
     def resync(self, pid: str) -> None:
         with self._lock:
@@ -92,7 +108,7 @@ class _RouterCollector(Collector):
                 name: dict(getattr(m, name))
                 for name in ("decisions", "predicted_cached", "actual_cached",
                              "answered_requests", "resyncs", "failovers", "lost", "refused",
-                             "admission")
+                             "admission", "fetches", "fetch_seconds")
             }  # fmt: skip
             waiting, queue_wait_s = m.waiting, m.queue_wait_s
         ratios = GaugeMetricFamily(
@@ -146,7 +162,29 @@ class _RouterCollector(Collector):
         for (pid, reason), n in snapshot["failovers"].items():
             failovers.add_metric([pid, reason], n)
         yield failovers
+        fetches = CounterMetricFamily(
+            "wavepp_router_fetches",
+            "Requests sent with a prefix to fetch from another pipeline (fetch policy), by "
+            "the pipeline that fetched and outcome (copied; failed: it computed the prefix)",
+            labels=["pipeline", "outcome"],
+        )
+        for (pid, outcome), n in snapshot["fetches"].items():
+            fetches.add_metric([pid, outcome], n)
+        yield fetches
+        transfer = m.transfer_model()
+        if transfer is not None:
+            model = GaugeMetricFamily(
+                "wavepp_router_transfer_model",
+                "The fetch policy's transfer model now (seconds): fixed per fetch and per "
+                "block, refitted from the fetches the pipelines report",
+                labels=["term"],
+            )
+            model.add_metric(["fixed"], transfer.fixed_s)
+            model.add_metric(["per_block"], transfer.per_block_s)
+            yield model
         per_pipeline = (
+            ("fetch_seconds", "wavepp_router_fetch_seconds",
+             "Seconds the pipelines report fetching prefixes (asking the source, copying)"),
             ("answered_requests", "wavepp_router_answered", "Requests answered per pipeline"),
             ("resyncs", "wavepp_router_resyncs", "KV-event snapshots (re)applied per pipeline"),
             ("lost", "wavepp_router_pipeline_lost", "Times a pipeline left the candidate set"),

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from prefill_node.client.prefill_client import build_request
+from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import PromptBlocks, RequestSpec
 from prefill_node.engine.types import KVPullDestination, PrefillOptions
@@ -32,7 +33,14 @@ from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import free_local_port as free_port
 from prefill_node.runtime.engine_config import EngineConfig
 from prefill_node.runtime.local_engine import LocalEngine
-from tests.grpc_harness import ServerThread
+from prefill_node.server.kv_event_hub import KVEventHub
+from prefill_node.server.server import ServerConfig
+from prefill_router.calibration import CalibrationConfig
+from prefill_router.discovery import StaticDiscovery
+from prefill_router.router_engine import RouterConfig, RouterEngine
+from prefill_router.scoring import RoutingPolicy
+from prefill_router.transfer import TransferModel
+from tests.grpc_harness import ServerThread, wait_until
 from tests.tiny_models import tiny_llama
 from wavepp_proto.prefill.v1 import prefill_pb2_grpc
 
@@ -299,3 +307,75 @@ def test_a_source_serving_another_model_is_never_read():
         a.shutdown()
         b.shutdown()
         other.shutdown()
+
+
+# ---- through the router: the fetch policy places a fetch and learns its cost -----------
+
+
+def pipeline_with_events(name: str, wave_delay_s: float = 0.0):
+    hub = KVEventHub(name)
+    config = EngineConfig(
+        stages=2,
+        num_blocks=80,
+        block_size=4,
+        max_wave_tokens=16,
+        kv_handoff=HANDOFF,
+        debug_wave_delay_s=wave_delay_s,
+    )
+    return LocalEngine.from_weights(CONFIG, WEIGHTS, config, kv_events=hub.publish), hub
+
+
+def indexed(router: RouterEngine, address: str) -> int:
+    return next(p.indexed_blocks for p in router.load().pipelines if p.address == address)
+
+
+def test_the_fetch_policy_copies_a_busy_pipelines_prefix_to_an_idle_one():
+    """A holds the prefix and is busy with a long request the router placed there; the
+    router's cost model (per token 1 ms, set high so the choice is deterministic) says
+    copying the prefix to idle B (the transfer prior: 20 ms + 10 us per block) beats both
+    waiting for A and computing it on B, while the long request itself stays on A (idle
+    then: a fetch would only add its 20 ms)."""
+    prefix, long_tail, short_tail = prompt_of(64, 13), prompt_of(160, 14), prompt_of(6, 15)
+    a, hub_a = pipeline_with_events("a", wave_delay_s=0.2)  # the long one: >= 2 s
+    b, hub_b = pipeline_with_events("b")
+    try:
+        with (
+            ServerThread(a, kv_events=hub_a) as sa,
+            ServerThread(b, kv_events=hub_b) as sb,
+            channel(sa.target) as to_a,
+        ):
+            router = RouterEngine(
+                StaticDiscovery([sa.target, sb.target]),
+                RouterConfig(
+                    policy=RoutingPolicy.FETCH,
+                    cost_model=ChunkCostModel(per_token_s=1e-3, per_token_context_s=0.0),
+                    calibration=CalibrationConfig(alpha=0.0),
+                    transfer=TransferModel(20e-3, 1e-5),
+                ),
+            )
+            router.start()
+            config = ServerConfig(host="127.0.0.1", port=0, blocking_submit=False)
+            with ServerThread(router, config) as sr, channel(sr.target) as client:
+                wait_until(lambda: router.membership.ready_count() == 2, 30, "both ready")
+                to_a.Prefill(build_request([*prefix, 1]))  # A holds the prefix
+                wait_until(lambda: indexed(router, sa.target) >= 16, 10, "A's blocks indexed")
+
+                busy = client.Prefill.future(build_request(prefix + long_tail))
+                wait_until(lambda: router.metrics.decisions.total() == 1, 10, "long placed")
+                answer = client.Prefill(build_request(prefix + short_tail, top_logprobs=3))
+                first = busy.result(timeout=60)
+
+                assert first.served_by == sa.target and first.fetched_tokens == 0
+                assert answer.served_by == sb.target
+                assert answer.fetched_tokens == 64 and answer.cached_tokens == 64
+                want, _ = reference_forward(CONFIG, WEIGHTS, prefix + short_tail)
+                assert answer.first_token_id == int(want.argmax())
+                assert router.metrics.decisions["fetch"] == 1
+                assert router.metrics.fetches == {(sb.target, "copied"): 1}
+                assert router._core.transfer.num_samples == 1
+            router.shutdown()
+            wait_idle(a)
+            wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -46,7 +46,7 @@ examples:
   wavepp prefill --server 127.0.0.1:50050 "What is the capital of France?"
 """
 
-POLICIES = {"prefix": "PREFIX", "round-robin": "ROUND_ROBIN",
+POLICIES = {"prefix": "PREFIX", "fetch": "FETCH", "round-robin": "ROUND_ROBIN",
             "least-loaded": "LEAST_LOADED", "prefix-only": "PREFIX_ONLY"}  # fmt: skip
 
 
@@ -65,7 +65,30 @@ def register(subparsers: Any) -> None:
         port_name="grpc",
     )
     r = p.add_argument_group("routing")
-    r.add_argument("--policy", choices=tuple(POLICIES), default="prefix", help="default prefix")
+    r.add_argument(
+        "--policy",
+        choices=tuple(POLICIES),
+        default="prefix",
+        help="prefix: the best global prefix hit without overloading; fetch: prefix, and a "
+        "pipeline may copy the prefix from another that holds it when that finishes sooner "
+        "than computing it (the pipelines need --kv-handoff and each other's hosts on their "
+        "KV allow-list); default prefix",
+    )
+    r.add_argument(
+        "--fetch-fixed-ms",
+        type=float,
+        default=5.0,
+        help="fetch policy: the prior fixed cost of one prefix fetch (asking the source, the "
+        "lease, the transfer's setup), refitted from the fetches the pipelines report "
+        "(default 5)",
+    )
+    r.add_argument(
+        "--fetch-block-us",
+        type=float,
+        default=20.0,
+        help="fetch policy: the prior cost per fetched block on the busiest stage's link, "
+        "refitted like --fetch-fixed-ms (default 20)",
+    )
     r.add_argument(
         "--model",
         type=Path,
@@ -156,6 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     from prefill_router.pipeline_link import LinkConfig
     from prefill_router.router_engine import RouterConfig, RouterEngine
     from prefill_router.scoring import RoutingPolicy
+    from prefill_router.transfer import TransferModel
 
     configure_tracing(args, "wavepp-router")
     if args.pending_ttl <= 0 or args.poll_interval <= 0 or args.affinity_slack < 0:
@@ -181,6 +205,7 @@ def _run(args: argparse.Namespace) -> int:
         model_name=model.name,
         flow=FlowConfig(args.max_inflight_per_pipeline, args.max_queue, args.max_wait),
         calibration=CalibrationConfig(alpha=args.calibration_alpha),
+        transfer=TransferModel(args.fetch_fixed_ms / 1e3, args.fetch_block_us / 1e6),
     )
     engine = RouterEngine(discovery_from_args(args, args.pipeline), config)
     # submit only hashes, scores and starts a call: the server calls it inline
