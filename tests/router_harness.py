@@ -31,14 +31,18 @@ def spawn(args: list[str], banner: str) -> tuple[subprocess.Popen, int, int | No
     return proc, int(port), found.metrics_port
 
 
-def serve(model_dir, port: int = 0, wave_delay_s: float = 0.01) -> tuple[subprocess.Popen, int]:
+def serve(
+    model_dir, port: int = 0, wave_delay_s: float = 0.01, *extra: str
+) -> tuple[subprocess.Popen, int]:
     """A 2-stage pipeline; every stage sleeps ``wave_delay_s`` per wave (keeps calls in
-    flight long enough for a test to act on them)."""
+    flight long enough for a test to act on them). ``extra``: more flags (the KV hand-off,
+    off by default, e.g. ``--kv-lease-ttl 5``, turns it on)."""
+    shipping = list(extra) if extra else ["--no-kv-shipping"]
     proc, port, _ = spawn(
         ["serve", "--model", str(model_dir), "--stages", "2", "--num-blocks", "128",
          "--block-size", str(BS), "--max-chunk-tokens", "16", "--host", "127.0.0.1", "--port",
          str(port), "--metrics-port", "-1", "--threads", "1", "--log-level", "WARNING",
-         "--no-kv-shipping", "--debug-wave-delay", str(wave_delay_s)],
+         *shipping, "--debug-wave-delay", str(wave_delay_s)],
         "wavepp serve:",
     )  # fmt: skip
     return proc, port

@@ -21,13 +21,14 @@ import grpc
 import pytest
 import torch
 
-from prefill_node.client.prefill_client import build_request
+from prefill_node.client.prefill_client import PrefillClient, build_request
 from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import PromptBlocks, RequestSpec
 from prefill_node.engine.types import KVPullDestination, PrefillOptions
 from prefill_node.errors import InvalidRequestError
 from prefill_node.kv_handoff.config import KVHandoffConfig
+from prefill_node.model.loader_hf import save_hf_checkpoint
 from prefill_node.model.reference import reference_forward
 from prefill_node.model.weights import random_weights
 from prefill_node.runtime.dist_env import free_local_port as free_port
@@ -41,6 +42,8 @@ from prefill_router.router_engine import RouterConfig, RouterEngine
 from prefill_router.scoring import RoutingPolicy
 from prefill_router.transfer import TransferModel
 from tests.grpc_harness import ServerThread, wait_until
+from tests.router_harness import MODEL as ROUTER_MODEL
+from tests.router_harness import serve, stop
 from tests.tiny_models import tiny_llama
 from wavepp_proto.prefill.v1 import prefill_pb2_grpc
 
@@ -379,3 +382,39 @@ def test_the_fetch_policy_copies_a_busy_pipelines_prefix_to_an_idle_one():
     finally:
         a.shutdown()
         b.shutdown()
+
+
+# ---- real `wavepp serve` pipelines: every stage its own process --------------------------
+
+
+def test_pipelines_of_processes_fetch_over_their_stages_agents(tmp_path):
+    """Each stage process READs its layers from the source pipeline's stage processes (the
+    FETCH round travels the rounds plane); the answer equals the reference forward's."""
+    weights = random_weights(ROUTER_MODEL, seed=21)
+    save_hf_checkpoint(tmp_path, ROUTER_MODEL, weights)
+    rng = random.Random(22)
+    prefix, tail = [rng.randrange(64) for _ in range(48)], [rng.randrange(64) for _ in range(5)]
+    flags = ("--kv-lease-ttl", "5", "--debug-service")
+    pipelines = [serve(tmp_path, 0, 0.0, *flags) for _ in range(2)]
+    targets = [f"127.0.0.1:{port}" for _, port in pipelines]
+    try:
+        clients = [PrefillClient(t) for t in targets]
+        for client in clients:
+            wait_until(client.is_ready, 60, "pipeline ready")
+        with channel(targets[1]) as b:
+            clients[0].prefill([*prefix, 7])
+            answer = b.Prefill(fetch_request(prefix + tail, targets[0], 48))
+        want, _ = reference_forward(ROUTER_MODEL, weights, prefix + tail)
+        assert answer.fetched_tokens == 48 and answer.cached_tokens == 48
+        assert answer.first_token_id == int(want.argmax())
+        for client in clients:  # leases released, nothing pinned, integrity on every stage
+            wait_until(lambda c=client: held(c.check_integrity()) == 0, 10, "unpinned")
+            assert client.check_integrity().ok
+            client.close()
+    finally:
+        for proc, _ in pipelines:
+            stop(proc)
+
+
+def held(report) -> int:
+    return sum(s.used_blocks + s.kv_held_blocks for s in report.stages)

@@ -117,8 +117,9 @@ def register(subparsers: Any) -> None:
         "--kv-allow",
         action="append",
         metavar="CIDR|AGENT",
-        help="decode destinations stages may WRITE to: a CIDR (checked before any contact) or "
-        "a decode NIXL agent name; repeatable (default: loopback only)",
+        help="decode destinations stages may WRITE to, and pipelines whose cached prefixes "
+        "they may READ (a request's prefix_source): a CIDR (checked before any contact) or "
+        "a NIXL agent name; repeatable (default: loopback only)",
     )
     k.add_argument(
         "--kv-transfer-timeout",
