@@ -1,9 +1,13 @@
 """Benchmark: the cluster router on a real local cluster - the routing policies side by side,
 the router's added latency against a bare gRPC proxy, and its sans-IO core.
 
-CLUSTER: two pipelines (`wavepp serve --stages 2`, one torch thread per stage process) of a
-tiny random Llama (hidden 384, 4 layers, vocab 512; saved to a temp dir) behind one
-`wavepp router --policy P`. Each pipeline runs on its own half of the machine's cores (taskset;
+CLUSTER: two pipelines (`wavepp serve --stages 2`, one torch thread per stage process, every
+stage with its NIXL agent) of a tiny random Llama (hidden 384, 4 layers, vocab 512; saved to
+a temp dir) behind one `wavepp router --policy P`. The fetch policy is prefix plus the option
+to send a request to a pipeline that first copies the prefix from the other one (each stage
+READs its layers from the other's stage over NIXL on loopback), when the router's cost and
+transfer models say that finishes sooner. Each pipeline runs on its own half of the
+machine's cores (taskset;
 one core each on 2 cores), as if on its own host: a busy pipeline cannot borrow the other's
 core, so balance matters as in a real cluster; the router and the client use every core.
 Every policy gets a FRESH cluster (pipelines and router started anew, the same warm-up under a
@@ -23,8 +27,11 @@ Reported per policy and run: input tok/s over the wall time, computed and cached
 p50 / p95 latency, the busiest pipeline's share of requests, tenant affinity (the share of
 requests served on their tenant's most used pipeline) and spread (pipelines per tenant), the
 router's predicted vs reported cached tokens and decisions by reason (from its /metrics) and
-its CPU time per request. Ratios, paired by run (median over runs): prefix_over_<policy>
-(input tok/s) and prefix_cached_over_<policy> (cached tokens).
+its CPU time per request; for fetch, the fetched share of input tokens (copied, then
+reused) and the mean time a copy took on the pipeline. Ratios, paired by run (median over
+runs): prefix_over_<policy> (input tok/s) and prefix_cached_over_<policy> (cached tokens);
+fetch_over_prefix (input tok/s, goal >= 1.1) and fetch_cached_over_oracle (cached tokens,
+goal >= 0.95).
 
 ORACLE: the same requests at the same concurrency on ONE pipeline (same stages, every core)
 whose stages hold the cluster's total blocks (2 x --num-blocks), driven directly: one LRU
@@ -113,13 +120,17 @@ def measure_policy(policy, requests, args, model_dir, logs, tag, inner: tqdm) ->
 
     with Cluster(model_dir, logs, args) as cluster:
         if policy == ORACLE:
-            pipeline = cluster.serve(ORACLE, 2 * args.num_blocks).wait_listening()
+            pipeline = cluster.serve(ORACLE, 2 * args.num_blocks, kv_agents=True)
+            pipeline.wait_listening()
             warm_pipeline(pipeline.address, args.warm_tokens)
             outcomes, _ = run_closed_loop(pipeline.address, requests, args.concurrency, tag, inner)
             return {"requests": len(outcomes), **token_stats(outcomes)}
         pipelines = [
             cluster.serve(
-                f"p{i}", args.num_blocks, None if args.shared_cores else pipeline_cpus(i, 2)
+                f"p{i}",
+                args.num_blocks,
+                None if args.shared_cores else pipeline_cpus(i, 2),
+                kv_agents=True,  # every policy on the same pipelines; fetch needs them
             )
             for i in range(2)
         ]
@@ -318,13 +329,16 @@ def summarise(rows: list[dict]) -> list[dict]:
             out.append(row | ({} if goal is None else {"goal": f">= {goal}", "met": value >= goal}))
 
     prefix_tok_s = per_run("prefix", "input_tok_s")
-    for other in POLICIES[1:]:
+    others = [p for p in POLICIES[1:] if p != "fetch"]
+    for other in others:
         ratio(f"prefix_over_{other.replace('-', '_')}", prefix_tok_s, per_run(other, "input_tok_s"))
-    cached = per_run("prefix", "cached_tokens")
-    ratio("prefix_cached_over_oracle", cached, per_run(ORACLE, "cached_tokens"), 0.9)
-    for other in POLICIES[1:]:
+    cached, oracle = per_run("prefix", "cached_tokens"), per_run(ORACLE, "cached_tokens")
+    ratio("prefix_cached_over_oracle", cached, oracle, 0.9)
+    for other in others:
         name = f"prefix_cached_over_{other.replace('-', '_')}"
         ratio(name, cached, per_run(other, "cached_tokens"))
+    ratio("fetch_over_prefix", per_run("fetch", "input_tok_s"), prefix_tok_s, 1.1)
+    ratio("fetch_cached_over_oracle", per_run("fetch", "cached_tokens"), oracle, 0.95)
 
     overhead = [r for r in rows if r["policy"] == "overhead"]
     for c in dict.fromkeys(r["concurrency"] for r in overhead):

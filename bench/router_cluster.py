@@ -226,13 +226,16 @@ class Cluster:
         cpus: list[int] | None = None,
         stages: int = 2,
         extra: tuple[str, ...] = (),
+        kv_agents: bool = False,
     ) -> Server:
         """Start a pipeline (returns at once: ``wait_listening`` before use); ``extra``: more
-        `wavepp serve` flags (e.g. ``--dtype bfloat16``)."""
+        `wavepp serve` flags (e.g. ``--dtype bfloat16``); ``kv_agents``: every stage runs
+        its NIXL agent (KV hand-off, prefix fetch), else ``--no-kv-shipping``."""
+        shipping = () if kv_agents else ("--no-kv-shipping",)
         argv = ["serve", "--model", str(self._model), "--stages", str(stages), "--num-blocks",
                 str(num_blocks), "--block-size", str(BLOCK), "--max-chunk-tokens",
                 str(self._args.max_chunk_tokens), "--threads", "1", "--host", "127.0.0.1",
-                "--port", "0", "--metrics-port", "-1", "--no-kv-shipping", "--pipeline-id", name,
+                "--port", "0", "--metrics-port", "-1", *shipping, "--pipeline-id", name,
                 "--log-level", "WARNING", *extra]  # fmt: skip
         return self._add(Server(argv, "wavepp serve:", self._logs / f"{name}.log", cpus))
 
@@ -312,7 +315,7 @@ def warm_router(address: str, pipelines: int) -> None:
 
 
 def router_counters(metrics_port: int) -> Counter[str]:
-    """The router's cached-token prediction and decision counters from its /metrics."""
+    """The router's cached-token prediction, decision and fetch counters from its /metrics."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: Counter[str] = Counter()
@@ -324,6 +327,9 @@ def router_counters(metrics_port: int) -> Counter[str]:
         elif name.startswith("wavepp_router_decisions_total"):
             reason = re.search(r'reason="(\w+)"', name).group(1)
             out[f"decided_{reason}"] += int(float(value))
+        elif name.startswith("wavepp_router_fetches_total"):
+            outcome = re.search(r'outcome="(\w+)"', name).group(1)
+            out[f"fetches_{outcome}"] += int(float(value))
     return out
 
 

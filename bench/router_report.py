@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-POLICIES = ("prefix", "round-robin", "least-loaded", "prefix-only")
+POLICIES = ("prefix", "fetch", "round-robin", "least-loaded", "prefix-only")
 ORACLE = "oracle"
 PATHS = ("direct", "router", "front", "proxy")
 OVERHEAD_PROMPT = 128  # tokens: 7 blocks cached, the last block's 16 tokens computed
@@ -17,6 +17,7 @@ POLICY_COLUMNS = (
     ("computed tok", "computed_tokens", "{:.0f}".format),
     ("cached tok", "cached_tokens", "{:.0f}".format),
     ("cached", "cached_share", "{:.1%}".format),
+    ("fetched", "fetched_share", "{:.1%}".format),
     ("p50 s", "p50_s", "{:.3f}".format),
     ("p95 s", "p95_s", "{:.3f}".format),
     ("busiest", "busiest_share", "{:.2f}".format),

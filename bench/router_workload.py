@@ -32,6 +32,8 @@ class Outcome:
     served_by: str
     first_token: int
     top: tuple[tuple[int, float], ...] = ()  # the first position's top (token, logprob)
+    fetched_tokens: int = 0  # of cached_tokens, copied from another pipeline first
+    fetch_s: float = 0.0  # what that copy took on the pipeline (asking the source, READs)
 
 
 async def closed_loop(
@@ -52,7 +54,7 @@ async def closed_loop(
             outcomes.append(
                 Outcome(i, req.tenant, time.perf_counter() - t0, r.prompt_tokens, r.cached_tokens,
                         r.computed_tokens, r.served_by, r.first_token_id,
-                        tuple(r.top_logprobs))
+                        tuple(r.top_logprobs), r.fetched_tokens, r.timings.fetch_s)
             )  # fmt: skip
             bar.update()
 
@@ -85,10 +87,16 @@ def token_stats(outcomes: list[Outcome], wall_s: float | None = None) -> dict:
     prompt = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached_tokens for o in outcomes)
     computed = sum(o.computed_tokens for o in outcomes)
+    fetches = [o for o in outcomes if o.fetched_tokens]
+    fetched = sum(o.fetched_tokens for o in fetches)
     rates = {} if wall_s is None else {"input_tok_s": prompt / wall_s,
                                        "computed_tok_s": computed / wall_s}  # fmt: skip
     return rates | {"input_tokens": prompt, "computed_tokens": computed,
-                    "cached_tokens": cached, "cached_share": cached / prompt}  # fmt: skip
+                    "cached_tokens": cached, "cached_share": cached / prompt,
+                    "fetched_tokens": fetched, "fetched_share": fetched / prompt,
+                    "fetches": len(fetches),
+                    "fetch_mean_s": sum(o.fetch_s for o in fetches) / len(fetches)
+                    if fetches else 0.0}  # fmt: skip
 
 
 def placement_stats(outcomes: list[Outcome]) -> dict:

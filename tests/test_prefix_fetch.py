@@ -1,8 +1,8 @@
 """A pipeline fetches a prefix another pipeline holds, stage by stage over NIXL.
 
 Two in-process pipelines, each stage with its own NIXL agent. Pipeline A computes a prefix
-and holds it under pull leases (a pull prefill of the prefix and one more token); pipeline
-B's stages READ their layers of it (``LocalEngine.fetch_prefix``) and cache the blocks as if
+and leases its cached blocks (``lend_prefix``: one control round, nothing queued); pipeline
+B's stages READ their layers of them (``fetch_prefix``) and cache the blocks as if
 computed.
 Checked: the fetched KV is bit-identical to A's, B's next request on that prefix reuses it
 and its logits equal a cold prefill's (fp32 within 1e-4); block sizes and layer splits may
@@ -25,7 +25,7 @@ from prefill_node.client.prefill_client import PrefillClient, build_request
 from prefill_node.core.cost_model import ChunkCostModel
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.request import PromptBlocks, RequestSpec
-from prefill_node.engine.types import KVPullDestination, PrefillOptions
+from prefill_node.engine.types import PrefillOptions
 from prefill_node.errors import InvalidRequestError
 from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.model.loader_hf import save_hf_checkpoint
@@ -106,11 +106,13 @@ def cached_kv(e: LocalEngine, tokens: list[int], salt: str | None = None) -> tor
 
 
 def lease_prefix(source: LocalEngine, prefix: list[int], ttl_s: float | None = None):
-    """What a fetching pipeline gets from the source: a pull prefill of the prefix and one
-    more token (the prefix's blocks are then the cached ones, leased as they are; the
-    source computes one token)."""
-    options = PrefillOptions(kv_destination=KVPullDestination(lease_ttl_s=ttl_s))
-    return source.submit([*prefix, 0], options).result(timeout=30).stage_manifests
+    """What a fetching pipeline gets from the source: every stage's lease on its cached run
+    of the prefix's blocks (``lend_prefix``, the LeasePrefix RPC's engine call), after A
+    computed it (when not cached there yet)."""
+    source.submit([*prefix, 0], PrefillOptions()).result(timeout=30)
+    manifests = source.lend_prefix(prefix, None, ttl_s)
+    assert manifests, "the source holds the prefix on every stage"
+    return manifests
 
 
 @pytest.mark.parametrize(
@@ -418,3 +420,39 @@ def test_pipelines_of_processes_fetch_over_their_stages_agents(tmp_path):
 
 def held(report) -> int:
     return sum(s.used_blocks + s.kv_held_blocks for s in report.stages)
+
+
+def test_the_source_lends_what_each_stage_holds_and_nothing_when_a_stage_has_none():
+    """Stages evict independently: A's small stage 1 keeps less of the prefix than its stage
+    0. The fetch copies the shorter run; once stage 1 holds none of it, A lends nothing
+    (and stage 0's lease is revoked at once)."""
+    prefix, tail = prompt_of(32, seed=16), prompt_of(5, seed=17)
+    config = EngineConfig(
+        stages=2, num_blocks=(40, 12), block_size=4, max_wave_tokens=16, kv_handoff=HANDOFF
+    )
+    a = LocalEngine.from_weights(CONFIG, WEIGHTS, config)
+    b = engine(4, ((0, 2), (2, 4)))
+    try:
+        a.submit([*prefix, 0], PrefillOptions()).result(timeout=30)
+        a.submit(prompt_of(20, seed=18), PrefillOptions()).result(timeout=30)  # evicts some
+        manifests = a.lend_prefix(prefix, None)
+        held = [m.num_tokens for m in manifests]
+        assert 0 < held[1] < held[0] == 32, held
+        b.release_sources(manifests)  # as B does after its copy
+        wait_idle(a)
+        with ServerThread(a) as sa, ServerThread(b) as sb, channel(sb.target) as client:
+            answer = client.Prefill(fetch_request(prefix + tail, sa.target, 32))
+            assert answer.fetched_tokens == held[1] and answer.cached_tokens == held[1]
+            want, _ = reference_forward(CONFIG, WEIGHTS, prefix + tail)
+            assert answer.first_token_id == int(want.argmax())
+            wait_idle(a)
+            wait_idle(b)
+        for seed in (19, 20):  # stage 1 evicts the rest of the prefix
+            a.submit(prompt_of(40, seed=seed), PrefillOptions()).result(timeout=30)
+        assert a.lend_prefix(prefix, None) == ()
+        wait_idle(a)  # stage 0's lease was revoked, its pins given back
+    finally:
+        a.shutdown()
+        b.shutdown()
+    a.check_integrity()
+    b.check_integrity()

@@ -55,5 +55,6 @@ def test_stubs_import_under_a_collision_free_name() -> None:
         "SubscribeKvEvents",
         "GetServerInfo",
         "Score",
+        "LeasePrefix",
     ]
     assert hasattr(prefill_pb2_grpc, "PrefillServiceStub")

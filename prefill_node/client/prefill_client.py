@@ -20,9 +20,10 @@ from prefill_node.engine.types import (
     KVPushDestination,
     PrefillResult,
     ScoreReport,
+    StageKVManifest,
 )
 from prefill_node.wire.convert import load_from_proto, result_from_proto
-from prefill_node.wire.kv_convert import destination_to_proto
+from prefill_node.wire.kv_convert import destination_to_proto, manifest_from_proto
 from wavepp_proto.prefill.v1 import (
     debug_pb2,
     debug_pb2_grpc,
@@ -320,6 +321,23 @@ class AsyncPrefillClient:
         request = build_request(prompt, cache_salt=cache_salt)
         call = self._stub.Score(request, timeout=timeout_s, metadata=metadata)
         return to_score_report(await call)
+
+    async def lease_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        lease_ttl_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[StageKVManifest, ...]:
+        """LeasePrefix: per stage, a pull lease on the cached run of ``token_ids``' blocks
+        (empty when some stage holds none); release with a "rel" notification, as decode."""
+        request = prefill_pb2.LeasePrefixRequest(cache_salt=cache_salt)
+        request.token_ids.ids.extend(token_ids)
+        if lease_ttl_s is not None:
+            request.lease_ttl_ms = max(1, round(lease_ttl_s * 1e3))
+        response = await self._stub.LeasePrefix(request, timeout=timeout_s)
+        return tuple(manifest_from_proto(m) for m in response.stage_manifests)
 
     async def prefill_stream(
         self, requests: Iterable[prefill_pb2.PrefillRequest]

@@ -25,6 +25,7 @@ from prefill_node.core.execution_results import (
     StageStateMismatch,
 )
 from prefill_node.core.kv_events import KVEvent
+from prefill_node.core.lease import PrefixLease
 from prefill_node.core.request import PromptBlocks, RequestSpec
 from prefill_node.core.reservation import Reservation
 from prefill_node.errors import InvalidRequestError, InvariantError
@@ -397,6 +398,24 @@ class StageAdmission:
         return sum(self._transfer_pins.values())
 
     # ---- prefix fetch: blocks copied from another pipeline -------------------------
+
+    def pin_cached(self, spec: RequestSpec) -> FinalBlocks | None:
+        """The longest run of ``spec``'s full blocks this stage holds cached, pinned once
+        each for another pipeline to READ (a prefix fetch's source side): transfer pins,
+        as a streamed WRITE's, given back by ``unpin_transfer``. A block some escrow holds
+        as a victim ends the run. None when it holds none of them, or resumes only at
+        recurrent-state snapshots (a copy does not carry them)."""
+        if self._needs_snapshot:
+            return None
+        prompt = PromptBlocks(spec, self.config.block_size)
+        lease = PrefixLease()
+        found = lease.acquire(self.pool, prompt, prompt.num_full_blocks, lambda victim: False)
+        if not found:
+            return None
+        for block in lease.blocks:
+            self._transfer_pins[block.block_id] = self._transfer_pins.get(block.block_id, 0) + 1
+        end = found * self.config.block_size
+        return FinalBlocks(lease.blocks, tuple(b.block_id for b in lease.blocks), end, 0, end)
 
     def begin_fetch(self, spec: RequestSpec) -> BlockTable | None:
         """Hold room for a prefix another pipeline holds (``spec``: whole blocks of it, under

@@ -131,6 +131,7 @@ class PrefillTimings:
     compute_s: float = 0.0  # first chunk start -> last chunk done on the last stage
     total_s: float = 0.0  # submit -> result
     handoff_s: float = 0.0  # KV: last chunk done on the last stage -> every stage shipped
+    fetch_s: float = 0.0  # prefix_source: asking the source and copying (before submit)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class PrefillResult:
     timings: PrefillTimings
     stage_manifests: tuple[StageKVManifest, ...] = field(default_factory=tuple)
     served_by: str = ""  # set by a router: the pipeline that served the request
+    fetched_tokens: int = 0  # of cached_tokens, copied from another pipeline first
 
 
 @dataclass(frozen=True)

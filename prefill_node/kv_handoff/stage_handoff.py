@@ -235,6 +235,9 @@ class StageKVHandoff:
         self._sources: LeasePeers | None = None  # other pipelines' stages it fetched from
         self._pushing: dict[str, _Held] = {}  # request id -> blocks of an in-flight WRITE
         self._leased: dict[str, tuple[str, list[KVBlock]]] = {}  # lease id -> (request, blocks)
+        # lease id -> (key, cached blocks another pipeline READs): a prefix fetch's source
+        # side, transfer pins
+        self._lent: dict[str, tuple[str, list[KVBlock]]] = {}
         self._outcomes: dict[str, HandoffOutcome] = {}  # not yet reported
         self._streams: dict[str, _Stream] = {}
         self._parts: dict[int, _Part] = {}  # streamed ranges handed to the sender, by id
@@ -265,7 +268,7 @@ class StageKVHandoff:
     @property
     def busy(self) -> bool:
         """A WRITE or a lease is live: poll often (transfers, heartbeats, releases)."""
-        return bool(self._pushing or self._leased or self._parts)
+        return bool(self._pushing or self._leased or self._lent or self._parts)
 
     @property
     def held_blocks(self) -> int:
@@ -273,7 +276,8 @@ class StageKVHandoff:
         pushing = sum(len(h.blocks) + len(h.streamed) for h in self._pushing.values())
         streaming = sum(len(p.blocks) for p in self._parts.values())
         queued = sum(len(st.queued) + len(st.group_queued) for st in self._streams.values())
-        return pushing + streaming + queued + sum(len(b) for _, b in self._leased.values())
+        lent = sum(len(b) for _, b in self._lent.values())
+        return pushing + streaming + queued + lent + sum(len(b) for _, b in self._leased.values())
 
     # -- any thread ----------------------------------------------------------------------------
     def ship(
@@ -377,6 +381,14 @@ class StageKVHandoff:
         done."""
         return self._call(partial(self._fetch, tuple(manifests), table, lease_expiry_unix_s))
 
+    def lend(self, key: str, held: FinalBlocks, lease_ttl_s: float | None = None) -> Future:
+        """Lease cached blocks (pinned by ``StageAdmission.pin_cached``: ``held``) for
+        another pipeline's stages to READ (a prefix fetch's source side). The future's
+        result: the lease manifest; the pins come back through the owner's
+        ``release_transfer`` when the lease is released, expires or is revoked (``cancel``
+        of ``key``), or at once when the lease cannot be granted (the future raises)."""
+        return self._call(partial(self._lend, key, held, lease_ttl_s))
+
     def release_sources(self, manifests: Sequence[StageManifest]) -> Future:
         """Release the other pipeline's leases of a fetch (best effort: an unsent release
         ends in the lease's expiry)."""
@@ -413,7 +425,8 @@ class StageKVHandoff:
         """What this hand-off holds now: WRITEs in flight, live leases, their blocks."""
 
         def held() -> KVHeld:
-            return KVHeld(len(self._pushing), len(self._leased), self.held_blocks)
+            leases = len(self._leased) + len(self._lent)
+            return KVHeld(len(self._pushing), leases, self.held_blocks)
 
         return self._call(held).result(timeout=10)
 
@@ -494,6 +507,15 @@ class StageKVHandoff:
         wait_fetch(reads, min(self.config.transfer_timeout_s, left))
         return sum(read.num_bytes for read in reads)
 
+    def _lend(self, key: str, held: FinalBlocks, lease_ttl_s: float | None) -> StageKVManifest:
+        try:
+            wire = self._sender().lease(key, held.block_ids, held.num_tokens, lease_ttl_s)
+        except BaseException:
+            self._give_back_transfer(held.blocks)
+            raise
+        self._lent[wire.lease_id] = (key, held.blocks)
+        return engine_manifest(wire, entry_parts=self._kv.entry_parts)
+
     def _release_sources(self, manifests: tuple[StageManifest, ...]) -> None:
         if self._sources is not None:
             for m in manifests:  # a source this stage did not read from is known now
@@ -555,7 +577,7 @@ class StageKVHandoff:
                 raise InvariantError(f"stage {self.stage}: {request_id!r} unpinned, not shipped")
             self._owner.release(request_id)
 
-    def _give_back_streamed(self, blocks: Sequence[KVBlock]) -> None:
+    def _give_back_transfer(self, blocks: Sequence[KVBlock]) -> None:
         if blocks:
             self._owner.release_transfer(blocks)
 
@@ -594,7 +616,7 @@ class StageKVHandoff:
             stream.queued, stream.group_queued = [], []
         if request_id in self._dead or (stream is not None and stream.failed):
             self._unpin(request_id)  # cancelled, or failed and reported already
-            self._give_back_streamed(held.streamed)
+            self._give_back_transfer(held.streamed)
             if stream is not None and not stream.stopped:  # failed since the last poll
                 sender.cancel(request_id)
                 self._drop_parts(request_id)
@@ -612,7 +634,7 @@ class StageKVHandoff:
             sender.push(wire, manifest.block_ids, manifest.num_tokens, start, first_layer)
         except (KVTransferError, ValueError) as exc:
             self._unpin(request_id)
-            self._give_back_streamed(held.streamed)
+            self._give_back_transfer(held.streamed)
             sender.cancel(request_id)  # its streamed ranges, if any
             self._drop_parts(request_id)
             self._done(request_id, None, exc)
@@ -632,7 +654,7 @@ class StageKVHandoff:
         blocks, start, end, num_tokens = final.blocks, final.start, final.end, final.num_tokens
         stream = self._streams.get(request_id)
         if request_id in self._dead or (stream is not None and stream.failed):
-            self._give_back_streamed(blocks)
+            self._give_back_transfer(blocks)
             return
         if stream is None:
             try:
@@ -640,7 +662,7 @@ class StageKVHandoff:
                     dest, request_id, self.stage, num_tokens, self._kv.block_size
                 )
             except (KVTransferError, ValueError) as exc:
-                self._give_back_streamed(blocks)
+                self._give_back_transfer(blocks)
                 wire = PushDestination(request_id, "", (), 0)
                 self._streams[request_id] = _Stream(wire, 0, failed=True, stopped=True)
                 self._done(request_id, None, exc)
@@ -651,7 +673,7 @@ class StageKVHandoff:
             self._streams[request_id] = stream
         stream.block_ids = final.block_ids
         if end <= stream.ready_to:  # all in decode's cached prefix
-            self._give_back_streamed(blocks)
+            self._give_back_transfer(blocks)
             return
         if start > stream.ready_to or (layer_end is None and stream.layers_ready >= 0):
             raise KVInvariantError(
@@ -741,7 +763,7 @@ class StageKVHandoff:
         return refs
 
     def _on_part_end(self, request_id: str, part: int, error: KVTransferError | None) -> None:
-        self._give_back_streamed(self._parts.pop(part).blocks)
+        self._give_back_transfer(self._parts.pop(part).blocks)
         stream = self._streams.get(request_id)
         if error is not None and stream is not None and not stream.failed:
             self._fail_stream(request_id, stream, error)
@@ -750,7 +772,7 @@ class StageKVHandoff:
     def _fail_stream(self, request_id: str, stream: _Stream, error: KVTransferError) -> None:
         """A streamed range failed: report the error now; the rest is stopped in ``_poll``."""
         stream.failed = True
-        self._give_back_streamed(stream.queued + stream.group_queued)
+        self._give_back_transfer(stream.queued + stream.group_queued)
         stream.queued, stream.group_queued = [], []
         self._done(request_id, None, error)
 
@@ -759,7 +781,7 @@ class StageKVHandoff:
         for part, entry in list(self._parts.items()):
             if entry.request_id == request_id:
                 del self._parts[part]
-                self._give_back_streamed(entry.blocks)
+                self._give_back_transfer(entry.blocks)
 
     def _revive(self, request_ids: tuple[str, ...]) -> None:
         for request_id in request_ids:  # admitted again: its new stream and push are live
@@ -811,11 +833,11 @@ class StageKVHandoff:
         sender.cancel(request_id)  # WRITEs and streamed ranges; decode hears "fail"
         self._drop_parts(request_id)
         if stream is not None:
-            self._give_back_streamed(stream.queued + stream.group_queued)
+            self._give_back_transfer(stream.queued + stream.group_queued)
         if held is not None:
             self._unpin(request_id)
-            self._give_back_streamed(held.streamed)
-        for lease_id, (owner, _) in list(self._leased.items()):
+            self._give_back_transfer(held.streamed)
+        for lease_id, (owner, _) in [*self._leased.items(), *self._lent.items()]:
             if owner == request_id:
                 sender.leases.release(lease_id, ReleaseReason.REVOKED)
 
@@ -824,7 +846,7 @@ class StageKVHandoff:
         if held is None:
             raise KVInvariantError(f"push outcome for unknown request {outcome.request_id}")
         self._unpin(outcome.request_id)
-        self._give_back_streamed(held.streamed)
+        self._give_back_transfer(held.streamed)
         if outcome.ok:
             manifest = replace(held.manifest, agent_name=self.agent_name, pushed=True)
             self._done(outcome.request_id, manifest)
@@ -832,6 +854,10 @@ class StageKVHandoff:
             self._done(outcome.request_id, None, outcome.error)
 
     def _on_lease_end(self, lease: PullLease, reason: ReleaseReason) -> None:
+        lent = self._lent.pop(lease.lease_id, None)
+        if lent is not None:
+            self._give_back_transfer(lent[1])
+            return
         entry = self._leased.pop(lease.lease_id, None)
         if entry is None:
             raise KVInvariantError(f"lease {lease.lease_id} ended but holds no blocks here")
@@ -849,9 +875,10 @@ class StageKVHandoff:
             raise KVInvariantError(
                 f"stage {self.stage}: {sender.inflight} pushes in flight, {len(self._pushing)} held"
             )
-        if len(sender.leases) != len(self._leased):
+        if len(sender.leases) != len(self._leased) + len(self._lent):
             raise KVInvariantError(
-                f"stage {self.stage}: {len(sender.leases)} leases, {len(self._leased)} held"
+                f"stage {self.stage}: {len(sender.leases)} leases, "
+                f"{len(self._leased) + len(self._lent)} held"
             )
 
     def _close(self) -> None:

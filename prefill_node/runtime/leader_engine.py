@@ -69,6 +69,7 @@ from prefill_node.runtime.leader_request import (
 from prefill_node.runtime.messages import (
     FetchOrder,
     FetchReply,
+    LendOrder,
     RequestOptions,
     RoundKind,
     RoundMessage,
@@ -377,6 +378,43 @@ class LeaderEngine:
             raise UnavailableError(f"pipeline unavailable: {self._dead or 'shut down'}")
         return self._leader.control(RoundMessage(kind, payload)).result(timeout=timeout_s)
 
+    def lend_prefix(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        lease_ttl_s: float | None = None,
+        timeout_s: float = 30.0,
+    ) -> tuple[StageKVManifest, ...]:
+        """The source side of a prefix fetch: every stage leases the longest run of the
+        prompt's full blocks it holds cached (pull leases, as decode's), in one control
+        round: nothing waits in the request queue. Empty when a stage holds none of them
+        (every lease granted is released then); otherwise one manifest per stage, whose
+        ``num_tokens`` may differ: a fetch copies the shortest."""
+        tokens = tuple(int(t) for t in token_ids)
+        if not tokens:
+            raise InvalidRequestError("a prefix to lend needs tokens")
+        if lease_ttl_s is not None and lease_ttl_s <= 0:
+            raise InvalidRequestError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        spec = self._running_leader().request_spec(f"lend-{uuid.uuid4().hex}", tokens, cache_salt)
+        replies = self._control(RoundKind.LEND, LendOrder(spec, lease_ttl_s), timeout_s)
+        manifests = tuple(sorted((m for m in replies if m is not None), key=lambda m: m.stage))
+        if len(manifests) < len(replies):
+            if manifests:  # revoke what the other stages leased
+                self._control(RoundKind.KV_CANCEL, (spec.request_id,), timeout_s)
+            return ()
+        return manifests
+
+    def release_sources(self, manifests: Sequence[StageKVManifest]) -> None:
+        """Release pull leases of ``manifests`` (another pipeline's, or this one's), from
+        stage 0's KV agent; best effort (an unsent release ends in the lease's expiry)."""
+        if not manifests or self._compute is None or self._compute.handoff is None:
+            return
+        try:
+            wire = [wire_manifest(m, "release", len(manifests)) for m in manifests]
+        except KVTransferError:
+            return
+        self._compute.handoff.release_sources(wire)
+
     def fetch_prefix(
         self,
         token_ids: Sequence[int],
@@ -415,8 +453,7 @@ class LeaderEngine:
                 RoundKind.FETCH, FetchOrder(spec, tuple(wire), expiry), timeout_s
             )
         finally:  # the leases there end now, whatever happened here
-            if self._compute is not None and self._compute.handoff is not None:
-                self._compute.handoff.release_sources(wire)
+            self.release_sources(manifests)
         replies.sort(key=operator.attrgetter("stage"))
         return PrefixFetchResult(
             tuple(r.cached_blocks for r in replies),

@@ -119,6 +119,7 @@ class RoundKind(enum.Enum):
     DUMP_KV = "dump_kv"  # payload: request id; reply: captured KV (tests only)
     KV_CANCEL = "kv_cancel"  # payload: request ids; abort their WRITEs / revoke their leases
     FETCH = "fetch"  # payload: FetchOrder; reply: FetchReply
+    LEND = "lend"  # payload: LendOrder; reply: the stage's StageKVManifest or None
     STOP = "stop"  # leave the WAVE loop
 
 
@@ -131,6 +132,15 @@ class FetchOrder:
     spec: RequestSpec
     manifests: tuple[Any, ...]  # kv_transfer.messages.StageManifest
     lease_expiry_unix_s: float
+
+
+@dataclass(frozen=True)
+class LendOrder:
+    """Lease the longest run of ``spec``'s full blocks each stage holds cached, for another
+    pipeline to READ (``lease_ttl_s``: None, the hand-off's default TTL)."""
+
+    spec: RequestSpec
+    lease_ttl_s: float | None = None
 
 
 @dataclass(frozen=True)

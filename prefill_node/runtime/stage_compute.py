@@ -33,6 +33,7 @@ from prefill_node.runtime.core_share import CoreShare
 from prefill_node.runtime.messages import (
     FetchOrder,
     FetchReply,
+    LendOrder,
     RequestOptions,
     RequestOutput,
     StageEventBatch,
@@ -225,6 +226,22 @@ class PipelineStageCompute:
             reply = self.admission.handle(message)
             self._sweep_options()
             return reply
+
+    def lend(self, order: LendOrder) -> StageKVManifest | None:
+        """The source side of a prefix fetch (WAVE thread): pin the cached run of the
+        prefix's blocks here and lease it for the other pipeline's stages to READ; None
+        when none is cached here or this stage has no KV agent."""
+        if self.handoff is None:
+            return None
+        with self._lock:
+            held = self.admission.pin_cached(order.spec)
+        if held is None:
+            return None
+        try:
+            return self.handoff.lend(order.spec.request_id, held, order.lease_ttl_s).result()
+        except Exception:  # noqa: BLE001 - the pins came back; the fetch gets less
+            log.warning("stage %d: could not lease a cached prefix", self.stage, exc_info=True)
+            return None
 
     def fetch(self, order: FetchOrder) -> FetchReply:
         """This stage's part of a prefix fetch (WAVE thread): hold room for the blocks it

@@ -76,6 +76,8 @@ class StageCompute(Protocol):
 
     def fetch(self, order: Any) -> Any: ...
 
+    def lend(self, order: Any) -> Any: ...
+
 
 class StageWorker:
     """Runs a stage's LOOP and WAVE threads over its planes until a STOP arrives.
@@ -270,6 +272,8 @@ class StageWorker:
             return self._compute.dump_kv(message.payload)
         if kind is RoundKind.FETCH:
             return self._compute.fetch(message.payload)
+        if kind is RoundKind.LEND:
+            return self._compute.lend(message.payload)
         if kind is RoundKind.KV_CANCEL:
             self._compute.kv_cancel(tuple(message.payload))
             return None

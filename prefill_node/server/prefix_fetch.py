@@ -8,10 +8,11 @@ blocks). Before submitting the request, this server:
    whose names and hosts the stages check too), the same cache identity (model, dtype:
    ``GetServerInfo``'s ``cache_model_id``, asked once per source address), a prefix of
    whole blocks of this pipeline's block size;
-2. asks the source for a pull prefill of the prefix and the prompt's next token (the
-   source computes that one token; the prefix's blocks are leased as cached there);
-3. has every stage READ its layers of the blocks it lacks from the source's stages
-   (``Engine.fetch_prefix``), which release the leases at the end.
+2. asks the source to lease the prefix's blocks (``LeasePrefix``: one control round on
+   the source's stages, each leasing the cached run it holds; nothing waits in its queue);
+3. has every stage READ its layers of the blocks it lacks, up to the shortest run the
+   source's stages hold, from the source's stages (``fetch_prefix``), which release the
+   leases at the end.
 
 Then the request is submitted as usual: admission finds the copied blocks cached on every
 stage. Whatever fails (source unreachable or another model, lease expired, a READ
@@ -27,6 +28,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol, runtime_checkable
 
 from kv_transfer.allowlist import AllowList
@@ -34,7 +36,6 @@ from kv_transfer.handshake import split_endpoint
 from prefill_node.client.prefill_client import AsyncPrefillClient
 from prefill_node.engine.types import (
     CacheIdentity,
-    KVPullDestination,
     PrefixFetchResult,
     StageKVManifest,
 )
@@ -62,11 +63,17 @@ class PrefixFetching(Protocol):
         manifests: tuple[StageKVManifest, ...],
     ) -> PrefixFetchResult: ...
 
+    def lend_prefix(
+        self, token_ids: tuple[int, ...], cache_salt: str | None, lease_ttl_s: float | None
+    ) -> tuple[StageKVManifest, ...]: ...
+
+    def release_sources(self, manifests: tuple[StageKVManifest, ...]) -> None: ...
+
 
 @dataclass(frozen=True)
 class FetchOutcome:
-    """What one ``prefix_source`` gave: ``tokens`` copied (the prefix's length when every
-    stage now holds it from the copy, else 0) in ``seconds``."""
+    """What one ``prefix_source`` gave: ``tokens`` copied (the prefix length copied, when
+    some stage copied blocks and none failed; else 0) in ``seconds``."""
 
     tokens: int
     seconds: float
@@ -101,12 +108,12 @@ class PrefixFetcher:
         started = time.perf_counter()
         outcome, copied, read = "failed", 0, 0
         try:
-            result = await self._copy(parsed, address, count)
+            result, length = await self._copy(parsed, address, count)
             read = result.bytes_read
             if not result.ok:
                 log.warning("prefix fetch from %s failed: %s", address, "; ".join(result.errors))
             elif any(result.copied_blocks):
-                outcome, copied = "copied", count
+                outcome, copied = "copied", length
             else:
                 outcome = "held"
         except Exception as exc:  # noqa: BLE001 - the request computes the prefix instead
@@ -115,7 +122,11 @@ class PrefixFetcher:
         self._metrics.observe_fetch(outcome, read, seconds)
         return FetchOutcome(copied, seconds)
 
-    async def _copy(self, parsed: ParsedRequest, address: str, count: int) -> PrefixFetchResult:
+    async def _copy(
+        self, parsed: ParsedRequest, address: str, count: int
+    ) -> tuple[PrefixFetchResult, int]:
+        """The copy's result and the prefix length it copied (the source may hold less of
+        the prefix than asked for: the whole blocks of what every stage there holds)."""
         loop = asyncio.get_running_loop()
         allow = self._engine.kv_allow
         if allow is None:
@@ -137,17 +148,16 @@ class PrefixFetcher:
         if served != identity.model_id:
             raise ValueError(f"the source serves {served!r}, this pipeline {identity.model_id!r}")
         salt = parsed.options.cache_salt
-        remote = await client.prefill(
-            parsed.token_ids[: count + 1],
-            cache_salt=salt or "",
-            top_logprobs=0,
-            kv_destination=KVPullDestination(),
-            deadline_s=timeout,
+        manifests = await client.lease_prefix(
+            parsed.token_ids[:count], cache_salt=salt or "", timeout_s=timeout
         )
-        manifests = remote.result.stage_manifests
-        return await loop.run_in_executor(
-            self._pool, self._engine.fetch_prefix, parsed.token_ids[:count], salt, manifests
-        )
+        held = min((m.num_tokens for m in manifests), default=0)
+        copy = min(count, held) // identity.block_size * identity.block_size
+        if copy == 0:  # the source holds too little of it: nothing to copy
+            await loop.run_in_executor(self._pool, self._engine.release_sources, manifests)
+            raise ValueError(f"the source holds {held} of the prefix's {count} tokens")
+        fetch = partial(self._engine.fetch_prefix, parsed.token_ids[:copy], salt, manifests)
+        return await loop.run_in_executor(self._pool, fetch), copy
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Protocol, TypeVar, runtime_checkable
 
 import grpc
@@ -48,8 +49,9 @@ from prefill_node.wire.convert import (
     load_to_proto,
     parse_request,
     response_to_proto,
+    token_ids_of,
 )
-from prefill_node.wire.kv_convert import batch_to_proto
+from prefill_node.wire.kv_convert import batch_to_proto, manifest_to_proto
 from prefill_node.wire.status import FAILOVER_KEY, status_of
 from wavepp_proto.prefill.v1 import kv_events_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -335,6 +337,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             ready_pipelines=report.ready_pipelines,
         )
 
+    async def LeasePrefix(self, request, context):
+        """The source side of a prefix fetch (``PrefixFetching.lend_prefix``): one control
+        round on the pipeline, nothing queued; runs off the loop."""
+        if self._fetcher is None:
+            code = grpc.StatusCode.UNIMPLEMENTED if self._forward else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, "LeasePrefix needs a pipeline (a router lends nothing)")
+        if self._engine.kv_allow is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this pipeline runs without KV agents (--no-kv-shipping): it lends nothing",
+            )
+        tokens = token_ids_of(request.token_ids)
+        ttl = request.lease_ttl_ms / 1e3 if request.lease_ttl_ms else None
+        try:
+            lend = partial(self._engine.lend_prefix, tokens, request.cache_salt or None, ttl)
+            manifests = await asyncio.get_running_loop().run_in_executor(self._submit_pool, lend)
+        except Exception as exc:
+            f = _failure("lease-prefix", exc)
+            await context.abort(f.code, f.message, f.trailers)
+        response = prefill_pb2.LeasePrefixResponse()
+        for m in manifests:
+            response.stage_manifests.append(manifest_to_proto(m))
+        return response
+
     async def SubscribeKvEvents(
         self, request, context
     ) -> AsyncIterator[kv_events_pb2.KvEventBatch]:
@@ -469,12 +495,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         server_s = time.perf_counter() - started
         echo = parsed.token_ids if parsed.from_text else ()
         if self._forward is None:
-            self._metrics.observe_success(result, server_s)
-            response = response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
             if fetched.seconds:
-                response.fetched_tokens = fetched.tokens
-                response.timings.fetch_seconds = fetched.seconds
-            return response
+                timings = dataclasses.replace(result.timings, fetch_s=fetched.seconds)
+                result = dataclasses.replace(result, fetched_tokens=fetched.tokens, timings=timings)
+            self._metrics.observe_success(result, server_s)
+            return response_to_proto(result, prompt_token_ids=echo, server_s=server_s)
         self._metrics.observe_response(relayed.response, server_s)
         tail = prefill_pb2.PrefillResponse(served_by=relayed.served_by, prompt_token_ids=echo)
         tail.timings.server_seconds = server_s

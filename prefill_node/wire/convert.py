@@ -170,6 +170,7 @@ def response_to_proto(
         computed_tokens=result.computed_tokens,
         prompt_token_ids=prompt_token_ids,
         served_by=result.served_by,
+        fetched_tokens=result.fetched_tokens,
     )
     add_logprob = resp.top_logprobs.add
     for tok, lp in result.top_logprobs:
@@ -182,6 +183,7 @@ def response_to_proto(
     out.compute_seconds = t.compute_s
     out.engine_seconds = t.total_s
     out.server_seconds = server_s
+    out.fetch_seconds = t.fetch_s
     return resp
 
 
@@ -200,9 +202,11 @@ def result_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
             admission_s=t.admission_seconds,
             compute_s=t.compute_seconds,
             total_s=t.engine_seconds,
+            fetch_s=t.fetch_seconds,
         ),
         stage_manifests=tuple(manifest_from_proto(m) for m in msg.stage_manifests),
         served_by=msg.served_by,
+        fetched_tokens=msg.fetched_tokens,
     )
 
 

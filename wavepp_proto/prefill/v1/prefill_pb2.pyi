@@ -51,6 +51,22 @@ class PrefillRequest(_message.Message):
     prefix_source: PrefixSource
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[_Union[TextPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., kv_destination: _Optional[_Union[_kv_layout_pb2.KvDestination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[int] = ..., tenant_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
 
+class LeasePrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "lease_ttl_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: TokenIds
+    cache_salt: str
+    lease_ttl_ms: int
+    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class LeasePrefixResponse(_message.Message):
+    __slots__ = ("stage_manifests",)
+    STAGE_MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    stage_manifests: _containers.RepeatedCompositeFieldContainer[_kv_layout_pb2.StageKvManifest]
+    def __init__(self, stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ...) -> None: ...
+
 class PrefixSource(_message.Message):
     __slots__ = ("address", "num_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

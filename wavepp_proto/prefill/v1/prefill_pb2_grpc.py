@@ -70,6 +70,11 @@ class PrefillServiceStub:
                 request_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.LeasePrefix = channel.unary_unary(
+                '/wavepp.prefill.v1.PrefillService/LeasePrefix',
+                request_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.LeasePrefixRequest.SerializeToString,
+                response_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.LeasePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -127,6 +132,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeasePrefix(self, request, context):
+        """The source side of a prefix fetch: every stage leases the longest run of the prompt's
+        full blocks it holds cached, for another pipeline's stages to READ over NIXL (pull
+        leases, as for decode: release or heartbeat them). Nothing is computed or queued.
+        FAILED_PRECONDITION on a pipeline without KV agents; a router answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +179,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ScoreResponse.SerializeToString,
+            ),
+            'LeasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeasePrefix,
+                    request_deserializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.LeasePrefixRequest.FromString,
+                    response_serializer=wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.LeasePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +375,33 @@ class PrefillService:
             '/wavepp.prefill.v1.PrefillService/Score',
             wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wavepp.prefill.v1.PrefillService/LeasePrefix',
+            wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.LeasePrefixRequest.SerializeToString,
+            wavepp__proto_dot_prefill_dot_v1_dot_prefill__pb2.LeasePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
