@@ -46,7 +46,7 @@ class RouterMetrics:
         # at once),
         # dequeued (a waiter got its slot), withdrawn (a waiter gave up)
         self.admission: Counter[str] = Counter()
-        self.fetches: Counter[tuple[str, str]] = Counter()  # by (pipeline, copied / failed)
+        self.fetches: Counter[tuple[str, str]] = Counter()  # by (pipeline, copied / none)
         self.fetch_seconds: Counter[str] = Counter()  # by pipeline, as the pipelines report
         self.waiting = 0  # requests waiting in the router's queue now
         self.queue_wait_s = 0.0  # summed over the waiters that got a slot
@@ -65,7 +65,7 @@ class RouterMetrics:
         """A request sent to ``pid`` with a prefix to fetch was answered: whether the copy
         happened (else it computed the prefix) and what the fetch took there."""
         with self._lock:
-            self.fetches[pid, "copied" if copied else "failed"] += 1
+            self.fetches[pid, "copied" if copied else "none"] += 1
             self.fetch_seconds[pid] += seconds
 
     def resync(self, pid: str) -> None:
@@ -165,7 +165,9 @@ class _RouterCollector(Collector):
         fetches = CounterMetricFamily(
             "wavepp_router_fetches",
             "Requests sent with a prefix to fetch from another pipeline (fetch policy), by "
-            "the pipeline that fetched and outcome (copied; failed: it computed the prefix)",
+            "the pipeline that fetched and outcome (copied; none: nothing copied - the copy "
+            "failed, or the source held too little, or the pipeline held it or had no room - "
+            "so it computed what it lacked)",
             labels=["pipeline", "outcome"],
         )
         for (pid, outcome), n in snapshot["fetches"].items():

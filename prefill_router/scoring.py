@@ -32,7 +32,7 @@ class RoutingPolicy(Enum):
     LEAST_LOADED = "least_loaded"  # least queued seconds
     PREFIX_ONLY = "prefix_only"  # longest cached prefix, ties by load
     # PREFIX, where a pipeline may also fetch the prefix from another pipeline that holds it
-    # (needs a ``TransferModel``; the cluster simulator's, until pipelines can fetch)
+    # (needs a ``TransferModel``: the router's prior, refitted from the fetches it sees)
     FETCH = "fetch"
 
 

@@ -159,10 +159,11 @@ class StageAdmission:
             limit -= 1
         return limit
 
-    def _reserve(self, order: ReserveOrder, blocked: bool) -> Reserved:
+    def _reserve(self, order: ReserveOrder, blocked: bool, *, capped: bool = True) -> Reserved:
         """Lease the longest prefix this stage really holds (at a snapshot boundary where
         recurrent state needs one), escrow the rest and commit there; nothing is held
-        unless the answer is OK."""
+        unless the answer is OK. ``capped=False``: no headroom cap (a prefix fetch, whose
+        blocks come back when its READ ends, whatever the waves do)."""
         rid = order.request_id
         prompt = self._prompt(rid)
         if rid in self._reservations:
@@ -182,7 +183,7 @@ class StageAdmission:
         if not rsv.commit(self.pool, confirmed):
             rsv.release(self.pool)
             return Reserved(rid, ReserveStatus.NO_CAPACITY, confirmed, boundaries, 0)
-        if self._reservations and self._tied_up() > self._cap:
+        if capped and self._reservations and self._tied_up() > self._cap:
             rsv.release(self.pool)
             return Reserved(rid, ReserveStatus.ADMISSION_CAP, confirmed, boundaries, 0)
         self._reservations[rid] = rsv
@@ -421,8 +422,10 @@ class StageAdmission:
         """Hold room for a prefix another pipeline holds (``spec``: whole blocks of it, under
         an id of its own) as a request of its own: lease what this stage holds of it, escrow
         the rest and materialise the blocks after the lease for the copy to land in (their
-        KV is garbage until then; nothing else can lease them). None when this stage holds
-        the whole prefix already, has no room under its admission cap, or resumes only at
+        KV is garbage until then; nothing else can lease them). The headroom cap does not
+        apply: the blocks come back when the READ ends, whatever the waves do, so the
+        copy cannot hold the cache hostage. None when this stage holds the whole prefix
+        already, cannot make room (every block pinned or escrowed), or resumes only at
         recurrent-state snapshots (a copy does not carry them): nothing is held then.
         ``end_fetch`` caches the blocks or gives them back."""
         size = self.config.block_size
@@ -432,7 +435,7 @@ class StageAdmission:
         if prompt.num_blocks > self.config.num_blocks:
             return None
         self._register(prompt)
-        reserved = self._reserve(ReserveOrder(spec.request_id), blocked=False)
+        reserved = self._reserve(ReserveOrder(spec.request_id), blocked=False, capped=False)
         start = reserved.confirmed_blocks * size
         if reserved.status is not ReserveStatus.OK or start >= spec.num_tokens:
             self.abort(spec.request_id)

@@ -28,6 +28,12 @@ Block contract, through the owner (``HandoffOwner``: the stage's cache, under it
   A failed range fails the request at once (its outcome is the error; in-flight ranges
   are aborted and decode hears "fail").
 
+Prefix fetch between pipelines (docs/router.md): on the source, ``lend`` leases cached
+blocks a LEND round pinned (``StageAdmission.pin_cached``) for another pipeline's stages to
+READ; their transfer pins come back through ``owner.release_transfer`` when the lease is
+released, expires or is revoked. On the target, ``fetch`` READs this stage's layers of such
+blocks into blocks a FETCH round reserved, and ``release_sources`` ends those leases.
+
 Reused request ids: a request id may come back (a client retry) while this stage still
 ships the previous request of that id; admission holds one reservation per id, so the
 owner first ``supersede``s it: the old hand-off is disowned (its pins dropped at once

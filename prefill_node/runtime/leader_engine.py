@@ -405,8 +405,8 @@ class LeaderEngine:
         return manifests
 
     def release_sources(self, manifests: Sequence[StageKVManifest]) -> None:
-        """Release pull leases of ``manifests`` (another pipeline's, or this one's), from
-        stage 0's KV agent; best effort (an unsent release ends in the lease's expiry)."""
+        """Release another pipeline's pull leases (``manifests``) from stage 0's KV agent;
+        best effort (an unsent release ends in the lease's expiry)."""
         if not manifests or self._compute is None or self._compute.handoff is None:
             return
         try:
@@ -423,18 +423,21 @@ class LeaderEngine:
         timeout_s: float = 60.0,
     ) -> PrefixFetchResult:
         """Copy the prefix ``token_ids`` (whole blocks) from another pipeline, whose stages
-        hold it under pull leases (``manifests``: the stage manifests of a pull prefill of
-        exactly these tokens there, same model and ``cache_salt``). Every stage READs its
-        layers of the blocks it lacks from the stages there holding them, at once, and
-        caches them as if computed; a stage whose copy fails gives its blocks back (the
-        request then computes what it lacks). Admission rounds wait while it runs; waves go
-        on. The leases there are released at the end, whatever happened."""
+        hold it under pull leases (``manifests``: what its ``lend_prefix`` / LeasePrefix
+        gave, each holding at least these tokens, same model and ``cache_salt``). Every
+        stage READs its layers of the blocks it lacks from the stages there holding them,
+        at once, and caches them as if computed; a stage whose copy fails gives its blocks
+        back (the request then computes what it lacks). Admission rounds wait while it
+        runs; waves go on. The leases there are released at the end, unless the round did
+        not answer in ``timeout_s`` (stages may still be reading: the leases then end by
+        expiry, never under a READ)."""
         if not manifests:
             raise InvalidRequestError("a prefix fetch needs the source's stage manifests")
         try:
             wire = [wire_manifest(m, "fetch", len(manifests)) for m in manifests]
         except KVTransferError as exc:
             raise InvalidRequestError(f"bad source manifests: {exc}") from exc
+        sent = answered = False
         try:
             tokens = tuple(int(t) for t in token_ids)
             size = self.spec.block_size
@@ -449,11 +452,14 @@ class LeaderEngine:
             leader = self._running_leader()
             spec = leader.request_spec(f"fetch-{uuid.uuid4().hex}", tokens, cache_salt)
             expiry = min(m.lease_expiry_unix_s for m in manifests)
+            sent = True
             replies: list[FetchReply] = self._control(
                 RoundKind.FETCH, FetchOrder(spec, tuple(wire), expiry), timeout_s
             )
-        finally:  # the leases there end now, whatever happened here
-            self.release_sources(manifests)
+            answered = True
+        finally:  # the leases there end now, unless a stage may still be reading them
+            if answered or not sent:
+                self.release_sources(manifests)
         replies.sort(key=operator.attrgetter("stage"))
         return PrefixFetchResult(
             tuple(r.cached_blocks for r in replies),
