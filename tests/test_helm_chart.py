@@ -157,6 +157,20 @@ def test_the_routers_flow_control_values_become_its_flags() -> None:
     assert parse(default.container()).max_wait == 0  # no bound unless the operator sets one
 
 
+def test_the_fetch_policy_needs_kv_agents_allowed_to_read_other_pipelines() -> None:
+    allow = {"enabled": True, "allow": ["10.0.0.0/8"]}
+    values = {"router": {"policy": "fetch"}, "pipelines": {"kvShipping": allow}}
+    (router,) = render(values).pods_of("router")
+    assert parse(router.container()).policy == "fetch"
+    for kv, message in (
+        ({"enabled": False, "allow": ["10.0.0.0/8"]}, "kvShipping.enabled"),
+        ({"enabled": True, "allow": []}, "kvShipping.allow"),
+    ):
+        code, _, err = render_result({"router": {"policy": "fetch"},
+                                      "pipelines": {"kvShipping": kv}})  # fmt: skip
+        assert code != 0 and message in err, err
+
+
 def _stage_rank(pod, env: dict, tmp_path) -> int:
     """Run the stage's real shell command with a `wavepp` on PATH that prints RANK."""
     fake = tmp_path / "wavepp"

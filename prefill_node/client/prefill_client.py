@@ -45,6 +45,13 @@ class RemoteResult(NamedTuple):
     server_s: float  # request received -> response ready, inside the server
 
 
+class LeasedPrefix(NamedTuple):
+    """What LeasePrefix returns: the source's cache model id and its stages' leases."""
+
+    cache_model_id: str
+    manifests: tuple[StageKVManifest, ...]
+
+
 class RemoteServerInfo(NamedTuple):
     """What GetServerInfo reports."""
 
@@ -329,15 +336,16 @@ class AsyncPrefillClient:
         cache_salt: str = "",
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
-    ) -> tuple[StageKVManifest, ...]:
+    ) -> LeasedPrefix:
         """LeasePrefix: per stage, a pull lease on the cached run of ``token_ids``' blocks
-        (empty when some stage holds none); release with a "rel" notification, as decode."""
+        (none when some stage holds none); release with a "rel" notification, as decode."""
         request = prefill_pb2.LeasePrefixRequest(cache_salt=cache_salt)
         request.token_ids.ids.extend(token_ids)
         if lease_ttl_s is not None:
             request.lease_ttl_ms = max(1, round(lease_ttl_s * 1e3))
         response = await self._stub.LeasePrefix(request, timeout=timeout_s)
-        return tuple(manifest_from_proto(m) for m in response.stage_manifests)
+        manifests = tuple(manifest_from_proto(m) for m in response.stage_manifests)
+        return LeasedPrefix(response.cache_model_id, manifests)
 
     async def prefill_stream(
         self, requests: Iterable[prefill_pb2.PrefillRequest]

@@ -4,12 +4,13 @@ A router that finds a prompt's prefix cached on a busy pipeline may send the req
 another one with ``prefix_source`` (that pipeline's address, the prefix's length in whole
 blocks). Before submitting the request, this server:
 
-1. checks the source: its host on the KV allow-list (the stages READ from its agents,
-   whose names and hosts the stages check too), the same cache identity (model, dtype:
-   ``GetServerInfo``'s ``cache_model_id``, asked once per source address), a prefix of
-   whole blocks of this pipeline's block size;
+1. checks the request: a prefix of whole blocks of this pipeline's block size (else
+   INVALID_ARGUMENT), the source's host on the KV allow-list (the stages READ from its
+   agents, whose names and hosts the stages check too);
 2. asks the source to lease the prefix's blocks (``LeasePrefix``: one control round on
-   the source's stages, each leasing the cached run it holds; nothing waits in its queue);
+   the source's stages, each leasing the cached run it holds; nothing waits in its queue)
+   and checks its answer names the same cache identity (model, dtype: ``cache_model_id``,
+   in every answer, since a source restarted at the same address may serve another model);
 3. has every stage READ its layers of the blocks it lacks, up to the shortest run the
    source's stages hold, from the source's stages (``fetch_prefix``), which release the
    leases at the end.
@@ -90,7 +91,6 @@ class PrefixFetcher:
         self._metrics = metrics
         self._pool = pool
         self._clients: dict[str, AsyncPrefillClient] = {}
-        self._identity: dict[str, str] = {}  # address -> the cache model id it serves
 
     async def fetch(self, parsed: ParsedRequest) -> FetchOutcome:
         """Copy ``parsed``'s prefix from its ``prefix_source`` (see the module contract).
@@ -130,7 +130,7 @@ class PrefixFetcher:
         loop = asyncio.get_running_loop()
         allow = self._engine.kv_allow
         if allow is None:
-            raise ValueError("this pipeline has no KV agents (--kv-handoff)")
+            raise ValueError("this pipeline runs without KV agents (--no-kv-shipping)")
         host = split_endpoint(address)[0]
         if not await loop.run_in_executor(self._pool, allow.host_allowed, host):
             raise ValueError(f"source host {host!r} is outside the KV allow-list")
@@ -141,16 +141,17 @@ class PrefixFetcher:
         timeout = SOURCE_TIMEOUT_S
         if parsed.timeout_s is not None:
             timeout = min(timeout, max(0.001, parsed.options.deadline_s - time.monotonic()))
-        served = self._identity.get(address)
-        if served is None:
-            served = (await client.server_info(timeout_s=timeout)).cache_model_id
-            self._identity[address] = served
-        if served != identity.model_id:
-            raise ValueError(f"the source serves {served!r}, this pipeline {identity.model_id!r}")
         salt = parsed.options.cache_salt
-        manifests = await client.lease_prefix(
+        leased = await client.lease_prefix(
             parsed.token_ids[:count], cache_salt=salt or "", timeout_s=timeout
         )
+        manifests = leased.manifests
+        if leased.cache_model_id != identity.model_id:  # asked every time: a source restarted
+            # at the same address may serve another model
+            await loop.run_in_executor(self._pool, self._engine.release_sources, manifests)
+            raise ValueError(
+                f"the source serves {leased.cache_model_id!r}, this pipeline {identity.model_id!r}"
+            )
         held = min((m.num_tokens for m in manifests), default=0)
         copy = min(count, held) // identity.block_size * identity.block_size
         if copy == 0:  # the source holds too little of it: nothing to copy

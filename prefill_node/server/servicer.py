@@ -356,7 +356,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except Exception as exc:
             f = _failure("lease-prefix", exc)
             await context.abort(f.code, f.message, f.trailers)
-        response = prefill_pb2.LeasePrefixResponse()
+        response = prefill_pb2.LeasePrefixResponse(
+            cache_model_id=self._engine.cache_identity.model_id
+        )
         for m in manifests:
             response.stage_manifests.append(manifest_to_proto(m))
         return response

@@ -74,6 +74,14 @@ args:
 
 {{- define "wavepp.command.router" -}}
 {{- $v := .root.Values -}}
+{{- if eq $v.router.policy "fetch" }}
+{{- if not $v.pipelines.kvShipping.enabled }}
+{{- fail "router.policy=fetch needs pipelines.kvShipping.enabled: a pipeline copies a prefix from another pipeline's stages over their NIXL agents" }}
+{{- end }}
+{{- if not $v.pipelines.kvShipping.allow }}
+{{- fail "router.policy=fetch needs the pipelines' pod CIDR in pipelines.kvShipping.allow: the stages READ prefixes from other pipelines' pods, and the default allows loopback only" }}
+{{- end }}
+{{- end }}
 command: [wavepp]
 args:
   - router

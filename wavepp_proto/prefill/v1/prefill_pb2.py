@@ -27,7 +27,7 @@ from wavepp_proto.prefill.v1 import kv_events_pb2 as wavepp__proto_dot_prefill_d
 from wavepp_proto.prefill.v1 import kv_layout_pb2 as wavepp__proto_dot_prefill_dot_v1_dot_kv__layout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%wavepp_proto/prefill/v1/prefill.proto\x12\x11wavepp.prefill.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\'wavepp_proto/prefill/v1/kv_events.proto\x1a\'wavepp_proto/prefill/v1/kv_layout.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"N\n\nTextPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x02 \x01(\x08\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\"\xa4\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1b.wavepp.prefill.v1.TokenIdsH\x00\x12-\n\x04text\x18\x03 \x01(\x0b\x32\x1d.wavepp.prefill.v1.TextPromptH\x00\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x38\n\x0ekv_destination\x18\x06 \x01(\x0b\x32 .wavepp.prefill.v1.KvDestination\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\x08priority\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\ttenant_id\x18\t \x01(\t\x12\x36\n\rprefix_source\x18\n \x01(\x0b\x32\x1f.wavepp.prefill.v1.PrefixSourceB\x08\n\x06promptB\x0f\n\r_top_logprobsB\x0b\n\t_priority\"n\n\x12LeasePrefixRequest\x12.\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x1b.wavepp.prefill.v1.TokenIds\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"R\n\x13LeasePrefixResponse\x12;\n\x0fstage_manifests\x18\x01 \x03(\x0b\x32\".wavepp.prefill.v1.StageKvManifest\"3\n\x0cPrefixSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa2\x01\n\x0ePrefillTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x19\n\x11\x61\x64mission_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x65ngine_seconds\x18\x04 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\x12\x15\n\rfetch_seconds\x18\x06 \x01(\x01\"\xf1\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.wavepp.prefill.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12;\n\x0fstage_manifests\x18\x07 \x03(\x0b\x32\".wavepp.prefill.v1.StageKvManifest\x12\x32\n\x07timings\x18\x08 \x01(\x0b\x32!.wavepp.prefill.v1.PrefillTimings\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x11\n\tserved_by\x18\n \x01(\t\x12\x16\n\x0e\x66\x65tched_tokens\x18\x0b \x01(\r\"-\n\x0cPrefillError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa0\x01\n\x15PrefillStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x08response\x18\x02 \x01(\x0b\x32\".wavepp.prefill.v1.PrefillResponseH\x00\x12\x30\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1f.wavepp.prefill.v1.PrefillErrorH\x00\x42\t\n\x07outcome\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x88\x01\n\tStageLoad\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x15\n\rbusy_fraction\x18\x06 \x01(\x01\"\xb7\x01\n\nLoadReport\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x19\n\x11inflight_requests\x18\x02 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x03 \x01(\x04\x12,\n\x06stages\x18\x04 \x03(\x0b\x32\x1c.wavepp.prefill.v1.StageLoad\x12\x32\n\tpipelines\x18\x05 \x03(\x0b\x32\x1f.wavepp.prefill.v1.PipelineLoad\"\xd2\x01\n\x0cPipelineLoad\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x19\n\x11inflight_requests\x18\x05 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12,\n\x06stages\x18\x08 \x03(\x0b\x32\x1c.wavepp.prefill.v1.StageLoad\"\xac\x01\n\rScoreResponse\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0equeued_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fready_pipelines\x18\x07 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xbf\x02\n\nServerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nnum_stages\x18\x04 \x01(\r\x12\x14\n\x0ctext_prompts\x18\x05 \x01(\x08\x12\x16\n\x0eserver_version\x18\x06 \x01(\t\x12\x15\n\rchat_template\x18\x07 \x01(\x08\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\n \x01(\t\x12\x13\n\x0bpipeline_id\x18\x0b \x01(\t\x12\x11\n\tkv_events\x18\x0c \x01(\x08\x12\x0e\n\x06router\x18\r \x01(\x08\x12 \n\x18snapshot_interval_blocks\x18\x0e \x01(\r2\xc7\x05\n\x0ePrefillService\x12P\n\x07Prefill\x12!.wavepp.prefill.v1.PrefillRequest\x1a\".wavepp.prefill.v1.PrefillResponse\x12`\n\rPrefillStream\x12!.wavepp.prefill.v1.PrefillRequest\x1a(.wavepp.prefill.v1.PrefillStreamResponse(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.wavepp.prefill.v1.AbortRequest\x1a .wavepp.prefill.v1.AbortResponse\x12K\n\x07GetLoad\x12!.wavepp.prefill.v1.GetLoadRequest\x1a\x1d.wavepp.prefill.v1.LoadReport\x12\x63\n\x11SubscribeKvEvents\x12+.wavepp.prefill.v1.SubscribeKvEventsRequest\x1a\x1f.wavepp.prefill.v1.KvEventBatch0\x01\x12W\n\rGetServerInfo\x12\'.wavepp.prefill.v1.GetServerInfoRequest\x1a\x1d.wavepp.prefill.v1.ServerInfo\x12L\n\x05Score\x12!.wavepp.prefill.v1.PrefillRequest\x1a .wavepp.prefill.v1.ScoreResponse\x12\\\n\x0bLeasePrefix\x12%.wavepp.prefill.v1.LeasePrefixRequest\x1a&.wavepp.prefill.v1.LeasePrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%wavepp_proto/prefill/v1/prefill.proto\x12\x11wavepp.prefill.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\'wavepp_proto/prefill/v1/kv_events.proto\x1a\'wavepp_proto/prefill/v1/kv_layout.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"N\n\nTextPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x02 \x01(\x08\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\"\xa4\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1b.wavepp.prefill.v1.TokenIdsH\x00\x12-\n\x04text\x18\x03 \x01(\x0b\x32\x1d.wavepp.prefill.v1.TextPromptH\x00\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x38\n\x0ekv_destination\x18\x06 \x01(\x0b\x32 .wavepp.prefill.v1.KvDestination\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\x08priority\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\ttenant_id\x18\t \x01(\t\x12\x36\n\rprefix_source\x18\n \x01(\x0b\x32\x1f.wavepp.prefill.v1.PrefixSourceB\x08\n\x06promptB\x0f\n\r_top_logprobsB\x0b\n\t_priority\"n\n\x12LeasePrefixRequest\x12.\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x1b.wavepp.prefill.v1.TokenIds\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"j\n\x13LeasePrefixResponse\x12;\n\x0fstage_manifests\x18\x01 \x03(\x0b\x32\".wavepp.prefill.v1.StageKvManifest\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\x02 \x01(\t\"3\n\x0cPrefixSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa2\x01\n\x0ePrefillTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x19\n\x11\x61\x64mission_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x65ngine_seconds\x18\x04 \x01(\x01\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\x12\x15\n\rfetch_seconds\x18\x06 \x01(\x01\"\xf1\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.wavepp.prefill.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12;\n\x0fstage_manifests\x18\x07 \x03(\x0b\x32\".wavepp.prefill.v1.StageKvManifest\x12\x32\n\x07timings\x18\x08 \x01(\x0b\x32!.wavepp.prefill.v1.PrefillTimings\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x11\n\tserved_by\x18\n \x01(\t\x12\x16\n\x0e\x66\x65tched_tokens\x18\x0b \x01(\r\"-\n\x0cPrefillError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa0\x01\n\x15PrefillStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x08response\x18\x02 \x01(\x0b\x32\".wavepp.prefill.v1.PrefillResponseH\x00\x12\x30\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1f.wavepp.prefill.v1.PrefillErrorH\x00\x42\t\n\x07outcome\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x88\x01\n\tStageLoad\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x15\n\rbusy_fraction\x18\x06 \x01(\x01\"\xb7\x01\n\nLoadReport\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x19\n\x11inflight_requests\x18\x02 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x03 \x01(\x04\x12,\n\x06stages\x18\x04 \x03(\x0b\x32\x1c.wavepp.prefill.v1.StageLoad\x12\x32\n\tpipelines\x18\x05 \x03(\x0b\x32\x1f.wavepp.prefill.v1.PipelineLoad\"\xd2\x01\n\x0cPipelineLoad\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x19\n\x11inflight_requests\x18\x05 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12,\n\x06stages\x18\x08 \x03(\x0b\x32\x1c.wavepp.prefill.v1.StageLoad\"\xac\x01\n\rScoreResponse\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0equeued_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fready_pipelines\x18\x07 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xbf\x02\n\nServerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nnum_stages\x18\x04 \x01(\r\x12\x14\n\x0ctext_prompts\x18\x05 \x01(\x08\x12\x16\n\x0eserver_version\x18\x06 \x01(\t\x12\x15\n\rchat_template\x18\x07 \x01(\x08\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\n \x01(\t\x12\x13\n\x0bpipeline_id\x18\x0b \x01(\t\x12\x11\n\tkv_events\x18\x0c \x01(\x08\x12\x0e\n\x06router\x18\r \x01(\x08\x12 \n\x18snapshot_interval_blocks\x18\x0e \x01(\r2\xc7\x05\n\x0ePrefillService\x12P\n\x07Prefill\x12!.wavepp.prefill.v1.PrefillRequest\x1a\".wavepp.prefill.v1.PrefillResponse\x12`\n\rPrefillStream\x12!.wavepp.prefill.v1.PrefillRequest\x1a(.wavepp.prefill.v1.PrefillStreamResponse(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.wavepp.prefill.v1.AbortRequest\x1a .wavepp.prefill.v1.AbortResponse\x12K\n\x07GetLoad\x12!.wavepp.prefill.v1.GetLoadRequest\x1a\x1d.wavepp.prefill.v1.LoadReport\x12\x63\n\x11SubscribeKvEvents\x12+.wavepp.prefill.v1.SubscribeKvEventsRequest\x1a\x1f.wavepp.prefill.v1.KvEventBatch0\x01\x12W\n\rGetServerInfo\x12\'.wavepp.prefill.v1.GetServerInfoRequest\x1a\x1d.wavepp.prefill.v1.ServerInfo\x12L\n\x05Score\x12!.wavepp.prefill.v1.PrefillRequest\x1a .wavepp.prefill.v1.ScoreResponse\x12\\\n\x0bLeasePrefix\x12%.wavepp.prefill.v1.LeasePrefixRequest\x1a&.wavepp.prefill.v1.LeasePrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,37 +43,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEASEPREFIXREQUEST']._serialized_start=702
   _globals['_LEASEPREFIXREQUEST']._serialized_end=812
   _globals['_LEASEPREFIXRESPONSE']._serialized_start=814
-  _globals['_LEASEPREFIXRESPONSE']._serialized_end=896
-  _globals['_PREFIXSOURCE']._serialized_start=898
-  _globals['_PREFIXSOURCE']._serialized_end=949
-  _globals['_TOKENLOGPROB']._serialized_start=951
-  _globals['_TOKENLOGPROB']._serialized_end=1000
-  _globals['_PREFILLTIMINGS']._serialized_start=1003
-  _globals['_PREFILLTIMINGS']._serialized_end=1165
-  _globals['_PREFILLRESPONSE']._serialized_start=1168
-  _globals['_PREFILLRESPONSE']._serialized_end=1537
-  _globals['_PREFILLERROR']._serialized_start=1539
-  _globals['_PREFILLERROR']._serialized_end=1584
-  _globals['_PREFILLSTREAMRESPONSE']._serialized_start=1587
-  _globals['_PREFILLSTREAMRESPONSE']._serialized_end=1747
-  _globals['_ABORTREQUEST']._serialized_start=1749
-  _globals['_ABORTREQUEST']._serialized_end=1783
-  _globals['_ABORTRESPONSE']._serialized_start=1785
-  _globals['_ABORTRESPONSE']._serialized_end=1817
-  _globals['_GETLOADREQUEST']._serialized_start=1819
-  _globals['_GETLOADREQUEST']._serialized_end=1835
-  _globals['_STAGELOAD']._serialized_start=1838
-  _globals['_STAGELOAD']._serialized_end=1974
-  _globals['_LOADREPORT']._serialized_start=1977
-  _globals['_LOADREPORT']._serialized_end=2160
-  _globals['_PIPELINELOAD']._serialized_start=2163
-  _globals['_PIPELINELOAD']._serialized_end=2373
-  _globals['_SCORERESPONSE']._serialized_start=2376
-  _globals['_SCORERESPONSE']._serialized_end=2548
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2550
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2572
-  _globals['_SERVERINFO']._serialized_start=2575
-  _globals['_SERVERINFO']._serialized_end=2894
-  _globals['_PREFILLSERVICE']._serialized_start=2897
-  _globals['_PREFILLSERVICE']._serialized_end=3608
+  _globals['_LEASEPREFIXRESPONSE']._serialized_end=920
+  _globals['_PREFIXSOURCE']._serialized_start=922
+  _globals['_PREFIXSOURCE']._serialized_end=973
+  _globals['_TOKENLOGPROB']._serialized_start=975
+  _globals['_TOKENLOGPROB']._serialized_end=1024
+  _globals['_PREFILLTIMINGS']._serialized_start=1027
+  _globals['_PREFILLTIMINGS']._serialized_end=1189
+  _globals['_PREFILLRESPONSE']._serialized_start=1192
+  _globals['_PREFILLRESPONSE']._serialized_end=1561
+  _globals['_PREFILLERROR']._serialized_start=1563
+  _globals['_PREFILLERROR']._serialized_end=1608
+  _globals['_PREFILLSTREAMRESPONSE']._serialized_start=1611
+  _globals['_PREFILLSTREAMRESPONSE']._serialized_end=1771
+  _globals['_ABORTREQUEST']._serialized_start=1773
+  _globals['_ABORTREQUEST']._serialized_end=1807
+  _globals['_ABORTRESPONSE']._serialized_start=1809
+  _globals['_ABORTRESPONSE']._serialized_end=1841
+  _globals['_GETLOADREQUEST']._serialized_start=1843
+  _globals['_GETLOADREQUEST']._serialized_end=1859
+  _globals['_STAGELOAD']._serialized_start=1862
+  _globals['_STAGELOAD']._serialized_end=1998
+  _globals['_LOADREPORT']._serialized_start=2001
+  _globals['_LOADREPORT']._serialized_end=2184
+  _globals['_PIPELINELOAD']._serialized_start=2187
+  _globals['_PIPELINELOAD']._serialized_end=2397
+  _globals['_SCORERESPONSE']._serialized_start=2400
+  _globals['_SCORERESPONSE']._serialized_end=2572
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2574
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2596
+  _globals['_SERVERINFO']._serialized_start=2599
+  _globals['_SERVERINFO']._serialized_end=2918
+  _globals['_PREFILLSERVICE']._serialized_start=2921
+  _globals['_PREFILLSERVICE']._serialized_end=3632
 # @@protoc_insertion_point(module_scope)

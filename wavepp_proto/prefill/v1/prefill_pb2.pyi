@@ -62,10 +62,12 @@ class LeasePrefixRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LeasePrefixResponse(_message.Message):
-    __slots__ = ("stage_manifests",)
+    __slots__ = ("stage_manifests", "cache_model_id")
     STAGE_MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     stage_manifests: _containers.RepeatedCompositeFieldContainer[_kv_layout_pb2.StageKvManifest]
-    def __init__(self, stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ...) -> None: ...
+    cache_model_id: str
+    def __init__(self, stage_manifests: _Optional[_Iterable[_Union[_kv_layout_pb2.StageKvManifest, _Mapping]]] = ..., cache_model_id: _Optional[str] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("address", "num_tokens")
