@@ -72,6 +72,10 @@ _PD_SMOKE = ("--rates", "c1", "--num-prompts", "2", "--input-len", "64", "--outp
 _WAVE_SMOKE = ("--random-weights", "--runs", "1", "--wave", "2", "--chunk", "16", "--prefix", "32",
                "--cold", "32")  # fmt: skip
 
+# a tiny cluster run of bench/router.py (every figure of it adds its policies)
+_ROUTER_SMOKE = ("--runs", "1", "--requests", "8", "--tenants", "2", "--concurrency", "2",
+                 "--core-runs", "1", "--num-blocks", "128")  # fmt: skip
+
 FIGURES = (
     Figure(
         "pipeline",
@@ -170,25 +174,7 @@ FIGURES = (
             "--core-runs",
             "1",
         ),
-        _bench(
-            "router",
-            "--runs",
-            "1",
-            "--requests",
-            "8",
-            "--tenants",
-            "2",
-            "--concurrency",
-            "2",
-            "--policies",
-            "fetch",
-            "--overhead-concurrency",
-            "",
-            "--core-runs",
-            "1",
-            "--num-blocks",
-            "128",
-        ),
+        _bench("router", *_ROUTER_SMOKE, "--policies", "fetch", "--overhead-concurrency", ""),
     ),  # fmt: skip
     Figure(
         "router",
@@ -196,26 +182,15 @@ FIGURES = (
         _bench("router"),
         _bench(
             "router",
-            "--runs",
-            "1",
-            "--requests",
-            "8",
-            "--tenants",
-            "2",
-            "--concurrency",
-            "2",
+            *_ROUTER_SMOKE,
             "--policies",
             "prefix",
             "--overhead-concurrency",
             "1",
             "--overhead-requests",
             "10",
-            "--core-runs",
-            "1",
-            "--num-blocks",
-            "128",
         ),
-    ),
+    ),  # fmt: skip
     Figure(
         "idle_cpu",
         "bench/idle_cpu.py: idle CPU and decode speed per NIXL progress mode",

@@ -115,19 +115,44 @@ def lease_prefix(source: LocalEngine, prefix: list[int], ttl_s: float | None = N
     return manifests
 
 
+SAME = (4, ((0, 2), (2, 4)))  # block size, layer split
+
+
+@contextlib.contextmanager
+def pipelines(*shapes):
+    """In-process pipelines of these shapes; shut down, then checked, on the way out."""
+    engines = [engine(*shape) for shape in shapes]
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.shutdown()
+    for e in engines:
+        e.check_integrity()
+
+
+def prefill_exactly(e: LocalEngine, prompt: list[int], cached: int) -> None:
+    """``prompt`` reuses ``cached`` tokens and its logits equal the reference forward's."""
+    got = e.prefill(prompt, PrefillOptions())
+    want, _ = reference_forward(CONFIG, WEIGHTS, prompt)
+    assert got.result.cached_tokens == cached
+    assert got.result.computed_tokens == len(prompt) - cached
+    torch.testing.assert_close(got.logits, want.float(), atol=1e-4, rtol=1e-4)
+    wait_idle(e)
+
+
 @pytest.mark.parametrize(
     "source_shape, target_shape",
     [
-        ((4, ((0, 2), (2, 4))), (4, ((0, 2), (2, 4)))),  # the same pipeline shape
-        ((4, ((0, 2), (2, 4))), (8, ((0, 1), (1, 4)))),  # other block size, other split
+        (SAME, SAME),
+        (SAME, (8, ((0, 1), (1, 4)))),  # other block size, other split
         ((8, ((0, 3), (3, 4))), (4, ((0, 4),))),  # one stage reading from two
     ],
     ids=["same", "block-size-and-split", "one-stage"],
 )
 def test_fetched_prefix_is_the_sources_kv_and_is_reused(source_shape, target_shape):
     prefix, suffix = prompt_of(48, seed=1), prompt_of(7, seed=2)
-    a, b = engine(*source_shape), engine(*target_shape)
-    try:
+    with pipelines(source_shape, target_shape) as (a, b):
         a.submit(prefix + suffix, PrefillOptions()).result(timeout=30)  # A computed it
         manifests = lease_prefix(a, prefix)
         assert all(m.lease_id for m in manifests)
@@ -141,24 +166,12 @@ def test_fetched_prefix_is_the_sources_kv_and_is_reused(source_shape, target_sha
         assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))  # bit-identical
         wait_idle(a)  # B released A's leases
         wait_idle(b)
-
-        got = b.prefill(prefix + suffix, PrefillOptions())
-        want, _ = reference_forward(CONFIG, WEIGHTS, prefix + suffix)
-        assert got.result.cached_tokens == len(prefix)
-        assert got.result.computed_tokens == len(suffix)
-        torch.testing.assert_close(got.logits, want.float(), atol=1e-4, rtol=1e-4)
-        wait_idle(b)
-    finally:
-        a.shutdown()
-        b.shutdown()
-    a.check_integrity()
-    b.check_integrity()
+        prefill_exactly(b, prefix + suffix, cached=len(prefix))
 
 
 def test_a_stage_fetches_only_what_it_lacks():
     prefix = prompt_of(32, seed=3)
-    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
-    try:
+    with pipelines(SAME, SAME) as (a, b):
         b.submit(prefix[:16] + [1], PrefillOptions()).result(timeout=30)  # B holds 4 blocks
         fetched = b.fetch_prefix(prefix, None, lease_prefix(a, prefix))
         assert fetched.copied_blocks == (4, 4)
@@ -167,15 +180,11 @@ def test_a_stage_fetches_only_what_it_lacks():
         assert again.copied_blocks == (0, 0) and again.bytes_read == 0 and again.ok
         wait_idle(a)
         wait_idle(b)
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_source_gone_before_the_copy_caches_nothing_and_the_request_computes():
     prefix, suffix = prompt_of(32, seed=4), prompt_of(5, seed=5)
-    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
-    try:
+    with pipelines(SAME, SAME) as (a, b):
         manifests = lease_prefix(a, prefix)
         a.shutdown()  # its agents and leases are gone
         fetched = b.fetch_prefix(prefix, None, manifests)
@@ -183,23 +192,13 @@ def test_source_gone_before_the_copy_caches_nothing_and_the_request_computes():
         assert fetched.copied_blocks == (0, 0)
         assert cached_kv(b, prefix) is None
         wait_idle(b)
-        got = b.prefill(prefix + suffix, PrefillOptions())
-        want, _ = reference_forward(CONFIG, WEIGHTS, prefix + suffix)
-        assert got.result.cached_tokens == 0
-        torch.testing.assert_close(got.logits, want.float(), atol=1e-4, rtol=1e-4)
-        wait_idle(b)
-    finally:
-        a.shutdown()
-        b.shutdown()
-    a.check_integrity()
-    b.check_integrity()
+        prefill_exactly(b, prefix + suffix, cached=0)
 
 
 def test_an_expired_lease_is_never_read():
     """After its lease expired the source may reuse the blocks: B must not read them."""
     prefix = prompt_of(32, seed=6)
-    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
-    try:
+    with pipelines(SAME, SAME) as (a, b):
         manifests = lease_prefix(a, prefix, ttl_s=0.3)
         wait_idle(a)  # expired: A unpinned the blocks
         fetched = b.fetch_prefix(prefix, None, manifests)
@@ -207,15 +206,11 @@ def test_an_expired_lease_is_never_read():
         assert fetched.copied_blocks == (0, 0) and fetched.bytes_read == 0
         assert cached_kv(b, prefix) is None
         wait_idle(b)
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_bad_fetches_are_refused_before_any_stage_moves():
     prefix = prompt_of(32, seed=7)
-    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
-    try:
+    with pipelines(SAME, SAME) as (a, b):
         manifests = lease_prefix(a, prefix)
         with pytest.raises(InvalidRequestError, match="whole 4-token blocks"):
             b.fetch_prefix(prefix[:30], None, manifests)
@@ -228,9 +223,6 @@ def test_bad_fetches_are_refused_before_any_stage_moves():
         assert torch.equal(cached_kv(b, prefix, "tenant-b"), cached_kv(a, prefix))
         wait_idle(a)
         wait_idle(b)
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 # ---- over the prefill API: a request's prefix_source ------------------------------------
@@ -255,53 +247,57 @@ def fetch_counts(server: ServerThread) -> dict[str, int]:
 
 def test_prefix_source_copies_the_prefix_before_the_prefill():
     prefix, suffix = prompt_of(40, seed=9), prompt_of(6, seed=10)
-    a, b = engine(4, ((0, 2), (2, 4))), engine(8, ((0, 1), (1, 4)))
-    try:
-        with ServerThread(a) as sa, ServerThread(b) as sb, channel(sb.target) as client:
-            a.submit(prefix + [3], PrefillOptions()).result(timeout=30)  # A holds the prefix
-            cold = a.prefill(prefix + suffix, PrefillOptions(cache_salt="cold"))
+    with (
+        pipelines(SAME, (8, ((0, 1), (1, 4)))) as (a, b),
+        ServerThread(a) as sa,
+        ServerThread(b) as sb,
+        channel(sb.target) as client,
+    ):
+        a.submit(prefix + [3], PrefillOptions()).result(timeout=30)  # A holds the prefix
+        cold = a.prefill(prefix + suffix, PrefillOptions(cache_salt="cold"))
 
-            answer = client.Prefill(fetch_request(prefix + suffix, sa.target, 40))
+        answer = client.Prefill(fetch_request(prefix + suffix, sa.target, 40))
 
-            assert answer.fetched_tokens == 40 and answer.timings.fetch_seconds > 0
-            assert answer.cached_tokens == 40 and answer.computed_tokens == len(suffix)
-            assert answer.first_token_id == int(cold.logits.argmax())
-            assert fetch_counts(sb)["copied"] == 1
-            assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))
+        assert answer.fetched_tokens == 40 and answer.timings.fetch_seconds > 0
+        assert answer.cached_tokens == 40 and answer.computed_tokens == len(suffix)
+        assert answer.first_token_id == int(cold.logits.argmax())
+        assert fetch_counts(sb)["copied"] == 1
+        assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))
 
-            again = client.Prefill(fetch_request(prefix + suffix, sa.target, 40))
-            assert again.fetched_tokens == 0 and again.cached_tokens == 40
-            assert fetch_counts(sb)["held"] == 1
+        again = client.Prefill(fetch_request(prefix + suffix, sa.target, 40))
+        assert again.fetched_tokens == 0 and again.cached_tokens == 40
+        assert fetch_counts(sb)["held"] == 1
 
-            # a source that is gone: counted, logged, and the request computes its prefix
-            other = prompt_of(24, seed=11)
-            lost = client.Prefill(fetch_request(other, f"127.0.0.1:{free_port()}", 16))
-            assert lost.fetched_tokens == 0 and lost.cached_tokens == 0
-            assert fetch_counts(sb)["failed"] == 1
+        # a source that is gone: counted, logged, and the request computes its prefix
+        other = prompt_of(24, seed=11)
+        lost = client.Prefill(fetch_request(other, f"127.0.0.1:{free_port()}", 16))
+        assert lost.fetched_tokens == 0 and lost.cached_tokens == 0
+        assert fetch_counts(sb)["failed"] == 1
 
-            # the caller's mistakes are INVALID_ARGUMENT, and nothing was asked of A
-            for count in (12, len(other), 0):
-                with pytest.raises(grpc.RpcError) as err:
-                    client.Prefill(fetch_request(other, sa.target, count))
-                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-                assert "prefix_source" in err.value.details()
-            wait_idle(a)
-            wait_idle(b)
-    finally:
-        a.shutdown()
-        b.shutdown()
+        # the caller's mistakes are INVALID_ARGUMENT, and nothing was asked of A
+        for count in (12, len(other), 0):
+            with pytest.raises(grpc.RpcError) as err:
+                client.Prefill(fetch_request(other, sa.target, count))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "prefix_source" in err.value.details()
+        wait_idle(a)
+        wait_idle(b)
 
 
 def test_a_source_serving_another_model_is_never_read():
     prefix = prompt_of(32, seed=12)
-    a, b = engine(4, ((0, 2), (2, 4))), engine(4, ((0, 2), (2, 4)))
     other = LocalEngine.from_weights(
         tiny_llama("another-model"),
         WEIGHTS,
         EngineConfig(stages=1, num_blocks=40, block_size=4, kv_handoff=HANDOFF),
     )
     try:
-        with ServerThread(other) as so, ServerThread(b) as sb, channel(sb.target) as client:
+        with (
+            pipelines(SAME) as (b,),
+            ServerThread(other) as so,
+            ServerThread(b) as sb,
+            channel(sb.target) as client,
+        ):
             other.submit(prefix + [1], PrefillOptions()).result(timeout=30)
             answer = client.Prefill(fetch_request(prefix + [2, 3], so.target, 32))
             assert answer.fetched_tokens == 0 and answer.cached_tokens == 0
@@ -309,8 +305,6 @@ def test_a_source_serving_another_model_is_never_read():
             wait_until(lambda: other.kv_held_blocks() == (0,), 5, "its lease released")
             wait_idle(b)
     finally:
-        a.shutdown()
-        b.shutdown()
         other.shutdown()
 
 

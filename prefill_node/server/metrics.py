@@ -133,6 +133,13 @@ class _Histogram:
         return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
 
 
+def _by_outcome(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["outcome"])
+    for outcome, count in list(counts.items()):
+        family.add_metric([outcome], count)
+    return family
+
+
 class _RequestCollector(Collector):
     """Exports the per-request figures ServerMetrics accumulates."""
 
@@ -141,14 +148,10 @@ class _RequestCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         m = self._m
-        requests = CounterMetricFamily(
-            "wavepp_requests",
-            "Prefill requests by outcome (a gRPC status, lower case)",
-            labels=["outcome"],
-        )
-        for outcome, count in list(m.outcomes.items()):
-            requests.add_metric([outcome], count)
-        yield requests
+        yield _by_outcome(
+            "wavepp_requests", "Prefill requests by outcome (a gRPC status, lower case)",
+            m.outcomes,
+        )  # fmt: skip
         tokens = CounterMetricFamily(
             "wavepp_prompt_tokens",
             "Prompt tokens of successful requests, cached (reused) or computed",
@@ -157,15 +160,13 @@ class _RequestCollector(Collector):
         tokens.add_metric(["cached"], m.cached_tokens)
         tokens.add_metric(["computed"], m.computed_tokens)
         yield tokens
-        fetches = CounterMetricFamily(
+        yield _by_outcome(
             "wavepp_prefix_fetches",
             "Prefixes asked to be copied from another pipeline (prefix_source), by outcome: "
-            "copied, held (every stage held it already), failed (computed instead)",
-            labels=["outcome"],
+            "copied, held (nothing copied: every stage held it already, or had no room), "
+            "failed (computed instead)",
+            m.fetches,
         )
-        for outcome, count in list(m.fetches.items()):
-            fetches.add_metric([outcome], count)
-        yield fetches
         fetched = CounterMetricFamily(
             "wavepp_prefix_fetch_bytes", "KV bytes the stages READ from other pipelines"
         )
