@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -450,3 +451,20 @@ def test_the_source_lends_what_each_stage_holds_and_nothing_when_a_stage_has_non
         b.shutdown()
     a.check_integrity()
     b.check_integrity()
+
+
+def test_a_stage_whose_read_fails_gives_its_blocks_back_and_the_request_stays_exact():
+    """Stage 1's manifest names blocks outside the source's pool, so its READ fails; stage
+    0's lands. Stage 0 caches the copy, stage 1 nothing; the request reuses what both hold
+    (nothing) and is exact; the source's leases are released all the same."""
+    prefix, suffix = prompt_of(32, seed=23), prompt_of(5, seed=24)
+    with pipelines(SAME, SAME) as (a, b):
+        good, bad = lease_prefix(a, prefix)
+        outside = tuple(10_000 + i for i in range(len(bad.block_ids)))
+        fetched = b.fetch_prefix(prefix, None, (good, replace(bad, block_ids=outside)))
+        assert fetched.copied_blocks == (8, 0)
+        assert len(fetched.errors) == 1 and fetched.errors[0].startswith("stage 1:")
+        assert b.stages[1].pool_stats().cached == 0  # nothing of the failed copy was kept
+        wait_idle(a)
+        wait_idle(b)
+        prefill_exactly(b, prefix + suffix, cached=0)

@@ -13,12 +13,15 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from kv_transfer.errors import KVTransferError
+
 log = logging.getLogger(__name__)
 
 
 class CommandLoop:
     """Contract: ``call`` from any thread; ``run_pending`` / ``pause`` from the owner only.
-    A command that raises fails its Future (and is logged); the loop goes on."""
+    A command that raises fails its Future (and is logged: with its traceback unless it is
+    a transfer's own KVTransferError, which its caller reports); the loop goes on."""
 
     def __init__(self, name: str, poll_interval_s: float, idle_interval_s: float) -> None:
         self.name = name
@@ -51,6 +54,9 @@ class CommandLoop:
             work, future = self._commands.popleft()
             try:
                 future.set_result(work())
+            except KVTransferError as exc:  # a transfer's own failure: its caller reports it
+                log.debug("%s: command failed: %r", self.name, exc)
+                future.set_exception(exc)
             except Exception as exc:  # noqa: BLE001 - the caller of call() sees it
                 log.exception("%s: command failed", self.name)
                 future.set_exception(exc)
