@@ -179,6 +179,7 @@ def test_a_stage_fetches_only_what_it_lacks():
         assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))
         again = b.fetch_prefix(prefix, None, lease_prefix(a, prefix))  # B holds it all
         assert again.copied_blocks == (0, 0) and again.bytes_read == 0 and again.ok
+        assert again.skipped == ("held", "held")
         wait_idle(a)
         wait_idle(b)
 
@@ -302,7 +303,7 @@ def test_a_source_serving_another_model_is_never_read():
             other.submit(prefix + [1], PrefillOptions()).result(timeout=30)
             answer = client.Prefill(fetch_request(prefix + [2, 3], so.target, 32))
             assert answer.fetched_tokens == 0 and answer.cached_tokens == 0
-            assert fetch_counts(sb) == {"copied": 0, "held": 0, "failed": 1}
+            assert fetch_counts(sb) == {"copied": 0, "held": 0, "no_room": 0, "failed": 1}
             wait_until(lambda: other.kv_held_blocks() == (0,), 5, "its lease released")
             wait_idle(b)
     finally:

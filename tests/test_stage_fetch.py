@@ -7,7 +7,7 @@ from prefill_node.core.execution_results import BlockTable, Completion
 from prefill_node.core.hashing import ExtraKeys
 from prefill_node.core.kv_events import BlockStored
 from prefill_node.core.request import RequestSpec
-from prefill_node.core.stage_admission import StageAdmission, StageConfig
+from prefill_node.core.stage_admission import FetchSkip, StageAdmission, StageConfig
 
 B = 4
 EXTRA = ExtraKeys("tiny")
@@ -58,7 +58,7 @@ def test_a_stage_copies_only_the_blocks_after_what_it_holds():
     assert (table.start, table.end, table.num_cached_tokens) == (8, 24, 8)
     assert st.end_fetch("f", landed=True) == 4
     assert idle(st).cached == 6
-    assert st.begin_fetch(spec("again", PREFIX)) is None  # it holds all of it now
+    assert st.begin_fetch(spec("again", PREFIX)) is FetchSkip.HELD
     idle(st)
 
 
@@ -68,25 +68,25 @@ def test_a_copy_that_did_not_land_gives_its_blocks_back_unhashed():
     assert st.end_fetch("f", landed=False) == 0
     stats = idle(st)
     assert stats.cached == 0 and stats.free == 16
-    assert st.begin_fetch(spec("g", PREFIX)) is not None  # nothing of it was cached
+    assert isinstance(st.begin_fetch(spec("g", PREFIX)), BlockTable)  # none of it cached
 
 
 def test_a_fetch_is_not_held_to_the_headroom_cap_but_needs_room():
     st = stage(num_blocks=10, headroom_blocks=6)
     other = st.begin_fetch(spec("running", range(500, 512)))  # 3 blocks tied up
-    assert other is not None
+    assert isinstance(other, BlockTable)
     # a request would be capped here (3 + 6 > 10 - 6); a copy's blocks come back by itself
     table = st.begin_fetch(spec("f", PREFIX))
-    assert table is not None and table.end == 24
+    assert isinstance(table, BlockTable) and table.end == 24
     st.end_fetch("f", landed=True)
-    assert st.begin_fetch(spec("too-big", range(600, 640))) is None  # 10 blocks: no room
+    assert st.begin_fetch(spec("too-big", range(600, 640))) is FetchSkip.NO_ROOM  # 10 blocks
     st.end_fetch("running", landed=True)
     idle(st)
 
 
 def test_a_stage_that_resumes_at_snapshots_never_fetches_nor_lends():
     st = stage(snapshot_interval_blocks=2)
-    assert st.begin_fetch(spec("f", PREFIX)) is None
+    assert st.begin_fetch(spec("f", PREFIX)) is FetchSkip.UNSUPPORTED
     assert st.pin_cached(spec("l", PREFIX)) is None
     idle(st)
 
@@ -112,7 +112,7 @@ def test_the_lent_run_ends_where_the_cache_does():
     compute(st, "r", PREFIX[:16])  # 4 full blocks cached, 4 free
     # a 7-block copy takes the 4 free blocks and evicts the 3 least recently used cached
     # ones (the prefix's tail: a chain is freed tail first)
-    assert st.begin_fetch(spec("big", range(700, 728))) is not None
+    assert isinstance(st.begin_fetch(spec("big", range(700, 728))), BlockTable)
     held = st.pin_cached(spec("lend", PREFIX))
     assert held.num_tokens == 4 and len(held.blocks) == 1
     st.check_integrity()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -69,6 +70,14 @@ class StageConfig:
             )
         if self.snapshot_interval_blocks is not None and self.snapshot_interval_blocks <= 0:
             raise InvalidStageConfigError(f"stage {self.stage}: snapshot interval must be > 0")
+
+
+class FetchSkip(enum.Enum):
+    """Why a stage copies nothing of a prefix another pipeline holds (``begin_fetch``)."""
+
+    HELD = "held"  # it holds the whole prefix already
+    NO_ROOM = "no_room"  # it cannot make room: every block is pinned or escrowed
+    UNSUPPORTED = "unsupported"  # not whole blocks, or a stage resuming at snapshots
 
 
 class FinalBlocks(NamedTuple):
@@ -418,28 +427,29 @@ class StageAdmission:
         end = found * self.config.block_size
         return FinalBlocks(lease.blocks, tuple(b.block_id for b in lease.blocks), end, 0, end)
 
-    def begin_fetch(self, spec: RequestSpec) -> BlockTable | None:
+    def begin_fetch(self, spec: RequestSpec) -> BlockTable | FetchSkip:
         """Hold room for a prefix another pipeline holds (``spec``: whole blocks of it, under
         an id of its own) as a request of its own: lease what this stage holds of it, escrow
         the rest and materialise the blocks after the lease for the copy to land in (their
         KV is garbage until then; nothing else can lease them). The headroom cap does not
         apply: the blocks come back when the READ ends, whatever the waves do, so the
-        copy cannot hold the cache hostage. None when this stage holds the whole prefix
-        already, cannot make room (every block pinned or escrowed), or resumes only at
-        recurrent-state snapshots (a copy does not carry them): nothing is held then.
+        copy cannot hold the cache hostage. A ``FetchSkip`` when this stage holds the
+        whole prefix already, cannot make room (every block pinned or escrowed), or resumes
+        only at recurrent-state snapshots (a copy does not carry them): nothing is held.
         ``end_fetch`` caches the blocks or gives them back."""
         size = self.config.block_size
         if spec.num_tokens % size or self._needs_snapshot:
-            return None
+            return FetchSkip.UNSUPPORTED
         prompt = PromptBlocks(spec, size)
         if prompt.num_blocks > self.config.num_blocks:
-            return None
+            return FetchSkip.NO_ROOM
         self._register(prompt)
         reserved = self._reserve(ReserveOrder(spec.request_id), blocked=False, capped=False)
         start = reserved.confirmed_blocks * size
         if reserved.status is not ReserveStatus.OK or start >= spec.num_tokens:
             self.abort(spec.request_id)
-            return None
+            ok = reserved.status is ReserveStatus.OK
+            return FetchSkip.HELD if ok else FetchSkip.NO_ROOM
         self._commit(CommitOrder(spec.request_id, reserved.confirmed_blocks))
         table = self.materialise(spec.request_id, start, spec.num_tokens - start)
         if isinstance(table, StageStateMismatch):

@@ -165,6 +165,7 @@ class PrefixFetchResult:
     bytes_read: int
     read_s: float
     errors: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # per stage: why it copied nothing ("held", "no_room")
 
     @property
     def ok(self) -> bool:

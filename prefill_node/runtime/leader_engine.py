@@ -466,6 +466,7 @@ class LeaderEngine:
             sum(r.bytes_read for r in replies),
             max(r.read_s for r in replies),
             tuple(f"stage {r.stage}: {r.error}" for r in replies if r.error),
+            tuple(r.skipped for r in replies),
         )
 
     def stage_stats(self, timeout_s: float = 30.0) -> list[StageStats]:

@@ -145,8 +145,9 @@ class LendOrder:
 
 @dataclass(frozen=True)
 class FetchReply:
-    """One stage's part of a fetch: ``cached_blocks`` of the prefix it now holds (0 when it
-    held them all, had no room or the copy failed: ``error``), from ``start_token`` on."""
+    """One stage's part of a fetch: ``cached_blocks`` of the prefix it copied and cached,
+    from ``start_token`` on; 0 when the copy failed (``error``) or it copied nothing
+    (``skipped``: a ``FetchSkip`` value, e.g. "held")."""
 
     stage: int
     start_token: int = 0
@@ -154,6 +155,7 @@ class FetchReply:
     bytes_read: int = 0
     read_s: float = 0.0
     error: str = ""
+    skipped: str = ""
 
 
 @dataclass(frozen=True)

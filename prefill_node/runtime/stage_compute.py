@@ -14,7 +14,12 @@ from prefill_node.core.admission_messages import ReserveStatus, RoundRequest, St
 from prefill_node.core.block import KVBlock
 from prefill_node.core.block_pool import BlockPool, PoolStats
 from prefill_node.core.execution_results import BlockTable, MismatchReason, StageStateMismatch
-from prefill_node.core.stage_admission import FinalBlocks, StageAdmission, StageConfig
+from prefill_node.core.stage_admission import (
+    FetchSkip,
+    FinalBlocks,
+    StageAdmission,
+    StageConfig,
+)
 from prefill_node.engine.types import StageKVManifest
 from prefill_node.errors import InvalidRequestError, InvariantError
 from prefill_node.kv_handoff.config import KVHandoffConfig
@@ -251,8 +256,8 @@ class PipelineStageCompute:
         rid = order.spec.request_id
         with self._lock:
             table = self.admission.begin_fetch(order.spec)
-        if table is None:
-            return FetchReply(self.stage)
+        if isinstance(table, FetchSkip):
+            return FetchReply(self.stage, skipped=table.value)
         landed, error, read, began = False, "", 0, time.perf_counter()
         try:
             if self.handoff is None:

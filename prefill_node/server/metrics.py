@@ -32,7 +32,7 @@ OUTCOMES = (
     "cancelled",
     "internal",
 )
-FETCH_OUTCOMES = ("copied", "held", "failed")
+FETCH_OUTCOMES = ("copied", "held", "no_room", "failed")
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
@@ -163,8 +163,8 @@ class _RequestCollector(Collector):
         yield _by_outcome(
             "wavepp_prefix_fetches",
             "Prefixes asked to be copied from another pipeline (prefix_source), by outcome: "
-            "copied, held (nothing copied: every stage held it already, or had no room), "
-            "failed (computed instead)",
+            "copied, held (every stage held it already), no_room (a stage could not make "
+            "room), failed (the copy failed: what is missing is computed)",
             m.fetches,
         )
         fetched = CounterMetricFamily(

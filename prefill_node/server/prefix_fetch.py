@@ -114,8 +114,10 @@ class PrefixFetcher:
                 log.warning("prefix fetch from %s failed: %s", address, "; ".join(result.errors))
             elif any(result.copied_blocks):
                 outcome, copied = "copied", length
-            else:
+            elif all(skip == "held" for skip in result.skipped):
                 outcome = "held"
+            else:  # some stage could not make room (every block pinned or escrowed)
+                outcome = "no_room"
         except Exception as exc:  # noqa: BLE001 - the request computes the prefix instead
             log.warning("prefix fetch from %s failed: %s: %s", address, type(exc).__name__, exc)
         seconds = time.perf_counter() - started
