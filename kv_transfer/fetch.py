@@ -1,7 +1,7 @@
 """Prefix fetch: a stage READs its layers of a prefix that another pipeline's stages hold.
 
-The other pipeline holds the prefix under pull leases (a pull prefill of the prefix: one
-``StageManifest`` per stage, exactly what decode READs). A fetching stage READs, from every
+The other pipeline holds the prefix under pull leases (its stages' answer to LeasePrefix:
+one ``StageManifest`` per stage, the lease decode READs under). A fetching stage READs, from every
 manifest whose layers overlap its own, the overlap's tokens ``[start, end)`` into its own
 blocks (block sizes may differ: the plan maps token runs; layer splits may differ: each
 pair moves the layers both hold). The READs carry no notification: with different splits

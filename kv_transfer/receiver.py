@@ -112,7 +112,7 @@ class KVReceiver:
         self._pending: dict[str, _Pending] = {}  # by transfer id
         self._by_request: dict[str, str] = {}  # request id -> transfer id
         # by metadata endpoint: the agent answering there now (a restarted stage comes back
-        # at the same address under a new agent name; see ``_peer``)
+        # at the same address under a new agent name; see ``LeasePeers.peer``)
         self._peers = LeasePeers(agent, config.handshake_timeout_s)
         self._unclaimed: list[TransferOutcome] = []
         self._ids = itertools.count()
