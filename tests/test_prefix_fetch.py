@@ -46,7 +46,7 @@ from tests.grpc_harness import ServerThread, wait_until
 from tests.router_harness import MODEL as ROUTER_MODEL
 from tests.router_harness import serve, stop
 from tests.tiny_models import tiny_llama
-from wavepp_proto.prefill.v1 import prefill_pb2_grpc
+from wavepp_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -276,6 +276,10 @@ def test_prefix_source_copies_the_prefix_before_the_prefill():
         assert lost.fetched_tokens == 0 and lost.cached_tokens == 0
         assert fetch_counts(sb)["failed"] == 1
 
+        with pytest.raises(grpc.RpcError) as err:  # a lease on no tokens at all
+            client.LeasePrefix(prefill_pb2.LeasePrefixRequest())
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
         # the caller's mistakes are INVALID_ARGUMENT, and nothing was asked of A
         for count in (12, len(other), 0):
             with pytest.raises(grpc.RpcError) as err:
@@ -374,6 +378,9 @@ def test_the_fetch_policy_copies_a_busy_pipelines_prefix_to_an_idle_one():
                 assert router.metrics.decisions["fetch"] == 1
                 assert router.metrics.fetches == {(sb.target, "copied"): 1}
                 assert router._core.transfer.num_samples == 1
+                with pytest.raises(grpc.RpcError) as err:  # a router lends nothing
+                    client.LeasePrefix(prefill_pb2.LeasePrefixRequest())
+                assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
             router.shutdown()
             wait_idle(a)
             wait_idle(b)

@@ -341,8 +341,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """The source side of a prefix fetch (``PrefixFetching.lend_prefix``): one control
         round on the pipeline, nothing queued; runs off the loop."""
         if self._fetcher is None:
-            code = grpc.StatusCode.UNIMPLEMENTED if self._forward else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, "LeasePrefix needs a pipeline (a router lends nothing)")
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "LeasePrefix is a pipeline's call (a router or a remote engine lends nothing)",
+            )
         if self._engine.kv_allow is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
