@@ -391,8 +391,10 @@ class LeaderEngine:
         (every lease granted is released then); otherwise one manifest per stage, whose
         ``num_tokens`` may differ: a fetch copies the shortest."""
         tokens = tuple(int(t) for t in token_ids)
-        if not tokens:
-            raise InvalidRequestError("a prefix to lend needs tokens")
+        if not 0 < len(tokens) <= self.max_model_len:
+            raise InvalidRequestError(
+                f"a prefix to lend needs 1 to {self.max_model_len} tokens, got {len(tokens)}"
+            )
         if lease_ttl_s is not None and lease_ttl_s <= 0:
             raise InvalidRequestError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         spec = self._running_leader().request_spec(f"lend-{uuid.uuid4().hex}", tokens, cache_salt)
