@@ -153,26 +153,22 @@ class _RouterCollector(Collector):
             cached.add_metric([pid, "predicted"], n)
             cached.add_metric([pid, "actual"], snapshot["actual_cached"].get(pid, 0))
         yield cached
-        failovers = CounterMetricFamily(
+        yield _per_pipeline_and(
             "wavepp_router_failovers",
             "Requests run on another pipeline after this one failed them before answering, "
             "by reason",
-            labels=["pipeline", "reason"],
+            "reason",
+            snapshot["failovers"],
         )
-        for (pid, reason), n in snapshot["failovers"].items():
-            failovers.add_metric([pid, reason], n)
-        yield failovers
-        fetches = CounterMetricFamily(
+        yield _per_pipeline_and(
             "wavepp_router_fetches",
             "Requests sent with a prefix to fetch from another pipeline (fetch policy), by "
             "the pipeline that fetched and outcome (copied; none: nothing copied - the copy "
             "failed, or the source held too little, or the pipeline held it or had no room - "
             "so it computed what it lacked)",
-            labels=["pipeline", "outcome"],
+            "outcome",
+            snapshot["fetches"],
         )
-        for (pid, outcome), n in snapshot["fetches"].items():
-            fetches.add_metric([pid, outcome], n)
-        yield fetches
         transfer = m.transfer_model()
         if transfer is not None:
             model = GaugeMetricFamily(
@@ -198,3 +194,13 @@ class _RouterCollector(Collector):
             for pid, n in snapshot[attr].items():
                 family.add_metric([pid], n)
             yield family
+
+
+def _per_pipeline_and(
+    name: str, doc: str, label: str, counts: Mapping[tuple[str, str], int]
+) -> CounterMetricFamily:
+    """A counter family by pipeline and one more label."""
+    family = CounterMetricFamily(name, doc, labels=["pipeline", label])
+    for (pid, value), n in counts.items():
+        family.add_metric([pid, value], n)
+    return family

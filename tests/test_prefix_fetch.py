@@ -21,6 +21,7 @@ from dataclasses import replace
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_node.client.prefill_client import PrefillClient, build_request
 from prefill_node.core.cost_model import ChunkCostModel
@@ -378,6 +379,12 @@ def test_the_fetch_policy_copies_a_busy_pipelines_prefix_to_an_idle_one():
                 assert router.metrics.decisions["fetch"] == 1
                 assert router.metrics.fetches == {(sb.target, "copied"): 1}
                 assert router._core.transfer.num_samples == 1
+                registry = CollectorRegistry()
+                registry.register(router.metrics.collector())
+                text = generate_latest(registry).decode()
+                copied = f'outcome="copied",pipeline="{sb.target}"'
+                assert f"wavepp_router_fetches_total{{{copied}}} 1.0" in text
+                assert 'wavepp_router_transfer_model{term="fixed"} 0.02' in text  # the prior
                 with pytest.raises(grpc.RpcError) as err:  # a router lends nothing
                     client.LeasePrefix(prefill_pb2.LeasePrefixRequest())
                 assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
