@@ -164,7 +164,7 @@ def test_fetched_prefix_is_the_sources_kv_and_is_reused(source_shape, target_sha
         assert fetched.ok, fetched.errors
         size = target_shape[0]
         assert fetched.copied_blocks == (len(prefix) // size,) * len(target_shape[1])
-        assert fetched.bytes_read > 0
+        assert fetched.bytes_read > 0 and fetched.read_s > 0
         assert torch.equal(cached_kv(b, prefix), cached_kv(a, prefix))  # bit-identical
         wait_idle(a)  # B released A's leases
         wait_idle(b)

@@ -409,13 +409,16 @@ class LeaderEngine:
     def release_sources(self, manifests: Sequence[StageKVManifest]) -> None:
         """Release another pipeline's pull leases (``manifests``) from stage 0's KV agent;
         best effort (an unsent release ends in the lease's expiry)."""
-        if not manifests or self._compute is None or self._compute.handoff is None:
-            return
         try:
             wire = [wire_manifest(m, "release", len(manifests)) for m in manifests]
         except KVTransferError:
             return
-        self._compute.handoff.release_sources(wire)
+        self._release(wire)
+
+    def _release(self, wire: Sequence[Any]) -> None:
+        """``release_sources`` of manifests already in wire form."""
+        if wire and self._compute is not None and self._compute.handoff is not None:
+            self._compute.handoff.release_sources(wire)
 
     def fetch_prefix(
         self,
@@ -461,7 +464,7 @@ class LeaderEngine:
             answered = True
         finally:  # the leases there end now, unless a stage may still be reading them
             if answered or not sent:
-                self.release_sources(manifests)
+                self._release(wire)
         replies.sort(key=operator.attrgetter("stage"))
         return PrefixFetchResult(
             tuple(r.cached_blocks for r in replies),

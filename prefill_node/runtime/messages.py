@@ -145,12 +145,11 @@ class LendOrder:
 
 @dataclass(frozen=True)
 class FetchReply:
-    """One stage's part of a fetch: ``cached_blocks`` of the prefix it copied and cached,
-    from ``start_token`` on; 0 when the copy failed (``error``) or it copied nothing
-    (``skipped``: a ``FetchSkip`` value, e.g. "held")."""
+    """One stage's part of a fetch: ``cached_blocks`` of the prefix it copied and cached;
+    0 when the copy failed (``error``) or it copied nothing (``skipped``: a ``FetchSkip``
+    value, e.g. "held")."""
 
     stage: int
-    start_token: int = 0
     cached_blocks: int = 0
     bytes_read: int = 0
     read_s: float = 0.0

@@ -21,7 +21,7 @@ from prefill_node.core.stage_admission import (
     StageConfig,
 )
 from prefill_node.engine.types import StageKVManifest
-from prefill_node.errors import InvalidRequestError, InvariantError
+from prefill_node.errors import InvariantError
 from prefill_node.kv_handoff.config import KVHandoffConfig
 from prefill_node.kv_handoff.stage_handoff import (
     ChunkRange,
@@ -253,23 +253,23 @@ class PipelineStageCompute:
         lacks (``StageAdmission.begin_fetch``), READ its layers of them from the other
         pipeline's stages (the hand-off thread), then cache them as if computed, or give
         them back when the READ failed. Waves keep running meanwhile."""
-        rid = order.spec.request_id
+        rid, handoff = order.spec.request_id, self.handoff
+        if handoff is None:  # before any block is reserved
+            return FetchReply(self.stage, error="this stage has no KV agent (--no-kv-shipping)")
         with self._lock:
             table = self.admission.begin_fetch(order.spec)
         if isinstance(table, FetchSkip):
             return FetchReply(self.stage, skipped=table.value)
         landed, error, read, began = False, "", 0, time.perf_counter()
         try:
-            if self.handoff is None:
-                raise InvalidRequestError("this stage has no KV agent (no --kv-handoff)")
-            read = self.handoff.fetch(order.manifests, table, order.lease_expiry_unix_s).result()
+            read = handoff.fetch(order.manifests, table, order.lease_expiry_unix_s).result()
             landed = True
         except Exception as exc:  # the blocks go back; the request computes the prefix
             error = f"{type(exc).__name__}: {exc}"
         finally:
             with self._lock:
                 cached = self.admission.end_fetch(rid, landed)
-        return FetchReply(self.stage, table.start, cached, read, time.perf_counter() - began, error)
+        return FetchReply(self.stage, cached, read, time.perf_counter() - began, error)
 
     def check(self) -> None:
         with self._lock:

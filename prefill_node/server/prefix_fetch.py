@@ -99,7 +99,8 @@ class PrefixFetcher:
         if parsed.prefix_source is None:
             return FetchOutcome(0, 0.0)
         address, count = parsed.prefix_source
-        size = self._engine.cache_identity.block_size
+        identity = self._engine.cache_identity
+        size = identity.block_size
         if count % size:
             raise InvalidRequestError(
                 f"prefix_source.num_tokens={count} is not a multiple of this pipeline's "
@@ -108,7 +109,7 @@ class PrefixFetcher:
         started = time.perf_counter()
         outcome, copied, read = "failed", 0, 0
         try:
-            result, length = await self._copy(parsed, address, count)
+            result, length = await self._copy(parsed, address, count, identity)
             read = result.bytes_read
             if not result.ok:
                 log.warning("prefix fetch from %s failed: %s", address, "; ".join(result.errors))
@@ -125,7 +126,7 @@ class PrefixFetcher:
         return FetchOutcome(copied, seconds)
 
     async def _copy(
-        self, parsed: ParsedRequest, address: str, count: int
+        self, parsed: ParsedRequest, address: str, count: int, identity: CacheIdentity
     ) -> tuple[PrefixFetchResult, int]:
         """The copy's result and the prefix length it copied (the source may hold less of
         the prefix than asked for: the whole blocks of what every stage there holds)."""
@@ -136,7 +137,6 @@ class PrefixFetcher:
         host = split_endpoint(address)[0]
         if not await loop.run_in_executor(self._pool, allow.host_allowed, host):
             raise ValueError(f"source host {host!r} is outside the KV allow-list")
-        identity = self._engine.cache_identity
         client = self._clients.get(address)
         if client is None:
             client = self._clients[address] = AsyncPrefillClient(address)
